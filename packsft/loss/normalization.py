@@ -1,0 +1,126 @@
+"""Global loss normalisation: sum of token losses / trained tokens of the whole global batch.
+
+DESIGN section 7: the training loss of one optimizer step is
+``sum over trained tokens of token loss / number of trained tokens in the global batch``, where the
+global batch is every micro-batch of the step on every DP and CP rank. Each micro-batch therefore
+contributes ``loss_sum / global_count`` (torchtitan ``train_step``'s ``global_valid_tokens``; Megatron's
+``calculate_per_token_loss``), and a micro-batch without a trained token contributes exactly 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _as_list(x: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    if x is None or isinstance(x, torch.Tensor):
+        return None if x is None else [x]
+    return list(x)
+
+
+def num_trained_tokens(
+    loss_mask: torch.Tensor | Iterable[torch.Tensor],
+    labels: torch.Tensor | Iterable[torch.Tensor] | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Count this rank's trained tokens: positions with ``loss_mask != 0`` (and ``labels != ignore_index``).
+
+    Args:
+        loss_mask: ``[...]`` float (any shape), or a sequence of them, one per micro-batch of the step.
+        labels: optional int64 tensors of the same shapes; positions equal to ``ignore_index`` are not
+            counted even where ``loss_mask`` is non-zero (the same rule as
+            :func:`packsft.loss.fused_linear_cross_entropy`).
+        ignore_index: label value of untrained positions.
+
+    Returns:
+        int64 scalar tensor on the device of the first ``loss_mask`` (0 for an empty sequence on CPU).
+
+    Raises:
+        ValueError: ``labels`` given with a different number of micro-batches or a different shape.
+    """
+    masks = _as_list(loss_mask)
+    label_list = _as_list(labels)
+    if label_list is not None and len(label_list) != len(masks):
+        raise ValueError(f"got {len(masks)} loss_mask tensors but {len(label_list)} labels tensors")
+    device = masks[0].device if masks else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for i, mask in enumerate(masks):
+        trained = mask != 0
+        if label_list is not None:
+            if label_list[i].shape != mask.shape:
+                raise ValueError(
+                    f"micro-batch {i}: labels shape {tuple(label_list[i].shape)} "
+                    f"!= loss_mask shape {tuple(mask.shape)}"
+                )
+            trained &= label_list[i] != ignore_index
+        total += trained.sum()
+    return total
+
+
+def global_num_trained_tokens(
+    loss_mask: torch.Tensor | Iterable[torch.Tensor],
+    groups: Sequence[dist.ProcessGroup | None] | None = None,
+    labels: torch.Tensor | Iterable[torch.Tensor] | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Trained tokens of the global batch: the local count all-reduced (SUM) over each group in turn.
+
+    Pass groups that together cover every rank holding different tokens exactly once: ``(dp_cp_group,)``
+    (Megatron's ``get_data_parallel_group(with_context_parallel=True)``) or ``(dp_group, cp_group)``.
+    Never pass overlapping groups (``dp_cp`` and ``cp``: CP would be counted twice), nor the TP group
+    (TP ranks hold the same tokens). ``None`` or ``()`` means a single process; ``None`` entries are
+    skipped. Every rank must call this (it is a collective when groups are given).
+
+    Args:
+        loss_mask: ``[...]`` float, or a sequence of them (the micro-batches of this step on this rank).
+        groups: process groups to sum over, in order.
+        labels: optional, see :func:`num_trained_tokens`.
+        ignore_index: label value of untrained positions.
+
+    Returns:
+        int64 scalar tensor, identical on all ranks of the groups.
+
+    Raises:
+        ValueError: as :func:`num_trained_tokens`.
+    """
+    total = num_trained_tokens(loss_mask, labels, ignore_index)
+    for group in groups or ():
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
+
+
+def normalize_loss(
+    loss_sum: torch.Tensor, num_trained_tokens: torch.Tensor | int, gradient_average_size: int = 1
+) -> torch.Tensor:
+    """Return this micro-batch's share of the global-batch mean loss: ``loss_sum * k / max(count, 1)``.
+
+    Summing the returned values over all micro-batches and ranks gives the global mean of DESIGN
+    section 7. A micro-batch with no trained token has ``loss_sum == 0`` (with zero gradients), so it
+    contributes exactly 0; a global batch with no trained token gives 0.0, not NaN.
+
+    ``k = gradient_average_size`` undoes a gradient reduction that averages instead of summing: torch
+    ``DistributedDataParallel`` and Megatron DDP (without ``calculate_per_token_loss``) divide the summed
+    gradients by the size of the data-parallel(-with-CP) group, so pass that size there; pass 1 when the
+    gradient reduction sums. The value to log is then ``returned / k`` summed over micro-batches, all-reduced.
+
+    Args:
+        loss_sum: fp32 scalar, ``fused_linear_cross_entropy(..., reduction="sum")`` of one micro-batch.
+        num_trained_tokens: trained tokens of the global batch, from :func:`global_num_trained_tokens`.
+        gradient_average_size: the divisor applied by the gradient reduction (1 when it sums).
+
+    Returns:
+        fp32 scalar with the autograd graph of ``loss_sum``.
+
+    Raises:
+        ValueError: ``gradient_average_size`` below 1 or a negative ``num_trained_tokens``.
+    """
+    if gradient_average_size < 1:
+        raise ValueError(f"gradient_average_size must be >= 1, got {gradient_average_size}")
+    count = torch.as_tensor(num_trained_tokens, device=loss_sum.device)
+    if bool(count < 0):
+        raise ValueError(f"num_trained_tokens must be >= 0, got {int(count)}")
+    return loss_sum * gradient_average_size / count.clamp(min=1).to(loss_sum.dtype)

@@ -1,0 +1,320 @@
+"""Stateful data loaders over packed rows, and their num_workers-independent checkpoint state.
+
+``build_train_dataloader`` returns a torchdata ``StatefulDataLoader`` whose ``batch_sampler`` is a
+:class:`~packsft.data.samplers.ResumableBatchSampler` around an infinite, epoch-aware sampler (see
+``packsft.data.samplers`` for the data-parallel split and the sampler contract). Iterate it with one
+iterator and one ``next()`` per micro-batch; it never ends.
+
+Checkpointing (``loader_state_dict`` / ``load_loader_state_dict``): the saved state is the
+*sampler's own* state plus a versioned header, never torchdata's worker snapshot, so a state saved
+with 2 workers loads into a loader with 0 workers and vice versa (torchdata's own state does not
+allow that). With workers the main process samples ahead of what was yielded (prefetch), so the
+sampler's state is read from torchdata's snapshot of the last *yielded* batch; the loader is built
+with ``snapshot_every_n_steps=1`` so that snapshot is always current.
+
+Portable between save and resume: ``dataloader_num_workers``, ``dataloader_persistent_workers``.
+Refused with ``ValueError``: a different ``dp_size`` or ``dp_rank`` (each rank's share of the order
+would change), a different dataset (``fingerprint`` attribute or row count), ``micro_batch_size``,
+sampler class, ``seed`` or ``sampler_kwargs``: any of those would not continue the same order.
+
+Usage::
+
+    cfg = DataLoaderConfig(sampler="random", seed=1234, micro_batch_size=1, dataloader_num_workers=2)
+    loader = build_train_dataloader(dataset, cfg, dp_rank=dp_rank, dp_size=dp_size)
+    if resuming:
+        load_loader_state_dict(loader, checkpoint["dataloader"])
+    batches = iter(loader)
+    for step in range(start_step, train_steps):
+        batch = next(batches)
+        ...
+        checkpoint["dataloader"] = loader_state_dict(loader)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from packsft.data.samplers import BUILTIN_SAMPLERS, EvalShardSampler, ResumableBatchSampler
+
+STATE_VERSION = 1
+SAMPLER_NAMES = (*BUILTIN_SAMPLERS, "custom")
+REQUIRED_SAMPLER_METHODS = ("__iter__", "state_dict", "load_state_dict")
+
+
+def import_sampler_class(path: str) -> type:
+    """Import ``"pkg.module.Class"`` or ``"pkg.module:Class"`` and check it is a resumable sampler class.
+
+    Raises:
+        ValueError: if the path does not resolve, is not a class, or the class lacks ``__iter__``,
+            ``state_dict`` or ``load_state_dict``; the message names ``sampler_class_path``.
+    """
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"sampler_class_path={path!r} is not an import path like 'pkg.module.ClassName'")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"sampler_class_path={path!r} does not resolve: {exc}") from exc
+    if not isinstance(obj, type):
+        raise ValueError(f"sampler_class_path={path!r} is a {type(obj).__name__}, not a class")
+    missing = [m for m in REQUIRED_SAMPLER_METHODS if not callable(getattr(obj, m, None))]
+    if missing:
+        raise ValueError(
+            f"sampler_class_path={path!r}: class {obj.__name__} lacks {missing}; a sampler must define "
+            "__iter__ (infinite) and state_dict/load_state_dict to be resumable"
+        )
+    return obj
+
+
+def class_path(cls: type) -> str:
+    """Return ``"module.QualName"`` of a class, as stored in the state header."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain(value: Any) -> Any:
+    """Convert OmegaConf containers to plain dicts/lists; other values unchanged."""
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+@dataclass
+class DataLoaderConfig:
+    """Data loading section of the training config (OmegaConf-structured dataclass).
+
+    Construction validates (``__post_init__``); after an OmegaConf merge call :meth:`validate`
+    (``OmegaConf.to_object`` does it).
+    """
+
+    sampler: str = "random"
+    """``random`` (seeded permutation per epoch), ``sequential`` (file order) or ``custom``."""
+    sampler_class_path: str | None = None
+    """Import path of the sampler class when ``sampler: custom``, e.g. ``examples.samplers.mixing.WeightedMixingSampler``."""
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the sampler class (custom samplers only)."""
+    dataloader_num_workers: int = 0
+    """Worker processes (``spawn`` context when > 0); may change between save and resume."""
+    dataloader_persistent_workers: bool = False
+    """Keep workers alive between iterators; ignored when ``dataloader_num_workers == 0``."""
+    seed: int = 1234
+    """Seed of the sampling order, identical on every data-parallel rank."""
+    micro_batch_size: int = 1
+    """Rows per micro-batch on each data-parallel rank."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and resolve the sampler class.
+
+        Raises:
+            ValueError: naming the field and value: unknown ``sampler``, ``custom`` without (or a
+                built-in with) ``sampler_class_path``, an unresolvable or non-sampler class,
+                ``sampler_kwargs`` the class does not accept, negative workers, ``micro_batch_size < 1``.
+        """
+        if self.sampler not in SAMPLER_NAMES:
+            raise ValueError(f"sampler={self.sampler!r} is unknown; choose one of {list(SAMPLER_NAMES)}")
+        if self.sampler == "custom" and not self.sampler_class_path:
+            raise ValueError("sampler='custom' needs sampler_class_path (e.g. 'examples.samplers.curriculum.CurriculumSampler')")
+        if self.sampler != "custom" and self.sampler_class_path:
+            raise ValueError(
+                f"sampler_class_path={self.sampler_class_path!r} is only used with sampler='custom', "
+                f"but sampler={self.sampler!r}"
+            )
+        if self.dataloader_num_workers < 0:
+            raise ValueError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        cls = self.sampler_class()
+        try:
+            inspect.signature(cls).bind(0, dp_rank=0, dp_size=1, seed=self.seed, **_plain(self.sampler_kwargs))
+        except TypeError as exc:
+            raise ValueError(
+                f"sampler_kwargs={_plain(self.sampler_kwargs)!r} do not fit {class_path(cls)}"
+                f"{inspect.signature(cls)}: {exc}"
+            ) from exc
+
+    def sampler_class(self) -> type:
+        """Return the sampler class named by ``sampler`` / ``sampler_class_path`` (see :meth:`validate`)."""
+        if self.sampler == "custom":
+            return import_sampler_class(self.sampler_class_path)
+        return BUILTIN_SAMPLERS[self.sampler]
+
+
+def kwargs_digest(kwargs: dict[str, Any]) -> str:
+    """Return the sha256 of ``kwargs`` as canonical JSON (non-JSON values by ``repr``); stored in the header."""
+    text = json.dumps(_plain(kwargs), sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _default_collate() -> Callable:
+    """Import ``packsft.data.collate.collate_rows`` at call time (the module is built separately)."""
+    from packsft.data.collate import collate_rows
+
+    return collate_rows
+
+
+def build_train_dataloader(
+    dataset: Any,
+    config: DataLoaderConfig,
+    *,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    collate_fn: Callable | None = None,
+) -> StatefulDataLoader:
+    """Build the infinite training loader of one data-parallel rank.
+
+    Args:
+        dataset: a map-style dataset (``PackedSFTDataset`` or any with ``__len__``/``__getitem__``);
+            its optional ``fingerprint`` str goes into the checkpoint header. Must be picklable when
+            ``dataloader_num_workers > 0`` (workers are spawned and re-import its module).
+        config: the validated :class:`DataLoaderConfig`.
+        dp_rank, dp_size: this rank and the data-parallel world size.
+        collate_fn: turns a list of ``micro_batch_size`` rows into a batch; default
+            ``packsft.data.collate.collate_rows`` (imported here, at call time).
+
+    Returns:
+        A ``StatefulDataLoader`` yielding ``collate_fn([dataset[i] for i in micro_batch])`` forever.
+
+    Raises:
+        ValueError: from the config or the sampler (bad ``dp_rank``, fewer rows than ``dp_size``, ...).
+    """
+    config.validate()
+    cls = config.sampler_class()
+    kwargs = _plain(config.sampler_kwargs)
+    sampler = cls(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=config.seed, **kwargs)
+    header = {
+        "version": STATE_VERSION,
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+        "num_rows": len(dataset),
+        "dataset_fingerprint": getattr(dataset, "fingerprint", None),
+        "micro_batch_size": config.micro_batch_size,
+        "sampler": class_path(cls),
+        "seed": config.seed,
+        "sampler_kwargs_digest": kwargs_digest(kwargs),
+    }
+    return _make_loader(dataset, ResumableBatchSampler(sampler, config.micro_batch_size, header), config, collate_fn)
+
+
+def build_eval_dataloader(
+    dataset: Any,
+    config: DataLoaderConfig,
+    *,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    collate_fn: Callable | None = None,
+) -> StatefulDataLoader:
+    """Build a finite evaluation loader: this rank's rows in file order, one pass per ``iter()``.
+
+    Rows ``dp_rank, dp_rank + dp_size, ...`` of the first ``len(dataset) - len(dataset) % dp_size``
+    rows, in micro-batches of ``config.micro_batch_size`` (the last may be smaller); every rank runs
+    the same number of micro-batches. The sampler config is not used (evaluation is not sampled).
+
+    Raises:
+        ValueError: if the dataset has fewer rows than ``dp_size``.
+    """
+    config.validate()
+    batch_sampler = torch.utils.data.BatchSampler(
+        EvalShardSampler(dataset, dp_rank=dp_rank, dp_size=dp_size), config.micro_batch_size, drop_last=False
+    )
+    return _make_loader(dataset, batch_sampler, config, collate_fn)
+
+
+def _make_loader(dataset: Any, batch_sampler: Any, config: DataLoaderConfig, collate_fn: Callable | None):
+    """Wrap ``batch_sampler`` in a ``StatefulDataLoader`` with the config's worker settings."""
+    workers = config.dataloader_num_workers
+    return StatefulDataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        persistent_workers=config.dataloader_persistent_workers and workers > 0,
+        multiprocessing_context="spawn" if workers > 0 else None,
+        collate_fn=collate_fn if collate_fn is not None else _default_collate(),
+        generator=torch.Generator().manual_seed(config.seed),
+        snapshot_every_n_steps=1,
+    )
+
+
+def _batch_sampler_of(dataloader: StatefulDataLoader) -> ResumableBatchSampler:
+    """Return the loader's ResumableBatchSampler or raise TypeError for a loader not built here."""
+    if not isinstance(dataloader.batch_sampler, ResumableBatchSampler):
+        raise TypeError("the dataloader was not built by build_train_dataloader (no ResumableBatchSampler)")
+    return dataloader.batch_sampler
+
+
+def loader_state_dict(dataloader: StatefulDataLoader) -> dict[str, Any]:
+    """Return the resumable state of a training loader: its header plus ``sampler_state``.
+
+    ``sampler_state`` is the batch sampler's state as of the last micro-batch *yielded*: read live
+    before the first ``iter()`` or with 0 workers, and from torchdata's per-step snapshot with workers
+    (``_snapshot._main_snapshot._index_sampler_state``; the main process has sampled ahead). Plain
+    Python values only (JSON/``torch.save`` friendly).
+
+    Raises:
+        TypeError: if the loader was not built by :func:`build_train_dataloader`.
+        RuntimeError: if torchdata's snapshot lags the yielded batches (``snapshot_every_n_steps != 1``).
+    """
+    batch_sampler = _batch_sampler_of(dataloader)
+    if dataloader._iterator is None:  # never iterated (or just loaded): the live state is exact
+        sampler_state = batch_sampler.state_dict()
+    else:
+        state = dataloader.state_dict()
+        if "_snapshot" in state:
+            if state["_steps_since_snapshot"] != 0:
+                raise RuntimeError(
+                    f"torchdata's snapshot is {state['_steps_since_snapshot']} steps old; "
+                    "build the loader with snapshot_every_n_steps=1"
+                )
+            sampler_state = state["_snapshot"]["_main_snapshot"]["_index_sampler_state"]
+        else:
+            sampler_state = state["_index_sampler_state"]
+    return {**batch_sampler.header, "sampler_state": sampler_state}
+
+
+def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
+    """Refuse a state that would not continue the same order on this loader.
+
+    Raises:
+        ValueError: listing every header field that differs (``version``, ``dp_rank``, ``dp_size``,
+            ``num_rows``, ``dataset_fingerprint``, ``micro_batch_size``, ``sampler``, ``seed``,
+            ``sampler_kwargs_digest``), with the checkpoint's and the current value.
+    """
+    if "sampler_state" not in state:
+        raise ValueError(f"not a packsft loader state (no 'sampler_state'); keys: {sorted(state)}")
+    diffs = [
+        f"{key}: checkpoint {state.get(key)!r}, now {value!r}"
+        for key, value in expected.items()
+        if state.get(key) != value
+    ]
+    if diffs:
+        raise ValueError(
+            "cannot resume the data loader exactly; the checkpoint was written for a different setup "
+            "(a changed dp_size/dp_rank, dataset, micro_batch_size, sampler, seed or sampler_kwargs is not "
+            "portable; num_workers is): " + "; ".join(diffs)
+        )
+
+
+def load_loader_state_dict(dataloader: StatefulDataLoader, state: dict[str, Any]) -> None:
+    """Restore a state of :func:`loader_state_dict`; the next micro-batch is the one that followed.
+
+    Any worker count works. Drops the loader's current iterator, so call ``iter(dataloader)`` after.
+
+    Raises:
+        ValueError: see :func:`check_loader_state`.
+    """
+    batch_sampler = _batch_sampler_of(dataloader)
+    check_loader_state(batch_sampler.header, state)
+    batch_sampler.load_state_dict(state["sampler_state"])
+    dataloader.load_state_dict({})  # forget any iterator (and its prefetched indices)

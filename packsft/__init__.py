@@ -1,0 +1,1 @@
+"""packsft: offline-packed SFT for Megatron-Core."""

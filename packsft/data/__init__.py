@@ -1,0 +1,1 @@
+"""Packed rows as tensors: dataset, collate, samplers, loader, context-parallel slicing."""

@@ -1,0 +1,1 @@
+"""Megatron-Core GPT construction for packsft: config, attention backends, hidden-state output head."""

@@ -1,0 +1,179 @@
+"""packsft's ``torch`` attention backend: per-conversation causal core attention on PyTorch SDPA.
+
+Shape legend (Megatron notation): ``t`` packed tokens on this rank, ``s`` sequence, ``b`` batch,
+``np``/``ng`` query heads / key-value groups on this TP rank, ``hn`` head dim, ``cp`` context-parallel
+size, ``T = cp * t`` tokens of the whole row.
+
+It replaces ``core_attention`` in Megatron's local layer spec and keeps ``DotProductAttention``'s
+constructor and forward signature (megatron-core 0.16.1, ``transformer/dot_product_attention.py``),
+so ``SelfAttention`` calls it unchanged (call contract: ``transformer/attention.py:1066-1194``):
+
+* ``qkv_format="thd"`` (``packed_seq_params`` given): q ``[t, np, hn]``, k/v ``[t, ng, hn]``
+  -> ``[t, np*hn]``.
+  Tokens attend causally within their own conversation only; conversations come from
+  ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), int32 ``[n + 1]``, global offsets.
+* sbhd: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``, plain causal.
+
+GQA is not expanded in memory: SDPA's ``enable_gqa`` broadcasts the ``ng`` groups.
+
+Without context parallelism no ``T x T`` mask is built: one ``SDPA(is_causal=True)`` call per
+conversation (also the fastest CPU variant measured, notes §7).
+
+With context parallelism (the CP group comes from ``packed_seq_params.cp_group``, else the model's
+``pg_collection.cp``), each rank holds the load-balanced chunks of every conversation
+(``packsft.data.context_parallel``). K and V are all-gathered over the CP group (autograd-aware;
+backward all-reduces and keeps this rank's slice, because gloo has no reduce-scatter), put back in
+global order, and each conversation's local queries attend to that conversation's keys under a
+causal mask in GLOBAL positions (a ``[2 * chunk, conversation length]`` mask per conversation).
+
+Memory cost of CP here: every rank materialises the FULL K and V of the row, ``2 * T * ng * hn``
+elements per layer (plus their gradients), so CP divides activations and attention-score work but
+not K/V memory. That is fine for CPU tests and moderate rows; for very long rows use the ``te``
+backend (TransformerEngine's ring/P2P context parallelism), the production choice on GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from packsft.data.context_parallel import cp_partition_indices
+
+
+class _AllGatherDim0(torch.autograd.Function):
+    """All-gather along dim 0 in rank order; backward = all-reduce of the gradient + own slice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+def all_gather_with_grad(x: Tensor, group) -> Tensor:
+    """Concatenate every rank's ``x`` (same shape ``[n, ...]``) along dim 0 in rank order, with autograd.
+
+    Returns ``[world * n, ...]``. The gradient reaching ``x`` is the sum over ranks of the gradient of
+    its slice (all-reduce, then slice), which works on gloo (no reduce-scatter there) and NCCL.
+    """
+    return _AllGatherDim0.apply(x, group)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+    """SDPA, sequence-first: q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]`` -> ``[sq, b, np, hn]``.
+
+    ``mask`` None means causal with ``sq == sk``; otherwise bool ``[sq, sk]``, True = may attend.
+    """
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.permute(2, 0, 1, 3)
+
+
+class TorchCoreAttention(MegatronModule):
+    """Causal core attention with THD packing and context parallelism on ``F.scaled_dot_product_attention``.
+
+    Drop-in for ``DotProductAttention`` (same constructor and forward signature, megatron-core
+    0.16.1); see the module docstring for shapes, masking and the CP memory cost. No parameters, so
+    checkpoint keys equal the stock local spec's.
+
+    Raises:
+        NotImplementedError: for a non-causal ``attn_mask_type``, sliding windows, a softmax type
+            other than ``"vanilla"``, an ``attention_bias`` or an explicit ``attention_mask``.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError(f"TorchCoreAttention supports causal masks only, got {attn_mask_type}")
+        if config.window_size is not None:
+            raise NotImplementedError("TorchCoreAttention does not support sliding-window attention")
+        if config.softmax_type != "vanilla":
+            raise NotImplementedError(f"TorchCoreAttention supports softmax_type='vanilla' only, "
+                                      f"got {config.softmax_type!r}")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.cp_group = getattr(pg_collection, "cp", None)
+        # apply_query_key_layer_scaling divides and re-multiplies by layer_number in fp32: net identity.
+        default_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else default_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params=None) -> Tensor:
+        """Attend; shapes as in the module docstring (thd ``[t, np*hn]``, sbhd ``[s, b, np*hn]``)."""
+        if attention_bias is not None or attention_mask is not None:
+            raise NotImplementedError("TorchCoreAttention builds its own causal mask; "
+                                      "got an attention_mask or attention_bias")
+        if self.training and self.dropout_p > 0:
+            raise NotImplementedError("TorchCoreAttention does not implement attention dropout (set it to 0)")
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)   # [t, 1, n, hn]
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            group = packed_seq_params.cp_group if packed_seq_params.cp_group is not None else self.cp_group
+        else:
+            group = self.cp_group
+        cp_size = group.size() if group is not None else 1
+        if not thd:
+            cu = torch.tensor([0, query.shape[0] * cp_size], device=query.device)
+        if cp_size == 1:
+            out = self._attend_local(query, key, value, cu)
+        else:
+            out = self._attend_context_parallel(query, key, value, cu, group)
+        out = out.flatten(2)                                    # [s, b, np*hn]
+        return out.squeeze(1) if thd else out
+
+    def _attend_local(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor) -> Tensor:
+        """cp=1: one causal SDPA per segment ``cu[i]:cu[i+1]`` of dim 0; returns ``[s, b, np, hn]``."""
+        bounds = cu.tolist()
+        if bounds[-1] != q.shape[0]:
+            raise ValueError(f"cu_seqlens[-1] ({bounds[-1]}) != number of tokens ({q.shape[0]})")
+        if len(bounds) == 2:
+            return _sdpa(q, k, v, self.softmax_scale, None)
+        return torch.cat([_sdpa(q[s:e], k[s:e], v[s:e], self.softmax_scale, None)
+                          for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
+
+    def _attend_context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, group) -> Tensor:
+        """cp>1: gather K/V, restore global order, mask causally in global positions per segment."""
+        cp_size, cp_rank = group.size(), group.rank()
+        gathered_pos = torch.cat([cp_partition_indices(cu, cp_size, r) for r in range(cp_size)])
+        order = torch.argsort(gathered_pos.to(q.device))       # gathered row -> global order
+        k_all = all_gather_with_grad(k, group).index_select(0, order)   # [T, b, ng, hn]
+        v_all = all_gather_with_grad(v, group).index_select(0, order)
+        bounds = cu.tolist()
+        if bounds[-1] != q.shape[0] * cp_size:
+            raise ValueError(f"cu_seqlens[-1] ({bounds[-1]}) != context_parallel_size * local tokens "
+                             f"({cp_size} * {q.shape[0]})")
+        q_pos = cp_partition_indices(cu, cp_size, cp_rank).to(q.device)   # global position of local queries
+        outs, local = [], 0
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            n_local = (e - s) // cp_size
+            if n_local == 0:
+                continue
+            mask = q_pos[local:local + n_local, None] >= torch.arange(s, e, device=q.device)[None, :]
+            outs.append(_sdpa(q[local:local + n_local], k_all[s:e], v_all[s:e], self.softmax_scale, mask))
+            local += n_local
+        return torch.cat(outs)

@@ -1,0 +1,151 @@
+"""Llama-style model configuration and its translation to Megatron-Core's ``TransformerConfig``.
+
+The architecture is fixed to what Llama, Qwen2, Mistral and SmolLM2 share: RMSNorm, SwiGLU MLP
+(``gated_linear_unit`` + SiLU), rotary position embeddings, grouped-query attention, no biases and
+optionally tied input/output embeddings. Everything that varies between those families is a field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_BACKENDS = ("torch", "te")
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-style decoder (sizes in elements, not bytes).
+
+    Attributes:
+        num_layers: number of transformer layers.
+        hidden_size: width ``h`` of the residual stream.
+        ffn_hidden_size: width of the SwiGLU MLP (each of the gate and up projections).
+        num_attention_heads: query heads ``np``.
+        num_query_groups: key/value heads ``ng`` (GQA); equal to ``num_attention_heads`` for MHA.
+        vocab_size: rows of the embedding and output weight, before any padding.
+        max_position_embeddings: longest position the RoPE table is built for (tokens).
+        kv_channels: head dimension ``hn``; ``None`` means ``hidden_size // num_attention_heads``.
+        rotary_base: RoPE theta (10000 for Llama-2, 500000 for Llama-3, 1e6 for Qwen2).
+        norm_epsilon: RMSNorm epsilon.
+        tie_word_embeddings: share the input embedding with the output layer.
+        attention_backend: ``"torch"`` (packsft's SDPA core attention, runs on CPU) or ``"te"``
+            (TransformerEngine; GPU only).
+        params_dtype: ``"float32"`` or ``"bfloat16"``.
+        init_method_std: standard deviation of the normal weight init.
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    max_position_embeddings: int
+    kv_channels: int | None = None
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_backend: str = "torch"
+    params_dtype: str = "float32"
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        """Validate the fields.
+
+        Raises:
+            ValueError: naming the offending field and its value.
+        """
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or self.kv_channels <= 0):
+            raise ValueError(f"model.kv_channels must be a positive integer or None, "
+                             f"got {self.kv_channels!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be a multiple of model.num_attention_heads "
+                f"({self.num_attention_heads}) when model.kv_channels is not set"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"model.num_query_groups ({self.num_query_groups})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"model head dimension ({self.head_dim}) must be even for rotary embeddings")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"model.params_dtype must be one of {tuple(PARAMS_DTYPES)}, "
+                             f"got {self.params_dtype!r}")
+        for name in ("rotary_base", "norm_epsilon", "init_method_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head dimension ``hn`` (``kv_channels`` or ``hidden_size // num_attention_heads``)."""
+        if self.kv_channels is not None:
+            return self.kv_channels
+        return self.hidden_size // self.num_attention_heads
+
+    def to_transformer_config(self, tp: int = 1, cp: int = 1):
+        """Build Megatron-Core's ``TransformerConfig`` for tensor-parallel ``tp`` and context-parallel ``cp``.
+
+        Dropout is 0 (``attention_dropout``, ``hidden_dropout``), biases are off (``add_bias_linear``,
+        ``add_qkv_bias``), and every CUDA-only fusion is off. On a machine without CUDA the weights
+        are created on CPU (``use_cpu_initialization``), which also makes TP shards exact slices of
+        the TP=1 weights for the same seed.
+
+        Raises:
+            ValueError: if ``num_attention_heads``/``num_query_groups`` are not divisible by ``tp``,
+                or ``tp``/``cp`` are not positive.
+        """
+        from megatron.core.transformer import TransformerConfig
+
+        if tp < 1 or cp < 1:
+            raise ValueError(f"tensor_model_parallel_size ({tp}) and context_parallel_size ({cp}) "
+                             "must be >= 1")
+        for name in ("num_attention_heads", "num_query_groups"):
+            if getattr(self, name) % tp:
+                raise ValueError(f"model.{name} ({getattr(self, name)}) must be a multiple of "
+                                 f"tensor_model_parallel_size ({tp})")
+        dtype = PARAMS_DTYPES[self.params_dtype]
+        return TransformerConfig(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels,
+            normalization="RMSNorm",
+            layernorm_epsilon=self.norm_epsilon,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            init_method_std=self.init_method_std,
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            pipeline_dtype=dtype,
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+            sequence_parallel=False,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            cross_entropy_loss_fusion=False,
+        )

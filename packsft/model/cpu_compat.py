@@ -1,0 +1,97 @@
+"""Every CPU-only workaround packsft needs to run Megatron-Core 0.16.1 without CUDA, in one place.
+
+Megatron-Core assumes a CUDA device in a few spots that packed SFT reaches. On a CPU-only build
+(tests, CI, laptops) :func:`apply_cpu_workarounds` patches exactly those spots; on a machine where
+``torch.cuda.is_available()`` it does nothing, so GPU runs use stock Megatron code. Line numbers
+refer to the installed ``megatron/core`` of megatron-core 0.16.1 (measured facts in
+``shared/notes/megatron_core_on_cpu.md``):
+
+1. ``models/common/embeddings/rotary_pos_embedding.py:162``: ``RotaryEmbedding.get_emb`` moves
+   ``inv_freq`` to ``torch.cuda.current_device()``. Replaced by :func:`_get_emb_on_own_device`,
+   which computes the same ``[s, 1, 1, d]`` embedding on ``inv_freq``'s own device.
+2. ``models/common/embeddings/rope_utils.py:62``: ``get_pos_emb_on_this_cp_rank`` (sbhd layout
+   with context parallelism only) builds its chunk index with ``pin_memory=True`` and ``.cuda()``.
+   Replaced by :func:`_get_pos_emb_on_this_cp_rank` where ``rotary_pos_embedding.py:204/358``
+   imported it. The packed THD path does not use it.
+3. The "cuda shim": ``torch.cuda.current_device`` returns ``"cpu"`` and ``torch.cuda.synchronize``
+   is a no-op. This lets code that only *names* the current device run on CPU:
+   ``dist_checkpointing`` save (``strategies/filesystem_async.py:230`` synchronize,
+   ``strategies/state_dict_saver.py:252`` current_device), Megatron DDP buffers
+   (``distributed/param_and_grad_buffer.py:800/806``) and the global memory buffer
+   (``utils.py:631``). It does **not** fix code with a literal ``device="cuda"`` (stock
+   ``DotProductAttention`` via ``transformer/utils.py:35``, the Megatron optimizer), which is why
+   packsft has its own core attention and uses ``torch.optim.AdamW`` on CPU.
+
+Not patched (keep them off on CPU): sequence parallelism, activation recompute
+(``tensor_parallel/random.py:55``), ``model_parallel_cuda_manual_seed`` (``random.py:235``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_APPLIED = False
+
+
+def _get_emb_on_own_device(self, max_seq_len: int, offset: int = 0) -> Tensor:
+    """``RotaryEmbedding.get_emb`` without the move to CUDA (rotary_pos_embedding.py:150-174).
+
+    Returns:
+        float32 ``[max_seq_len, 1, 1, rotary_dim]``: angles ``(offset + pos) * inv_freq``, repeated
+        as ``[f, f]`` (or interleaved ``[f0, f0, f1, f1, ...]`` when ``rotary_interleaved``).
+    """
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, d/2]
+    if not self.rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    return emb[:, None, None, :]
+
+
+def _get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group) -> Tensor:
+    """``rope_utils.get_pos_emb_on_this_cp_rank`` with the chunk index built on ``pos_emb``'s device.
+
+    Cuts ``pos_emb`` along ``seq_dim`` into ``2 * cp`` chunks and keeps chunks ``r`` and
+    ``2 * cp - 1 - r`` (the load-balanced causal layout).
+
+    Raises:
+        ValueError: if ``cp_group`` is None.
+    """
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def _apply_cuda_shim() -> None:
+    """Make ``torch.cuda.current_device()`` return ``"cpu"`` and ``torch.cuda.synchronize()`` a no-op."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def apply_cpu_workarounds() -> bool:
+    """Apply the three CPU workarounds of this module once per process; no-op when CUDA is available.
+
+    Idempotent: a second call changes nothing. Call it before building a model (``init_distributed``
+    does).
+
+    Returns:
+        True if the workarounds are (now) in effect, False on a CUDA machine.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rotary_pos_embedding.RotaryEmbedding.get_emb = _get_emb_on_own_device
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
+    rope_utils.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
+    _apply_cuda_shim()
+    _APPLIED = True
+    return True

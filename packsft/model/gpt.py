@@ -1,0 +1,84 @@
+"""Build a Megatron-Core ``GPTModel`` (Llama-style) from a :class:`~packsft.model.config.ModelConfig`."""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+from packsft.model.attention import TorchCoreAttention
+from packsft.model.config import ModelConfig
+from packsft.model.cpu_compat import apply_cpu_workarounds
+
+
+def layer_spec(attention_backend: str):
+    """Transformer-layer ``ModuleSpec`` for an attention backend.
+
+    ``"torch"``: Megatron's local spec (``get_gpt_layer_local_spec(normalization="RMSNorm")``) with
+    ``self_attention.submodules.core_attention`` replaced by :class:`TorchCoreAttention`.
+    ``"te"``: ``get_gpt_layer_with_transformer_engine_spec()`` unchanged (TE fused norm+linear,
+    ``TEDotProductAttention`` with THD and ring context parallelism).
+
+    Raises:
+        ImportError: for ``"te"`` when transformer_engine is not installed.
+        ValueError: for an unknown backend.
+    """
+    if attention_backend == "torch":
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+        return spec
+    if attention_backend == "te":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as err:
+            raise ImportError("model.attention_backend='te' needs TransformerEngine "
+                              "(pip install 'packsft[te]' on a CUDA machine); use 'torch' on CPU") from err
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    raise ValueError(f"unknown attention_backend {attention_backend!r}; expected 'torch' or 'te'")
+
+
+def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """Build the GPT model for ``cfg`` on this rank's tensor/context-parallel shard.
+
+    Requires ``megatron.core.parallel_state`` to be initialised
+    (``packsft.train.distributed.init_distributed`` does it, also for a single process); TP and CP
+    sizes are read from it. Weights are initialised from the current torch RNG (normal with
+    ``cfg.init_method_std``), on CPU when CUDA is absent, so the same seed gives the same weights, and
+    TP shards are slices of the TP=1 weights.
+
+    The model is Llama-style: RMSNorm, SwiGLU, RoPE with ``cfg.rotary_base`` (positions restart at 0
+    in every THD segment), GQA, no biases, ``share_embeddings_and_output_weights =
+    cfg.tie_word_embeddings``, ``parallel_output=True`` (logits stay vocab-sharded).
+
+    Returns:
+        ``GPTModel`` in fp32 or bf16 (``cfg.params_dtype``). ``model(tokens [1, t], position_ids [1, t],
+        None, labels=[1, t], packed_seq_params=...)`` returns per-token loss fp32 ``[1, t]``; see
+        ``packsft.model.output_head`` for the hidden-state seam.
+
+    Raises:
+        RuntimeError: if ``parallel_state`` is not initialised.
+        ValueError: if ``cfg.vocab_size`` is not a multiple of the TP size.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron parallel_state is not initialised; call "
+                           "packsft.train.distributed.init_distributed() before build_gpt_model()")
+    apply_cpu_workarounds()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    if cfg.vocab_size % tp:
+        raise ValueError(f"model.vocab_size ({cfg.vocab_size}) must be a multiple of "
+                         f"tensor_model_parallel_size ({tp}); pad the vocabulary")
+    return GPTModel(
+        config=cfg.to_transformer_config(tp=tp, cp=cp),
+        transformer_layer_spec=layer_spec(cfg.attention_backend),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=cfg.rotary_base,
+    )

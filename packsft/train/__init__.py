@@ -1,0 +1,1 @@
+"""Training: distributed init, config, the step loop, checkpoints."""

@@ -1,0 +1,120 @@
+"""Process-group and Megatron ``parallel_state`` setup for one training process.
+
+Works under ``torchrun`` (reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) and as a plain single process (no env vars: a world of 1 on an in-memory store, no
+port). Backend: NCCL when CUDA is available, else gloo (every parallel mode runs on CPU in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from packsft.model.cpu_compat import apply_cpu_workarounds
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """What a training process needs to know about its place in the job.
+
+    Attributes:
+        rank / world_size / local_rank: global rank, number of processes, rank on this node.
+        device: ``cuda:<local_rank>`` or ``cpu``.
+        tensor_model_parallel_size / context_parallel_size / data_parallel_size: the parallel
+            degrees (``world_size = tp * cp * dp``).
+        cp_rank: this process's index in its context-parallel group (for ``slice_batch_for_cp``).
+        dp_rank: index in the data-parallel group (which rows of the global batch it reads).
+        tp_group / cp_group / dp_group / dp_cp_group: process groups; ``dp_cp_group`` is the group
+            gradients and the trained-token count are reduced over.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tensor_model_parallel_size: int
+    context_parallel_size: int
+    data_parallel_size: int
+    cp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    dp_cp_group: dist.ProcessGroup
+
+
+def _init_process_group(backend: str) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))   # env:// MASTER_ADDR/PORT
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size: int = 1,
+                     backend: str | None = None, seed: int = 1234) -> DistributedContext:
+    """Initialise torch.distributed and Megatron ``parallel_state``; seed the RNGs.
+
+    Args:
+        tensor_model_parallel_size: TP degree.
+        context_parallel_size: CP degree.
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, else gloo.
+        seed: seeds ``random`` and ``torch.manual_seed`` identically on every rank (so
+            ``use_cpu_initialization`` builds identical full weights before TP slicing); on CUDA also
+            Megatron's ``model_parallel_cuda_manual_seed`` (which fails on CPU,
+            ``tensor_parallel/random.py:235``).
+
+    Returns:
+        :class:`DistributedContext`.
+
+    Raises:
+        ValueError: if ``WORLD_SIZE`` is not a multiple of ``tp * cp``.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    _init_process_group(backend)
+    world_size = dist.get_world_size()
+    if world_size % (tensor_model_parallel_size * context_parallel_size):
+        raise ValueError(f"WORLD_SIZE ({world_size}) must be a multiple of tensor_model_parallel_size "
+                         f"({tensor_model_parallel_size}) * context_parallel_size ({context_parallel_size})")
+    apply_cpu_workarounds()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                                 context_parallel_size=context_parallel_size)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    return DistributedContext(
+        rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
+        device=torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        cp_group=parallel_state.get_context_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron ``parallel_state`` and the default process group (safe to call twice)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,275 @@
+"""Conversations: reading OpenAI ``messages`` JSONL with line numbers, validating it, splitting packed rows.
+
+An input record is one JSON object per line (DESIGN §2)::
+
+    {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str | null, ...}, ...],
+     "tools": [{"type": "function", "function": {"name": str, "description": str, "parameters": {...}}}]}
+
+``content`` may be null only on an assistant turn that carries ``tool_calls``. A ``system`` message may
+only come first. A packed row (``.jsonl.packed``) holds several conversations one after another, each
+starting with a ``system`` message that carries the conversation's ``tools``; :func:`split_row` cuts it
+back into conversations.
+
+Every error is a :class:`ConversationError` that names the file, the 1-based line and the field, e.g.
+``data.jsonl:17: messages[2].role: unknown role 'bot' (expected one of system, user, assistant, tool)``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ConversationError(ValueError):
+    """A record that is not a valid conversation.
+
+    Attributes:
+        path: the input file.
+        line: 1-based line number in ``path`` (0 when unknown).
+        field: dotted path of the offending field (``messages[2].content``), or ``""`` for the whole line.
+        reason: what is wrong, without the location.
+    """
+
+    def __init__(self, path: str | Path, line: int, field: str, reason: str):
+        self.path, self.line, self.field, self.reason = str(path), line, field, reason
+        where = f"{self.path}:{line}" if line else self.path
+        super().__init__(f"{where}: {field + ': ' if field else ''}{reason}")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One validated conversation.
+
+    Attributes:
+        messages: the messages, each a dict with at least ``role`` and ``content``; the first one is
+            ``system`` (added by :func:`parse_record` when the input has none).
+        tools: OpenAI function schemas for this conversation, or ``None``.
+        path: input file it came from.
+        line: 1-based line number in ``path``.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    path: str = ""
+    line: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_row_messages(self) -> list[dict[str, Any]]:
+        """Messages as written into a packed row: the conversation's ``tools`` ride on its system message.
+
+        Returns:
+            A new list of message dicts (DESIGN §4); the first is the system message.
+        """
+        msgs = [dict(m) for m in self.messages]
+        if self.tools:
+            msgs[0]["tools"] = self.tools
+        return msgs
+
+
+def iter_jsonl_lines(path: str | Path) -> Iterator[tuple[int, str | None, str | None]]:
+    """Stream a JSONL file line by line without holding it in memory.
+
+    Blank (whitespace-only) lines are skipped. CRLF line endings are accepted.
+
+    Args:
+        path: the file.
+
+    Yields:
+        ``(line_number, text, error)``: 1-based line number; the decoded line, or ``None`` with ``error``
+        set when the bytes are not valid UTF-8.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+    """
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield number, None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+                continue
+            if text.strip():
+                yield number, text, None
+
+
+def _fail(path: str | Path, line: int, field: str, reason: str) -> ConversationError:
+    return ConversationError(path, line, field, reason)
+
+
+def _check_tools(tools: Any, path: str | Path, line: int, prefix: str = "tools") -> None:
+    if not isinstance(tools, list):
+        raise _fail(path, line, prefix, f"must be a list of function schemas, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        where = f"{prefix}[{i}]"
+        if not isinstance(tool, dict):
+            raise _fail(path, line, where, f"must be an object, got {type(tool).__name__}")
+        if tool.get("type", "function") != "function":
+            raise _fail(path, line, f"{where}.type", f"only 'function' tools are supported, got {tool['type']!r}")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise _fail(path, line, f"{where}.function", "must be an object with a 'name'")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _fail(path, line, f"{where}.function.name", "must be a non-empty string")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _fail(path, line, f"{where}.function.parameters", "must be a JSON-schema object")
+
+
+def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> None:
+    if not isinstance(calls, list) or not calls:
+        raise _fail(path, line, where, "must be a non-empty list")
+    for j, call in enumerate(calls):
+        cw = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise _fail(path, line, f"{cw}.function", "must be an object with 'name' and 'arguments'")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _fail(path, line, f"{cw}.function.name", "must be a non-empty string")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                raise _fail(path, line, f"{cw}.function.arguments", f"is a string but not JSON ({e.msg})") from e
+        if not isinstance(args, dict):
+            raise _fail(path, line, f"{cw}.function.arguments",
+                        f"must be a JSON object or a string holding one, got {type(args).__name__}")
+
+
+def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0) -> None:
+    """Check roles, contents, tool calls and ordering of one conversation's messages.
+
+    Rules (DESIGN §2): roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string,
+    or null only on an assistant turn with ``tool_calls``; ``system`` only as the first message; a
+    ``tool`` message follows an assistant turn with ``tool_calls`` (or another ``tool`` message); at
+    least one non-system message.
+
+    Raises:
+        ConversationError: naming ``path``, ``line`` and the field (``messages[i].role`` ...).
+    """
+    if not isinstance(messages, list):
+        raise _fail(path, line, "messages", f"must be a list, got {type(messages).__name__}")
+    if not any(isinstance(m, dict) and m.get("role") != "system" for m in messages):
+        raise _fail(path, line, "messages", "needs at least one user, assistant or tool message")
+    previous = None
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _fail(path, line, where, f"must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _fail(path, line, f"{where}.role", f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        content = m.get("content")
+        has_calls = role == "assistant" and m.get("tool_calls") not in (None, [])
+        if content is None:
+            if not has_calls:
+                raise _fail(path, line, f"{where}.content",
+                            "is null; null content is allowed only on an assistant turn with tool_calls")
+        elif not isinstance(content, str):
+            raise _fail(path, line, f"{where}.content", f"must be a string, got {type(content).__name__}")
+        if has_calls:
+            _check_tool_calls(m["tool_calls"], path, line, f"{where}.tool_calls")
+        elif "tool_calls" in m and m["tool_calls"] not in (None, []):
+            raise _fail(path, line, f"{where}.tool_calls", f"only assistant turns may carry tool_calls, not {role}")
+        if role == "system" and i != 0:
+            raise _fail(path, line, f"{where}.role",
+                        "a system message may only come first (a later one would split the conversation)")
+        if role == "tool" and previous not in ("tool_call", "tool"):
+            raise _fail(path, line, f"{where}.role", "a tool message must follow an assistant turn with tool_calls")
+        if "tools" in m and i == 0 and role == "system":
+            _check_tools(m["tools"], path, line, f"{where}.tools")
+        previous = "tool_call" if has_calls else role
+
+
+def parse_record(
+    record: Any,
+    path: str | Path = "<input>",
+    line: int = 0,
+    *,
+    input_key: str | None = None,
+    output_key: str | None = None,
+    default_system_prompt: str = "",
+) -> Conversation:
+    """Turn one decoded JSON record into a validated :class:`Conversation`.
+
+    Args:
+        record: the decoded JSON value of one line.
+        path, line: where it came from, for error messages.
+        input_key, output_key: when both are given, the record is a prompt/response pair (NeMo RL's
+            ``ResponseDataset``): ``record[input_key]`` becomes the user turn and ``record[output_key]``
+            the assistant turn. Otherwise ``record["messages"]`` is used.
+        default_system_prompt: content of the system message given to a conversation that has none
+            (DESIGN §2: every conversation in a packed row starts with a system message).
+
+    Returns:
+        The conversation; its first message is ``system``. Keys other than ``messages``/``tools`` are kept
+        in ``meta``.
+
+    Raises:
+        ConversationError: on any invalid field, naming ``path``, ``line`` and the field.
+    """
+    if not isinstance(record, dict):
+        raise _fail(path, line, "", f"a record must be a JSON object, got {type(record).__name__}")
+    if input_key or output_key:
+        if not (input_key and output_key):
+            raise ValueError("input_key and output_key must be given together")
+        for key in (input_key, output_key):
+            if not isinstance(record.get(key), str):
+                raise _fail(path, line, key, "missing or not a string")
+        messages = [{"role": "user", "content": record[input_key]},
+                    {"role": "assistant", "content": record[output_key]}]
+        if isinstance(record.get("system"), str):
+            messages.insert(0, {"role": "system", "content": record["system"]})
+    else:
+        if "messages" not in record:
+            raise _fail(path, line, "messages", "missing (or pass input/output keys for prompt/response records)")
+        messages = record["messages"]
+    validate_messages(messages, path, line)
+    tools = record.get("tools")
+    if tools is not None:
+        _check_tools(tools, path, line)
+    messages = [dict(m) for m in messages]
+    if messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": default_system_prompt})
+    elif "tools" in messages[0]:
+        tools = tools or messages[0]["tools"]
+        del messages[0]["tools"]
+    meta = {k: v for k, v in record.items() if k not in ("messages", "tools")}
+    return Conversation(messages=messages, tools=tools or None, path=str(path), line=line, meta=meta)
+
+
+def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: int = 0) -> list[Conversation]:
+    """Split a packed row's messages into conversations at each ``system`` message (DESIGN §4).
+
+    Args:
+        messages: the row's ``messages``; the first must be ``system``.
+        path, line: the packed file and 1-based row line, for errors.
+
+    Returns:
+        One :class:`Conversation` per system message, with its ``tools`` taken from that system message.
+
+    Raises:
+        ConversationError: when the row does not start with a system message or a conversation is invalid.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise _fail(path, line, "messages", "a packed row needs a non-empty messages list")
+    if not isinstance(messages[0], dict) or messages[0].get("role") != "system":
+        raise _fail(path, line, "messages[0].role", "a packed row must start with a system message")
+    starts = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "system"]
+    conversations = []
+    for k, (s, e) in enumerate(zip(starts, starts[1:] + [len(messages)])):
+        msgs = [dict(m) for m in messages[s:e]]
+        tools = msgs[0].pop("tools", None)
+        try:
+            validate_messages(msgs, path, line)
+            if tools is not None:
+                _check_tools(tools, path, line, f"messages[{s}].tools")
+        except ConversationError as err:
+            raise _fail(path, line, f"conversation {k}: {err.field}", err.reason) from err
+        conversations.append(Conversation(messages=msgs, tools=tools, path=str(path), line=line))
+    return conversations

@@ -100,7 +100,7 @@ class DataLoaderConfig:
     sampler: str = "random"
     """``random`` (seeded permutation per epoch), ``sequential`` (file order) or ``custom``."""
     sampler_class_path: str | None = None
-    """Import path of the sampler class when ``sampler: custom``, e.g. ``examples.samplers.mixing.WeightedMixingSampler``."""
+    """Import path of the class when ``sampler: custom``: ``pkg.module.Class`` or ``pkg.module:Class``."""
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the sampler class (custom samplers only)."""
     dataloader_num_workers: int = 0
@@ -126,7 +126,9 @@ class DataLoaderConfig:
         if self.sampler not in SAMPLER_NAMES:
             raise ValueError(f"sampler={self.sampler!r} is unknown; choose one of {list(SAMPLER_NAMES)}")
         if self.sampler == "custom" and not self.sampler_class_path:
-            raise ValueError("sampler='custom' needs sampler_class_path (e.g. 'examples.samplers.curriculum.CurriculumSampler')")
+            raise ValueError(
+                "sampler='custom' needs sampler_class_path (e.g. 'examples.samplers.curriculum.CurriculumSampler')"
+            )
         if self.sampler != "custom" and self.sampler_class_path:
             raise ValueError(
                 f"sampler_class_path={self.sampler_class_path!r} is only used with sampler='custom', "

@@ -1,0 +1,105 @@
+"""Run a test function on N gloo processes on localhost and bring results or tracebacks back to pytest.
+
+Usage (the function must be importable by name, i.e. defined at module level of a test file)::
+
+    def _worker(rank, world_size, arg):
+        ctx = init_distributed(context_parallel_size=2)
+        ...
+        return some_picklable_value
+
+    results = run_distributed(_worker, 2, arg)        # list indexed by rank
+
+Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and a free
+``MASTER_PORT`` (found by binding port 0; never a fixed port), one torch thread, and the spawn start
+method. A failing rank's traceback is raised in pytest; a hang is stopped after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (bind port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, args, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            from packsft.train.distributed import destroy_distributed
+
+            destroy_distributed()
+        except Exception:  # teardown after a failure is best effort
+            pass
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return results by rank.
+
+    Raises (through ``pytest.fail``) with the first failing rank's traceback, or when the processes
+    have not all finished after ``timeout_s`` seconds (they are then terminated).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs, deadline = {}, time.monotonic() + timeout_s
+    try:
+        while len(outputs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pytest.fail(f"distributed test timed out after {timeout_s:.0f} s; "
+                            f"finished ranks: {sorted(outputs)}")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs]
+                if dead:
+                    pytest.fail(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
+                continue
+            if status == "error":
+                pytest.fail(f"rank {rank} of {world_size} failed:\n{value}", pytrace=False)
+            outputs[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return [outputs[r] for r in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def parallel_state_1proc():
+    """Megatron ``parallel_state`` for one process (TP=CP=1, gloo), torn down after the module.
+
+    Import it into a test module (``from distributed_helpers import parallel_state_1proc``) and
+    request it by name.
+    """
+    from packsft.train.distributed import destroy_distributed, init_distributed
+
+    ctx = init_distributed()
+    yield ctx
+    destroy_distributed()

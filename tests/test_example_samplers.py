@@ -1,0 +1,226 @@
+"""The example custom samplers: curriculum and weighted mixing (examples/samplers/)."""
+
+import pickle
+import sys
+from collections import Counter
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `examples` is imported from the repository root
+    sys.path.insert(0, str(REPO_ROOT))
+
+from examples.samplers.curriculum import CurriculumSampler, read_difficulties, split_stages  # noqa: E402
+from examples.samplers.mixing import MixedDataset, WeightedMixingSampler, rows_per_source  # noqa: E402
+from packsft.data.loader import (  # noqa: E402
+    DataLoaderConfig,
+    build_train_dataloader,
+    load_loader_state_dict,
+    loader_state_dict,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning")
+
+
+class MaskDataset:
+    """Row i has ``trained[i]`` ones in its loss_mask (length 8) and carries its index as ``row``."""
+
+    def __init__(self, trained, fingerprint="mask-v1"):
+        self.trained, self.fingerprint = list(trained), fingerprint
+
+    def __len__(self):
+        return len(self.trained)
+
+    def __getitem__(self, i):
+        mask = torch.zeros(8, dtype=torch.float32)
+        mask[: self.trained[i]] = 1
+        return {"row": torch.tensor(i), "loss_mask": mask}
+
+
+def take(sampler, k):
+    return list(islice(iter(sampler), k))
+
+
+def assert_resumes_exactly(make, ks, total):
+    reference = take(make(), total)
+    for k in ks:
+        first = make()
+        it = iter(first)
+        assert [next(it) for _ in range(k)] == reference[:k]
+        resumed = make()
+        resumed.load_state_dict(first.state_dict())
+        assert take(resumed, total - k) == reference[k:], f"resume after {k} samples"
+
+
+# ---------------------------------------------------------------- curriculum
+
+
+def test_split_stages_docstring_example():
+    stages = split_stages([5, 1, 3, 2, 4, 0], [1, 1, 1])
+    assert [s.tolist() for s in stages] == [[5, 1], [3, 2], [4, 0]]
+    with pytest.raises(ValueError, match="get no row"):
+        split_stages([1, 2], [1, 1, 1])
+
+
+def test_curriculum_goes_easy_medium_hard_random_within_stage():
+    n = 12
+    sampler = CurriculumSampler(n, seed=3, difficulties=[n - i for i in range(n)])  # row 11 is easiest
+    two_epochs = take(sampler, 2 * n)
+    for epoch in range(2):
+        order = two_epochs[epoch * n : (epoch + 1) * n]
+        assert [set(order[0:4]), set(order[4:8]), set(order[8:12])] == [{8, 9, 10, 11}, {4, 5, 6, 7}, {0, 1, 2, 3}]
+    assert two_epochs[:n] != two_epochs[n:]  # a fresh shuffle within stages
+    assert two_epochs[:4] != sorted(two_epochs[:4], reverse=True) or two_epochs[n : n + 4] != two_epochs[:4]
+
+
+def test_curriculum_ranks_change_stage_together():
+    shares = [take(CurriculumSampler(12, r, 2, seed=1, difficulties=list(range(12))), 6) for r in range(2)]
+    for share in shares:
+        assert [max(share[0:2]) < 4, min(share[2:4]) >= 4 and max(share[2:4]) < 8, min(share[4:]) >= 8] == [True] * 3
+    assert not set(shares[0]) & set(shares[1])
+
+
+def test_curriculum_epochs_then_plain_random():
+    sampler = CurriculumSampler(30, seed=0, difficulties=list(range(30)), curriculum_epochs=1)
+    orders = take(sampler, 60)
+    assert set(orders[:10]) == set(range(10))
+    assert set(orders[30:40]) != set(range(10)) and sorted(orders[30:]) == list(range(30))
+
+
+def test_curriculum_resumes_exactly():
+    def make():
+        return CurriculumSampler(10, seed=4, difficulties=[i % 4 for i in range(10)], stage_fractions=[0.2, 0.5, 0.3])
+
+    assert_resumes_exactly(make, ks=[1, 2, 6, 10, 13, 27], total=35)
+
+
+def test_curriculum_difficulty_from_loss_mask_and_file(tmp_path):
+    ds = MaskDataset([7, 1, 5, 0, 3, 8])
+    assert [s.tolist() for s in CurriculumSampler(ds, seed=0).stages] == [[3, 1], [4, 2], [0, 5]]
+    path = tmp_path / "difficulty.txt"
+    path.write_text("3\n\n1\n2\n")
+    assert read_difficulties(path) == [3.0, 1.0, 2.0]
+    path.write_text("3\nhard\n")
+    with pytest.raises(ValueError, match="difficulty.txt:2: difficulty 'hard'"):
+        read_difficulties(path)
+    with pytest.raises(ValueError, match="got 3 difficulties for 6 rows"):
+        CurriculumSampler(ds, difficulties=[1, 2, 3])
+
+
+def test_curriculum_through_the_loader_resumes():
+    cfg = DataLoaderConfig(
+        sampler="custom",
+        sampler_class_path="examples.samplers.curriculum.CurriculumSampler",
+        sampler_kwargs={"num_stages": 2},
+        micro_batch_size=2,
+        seed=5,
+    )
+    ds = MaskDataset([i % 7 for i in range(14)])
+
+    def batches(loader, k):
+        it = iter(loader)
+        return [next(it)["row"].tolist() for _ in range(k)]
+
+    reference = batches(build_train_dataloader(ds, cfg, collate_fn=default_collate), 12)
+    first = build_train_dataloader(ds, cfg, collate_fn=default_collate)
+    assert batches(first, 5) == reference[:5]
+    resumed = build_train_dataloader(ds, cfg, collate_fn=default_collate)
+    load_loader_state_dict(resumed, loader_state_dict(first))
+    assert batches(resumed, 7) == reference[5:]
+
+
+# ---------------------------------------------------------------- mixing
+
+
+def mixed(sizes=(300, 50, 150), tag="v1"):
+    return MixedDataset([MaskDataset([1] * n, fingerprint=f"{tag}-{i}") for i, n in enumerate(sizes)])
+
+
+def test_mixed_dataset_maps_global_index_to_source_row():
+    ds = mixed((3, 2, 4))
+    assert len(ds) == 9 and ds.offsets == [0, 3, 5]
+    assert [ds.locate(i) for i in (0, 2, 3, 4, 5, 8)] == [(0, 0), (0, 2), (1, 0), (1, 1), (2, 0), (2, 3)]
+    assert int(ds[6]["row"]) == 1
+    with pytest.raises(IndexError):
+        ds.locate(9)
+    assert pickle.loads(pickle.dumps(ds)).fingerprint == ds.fingerprint  # spawned workers unpickle it
+    assert mixed((3, 2, 4), tag="v2").fingerprint != ds.fingerprint
+    assert mixed((3, 2, 5)).fingerprint != ds.fingerprint
+    built = MixedDataset.from_files(["a", "bb"], dataset_factory=lambda p, k: MaskDataset([k] * len(p)), k=1)
+    assert built.source_sizes == [1, 2]
+
+
+def test_rows_per_source_normalises_and_refuses_zero_rows():
+    assert rows_per_source([2, 1], 10) == [7, 3]
+    assert rows_per_source([0.5, 0.25, 0.25], 7) == [3, 2, 2]  # remainders .5 < .75 = .75
+    with pytest.raises(ValueError, match=r"sources \[1\] \(weights \[0.001\]\) get 0 of 100"):
+        rows_per_source([1.0, 0.001], 100)
+    with pytest.raises(ValueError, match="positive"):
+        rows_per_source([1.0, 0.0], 100)
+    with pytest.raises(ValueError, match="get 0 of"):
+        WeightedMixingSampler(mixed(), weights=[1.0, 1e-4, 1.0])
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_mixing_meets_weights_per_epoch_with_fresh_plans(dp_size):
+    ds, weights, per_epoch = mixed(), [0.5, 0.3, 0.2], 1000
+    samplers = [
+        WeightedMixingSampler(ds, r, dp_size, seed=11, weights=weights, samples_per_epoch=per_epoch)
+        for r in range(dp_size)
+    ]
+    shares = [take(s, 3 * per_epoch // dp_size) for s in samplers]
+    epochs = []
+    for e in range(3):
+        lo, hi = e * per_epoch // dp_size, (e + 1) * per_epoch // dp_size
+        epoch = [i for share in shares for i in share[lo:hi]]
+        sources = Counter(ds.locate(i)[0] for i in epoch)
+        for s, w in enumerate(weights):
+            assert abs(sources[s] / len(epoch) - w) <= 0.03, (e, s, sources)
+        epochs.append(epoch)
+    assert Counter(epochs[0])[ds.offsets[1]] == 6  # 50 rows drawn 300 times: six whole passes
+    # a fresh plan: which 200 rows of source 0 come twice is redrawn every epoch
+    assert Counter(epochs[0]) != Counter(epochs[1])
+
+
+def test_mixing_weights_are_normalised():
+    a = WeightedMixingSampler(mixed(), seed=2, weights=[2, 1, 1])
+    b = WeightedMixingSampler(mixed(), seed=2, weights=[0.5, 0.25, 0.25])
+    assert a.counts == b.counts == [250, 125, 125] and take(a, 600) == take(b, 600)
+
+
+def test_mixing_resumes_exactly():
+    def make():
+        return WeightedMixingSampler(mixed((7, 3, 5)), 1, 2, seed=8, weights=[1, 2, 1], samples_per_epoch=20)
+
+    assert_resumes_exactly(make, ks=[1, 4, 10, 11, 23, 30], total=40)
+
+
+def test_mixing_through_the_loader_resumes_and_refuses_changed_sources():
+    cfg = DataLoaderConfig(
+        sampler="custom",
+        sampler_class_path="examples.samplers.mixing:WeightedMixingSampler",
+        sampler_kwargs={"weights": [3, 1], "samples_per_epoch": 16},
+        micro_batch_size=4,
+    )
+
+    def batches(loader, k):
+        it = iter(loader)
+        return [next(it)["row"].tolist() for _ in range(k)]
+
+    ds = mixed((10, 6))
+    reference = batches(build_train_dataloader(ds, cfg, collate_fn=default_collate), 9)
+    first = build_train_dataloader(ds, cfg, collate_fn=default_collate)
+    batches(first, 4)  # exactly one epoch of 16 samples
+    state = loader_state_dict(first)
+    resumed = build_train_dataloader(ds, cfg, collate_fn=default_collate)
+    load_loader_state_dict(resumed, state)
+    assert batches(resumed, 5) == reference[4:]
+    with pytest.raises(ValueError, match="dataset_fingerprint"):
+        load_loader_state_dict(build_train_dataloader(mixed((10, 6), tag="v2"), cfg, collate_fn=default_collate), state)
+    other = DataLoaderConfig(**{**vars(cfg), "sampler_kwargs": {"weights": [1, 1], "samples_per_epoch": 16}})
+    with pytest.raises(ValueError, match="sampler_kwargs_digest"):
+        load_loader_state_dict(build_train_dataloader(ds, other, collate_fn=default_collate), state)

@@ -1,0 +1,90 @@
+import json
+
+import pytest
+
+from packsft.conversation import ConversationError, iter_jsonl_lines, parse_record, split_row, validate_messages
+
+
+def _err(record, **kw):
+    with pytest.raises(ConversationError) as e:
+        parse_record(record, "in.jsonl", 7, **kw)
+    return e.value
+
+
+def test_missing_system_gets_default_and_tools_ride_on_it():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    conv = parse_record({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                         "tools": tools}, "in.jsonl", 3, default_system_prompt="Be brief.")
+    assert conv.messages[0] == {"role": "system", "content": "Be brief."}
+    assert (conv.path, conv.line) == ("in.jsonl", 3)
+    row = conv.to_row_messages()
+    assert row[0]["tools"] == tools and "tools" not in conv.messages[0]
+    back = split_row(row + row)
+    assert len(back) == 2 and back[1].tools == tools and back[1].messages == conv.messages
+
+
+@pytest.mark.parametrize(
+    "record, field, words",
+    [
+        ([1, 2], "", "JSON object"),
+        ({"foo": 1}, "messages", "missing"),
+        ({"messages": "hi"}, "messages", "must be a list"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages", "at least one"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "x"}]}, "messages[1].role",
+         "unknown role 'bot'"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "null"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}, "messages[1].role",
+         "only come first"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}, "messages[1].role",
+         "must follow"),
+        ({"messages": [{"role": "user", "content": "a"},
+                       {"role": "assistant", "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}]},
+         "messages[1].tool_calls[0].function.arguments", "not JSON"),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {}}]},
+         "tools[0].function.name", "non-empty"),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": {"f": 1}}, "tools", "must be a list"),
+    ],
+)
+def test_invalid_records_name_file_line_and_field(record, field, words):
+    e = _err(record)
+    assert (e.path, e.line, e.field) == ("in.jsonl", 7, field)
+    assert words in e.reason
+    assert str(e).startswith(f"in.jsonl:7: {field + ': ' if field else ''}")
+
+
+def test_tool_calls_with_string_or_object_arguments_are_valid():
+    for args in ('{"x": 1}', {"x": 1}):
+        msgs = [{"role": "user", "content": "a"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "call00001", "type": "function", "function": {"name": "f", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                {"role": "assistant", "content": "done"}]
+        validate_messages(msgs)
+
+
+def test_prompt_response_records():
+    conv = parse_record({"prompt": "2+2?", "response": "4", "system": "math"}, input_key="prompt",
+                        output_key="response")
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
+    assert conv.messages[0]["content"] == "math"
+    assert _err({"prompt": "2+2?"}, input_key="prompt", output_key="response").field == "response"
+
+
+def test_jsonl_reader_keeps_line_numbers_crlf_blank_and_bad_utf8(tmp_path):
+    p = tmp_path / "x.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "é 🙂"}]}, ensure_ascii=False)
+    p.write_bytes(good.encode() + b"\r\n\r\n   \n" + b"\xff\xfe\n" + good.encode())
+    rows = list(iter_jsonl_lines(p))
+    assert [r[0] for r in rows] == [1, 4, 5]
+    assert rows[1][1] is None and "UTF-8" in rows[1][2]
+    assert json.loads(rows[0][1])["messages"][0]["content"] == "é 🙂"
+
+
+def test_split_row_errors_name_the_conversation():
+    with pytest.raises(ConversationError, match="must start with a system"):
+        split_row([{"role": "user", "content": "a"}], "rows.packed", 3)
+    with pytest.raises(ConversationError, match="conversation 1: messages"):
+        split_row([{"role": "system", "content": ""}, {"role": "user", "content": "a"},
+                   {"role": "system", "content": ""}], "rows.packed", 3)

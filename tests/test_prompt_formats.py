@@ -1,0 +1,180 @@
+import json
+
+import pytest
+
+from packsft.conversation import parse_record
+from packsft.prompt_formats import (
+    IGNORE_INDEX,
+    PromptFormatError,
+    count_conversation_tokens,
+    get_prompt_format,
+    render_segments,
+    tokenize_conversation,
+)
+from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+CONV = [
+    {"role": "system", "content": "  Be kind. /think "},
+    {"role": "user", "content": "Hi /no_think there "},
+    {"role": "assistant", "content": " Hello! "},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+@pytest.fixture(scope="module")
+def nemo(tokenizer_dir):
+    return load_tokenizer(tokenizer_dir("nemotron-h-layout-tekken"))
+
+
+@pytest.fixture(scope="module")
+def qwen(tokenizer_dir):
+    return load_tokenizer(tokenizer_dir("qwen2.5"))
+
+
+def _trained_text(tok, tokens, targets):
+    return tok.decode([t for t in targets if t != IGNORE_INDEX])
+
+
+def test_nemotron_nano_v2_text_and_mask(nemo):
+    fmt = get_prompt_format("nemotron-nano-v2", nemo)
+    tokens, targets = tokenize_conversation(CONV, nemo, fmt)
+    assert nemo.decode(tokens) == (
+        "<SPECIAL_10>System\nBe kind.\n<SPECIAL_11>User\nHi  there\n"
+        "<SPECIAL_11>Assistant\nHello!\n<SPECIAL_12>\n<SPECIAL_11>User\n2+2?\n<SPECIAL_11>Assistant\n4\n<SPECIAL_12>\n")
+    # first 3 tokens of each assistant turn ("<SPECIAL_11>", "Assistant", "\n") are masked
+    assert _trained_text(nemo, tokens, targets) == "Hello!\n<SPECIAL_12>\n4\n<SPECIAL_12>\n"
+    assert fmt.pad_token == "<unk>" and fmt.pad_token_id == 0
+    assert all(t == g or g == IGNORE_INDEX for t, g in zip(tokens, targets))
+
+
+def test_nemotron_h_aligned_text_and_mask(nemo):
+    fmt = get_prompt_format("nemotron-h-aligned", nemo)
+    tokens, targets = tokenize_conversation(CONV, nemo, fmt)
+    assert nemo.decode(tokens) == (
+        "<SPECIAL_10>System\nBe kind. /think\n<SPECIAL_11>User\nHi /no_think there\n<SPECIAL_11>Assistant\n"
+        "Hello!\n<SPECIAL_11>User\n2+2?\n<SPECIAL_11>Assistant\n4\n")
+    assert _trained_text(nemo, tokens, targets) == "Hello!\n4\n"
+    assert fmt.pad_token == "<SPECIAL_233>" and fmt.pad_token_id == 233
+
+
+def test_identity_trains_everything_without_bos_or_eos(nemo):
+    fmt = get_prompt_format("identity", nemo)
+    tokens, targets = tokenize_conversation(CONV, nemo, fmt)
+    assert tokens == targets
+    assert nemo.decode(tokens) == "".join(m["content"] for m in CONV)
+    assert tokens[0] != nemo.bos_token_id and tokens[-1] != nemo.eos_token_id
+
+
+def test_nemotron_tool_turns_render_to_nothing_and_tool_only_assistant_is_an_error(nemo):
+    fmt = get_prompt_format("nemotron-h-aligned", nemo)
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    msgs = [CONV[0], CONV[1], call, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn .*use chat-template"):
+        tokenize_conversation(msgs, nemo, fmt)
+    tool_only = [CONV[0], CONV[1], {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+    with_tool = tool_only[:3] + [{"role": "tool", "content": "ignored"}] + tool_only[3:]
+    assert [s.text for s in render_segments(with_tool, None, nemo, fmt)] == \
+        [s.text for s in render_segments(tool_only, None, nemo, fmt)]
+
+
+@pytest.mark.parametrize("content", ["", "   \n "])
+@pytest.mark.parametrize("name", ["nemotron-nano-v2", "nemotron-h-aligned", "chat-template"])
+def test_empty_or_whitespace_assistant_is_an_error(nemo, qwen, name, content):
+    tok = qwen if name == "chat-template" else nemo
+    msgs = [CONV[0], CONV[1], {"role": "assistant", "content": content}]
+    with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn"):
+        tokenize_conversation(msgs, tok, get_prompt_format(name, tok))
+
+
+def test_empty_user_and_unicode_are_fine(qwen):
+    fmt = get_prompt_format("chat-template", qwen)
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": ""},
+            {"role": "assistant", "content": "Grüße 🙂 — 東京\r\nbye"}]
+    tokens, targets = tokenize_conversation(msgs, qwen, fmt)
+    assert _trained_text(qwen, tokens, targets) == "Grüße 🙂 — 東京\r\nbye<|im_end|>"
+
+
+def test_chat_template_trains_assistant_turns_through_end_of_turn(qwen):
+    fmt = get_prompt_format("chat-template", qwen)
+    tokens, targets = tokenize_conversation(CONV, qwen, fmt)
+    assert _trained_text(qwen, tokens, targets) == " Hello! <|im_end|>4<|im_end|>"
+    # the newline after <|im_end|> and everything else is masked
+    assert qwen.decode(tokens).endswith("<|im_start|>assistant\n4<|im_end|>\n")
+    assert targets[-1] == IGNORE_INDEX
+    assert fmt.pad_token == "<|endoftext|>"
+
+
+def test_chat_template_counts_equal_a_fresh_apply_chat_template(qwen, shared_data):
+    """Packer counts == transformers' own tokenization of the same conversation (tool rows included)."""
+    fmt = get_prompt_format("chat-template", qwen)
+    for name in ("tools/glaive_toolcall_en_demo", "tools/bfcl_v4_ast", "chat/hh_rlhf_harmless_base_test"):
+        with open(shared_data / f"{name}.messages.jsonl") as f:
+            for i, line in zip(range(40), f):
+                conv = parse_record(json.loads(line), name, i + 1)
+                msgs = json.loads(json.dumps(conv.messages))
+                for m in msgs:
+                    for c in m.get("tool_calls") or []:
+                        c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+                fresh = qwen.apply_chat_template(msgs, tools=conv.tools, tokenize=True, return_dict=False)
+                assert count_conversation_tokens(conv.messages, qwen, fmt, conv.tools) == len(fresh), (name, i)
+
+
+def test_chat_template_that_moves_the_system_prompt_is_handled(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir("mistral-nemo"))
+    fmt = get_prompt_format("chat-template", tok)
+    tokens, targets = tokenize_conversation(CONV, tok, fmt)
+    assert _trained_text(tok, tokens, targets) == " Hello! </s>4</s>"
+
+
+def test_turn_crossing_a_token_boundary_is_an_error(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir("gpt2"))
+    fmt = get_prompt_format("chat-template", tok, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
+                            override_pad_token="!")
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
+            {"role": "assistant", "content": "lo world"}]
+    with pytest.raises(PromptFormatError, match=r"messages\[1\]: turn tokenized alone"):
+        tokenize_conversation(msgs, tok, fmt)
+
+
+def test_template_failure_is_a_clear_error(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    fmt = get_prompt_format("chat-template", tok)
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
+    with pytest.raises(PromptFormatError, match="chat template failed"):
+        tokenize_conversation(msgs, tok, fmt)
+
+
+def test_pad_token_rules(tokenizer_dir, nemo):
+    smol = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    # SmolLM2's own pad is EOS: the chat-template default falls back to its unk token
+    assert get_prompt_format("chat-template", smol).pad_token == "<|endoftext|>"
+    with pytest.raises(ValueError, match="equals the EOS token"):
+        get_prompt_format("chat-template", smol, override_pad_token="<|im_end|>")
+    with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
+        get_prompt_format("identity", nemo, override_pad_token="<nope>")
+    assert get_prompt_format("identity", nemo, override_pad_token="<pad>").pad_token_id == 4
+    with pytest.raises(ValueError, match="unknown prompt format"):
+        get_prompt_format("llama", nemo)
+    assert get_prompt_format("default", smol).name == "chat-template"
+
+
+def test_custom_template_file_and_missing_template(tmp_path, tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir("gpt2"))
+    with pytest.raises(ValueError, match="no chat template"):
+        get_prompt_format("chat-template", tok, override_pad_token="!")
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}")
+    fmt = get_prompt_format("chat-template", tok, chat_template=f, override_pad_token="!")
+    assert fmt.spec()["chat_template_sha256"] and fmt.chat_template.startswith("{% for")
+    with pytest.raises(ValueError, match="neither a Jinja template nor an existing file"):
+        get_prompt_format("chat-template", tok, chat_template=tmp_path / "missing.jinja", override_pad_token="!")
+
+
+def test_fingerprint_differs_between_tokenizers(tokenizer_dir, nemo, qwen):
+    assert tokenizer_fingerprint(nemo) != tokenizer_fingerprint(qwen)
+    assert tokenizer_fingerprint(qwen) == tokenizer_fingerprint(load_tokenizer(tokenizer_dir("qwen2.5")))
+    file_tok = load_tokenizer(tokenizer_dir("qwen2.5") / "tokenizer.json")
+    assert tokenizer_fingerprint(file_tok) == tokenizer_fingerprint(qwen)

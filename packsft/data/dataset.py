@@ -1,0 +1,296 @@
+"""``PackedSFTDataset``: map-style dataset over a ``.jsonl.packed`` file, one packed row per item.
+
+The file is never held in memory: a byte-offset index of its rows is built once and cached beside it
+(``X.jsonl.packed.idx``), and ``__getitem__`` seeks to the row, parses it, splits it into conversations at
+each system message (:func:`packsft.conversation.split_row`), tokenizes each with the packer's own
+:func:`packsft.prompt_formats.tokenize_conversation`, and builds the tensors with
+:func:`packsft.data.row.build_row` (Megatron-LM ``SFTDataset`` semantics, DESIGN §5).
+
+Index file: a ``.npy`` array of int64, ``[MAGIC, INDEX_VERSION, file_size, file_mtime_ns, n, start_0 ..
+start_{n-1}, line_0 .. line_{n-1}]`` (byte offset and 1-based line number of each non-blank row). It is written
+atomically (temporary file + ``os.replace``) and rebuilt when the packed file's size or mtime differs from the
+recorded ones; when the folder is read-only the index is kept in memory only.
+
+Reports (``PackedDataWarning``, once per row and process): a row whose conversations exceed ``max_seq_len``
+(right-truncated; names file, line, lengths, what was cut), a row with no trained token (returned with an
+all-zero ``loss_mask`` and ``num_trained_tokens == 0`` so sampler indices stay stable; the loss gives such a
+micro-batch exactly 0), and a packed file without a sidecar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from packsft.conversation import ConversationError, split_row
+from packsft.data.row import build_row
+from packsft.data.sidecar import (
+    SidecarError,
+    check_sidecar,
+    loader_expectation,
+    read_sidecar,
+    repack_hint,
+    sidecar_path,
+)
+from packsft.packing.algorithms import check_max_seq_len
+from packsft.prompt_formats import PromptFormat, PromptFormatError, get_prompt_format, tokenize_conversation
+from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+INDEX_SUFFIX = ".idx"
+INDEX_MAGIC = 0x504B5346545F4958  # "PKSFT_IX"
+INDEX_VERSION = 1
+_HEADER = 5
+_FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the file
+
+
+class PackedDataWarning(UserWarning):
+    """A packed row (or file) that loads, but not as packed: truncated, without trained token, or unverified."""
+
+
+def build_index(path: str | Path) -> np.ndarray:
+    """Scan a packed file once and return its index array (layout in the module docstring).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    stat = os.stat(path)
+    starts, lines = [], []
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if raw.strip():
+                starts.append(offset)
+                lines.append(number)
+            offset += len(raw)
+    header = [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns, len(starts)]
+    return np.asarray(header + starts + lines, dtype=np.int64)
+
+
+def _index_is_current(index: np.ndarray, path: str | Path) -> bool:
+    stat = os.stat(path)
+    return (index.ndim == 1 and index.size >= _HEADER and index.dtype == np.int64
+            and list(index[:4]) == [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns]
+            and index.size == _HEADER + 2 * int(index[4]))
+
+
+def load_or_build_index(path: str | Path, index_path: str | Path | None = None) -> np.ndarray:
+    """Return the cached index of ``path``, rebuilding and re-caching it when missing or stale.
+
+    Args:
+        path: the packed file.
+        index_path: where the index lives; default ``<path>.idx``.
+
+    Returns:
+        The int64 index array (memory-mapped when read from the cache).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    index_path = Path(index_path) if index_path is not None else Path(str(path) + INDEX_SUFFIX)
+    if index_path.is_file():
+        try:
+            index = np.load(index_path, mmap_mode="r", allow_pickle=False)
+            if _index_is_current(index, path):
+                return index
+        except (ValueError, OSError):
+            pass  # unreadable or foreign file: rebuild
+    index = build_index(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=index_path.name + ".", suffix=".tmp", dir=index_path.parent)
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, index, allow_pickle=False)
+        os.replace(tmp, index_path)
+    except OSError as e:  # read-only dataset folder: keep the index in memory
+        warnings.warn(f"could not cache the row index at {index_path} ({e}); it is rebuilt on every load",
+                      PackedDataWarning, stacklevel=2)
+    return index
+
+
+def file_fingerprint(path: str | Path, index: np.ndarray) -> str:
+    """Cheap identity of a packed file: SHA-256 (hex, 16 chars) of its size, first and last MiB, and sidecar.
+
+    Hashing the whole file would cost a full read of a possibly many-GB file at every start; the packer
+    rewrites the sidecar (with its counts) on every run, and any re-pack that changes rows changes the size
+    or the ends in practice. Not detected: an edit in the middle of the file that keeps its size and both
+    ends, on a file without a sidecar. The mtime is left out so a copied file keeps its fingerprint.
+    """
+    size = int(index[2])
+    h = hashlib.sha256(f"packsft-packed-v1:{size}:{int(index[4])}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_FINGERPRINT_SPAN))
+        if size > _FINGERPRINT_SPAN:
+            f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
+            h.update(f.read())
+    side = sidecar_path(path)
+    if side.is_file():
+        h.update(side.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class PackedSFTDataset(torch.utils.data.Dataset):
+    """Map-style dataset: item ``i`` is row ``i`` (the ``i``-th non-blank line) of a ``.jsonl.packed`` file.
+
+    Args:
+        path: the packed file (rows ``{"messages": [...]}``, DESIGN §4).
+        tokenizer: a fast Hugging Face tokenizer, or a local folder / ``tokenizer.json`` to load one from.
+        prompt_format: a :class:`~packsft.prompt_formats.PromptFormat` bound to ``tokenizer``, or its name.
+        max_seq_len: ``L``, tokens per row; a multiple of ``2 * context_parallel_size`` when CP > 1.
+        context_parallel_size: CP size the rows are padded for (each conversation to a multiple of ``2 * cp``).
+        override_pad_token, chat_template: passed to :func:`~packsft.prompt_formats.get_prompt_format` when
+            ``prompt_format`` is a name.
+        index_path: where the row index is cached; default ``<path>.idx``.
+        require_sidecar: refuse (rather than warn about) a file without ``<path>.meta.json``.
+
+    Items: ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``), ``loss_mask`` (float32 ``[L]``),
+    ``cu_seqlens`` (int32 ``[segments + 1]``), ``max_seqlen`` (int), ``num_trained_tokens`` (int); see
+    :func:`packsft.data.row.build_row`.
+
+    Raises:
+        FileNotFoundError: the packed file (or the tokenizer path) does not exist.
+        SidecarError: the sidecar contradicts this configuration (names the field and the re-pack command),
+            or is missing and ``require_sidecar`` is set.
+        ValueError: ``max_seq_len`` is not a positive multiple of the CP granularity.
+
+    Picklable (for ``spawn`` workers): the open file handle is dropped and reopened in each process.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: PreTrainedTokenizerBase | str | Path,
+        prompt_format: PromptFormat | str,
+        max_seq_len: int,
+        context_parallel_size: int = 1,
+        *,
+        override_pad_token: str | None = None,
+        chat_template: str | Path | None = None,
+        index_path: str | Path | None = None,
+        require_sidecar: bool = False,
+    ):
+        check_max_seq_len(max_seq_len, context_parallel_size)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"packed file not found: {self.path}")
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+        if isinstance(prompt_format, str):
+            prompt_format = get_prompt_format(prompt_format, self.tokenizer, override_pad_token=override_pad_token,
+                                              chat_template=chat_template)
+        self.prompt_format = prompt_format
+        self.max_seq_len = max_seq_len
+        self.context_parallel_size = context_parallel_size
+        self.sidecar = self._check_sidecar(require_sidecar)
+        self._index = load_or_build_index(self.path, index_path)
+        self._fingerprint: str | None = None
+        self._file = None
+        self._file_pid: int | None = None
+        self._reported: set[tuple[str, int]] = set()
+
+    def _check_sidecar(self, require: bool) -> dict[str, Any] | None:
+        meta = read_sidecar(self.path)
+        expected = loader_expectation(tokenizer_fingerprint(self.tokenizer), self.prompt_format, self.max_seq_len,
+                                      self.context_parallel_size)
+        hint = repack_hint(self.path, meta or {}, self.prompt_format,
+                           str(getattr(self.tokenizer, "name_or_path", "") or "<tokenizer>"),
+                           self.max_seq_len, self.context_parallel_size)
+        if meta is None:
+            message = (f"{self.path} has no sidecar {sidecar_path(self.path).name}: its tokenizer, prompt format, "
+                       f"pad, max_seq_len and context_parallel_size cannot be checked against the loader's")
+            if require:
+                raise SidecarError(f"{message}. Re-pack it:\n  {hint}")
+            warnings.warn(message, PackedDataWarning, stacklevel=3)
+            return None
+        check_sidecar(meta, expected, self.path, hint)
+        return meta
+
+    def __len__(self) -> int:
+        """Number of rows (non-blank lines) in the packed file."""
+        return int(self._index[4])
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the packed file for resume checks (see :func:`file_fingerprint`), hex str."""
+        if self._fingerprint is None:
+            self._fingerprint = file_fingerprint(self.path, self._index)
+        return self._fingerprint
+
+    def line_number(self, i: int) -> int:
+        """1-based line number in the packed file of row ``i``."""
+        return int(self._index[_HEADER + len(self) + self._position(i)])
+
+    def _position(self, i: int) -> int:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {self.path} with {n} rows")
+        return int(i) % n
+
+    def read_messages(self, i: int) -> list[dict[str, Any]]:
+        """The ``messages`` list of row ``i`` as stored (one JSON line, read by seeking to its offset).
+
+        Raises:
+            IndexError: ``i`` out of range.
+            ConversationError: the line is not JSON or has no ``messages`` list (names file and line).
+        """
+        pos = self._position(i)
+        if self._file is None or self._file_pid != os.getpid():
+            self._file, self._file_pid = open(self.path, "rb"), os.getpid()  # kept open for reuse
+        self._file.seek(int(self._index[_HEADER + pos]))
+        raw = self._file.readline()
+        line = self.line_number(pos)
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConversationError(self.path, line, "", f"not valid JSON ({e})") from e
+        if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+            raise ConversationError(self.path, line, "messages", "a packed row must be an object with a messages list")
+        return record["messages"]
+
+    def tokenize_row(self, i: int) -> list[tuple[list[int], list[int]]]:
+        """``(tokens, targets)`` of each conversation of row ``i``, as the packer counted them.
+
+        Raises:
+            ConversationError: the row is malformed, or a conversation fails to tokenize (names file, line and
+                the conversation).
+        """
+        pos = self._position(i)
+        conversations = split_row(self.read_messages(pos), self.path, self.line_number(pos))
+        pieces = []
+        for k, conv in enumerate(conversations):
+            try:
+                pieces.append(tokenize_conversation(conv.messages, self.tokenizer, self.prompt_format, conv.tools))
+            except PromptFormatError as e:
+                raise ConversationError(self.path, self.line_number(pos), f"conversation {k}", str(e)) from e
+        return pieces
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Row ``i`` as tensors (see the class docstring); warns once per row when truncated or untrained."""
+        pos = self._position(i)
+        row, truncation = build_row(self.tokenize_row(pos), self.prompt_format.pad_token_id, self.max_seq_len,
+                                    self.context_parallel_size)
+        where = f"{self.path}:{self.line_number(pos)} (row {pos})"
+        if truncation is not None:
+            self._report("truncated", pos, f"{where} right-truncated to max_seq_len: {truncation.describe()}")
+        if row["num_trained_tokens"] == 0:
+            self._report("untrained", pos, f"{where} has no trained token (every label is masked); it is returned "
+                                           "with an all-zero loss_mask and contributes 0 to the loss")
+        return row
+
+    def _report(self, kind: str, pos: int, message: str) -> None:
+        if (kind, pos) not in self._reported:
+            self._reported.add((kind, pos))
+            warnings.warn(message, PackedDataWarning, stacklevel=3)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the open file handle (each worker process opens its own)."""
+        state = dict(self.__dict__)
+        state["_file"], state["_file_pid"] = None, None
+        state["_index"] = np.asarray(self._index)
+        return state

@@ -1,0 +1,183 @@
+"""One packed row as tensors: Megatron-LM ``SFTDataset`` semantics with packsft's boundary policy.
+
+Shape legend: ``L`` = ``max_seq_len`` (tokens per row), ``n`` = number of segments (conversations kept in
+the row; each segment is one conversation plus its CP padding, the last one also holds the tail padding).
+
+Construction (DESIGN §5; Megatron-LM ``megatron/training/datasets/sft_dataset.py``, ``SFTDataset.__getitem__``):
+
+1. For each conversation append its ``(tokens, targets)`` (from
+   :func:`packsft.prompt_formats.tokenize_conversation`); positions restart at 0. With
+   ``context_parallel_size > 1`` append pad ids (as token and target) until the running length is a multiple
+   of ``g = 2 * context_parallel_size``; their positions continue the conversation's. A conversation thus
+   occupies exactly :func:`packsft.packing.algorithms.conversation_cost` tokens, the packer's cost.
+2. Stop at exactly ``L``. At ``L + 1`` or more, right-truncate to ``L`` and append one pad (the row is
+   reported, see :class:`RowTruncation`); conversations after the cut one are dropped. Otherwise pad to
+   ``L + 1``; the tail padding belongs to the last segment and its positions continue the last conversation's.
+3. Shift once: ``tokens = toks[:-1]``, ``labels = tgts[1:]``, ``position_ids = pos[:-1]``.
+4. Boundary policy: the label at the last position of every segment but the last (it would be the first
+   token of the next conversation) is ``IGNORE_INDEX``: no prediction crosses a conversation.
+5. ``loss_mask`` is 0 where the label is ``IGNORE_INDEX`` or the pad id, else 1; then ``labels`` is set to
+   ``IGNORE_INDEX`` wherever ``loss_mask`` is 0.
+
+Differences from Megatron-LM's ``SFTDataset`` (all deliberate, documented in ``docs/loader.md``):
+
+* Megatron keeps the label at a conversation's last position (step 4). That label is the next
+  conversation's first *target*: ``IGNORE_INDEX`` for every masked-prompt preset (their conversations start
+  with a masked system turn) and the pad id when CP padding follows the conversation, so the difference
+  only shows with ``identity`` at ``context_parallel_size == 1``, where Megatron trains the last token of one
+  conversation to predict the first token of an unrelated one.
+* Megatron leaves the pad id in ``labels`` at padded positions (their ``loss_mask`` is 0); packsft writes
+  ``IGNORE_INDEX`` there, so ``labels != IGNORE_INDEX`` equals ``loss_mask == 1`` and a loss that ignores
+  ``loss_mask`` still skips padding. The loss under ``loss_mask`` is identical.
+* Megatron appends EOD after a conversation whose last token is not EOD; packsft adds nothing (DESIGN §3:
+  the prompt format renders the end of turn), so packed lengths equal ``count_conversation_tokens``.
+* Megatron continues appending after a row of exactly ``L`` tokens and can then emit an empty last segment;
+  packsft stops at ``L``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from packsft.packing.algorithms import check_max_seq_len, conversation_cost
+from packsft.prompt_formats import IGNORE_INDEX
+
+ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen", "num_trained_tokens")
+
+
+@dataclass(frozen=True)
+class RowTruncation:
+    """What right-truncation removed from a row whose conversations need more than ``max_seq_len`` tokens.
+
+    Attributes:
+        needed_tokens: tokens the row's conversations occupy with CP padding (sum of their costs).
+        max_seq_len: the row length ``L``.
+        cut_conversation: index (0-based, in the row) of the conversation cut at ``L``, or ``None`` when the
+            row was exactly full and only later conversations were dropped.
+        cut_conversation_tokens: that conversation's length in tokens (0 when ``cut_conversation`` is None).
+        kept_tokens: how many of its tokens stayed in the row.
+        dropped_conversations: indices of conversations that start at or after ``L`` and were dropped whole.
+    """
+
+    needed_tokens: int
+    max_seq_len: int
+    cut_conversation: int | None
+    cut_conversation_tokens: int
+    kept_tokens: int
+    dropped_conversations: tuple[int, ...]
+
+    def describe(self) -> str:
+        """One sentence for the warning: lengths and what was cut or dropped."""
+        parts = [f"its conversations need {self.needed_tokens} tokens but max_seq_len is {self.max_seq_len}"]
+        if self.cut_conversation is not None:
+            cut = self.cut_conversation_tokens - self.kept_tokens
+            parts.append(f"conversation {self.cut_conversation} ({self.cut_conversation_tokens} tokens) was cut "
+                         f"after {self.kept_tokens} tokens ({cut} removed)")
+        if self.dropped_conversations:
+            parts.append(f"conversation(s) {list(self.dropped_conversations)} were dropped")
+        return "; ".join(parts)
+
+
+def _layout(conversations, pad_id: int, max_seq_len: int, context_parallel_size: int):
+    """Steps 1-2: the ``L + 1`` long token/target/position lists, segment ends and the truncation record."""
+    toks: list[int] = []
+    tgts: list[int] = []
+    pos: list[int] = []
+    cu = [0]
+    costs = [conversation_cost(len(t), context_parallel_size) for t, _ in conversations]
+    for k, (tokens, targets) in enumerate(conversations):
+        if len(tokens) != len(targets) or not tokens:
+            raise ValueError(f"conversation {k}: tokens ({len(tokens)}) and targets ({len(targets)}) must be "
+                             "equally long and non-empty")
+        if len(toks) >= max_seq_len:
+            break
+        fill = costs[k] - len(tokens)
+        toks += tokens
+        toks += [pad_id] * fill
+        tgts += targets
+        tgts += [pad_id] * fill
+        pos += range(costs[k])
+        cu.append(len(toks))
+    kept = len(cu) - 1
+    truncation = None
+    if len(toks) > max_seq_len or kept < len(conversations):
+        cut = kept - 1 if len(toks) > max_seq_len else None
+        start = cu[-2]
+        truncation = RowTruncation(
+            needed_tokens=sum(costs), max_seq_len=max_seq_len, cut_conversation=cut,
+            cut_conversation_tokens=len(conversations[cut][0]) if cut is not None else 0,
+            kept_tokens=min(max_seq_len - start, len(conversations[cut][0])) if cut is not None else 0,
+            dropped_conversations=tuple(range(kept, len(conversations))))
+    if len(toks) > max_seq_len:
+        del toks[max_seq_len:], tgts[max_seq_len:], pos[max_seq_len + 1:]
+        toks.append(pad_id)
+        tgts.append(pad_id)
+        cu[-1] = max_seq_len
+    else:
+        fill = max_seq_len + 1 - len(toks)
+        toks += [pad_id] * fill
+        tgts += [pad_id] * fill
+        pos += range(pos[-1] + 1, pos[-1] + 1 + fill)
+        cu[-1] = max_seq_len
+    return toks, tgts, pos, cu, truncation
+
+
+def build_row(
+    conversations: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad_id: int,
+    max_seq_len: int,
+    context_parallel_size: int = 1,
+) -> tuple[dict, RowTruncation | None]:
+    """Build one row's tensors from its conversations' ``(tokens, targets)`` (see the module docstring).
+
+    Args:
+        conversations: per conversation, ``(tokens, targets)``: equally long, non-empty int lists from
+            :func:`packsft.prompt_formats.tokenize_conversation` (targets hold ``IGNORE_INDEX`` = -100
+            where not trained). At least one conversation.
+        pad_id: the prompt format's pad token id (CP and tail padding; never trained).
+        max_seq_len: ``L``, a positive multiple of ``2 * context_parallel_size`` when CP > 1.
+        context_parallel_size: CP size; conversations are padded to a multiple of ``2 * cp`` when > 1.
+
+    Returns:
+        ``(row, truncation)``. ``row`` holds ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``),
+        ``loss_mask`` (float32 ``[L]``, 1.0 = trained), ``cu_seqlens`` (int32 ``[n + 1]``, segment offsets
+        from 0 to ``L``), ``max_seqlen`` (int, longest segment in tokens) and ``num_trained_tokens`` (int,
+        ``loss_mask.sum()``). ``truncation`` is ``None`` when every conversation fit whole, else a
+        :class:`RowTruncation`.
+
+    Raises:
+        ValueError: no conversation; a conversation with unequal or empty tokens/targets; ``max_seq_len``
+            not a positive multiple of the CP granularity.
+
+    Example (``cp = 1``, ``L = 6``, pad 0, conversations ``([5, 6, 7], [-100, 6, 7])`` and ``([8, 9], [8, 9])``):
+    ``toks = [5, 6, 7, 8, 9, 0, 0]``, ``tgts = [-100, 6, 7, 8, 9, 0, 0]`` ->
+    ``tokens = [5, 6, 7, 8, 9, 0]``, ``labels = [6, 7, -100, 9, -100, -100]`` (the 8 at position 2 is the
+    next conversation's first token: masked by the boundary policy; Megatron-LM would train it),
+    ``loss_mask = [1, 1, 0, 1, 0, 0]``, ``position_ids = [0, 1, 2, 0, 1, 2]``, ``cu_seqlens = [0, 3, 6]``,
+    ``max_seqlen = 3``.
+    """
+    if not conversations:
+        raise ValueError("a row needs at least one conversation")
+    check_max_seq_len(max_seq_len, context_parallel_size)
+    toks, tgts, pos, cu, truncation = _layout(conversations, pad_id, max_seq_len, context_parallel_size)
+    tokens = torch.tensor(toks[:-1], dtype=torch.int64)
+    labels = torch.tensor(tgts[1:], dtype=torch.int64)
+    position_ids = torch.tensor(pos[:-1], dtype=torch.int64)
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    labels[cu_seqlens[1:-1].long() - 1] = IGNORE_INDEX  # boundary policy: no label crosses a conversation
+    trained = (labels != IGNORE_INDEX) & (labels != pad_id)
+    labels[~trained] = IGNORE_INDEX
+    loss_mask = trained.to(torch.float32)
+    row = {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+        "num_trained_tokens": int(trained.sum()),
+    }
+    return row, truncation

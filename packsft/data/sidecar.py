@@ -1,0 +1,161 @@
+"""The packed file's sidecar ``X.jsonl.packed.meta.json``: writing, reading, and refusing a mismatched file.
+
+A packed row only makes sense with the tokenizer, prompt format, pad, ``max_seq_len`` and
+``context_parallel_size`` it was packed for (DESIGN §4): another tokenizer gives other lengths, another CP
+size other padding. The packer records them with :func:`write_sidecar`; the loader compares them with its own
+configuration through :func:`check_sidecar` and refuses the file on any difference.
+
+Sidecar fields (JSON object, ``format_version`` 1)::
+
+    {"format_version": 1,
+     "tokenizer_fingerprint": str,        # packsft.tokenizer.tokenizer_fingerprint
+     "prompt_format": {"name": str, "pad_token": str, "pad_token_id": int,
+                       "chat_template_sha256": str | null},   # PromptFormat.spec()
+     "max_seq_len": int, "context_parallel_size": int,
+     "algorithm": str, "seed": int, "counts": {...}, "efficiency": float, ...}
+
+Only the first five are checked (:data:`CHECKED_FIELDS`); the rest describe the packing run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from packsft.prompt_formats import PromptFormat
+
+SIDECAR_SUFFIX = ".meta.json"
+FORMAT_VERSION = 1
+CHECKED_FIELDS = (
+    "tokenizer_fingerprint",
+    "prompt_format.name",
+    "prompt_format.pad_token",
+    "prompt_format.pad_token_id",
+    "prompt_format.chat_template_sha256",
+    "max_seq_len",
+    "context_parallel_size",
+)
+PACK_TOOL = "tools/pack_megatron_sft_jsonl.py"
+
+
+class SidecarError(ValueError):
+    """A sidecar that is unreadable, of an unknown version, or that contradicts the loader's configuration."""
+
+
+def sidecar_path(packed_path: str | Path) -> Path:
+    """Sidecar of a packed file: ``X.jsonl.packed`` -> ``X.jsonl.packed.meta.json``; a sidecar path is kept."""
+    p = Path(packed_path)
+    return p if p.name.endswith(SIDECAR_SUFFIX) else p.with_name(p.name + SIDECAR_SUFFIX)
+
+
+def write_sidecar(path: str | Path, meta: dict[str, Any]) -> Path:
+    """Write ``meta`` as the sidecar of ``path`` atomically (temporary file in the same folder + ``os.replace``).
+
+    Args:
+        path: the packed file (``X.jsonl.packed``) or the sidecar path itself.
+        meta: JSON-serialisable dict; ``format_version`` is set to :data:`FORMAT_VERSION` when absent.
+
+    Returns:
+        The sidecar path.
+
+    Raises:
+        TypeError: ``meta`` is not JSON-serialisable (nothing is written).
+    """
+    target = sidecar_path(path)
+    text = json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return target
+
+
+def read_sidecar(path: str | Path) -> dict[str, Any] | None:
+    """Read the sidecar of a packed file.
+
+    Args:
+        path: the packed file or its sidecar path.
+
+    Returns:
+        The sidecar dict, or ``None`` when there is no sidecar.
+
+    Raises:
+        SidecarError: not valid JSON, not an object, an unknown ``format_version``, or a checked field missing.
+    """
+    target = sidecar_path(path)
+    if not target.is_file():
+        return None
+    try:
+        meta = json.loads(target.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SidecarError(f"{target}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise SidecarError(f"{target}: must be a JSON object, got {type(meta).__name__}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise SidecarError(f"{target}: format_version {meta.get('format_version')!r} is not supported "
+                           f"(this packsft reads version {FORMAT_VERSION}); re-pack the file with {PACK_TOOL}")
+    missing = [f for f in CHECKED_FIELDS if _get(meta, f) is _MISSING]
+    if missing:
+        raise SidecarError(f"{target}: missing field(s) {missing}; re-pack the file with {PACK_TOOL}")
+    return meta
+
+
+_MISSING = object()
+
+
+def _get(meta: dict[str, Any], dotted: str) -> Any:
+    value: Any = meta
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return _MISSING
+        value = value[key]
+    return value
+
+
+def loader_expectation(fingerprint: str, fmt: PromptFormat, max_seq_len: int,
+                       context_parallel_size: int) -> dict[str, Any]:
+    """The checked sidecar fields as the loader's configuration sets them (same layout as the sidecar)."""
+    return {"tokenizer_fingerprint": fingerprint, "prompt_format": fmt.spec(), "max_seq_len": max_seq_len,
+            "context_parallel_size": context_parallel_size}
+
+
+def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat, tokenizer_path: str,
+                max_seq_len: int, context_parallel_size: int) -> str:
+    """The packer command that would produce a file this loader accepts."""
+    source = meta.get("input") or "<your input .jsonl>"
+    hint = (f"python {PACK_TOOL} --input {source} --output {packed_path} --tokenizer {tokenizer_path} "
+            f"--prompt-format {fmt.name} --max-seq-len {max_seq_len} --context-parallel-size {context_parallel_size}")
+    if fmt.chat_template is not None:
+        hint += " --chat-template <the same template>"
+    return hint + f" --pad-token '{fmt.pad_token}'"
+
+
+def check_sidecar(meta: dict[str, Any], expected: dict[str, Any], packed_path: str | Path, hint: str) -> None:
+    """Refuse a packed file whose sidecar contradicts the loader's configuration.
+
+    Args:
+        meta: the sidecar (:func:`read_sidecar`).
+        expected: the loader's values (:func:`loader_expectation`).
+        packed_path: the packed file, for the message.
+        hint: the re-pack command (:func:`repack_hint`).
+
+    Raises:
+        SidecarError: naming every differing field with the packed and the loader's value, e.g.
+            ``context_parallel_size: packed for 1, loader has 2``, followed by the re-pack command.
+    """
+    diffs = []
+    for field in CHECKED_FIELDS:
+        packed, wanted = _get(meta, field), _get(expected, field)
+        if packed != wanted:
+            diffs.append(f"  {field}: packed for {packed!r}, loader has {wanted!r}")
+    if diffs:
+        raise SidecarError(f"{packed_path} was packed for another configuration "
+                           f"({sidecar_path(packed_path).name} disagrees with the loader):\n" + "\n".join(diffs)
+                           + f"\nRe-pack it for this configuration:\n  {hint}")

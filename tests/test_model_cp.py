@@ -53,7 +53,17 @@ def _cp_worker(rank, world_size):
     model = _model()
     local = slice_batch_for_cp(_row(), world_size, ctx.cp_rank)
     local["packed_seq_params"] = make_packed_seq_params(CU, max(LENGTHS), cp_group=ctx.cp_group)
-    return {fused: _loss_and_grads(model, local, fused, grad_group=ctx.cp_group) for fused in (False, True)}
+    results = {fused: _loss_and_grads(model, local, fused, grad_group=ctx.cp_group) for fused in (False, True)}
+    return results, _sbhd_loss(model, world_size, ctx.cp_rank)
+
+
+def _sbhd_loss(model, cp_size, cp_rank):
+    """Per-token loss [32 / cp] of the row as ONE unpacked sbhd sequence (no packed_seq_params)."""
+    index = cp_partition_indices(torch.tensor([0, 32]), cp_size, cp_rank)
+    row = _row()
+    with torch.no_grad():
+        return model(row["tokens"][:, index], torch.arange(32)[None, index], None,
+                     labels=row["labels"][:, index].clamp(min=0))[0]
 
 
 def _tp_worker(rank, world_size):
@@ -70,13 +80,15 @@ def _tp_worker(rank, world_size):
 def reference(parallel_state_1proc):  # noqa: F811
     model = _model()
     batch = dict(_row(), packed_seq_params=make_packed_seq_params(CU, max(LENGTHS)))
-    return _loss_and_grads(model, batch, fused=False)
+    return (*_loss_and_grads(model, batch, fused=False), _sbhd_loss(model, 1, 0))
 
 
 def test_cp2_matches_cp1_loss_and_gradients(reference):
-    ref_loss, ref_grads = reference
+    ref_loss, ref_grads, ref_sbhd = reference
     per_rank = run_distributed(_cp_worker, 2)
-    for rank, results in enumerate(per_rank):
+    for rank, (results, sbhd) in enumerate(per_rank):
+        torch.testing.assert_close(sbhd, ref_sbhd[cp_partition_indices(torch.tensor([0, 32]), 2, rank)],
+                                   atol=1e-5, rtol=0)
         index = cp_partition_indices(CU, 2, rank)
         for fused, (loss, grads) in results.items():
             torch.testing.assert_close(loss, ref_loss[index], atol=1e-5, rtol=0,
@@ -87,7 +99,7 @@ def test_cp2_matches_cp1_loss_and_gradients(reference):
 
 
 def test_tp2_matches_tp1_loss_and_fused_equals_stock(reference):
-    ref_loss, _ = reference
+    ref_loss, _, _ = reference
     for stock_loss, fused_loss, max_grad_diff in run_distributed(_tp_worker, 2):
         torch.testing.assert_close(stock_loss, ref_loss, atol=1e-5, rtol=0)
         torch.testing.assert_close(fused_loss, ref_loss, atol=1e-5, rtol=0)

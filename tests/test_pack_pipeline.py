@@ -1,0 +1,222 @@
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from packsft.conversation import parse_record, split_row
+from packsft.packing.algorithms import conversation_cost
+from packsft.packing.pipeline import PackConfig, PackError, run_pack
+from packsft.prompt_formats import count_conversation_tokens, get_prompt_format
+from packsft.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _head(src: Path, dst: Path, n: int) -> Path:
+    with open(src) as f, open(dst, "w") as g:
+        for _, line in zip(range(n), f):
+            g.write(line)
+    return dst
+
+
+def _canon(messages) -> str:
+    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
+
+
+def _check_invariants(cfg: PackConfig, report):
+    """Every input line is in exactly one row or in the report; rows fit; counts are the loader's."""
+    tok = load_tokenizer(cfg.tokenizer)
+    fmt = get_prompt_format(cfg.prompt_format, tok, override_pad_token=cfg.pad_token)
+    rejected = {(r["input"], r["line"]) for r in report.rejected}
+    dropped = {(o["input"], o["line"]) for o in report.oversize if o["action"] == "dropped"}
+    expected = Counter()
+    n_lines = 0
+    for path in cfg.inputs:
+        with open(path, encoding="utf-8") as f:
+            for line_no, text in enumerate(f, start=1):
+                if not text.strip():
+                    continue
+                n_lines += 1
+                if (path, line_no) in rejected or (path, line_no) in dropped:
+                    continue
+                conv = parse_record(json.loads(text), path, line_no,
+                                    default_system_prompt=cfg.default_system_prompt)
+                expected[_canon(conv.to_row_messages())] += 1
+    assert report.input_conversations == n_lines
+    got = Counter()
+    real = 0
+    with open(cfg.output, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == report.rows
+    for row in rows:
+        assert list(row) == ["messages"]
+        convs = split_row(row["messages"])
+        lengths = [count_conversation_tokens(c.messages, tok, fmt, c.tools) for c in convs]
+        cost = sum(conversation_cost(n, cfg.context_parallel_size) for n in lengths)
+        assert cost <= cfg.max_seq_len or len(convs) == 1  # an oversize conversation gets its own row
+        real += sum(min(n, cfg.max_seq_len) for n in lengths)
+        for c in convs:
+            got[_canon(c.to_row_messages())] += 1
+    assert got == expected
+    assert real == report.real_tokens
+    assert report.padding_tokens == report.rows * cfg.max_seq_len - report.real_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tokenizer, fmt, datasets, cp",
+    [
+        ("qwen2.5", "chat-template", ["chat/gsm8k_test", "tools/glaive_toolcall_en_demo"], 1),
+        ("smollm2-135m-instruct", "chat-template", ["chat/chitchat", "tools/bfcl_v4_ast"], 2),
+        ("mistral-nemo", "identity", ["chat/hh_rlhf_harmless_base_test", "tools/glaive_toolcall_en_demo"], 4),
+        ("nemotron-h-layout-tekken", "nemotron-nano-v2", ["chat/gpteacher", "tools/glaive_toolcall_en_demo"], 1),
+        ("nemotron-h-layout-tekken", "nemotron-h-aligned", ["chat/gsm8k_train", "chat/chitchat"], 2),
+    ],
+)
+def test_real_data_every_conversation_lands_once(tmp_path, shared_data, tokenizer, fmt, datasets, cp):
+    inputs = [str(_head(shared_data / f"{d}.messages.jsonl", tmp_path / f"{i}.jsonl", 80))
+              for i, d in enumerate(datasets)]
+    cfg = PackConfig(inputs=inputs, output=str(tmp_path / "rows.jsonl.packed"),
+                     tokenizer=str(shared_data / "tokenizers" / tokenizer), max_seq_len=2048, prompt_format=fmt,
+                     context_parallel_size=cp, progress=False, histogram="")
+    report = run_pack(cfg)
+    assert report.rows > 0 and report.packed_conversations > 0
+    _check_invariants(cfg, report)
+    meta = json.loads(Path(cfg.output + ".meta.json").read_text())
+    assert meta["context_parallel_size"] == cp and meta["prompt_format"]["name"] == fmt
+    assert meta["counts"]["rows"] == report.rows
+
+
+def _write_lines(path: Path, lines: list) -> Path:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line, ensure_ascii=False)).encode() + b"\r\n")
+    return path
+
+
+EDGE_LINES = [
+    {"messages": [{"role": "user", "content": "héllo 🙂"}, {"role": "assistant", "content": "ça va 東京"}]},
+    "{not json",
+    {"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+    {"messages": [{"role": "user", "content": 3}]},
+    {"messages": [{"role": "user", "content": "   "}, {"role": "assistant", "content": "ok"}]},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},
+    {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
+                  {"role": "assistant", "content": None,
+                   "tool_calls": [{"id": "call00001", "type": "function",
+                                   "function": {"name": "f", "arguments": {"x": 1}}}]},
+                  {"role": "tool", "tool_call_id": "call00001", "content": "2"},
+                  {"role": "assistant", "content": "two"}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+    {"messages": [{"role": "user", "content": "q"},
+                  {"role": "assistant", "content": None,
+                   "tool_calls": [{"function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                  {"role": "tool", "content": "2"}, {"role": "assistant", "content": "two"}]},
+    "",
+    {"messages": [{"role": "user", "content": "long " * 400}, {"role": "assistant", "content": "x"}]},
+]
+
+
+def test_edge_cases_get_their_documented_result(tmp_path, tokenizer_dir):
+    src = _write_lines(tmp_path / "edge.jsonl", EDGE_LINES)
+    cfg = PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"),
+                     tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=256, progress=False, histogram="")
+    report = run_pack(cfg)
+    reasons = {r["line"]: r["reason"] for r in report.rejected}
+    assert "not valid JSON" in reasons[2]
+    assert "messages[1].role: unknown role 'wizard'" in reasons[3]
+    assert "messages[0].content: must be a string" in reasons[4]
+    assert "messages[2]: empty assistant turn" in reasons[6]
+    assert set(reasons) == {2, 3, 4, 6}
+    assert [(o["line"], o["action"]) for o in report.oversize] == [(10, "own row, truncated by the loader")]
+    assert report.input_conversations == 9  # the blank line is not a conversation
+    _check_invariants(cfg, report)
+
+
+def test_oversize_drop_and_error_and_strict(tmp_path, tokenizer_dir):
+    src = _write_lines(tmp_path / "edge.jsonl", EDGE_LINES)
+    base = dict(inputs=[str(src)], tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=256, progress=False,
+                histogram="")
+    report = run_pack(PackConfig(output=str(tmp_path / "d.jsonl.packed"), oversize="drop", **base))
+    assert [(o["line"], o["action"]) for o in report.oversize] == [(10, "dropped")]
+    assert report.packed_conversations == 4
+    with pytest.raises(PackError, match=r"edge.jsonl:10: conversation has \d+ tokens"):
+        run_pack(PackConfig(output=str(tmp_path / "e.jsonl.packed"), oversize="error", **base))
+    with pytest.raises(PackError, match=r"edge.jsonl:2: not valid JSON .*strict"):
+        run_pack(PackConfig(output=str(tmp_path / "s.jsonl.packed"), strict=True, **base))
+    assert not (tmp_path / "e.jsonl.packed").exists() and not (tmp_path / "s.jsonl.packed").exists()
+
+
+def test_prompt_response_records_and_default_system_prompt(tmp_path, tokenizer_dir):
+    src = _write_lines(tmp_path / "pr.jsonl", [{"prompt": "2+2?", "response": "4"}, {"prompt": "hi"}])
+    cfg = PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"), input_key="prompt",
+                     output_key="response", default_system_prompt="You are terse.",
+                     tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=128, progress=False, histogram="")
+    report = run_pack(cfg)
+    assert [r["reason"] for r in report.rejected] == ["response: missing or not a string"]
+    row = json.loads(Path(cfg.output).read_text())
+    assert row["messages"][0] == {"role": "system", "content": "You are terse."}
+
+
+def test_bad_settings_are_clear(tmp_path, tokenizer_dir):
+    src = _write_lines(tmp_path / "a.jsonl", EDGE_LINES[:1])
+    base = dict(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"), tokenizer=str(tokenizer_dir("qwen2.5")))
+    with pytest.raises(ValueError, match="multiple of 2 \\* context_parallel_size"):
+        run_pack(PackConfig(max_seq_len=100, context_parallel_size=8, **base))
+    with pytest.raises(ValueError, match="--algorithm"):
+        run_pack(PackConfig(max_seq_len=128, algorithm="magic", **base))
+    with pytest.raises(ValueError, match="no such file"):
+        run_pack(PackConfig(max_seq_len=128, **{**base, "inputs": [str(tmp_path / "nope.jsonl")]}))
+
+
+def _cli(args, env_extra):
+    env = {**os.environ, **env_extra}
+    return subprocess.run([sys.executable, str(REPO / "tools" / "pack_megatron_sft_jsonl.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_cwd(), timeout=300)
+
+
+def tmp_cwd():
+    return str(REPO)
+
+
+@pytest.mark.slow
+def test_output_identical_across_hash_seeds_and_worker_counts(tmp_path, shared_data):
+    src = _head(shared_data / "chat" / "hh_rlhf_harmless_base_test.messages.jsonl", tmp_path / "in.jsonl", 400)
+    outs = []
+    for k, (seed, workers) in enumerate([("1", "0"), ("2", "2")]):
+        out = tmp_path / f"o{k}.jsonl.packed"
+        r = _cli(["--input", str(src), "--output", str(out), "--tokenizer", str(shared_data / "tokenizers/qwen2.5"),
+                  "--max-seq-length", "2048", "--num-workers", workers, "--no-progress", "--histogram", ""],
+                 {"PYTHONHASHSEED": seed})
+        assert r.returncode == 0, r.stderr
+        assert "efficiency" in r.stdout
+        meta = json.loads(Path(str(out) + ".meta.json").read_text())
+        outs.append((out.read_bytes(), meta))
+    assert outs[0][0] == outs[1][0]
+    assert outs[0][1] == outs[1][1]
+
+
+def test_cli_exit_code_and_message_on_bad_input(tmp_path, tokenizer_dir):
+    src = _write_lines(tmp_path / "a.jsonl", ["{bad"])
+    r = _cli(["--input", str(src), "--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer",
+              str(tokenizer_dir("qwen2.5")), "--max-seq-length", "128", "--strict", "--no-progress"], {})
+    assert r.returncode == 2
+    assert "a.jsonl:1: not valid JSON" in r.stderr
+
+
+def test_outputs_are_written_with_report_and_histogram(tmp_path, tokenizer_dir):
+    src = _write_lines(tmp_path / "a.jsonl", EDGE_LINES)
+    cfg = PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"),
+                     tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=512, progress=False,
+                     report=str(tmp_path / "rep.json"))
+    report = run_pack(cfg)
+    rep = json.loads((tmp_path / "rep.json").read_text())
+    assert rep["rows"] == report.rows and rep["rejected"] == report.rejected
+    png = Path(report.outputs["histogram"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert oct(os.stat(cfg.output).st_mode & 0o777) != oct(0o600)
+    assert "efficiency" in report.summary() and not list(tmp_path.glob(".*.tmp"))

@@ -21,11 +21,10 @@ Construction (DESIGN §5; Megatron-LM ``megatron/training/datasets/sft_dataset.p
 
 Differences from Megatron-LM's ``SFTDataset`` (all deliberate, documented in ``docs/loader.md``):
 
-* Megatron keeps the label at a conversation's last position (step 4). That label is the next
-  conversation's first *target*: ``IGNORE_INDEX`` for every masked-prompt preset (their conversations start
-  with a masked system turn) and the pad id when CP padding follows the conversation, so the difference
-  only shows with ``identity`` at ``context_parallel_size == 1``, where Megatron trains the last token of one
-  conversation to predict the first token of an unrelated one.
+* Megatron keeps the label at a segment's last position (step 4). That label is the next conversation's
+  first *target*: ``IGNORE_INDEX`` for every masked-prompt preset (their conversations start with a masked
+  system turn), so the difference only shows with ``identity``, where Megatron trains the last token of one
+  conversation (or, with CP padding, its last pad token) to predict the first token of an unrelated one.
 * Megatron leaves the pad id in ``labels`` at padded positions (their ``loss_mask`` is 0); packsft writes
   ``IGNORE_INDEX`` there, so ``labels != IGNORE_INDEX`` equals ``loss_mask == 1`` and a loss that ignores
   ``loss_mask`` still skips padding. The loss under ``loss_mask`` is identical.

@@ -1,0 +1,58 @@
+"""Collate packed rows into a micro-batch for the THD (``qkv_format="thd"``) model input.
+
+Shape legend: ``b`` = rows in the micro-batch (``micro_batch_size``), ``L`` = ``max_seq_len``, ``n_i`` = segments
+of row ``i``.
+
+Every row is already exactly ``L`` long (:func:`packsft.data.row.build_row`), so the rows stack without
+padding. For attention the ``b`` rows are one packed THD sequence of ``b * L`` tokens: ``cu_seqlens`` is the
+concatenation of each row's segment offsets shifted by ``i * L``, so no attention crosses a row (nor a
+conversation). With ``b == 1`` this is the row's own ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+STACKED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Stack rows from :class:`~packsft.data.dataset.PackedSFTDataset` into one micro-batch.
+
+    Args:
+        rows: ``b >= 1`` row dicts, each with ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``),
+            ``loss_mask`` (float32 ``[L]``), ``cu_seqlens`` (int32 ``[n_i + 1]``, 0 to ``L``), ``max_seqlen``
+            (int) and ``num_trained_tokens`` (int), all with the same ``L``.
+
+    Returns:
+        ``tokens``, ``labels``, ``position_ids`` int64 ``[b, L]``; ``loss_mask`` float32 ``[b, L]``;
+        ``cu_seqlens`` int32 ``[sum(n_i) + 1]`` over the flattened ``b * L`` tokens (row ``i``'s offsets
+        ``+ i * L``); ``max_seqlen`` int, the longest segment of any row; ``num_trained_tokens`` int, the sum.
+        Example: two rows of ``L = 8`` with ``cu_seqlens`` ``[0, 3, 8]`` and ``[0, 8]`` give
+        ``[0, 3, 8, 16]``.
+
+    Raises:
+        ValueError: no rows, a missing key, rows of different lengths, or a ``cu_seqlens`` that does not end
+            at ``L``.
+    """
+    if not rows:
+        raise ValueError("collate_rows needs at least one row")
+    missing = [k for k in (*STACKED_KEYS, "cu_seqlens", "max_seqlen", "num_trained_tokens") if k not in rows[0]]
+    if missing:
+        raise ValueError(f"row 0 lacks {missing}; rows must come from PackedSFTDataset")
+    length = rows[0]["tokens"].shape[-1]
+    offsets = []
+    for i, row in enumerate(rows):
+        cu = row["cu_seqlens"]
+        if row["tokens"].shape != (length,) or int(cu[-1]) != length:
+            raise ValueError(f"row {i}: tokens shape {tuple(row['tokens'].shape)} and cu_seqlens[-1] "
+                             f"{int(cu[-1])} must both match row 0's length {length}")
+        offsets.append(cu[1:].to(torch.int32) + i * length)
+    batch = {key: torch.stack([row[key] for row in rows]) for key in STACKED_KEYS}
+    batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int32), *offsets])
+    batch["max_seqlen"] = max(int(row["max_seqlen"]) for row in rows)
+    batch["num_trained_tokens"] = sum(int(row["num_trained_tokens"]) for row in rows)
+    return batch

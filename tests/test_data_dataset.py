@@ -1,0 +1,229 @@
+"""PackedSFTDataset: rows as tensors, the cached index, reports, sidecar refusal, and packer == loader on real data."""
+
+import functools
+import json
+import os
+import pickle
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from packsft.conversation import ConversationError
+from packsft.data import dataset as dataset_module
+from packsft.data.dataset import PackedDataWarning, PackedSFTDataset
+from packsft.data.row import build_row
+from packsft.data.sidecar import SidecarError, write_sidecar
+from packsft.prompt_formats import get_prompt_format, tokenize_conversation
+from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+TEKKEN = "nemotron-h-layout-tekken"
+load_cached = functools.lru_cache(load_tokenizer)
+
+
+def conv(user, assistant, system="", tools=None):
+    """Messages of one conversation as the packer writes them (system first, tools on it)."""
+    sys_msg = {"role": "system", "content": system, **({"tools": tools} if tools else {})}
+    msgs = [sys_msg, {"role": "user", "content": user}]
+    return msgs + ([{"role": "assistant", "content": assistant}] if assistant is not None else [])
+
+
+def sidecar_dict(tok, fmt, max_seq_len, cp, **overrides):
+    """The checked sidecar fields for ``tok``/``fmt`` plus the packer's descriptive ones."""
+    meta = {"format_version": 1, "tokenizer_fingerprint": tokenizer_fingerprint(tok), "prompt_format": fmt.spec(),
+            "max_seq_len": max_seq_len, "context_parallel_size": cp, "algorithm": "next-fit", "seed": 0,
+            "counts": {"rows": 0}, "efficiency": 0.0, "input": "data/in.jsonl"}
+    meta.update(overrides)
+    return meta
+
+
+def write_packed(path, rows, tok=None, fmt=None, max_seq_len=64, cp=1, sidecar=True, **overrides):
+    """Write ``rows`` (each a list of conversations' messages) as a packed file with its sidecar."""
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({"messages": [m for c in row for m in c]}) + "\n")
+    if sidecar:
+        write_sidecar(path, sidecar_dict(tok, fmt, max_seq_len, cp, **overrides))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tekken(tokenizer_dir):
+    tok = load_cached(tokenizer_dir(TEKKEN))
+    return tok, get_prompt_format("nemotron-h-aligned", tok)
+
+
+ROWS = [
+    [conv("Capital of France?", "Paris."), conv("2+2?", "4", system="Be brief.")],
+    [conv("Name a colour.", "Blue.")],
+    [conv("Say hi.", "Hi!"), conv("Say bye.", "Bye!"), conv("Count to three.", "One, two, three.")],
+]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_items_are_the_row_builder_applied_to_the_packers_tokenization(tmp_path, tekken, cp):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "a.jsonl.packed", ROWS, tok, fmt, 64, cp)
+    ds = PackedSFTDataset(path, tok, fmt, 64, cp)
+    assert len(ds) == 3
+    for i, row in enumerate(ROWS):
+        expected, _ = build_row([tokenize_conversation(c, tok, fmt) for c in row], fmt.pad_token_id, 64, cp)
+        item = ds[i]
+        assert set(item) == set(expected)
+        for key, value in expected.items():
+            assert torch.equal(item[key], value) if isinstance(value, torch.Tensor) else item[key] == value, key
+        assert len(item["cu_seqlens"]) == len(row) + 1
+    assert torch.equal(ds[-1]["tokens"], ds[2]["tokens"])
+    with pytest.raises(IndexError, match="row 3 out of range .* 3 rows"):
+        ds[3]
+
+
+def test_prompt_format_by_name_and_tokenizer_by_path(tmp_path, tekken, tokenizer_dir):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "a.jsonl.packed", ROWS, tok, fmt)
+    ds = PackedSFTDataset(path, tokenizer_dir(TEKKEN), "nemotron-h-aligned", 64)
+    assert ds.prompt_format == fmt and torch.equal(ds[0]["tokens"], PackedSFTDataset(path, tok, fmt, 64)[0]["tokens"])
+
+
+def test_index_is_cached_reused_and_rebuilt_when_the_file_changes(tmp_path, tekken, monkeypatch):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "a.jsonl.packed", ROWS, tok, fmt)
+    PackedSFTDataset(path, tok, fmt, 64)
+    index_file = tmp_path / "a.jsonl.packed.idx"
+    assert index_file.is_file() and not list(tmp_path.glob("*.tmp"))
+    built = []
+    real_build = dataset_module.build_index
+    monkeypatch.setattr(dataset_module, "build_index", lambda p: built.append(p) or real_build(p))
+    assert len(PackedSFTDataset(path, tok, fmt, 64)) == 3 and built == []           # reused
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"messages": ROWS[1][0]}) + "\n")
+    write_sidecar(path, sidecar_dict(tok, fmt, 64, 1))
+    ds = PackedSFTDataset(path, tok, fmt, 64)
+    assert len(ds) == 4 and len(built) == 1                                            # rebuilt: size changed
+    assert torch.equal(ds[3]["tokens"], ds[1]["tokens"])
+
+
+def test_blank_lines_are_skipped_and_line_numbers_kept(tmp_path, tekken):
+    tok, fmt = tekken
+    path = tmp_path / "a.jsonl.packed"
+    lines = [json.dumps({"messages": [m for c in r for m in c]}) for r in ROWS]
+    path.write_text(f"\n{lines[0]}\n  \n{lines[1]}\n{lines[2]}\n", encoding="utf-8")
+    write_sidecar(path, sidecar_dict(tok, fmt, 64, 1))
+    ds = PackedSFTDataset(path, tok, fmt, 64)
+    assert len(ds) == 3 and [ds.line_number(i) for i in range(3)] == [2, 4, 5]
+
+
+def test_truncated_row_warns_once_naming_line_lengths_and_what_was_cut(tmp_path, tekken):
+    tok, fmt = tekken
+    long_answer = " ".join(["word"] * 40)
+    path = write_packed(tmp_path / "t.jsonl.packed", [ROWS[1], [conv("Hi", "Hello."), conv("Talk.", long_answer)]],
+                        tok, fmt, 32, 1)
+    ds = PackedSFTDataset(path, tok, fmt, 32)
+    with pytest.warns(PackedDataWarning) as record:
+        item = ds[1]
+    assert len(record) == 1
+    message = str(record[0].message)
+    n1 = len(tokenize_conversation(ROWS[1][0][:0] + conv("Hi", "Hello."), tok, fmt)[0])
+    n2 = len(tokenize_conversation(conv("Talk.", long_answer), tok, fmt)[0])
+    assert f"t.jsonl.packed:2 (row 1) right-truncated" in message
+    assert f"need {n1 + n2} tokens but max_seq_len is 32" in message
+    assert f"conversation 1 ({n2} tokens) was cut after {32 - n1} tokens" in message
+    assert item["tokens"].shape == (32,) and item["cu_seqlens"].tolist() == [0, n1, 32]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds[1]                                                                      # reported once per row
+
+
+def test_row_without_trained_token_is_reported_and_returned_with_zero_loss_mask(tmp_path, tekken):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "u.jsonl.packed", [[conv("Only a question?", None)]], tok, fmt)
+    ds = PackedSFTDataset(path, tok, fmt, 64)
+    with pytest.warns(PackedDataWarning, match=r"u.jsonl.packed:1 \(row 0\) has no trained token"):
+        item = ds[0]
+    assert item["num_trained_tokens"] == 0 and item["loss_mask"].sum() == 0
+
+
+def test_malformed_rows_name_file_line_and_conversation(tmp_path, tekken):
+    tok, fmt = tekken
+    path = tmp_path / "m.jsonl.packed"
+    good = json.dumps({"messages": ROWS[1][0]})
+    bad_turn = json.dumps({"messages": ROWS[1][0] + conv("Again?", "   ")})
+    path.write_text(f"{good}\nnot json\n{bad_turn}\n", encoding="utf-8")
+    write_sidecar(path, sidecar_dict(tok, fmt, 64, 1))
+    ds = PackedSFTDataset(path, tok, fmt, 64)
+    with pytest.raises(ConversationError, match=r"m.jsonl.packed:2: not valid JSON"):
+        ds[1]
+    with pytest.raises(ConversationError, match=r"m.jsonl.packed:3: conversation 1: .*empty assistant turn"):
+        ds[2]
+
+
+def test_missing_sidecar_warns_or_is_refused(tmp_path, tekken):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "n.jsonl.packed", ROWS, sidecar=False)
+    with pytest.warns(PackedDataWarning, match="has no sidecar n.jsonl.packed.meta.json"):
+        assert len(PackedSFTDataset(path, tok, fmt, 64)) == 3
+    with pytest.raises(SidecarError, match="no sidecar.*Re-pack it"):
+        PackedSFTDataset(path, tok, fmt, 64, require_sidecar=True)
+
+
+def test_file_packed_for_cp1_is_refused_with_cp2(tmp_path, tekken):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "c.jsonl.packed", ROWS, tok, fmt, 64, cp=1)
+    with pytest.raises(SidecarError) as err:
+        PackedSFTDataset(path, tok, fmt, 64, context_parallel_size=2)
+    message = str(err.value)
+    assert "context_parallel_size: packed for 1, loader has 2" in message
+    assert "--context-parallel-size 2" in message and "--input data/in.jsonl" in message
+    assert "max_seq_len" not in message.split("Re-pack")[0]                           # only the differing field
+
+
+@pytest.mark.parametrize(
+    ("loader", "field"),
+    [
+        ({"max_seq_len": 128}, "max_seq_len: packed for 64, loader has 128"),
+        ({"prompt_format": "nemotron-nano-v2"}, "prompt_format.name: packed for 'nemotron-h-aligned', loader has "
+                                                "'nemotron-nano-v2'"),
+        ({"override_pad_token": "<pad>"}, "prompt_format.pad_token: packed for '<SPECIAL_233>', loader has '<pad>'"),
+        ({"tokenizer": "mistral-nemo", "prompt_format": "nemotron-h-aligned"}, "tokenizer_fingerprint: packed for"),
+    ],
+)
+def test_sidecar_mismatch_names_the_field(tmp_path, tekken, tokenizer_dir, loader, field):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "s.jsonl.packed", ROWS, tok, fmt, 64)
+    kwargs = {"max_seq_len": 64, **loader}
+    if "tokenizer" in kwargs:
+        kwargs["tokenizer"] = load_cached(tokenizer_dir(kwargs["tokenizer"]))
+    else:
+        kwargs["tokenizer"] = tok
+    kwargs.setdefault("prompt_format", "nemotron-h-aligned")
+    with pytest.raises(SidecarError, match="Re-pack it for this configuration") as err:
+        PackedSFTDataset(path, **kwargs)
+    assert field in str(err.value)
+
+
+def test_pickles_without_the_file_handle_and_fingerprint_tracks_content(tmp_path, tekken):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "p.jsonl.packed", ROWS, tok, fmt)
+    ds = PackedSFTDataset(path, tok, fmt, 64)
+    first = ds[0]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._file is None and torch.equal(clone[0]["labels"], first["labels"])
+    assert ds.fingerprint == clone.fingerprint and len(ds.fingerprint) == 16
+    copy = tmp_path / "copy.jsonl.packed"
+    shutil.copyfile(path, copy)
+    shutil.copyfile(str(path) + ".meta.json", str(copy) + ".meta.json")
+    os.utime(copy, ns=(1, 1))
+    assert PackedSFTDataset(copy, tok, fmt, 64).fingerprint == ds.fingerprint         # mtime is not content
+    write_packed(path, ROWS[::-1], tok, fmt)
+    assert PackedSFTDataset(path, tok, fmt, 64).fingerprint != ds.fingerprint
+
+
+def test_train_loader_yields_collated_rows(tmp_path, tekken):
+    from packsft.data.loader import DataLoaderConfig, build_train_dataloader
+
+    tok, fmt = tekken
+    ds = PackedSFTDataset(write_packed(tmp_path / "l.jsonl.packed", ROWS, tok, fmt), tok, fmt, 64)
+    batch = next(iter(build_train_dataloader(ds, DataLoaderConfig(sampler="sequential", micro_batch_size=2))))
+    assert batch["tokens"].shape == (2, 64)
+    assert batch["cu_seqlens"].tolist() == ds[0]["cu_seqlens"].tolist() + (ds[1]["cu_seqlens"][1:] + 64).tolist()

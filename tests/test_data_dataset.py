@@ -124,9 +124,9 @@ def test_truncated_row_warns_once_naming_line_lengths_and_what_was_cut(tmp_path,
         item = ds[1]
     assert len(record) == 1
     message = str(record[0].message)
-    n1 = len(tokenize_conversation(ROWS[1][0][:0] + conv("Hi", "Hello."), tok, fmt)[0])
+    n1 = len(tokenize_conversation(conv("Hi", "Hello."), tok, fmt)[0])
     n2 = len(tokenize_conversation(conv("Talk.", long_answer), tok, fmt)[0])
-    assert f"t.jsonl.packed:2 (row 1) right-truncated" in message
+    assert "t.jsonl.packed:2 (row 1) right-truncated" in message
     assert f"need {n1 + n2} tokens but max_seq_len is 32" in message
     assert f"conversation 1 ({n2} tokens) was cut after {32 - n1} tokens" in message
     assert item["tokens"].shape == (32,) and item["cu_seqlens"].tolist() == [0, n1, 32]

@@ -48,9 +48,11 @@ def _reference(hidden, weight, labels, reduction, loss_mask=None, grad_out=None)
     return loss.detach(), h32.grad, w32.grad
 
 
-def _ours(hidden, weight, labels, reduction, chunk_size, loss_mask=None, grad_out=None):
+def _ours(hidden, weight, labels, reduction, chunk_size, loss_mask=None, grad_out=None, vocab_chunk_size=32768):
     hidden.grad = weight.grad = None
-    loss = fused_linear_cross_entropy(hidden, weight, labels, loss_mask, chunk_size, reduction)
+    loss = fused_linear_cross_entropy(
+        hidden, weight, labels, loss_mask, chunk_size, reduction, vocab_chunk_size=vocab_chunk_size
+    )
     loss.backward(grad_out if reduction == "none" else None)
     return loss.detach(), hidden.grad, weight.grad
 
@@ -67,12 +69,14 @@ def _ignore(labels, pattern):
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 @pytest.mark.parametrize("chunk_size", [4, 7, 24, 100])  # 4 divides 24 (and 12, 16 trained), 7 does not
 @pytest.mark.parametrize("pattern", ["no_ignore", "scattered", "leading_span"])
-def test_matches_full_logits_cross_entropy(reduction, chunk_size, pattern):
+@pytest.mark.parametrize("vocab_chunk_size", [16, 32768])  # 16 splits V=50 into 16+16+16+2; 32768: one block
+def test_matches_full_logits_cross_entropy(reduction, chunk_size, pattern, vocab_chunk_size):
     hidden, weight, labels = _inputs()
     labels = _ignore(labels, pattern)
+    labels[-1] = V - 1  # a label in the last, short vocab block
     grad_out = torch.randn(T, generator=torch.Generator().manual_seed(1))
     ref = _reference(hidden, weight, labels, reduction, grad_out=grad_out)
-    got = _ours(hidden, weight, labels, reduction, chunk_size, grad_out=grad_out)
+    got = _ours(hidden, weight, labels, reduction, chunk_size, grad_out=grad_out, vocab_chunk_size=vocab_chunk_size)
     assert got[0].dtype == torch.float32 and got[0].shape == ref[0].shape
     for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, ref):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"{name}: {m}")
@@ -170,7 +174,7 @@ def _bf16_errors(chunk_size):
     hidden, weight, labels = _inputs(t=t, h=h, v=v, seed=5, dtype=torch.bfloat16)
     labels = _ignore(labels, "scattered")
     ref = _reference(hidden, weight, labels, "mean")  # fp32 math on the same bf16-valued inputs
-    got = _ours(hidden, weight, labels, "mean", chunk_size)
+    got = _ours(hidden, weight, labels, "mean", chunk_size, vocab_chunk_size=200)
     assert got[1].dtype == got[2].dtype == torch.bfloat16
     return {
         name: float((a.float() - b).abs().max() / b.abs().max())
@@ -192,6 +196,7 @@ def test_bf16_within_documented_tolerance_and_not_growing_with_chunks():
     [
         (dict(reduction="avg"), ValueError),
         (dict(chunk_size=0), ValueError),
+        (dict(vocab_chunk_size=0), ValueError),
         (dict(labels=torch.tensor([1, 2, V] + [0] * (T - 3))), ValueError),  # label == v
         (dict(labels=torch.zeros(T - 1, dtype=torch.int64)), ValueError),
         (dict(labels=torch.zeros(T, dtype=torch.int32)), TypeError),

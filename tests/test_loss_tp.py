@@ -59,11 +59,13 @@ def _gather_rows(shard, group):
 def _check_tp_equals_tp1(rank, group):
     rows = slice(rank * V // WORLD, (rank + 1) * V // WORLD)
     for reduction in ("none", "sum", "mean"):
-        for chunk_size in (4, 7):  # 4 divides the 20 trained tokens, 7 does not
+        for chunk_size, vocab_chunk in ((4, 32768), (7, 12)):  # 4 divides the 20 trained tokens, 7 does not
             hidden, weight, labels, loss_mask = _inputs(seed=1)
             ref = _loss_and_grads(hidden, weight, labels, loss_mask, reduction, chunk_size, None)
-            got = _loss_and_grads(hidden, weight[rows], labels, loss_mask, reduction, chunk_size, group)
-            where = f"rank {rank}, reduction {reduction}, chunk_size {chunk_size}"
+            got = _loss_and_grads(
+                hidden, weight[rows], labels, loss_mask, reduction, chunk_size, group, vocab_chunk_size=vocab_chunk
+            )
+            where = f"rank {rank}, reduction {reduction}, chunk_size {chunk_size}, vocab_chunk {vocab_chunk}"
             torch.testing.assert_close(got[0], ref[0], **TOL, msg=lambda m, w=where: f"loss, {w}: {m}")
             torch.testing.assert_close(got[1], ref[1], **TOL, msg=lambda m, w=where: f"grad_hidden, {w}: {m}")
             torch.testing.assert_close(
@@ -91,7 +93,7 @@ def _check_bf16(rank, group):
     rows = slice(rank * V // WORLD, (rank + 1) * V // WORLD)
     hidden, weight, labels, loss_mask = _inputs(seed=3, dtype=torch.bfloat16)
     ref = _loss_and_grads(hidden, weight, labels, loss_mask, "mean", 6, None)
-    got = _loss_and_grads(hidden, weight[rows], labels, loss_mask, "mean", 6, group)
+    got = _loss_and_grads(hidden, weight[rows], labels, loss_mask, "mean", 6, group, vocab_chunk_size=12)
     torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], ref[1], atol=1e-2, rtol=1e-2)  # bf16: sums of partials round
     torch.testing.assert_close(_gather_rows(got[2], group), ref[2], atol=1e-2, rtol=1e-2)

@@ -37,11 +37,70 @@ def _chunk_logits_fp32(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return logits if logits.dtype == torch.float32 else logits.float()
 
 
-def _target_index(labels_c: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch.Tensor, ...]:
-    """Map global label ids ``[c]`` to (local column ``[c]`` int64, owned-by-this-rank ``[c]`` fp32)."""
+def _block_target(labels_c: torch.Tensor, vocab_start: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map global label ids ``[c]`` to (column in the vocab block ``[c]`` int64, label-in-block ``[c]`` fp32).
+
+    The block covers global ids ``[vocab_start, vocab_start + block)``.
+    """
     local = labels_c - vocab_start
-    owned = (local >= 0) & (local < v_local)
-    return local.clamp(0, v_local - 1), owned.float()
+    inside = (local >= 0) & (local < block)
+    return local.clamp(0, block - 1), inside.float()
+
+
+def _vocab_blocks(v_local: int, vocab_chunk_size: int):
+    for vs in range(0, v_local, vocab_chunk_size):
+        yield vs, min(vs + vocab_chunk_size, v_local)
+
+
+def _chunk_lse_and_target(hidden_c, weight, labels_c, vocab_start, vocab_chunk_size, tp_group):
+    """Return fp32 ``lse [c]`` and target logit ``[c]`` over the full (all-rank) vocabulary.
+
+    Online log-sum-exp over vocab blocks of ``[c, vocab_chunk_size]`` fp32 logits (running max ``m`` and
+    ``sum exp(logits - m)``), then max and (sum, target) all-reduced over ``tp_group``.
+    """
+    c = hidden_c.shape[0]
+    row_max = torch.full((c,), float("-inf"), dtype=torch.float32, device=hidden_c.device)
+    sum_exp = torch.zeros(c, dtype=torch.float32, device=hidden_c.device)
+    target = torch.zeros(c, dtype=torch.float32, device=hidden_c.device)
+    for vs, ve in _vocab_blocks(weight.shape[0], vocab_chunk_size):
+        logits = _chunk_logits_fp32(hidden_c, weight[vs:ve])  # [c, block] fp32
+        col, inside = _block_target(labels_c, vocab_start + vs, ve - vs)
+        target += logits.gather(1, col[:, None]).squeeze(1) * inside
+        new_max = torch.maximum(row_max, logits.max(dim=1).values)
+        sum_exp.mul_((row_max - new_max).exp_()).add_(logits.sub_(new_max[:, None]).exp_().sum(dim=1))
+        row_max = new_max
+        del logits
+    if tp_group is not None and dist.get_world_size(group=tp_group) > 1:
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        both = torch.stack((sum_exp * (row_max - global_max).exp(), target))
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=tp_group)
+        row_max, sum_exp, target = global_max, both[0], both[1]
+    return row_max + sum_exp.log(), target
+
+
+def _chunk_backward(hidden_c, weight, labels_c, lse_c, g_c, vocab_start, vocab_chunk_size, grad_w):
+    """Add this chunk's weight gradient to fp32 ``grad_w`` (if given); return its fp32 hidden gradient ``[c, h]``.
+
+    Per vocab block: ``p = exp(logits - lse) - onehot(label)`` (``[c, block]`` fp32, the gradient of
+    ``lse - target`` with respect to the logits), ``grad_h += p @ W_block``, ``grad_W_block += p.T @ (g * h)``.
+    Row ``i`` is scaled by ``g_c[i]`` on the ``[c, h]`` side, never on ``[c, block]``.
+    """
+    grad_h_c = torch.zeros(hidden_c.shape, dtype=torch.float32, device=hidden_c.device)
+    scaled_h = hidden_c.float() * g_c[:, None] if grad_w is not None else None  # a new tensor, also in fp32
+    rows = torch.arange(hidden_c.shape[0], device=hidden_c.device)
+    for vs, ve in _vocab_blocks(weight.shape[0], vocab_chunk_size):
+        probs = _chunk_logits_fp32(hidden_c, weight[vs:ve]).sub_(lse_c[:, None]).exp_()
+        col, inside = _block_target(labels_c, vocab_start + vs, ve - vs)
+        probs[rows, col] -= inside
+        if weight.dtype == torch.float32:
+            grad_h_c.addmm_(probs, weight[vs:ve])
+        else:
+            grad_h_c += probs.to(weight.dtype) @ weight[vs:ve]
+        if grad_w is not None:
+            grad_w[vs:ve].addmm_(probs.t(), scaled_h)
+        del probs
+    return grad_h_c.mul_(g_c[:, None])
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -50,39 +109,29 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     Inputs are already flattened and validated by :func:`fused_linear_cross_entropy`:
     ``hidden [t, h]``, ``weight [v_local, h]``, ``idx [n]`` int64 (positions of trained tokens),
     ``labels_n [n]`` int64 (global vocab ids), ``scale_n [n]`` fp32 (the ``loss_mask`` value, 1.0
-    without one), ``chunk_size``, ``tp_group``, ``reduce_hidden_grad``.
+    without one), ``chunk_size``, ``vocab_chunk_size``, ``tp_group``, ``reduce_hidden_grad``.
     Saved for backward: ``hidden``, ``weight`` (references, no copies), ``idx``, ``labels_n``,
     ``scale_n`` and ``lse [n]`` fp32; nothing of size ``v``.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, idx, labels_n, scale_n, chunk_size, tp_group, reduce_hidden_grad):
+    def forward(ctx, hidden, weight, idx, labels_n, scale_n, chunk_size, vocab_chunk_size, tp_group,
+                reduce_hidden_grad):
         """Per chunk: ``scale * (logsumexp(logits) - logits[label])`` for the ``n`` trained tokens."""
-        tp_size, tp_rank = _tp_size_rank(tp_group)
-        v_local = weight.shape[0]
+        vocab_start = _tp_size_rank(tp_group)[1] * weight.shape[0]
         n = idx.numel()
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         target = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            logits = _chunk_logits_fp32(hidden.index_select(0, idx[s:e]), weight)  # [c, v_local] fp32
-            col, owned = _target_index(labels_n[s:e], tp_rank * v_local, v_local)
-            tgt = logits.gather(1, col[:, None]).squeeze(1).mul_(owned)
-            row_max = logits.max(dim=1).values
-            if tp_size > 1:
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-            sum_exp = logits.sub_(row_max[:, None]).exp_().sum(dim=1)  # in place: no second [c, v] buffer
-            if tp_size > 1:
-                both = torch.stack((sum_exp, tgt))
-                dist.all_reduce(both, op=dist.ReduceOp.SUM, group=tp_group)
-                sum_exp, tgt = both[0], both[1]
-            lse[s:e] = row_max + sum_exp.log()
-            target[s:e] = tgt
-            del logits
+            lse[s:e], target[s:e] = _chunk_lse_and_target(
+                hidden.index_select(0, idx[s:e]), weight, labels_n[s:e], vocab_start, vocab_chunk_size, tp_group
+            )
         loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         loss.index_copy_(0, idx, (lse - target) * scale_n)
         ctx.save_for_backward(hidden, weight, idx, labels_n, scale_n, lse)
-        ctx.chunk_size, ctx.tp_group, ctx.reduce_hidden_grad = chunk_size, tp_group, reduce_hidden_grad
+        ctx.chunk_size, ctx.vocab_chunk_size = chunk_size, vocab_chunk_size
+        ctx.tp_group, ctx.reduce_hidden_grad = tp_group, reduce_hidden_grad
         return loss
 
     @staticmethod
@@ -91,36 +140,34 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         hidden, weight, idx, labels_n, scale_n, lse = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         tp_size, tp_rank = _tp_size_rank(ctx.tp_group)
-        v_local = weight.shape[0]
-        g = grad_loss.float().index_select(0, idx) * scale_n  # [n] fp32
+        g = grad_loss.float().index_select(0, idx) * scale_n  # [n] fp32: upstream gradient times loss_mask
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for s in range(0, idx.numel(), ctx.chunk_size):
             e = min(s + ctx.chunk_size, idx.numel())
-            hidden_c = hidden.index_select(0, idx[s:e])  # [c, h]
-            probs = _chunk_logits_fp32(hidden_c, weight)
-            probs.sub_(lse[s:e, None]).exp_()  # softmax over the full (all-rank) vocabulary
-            col, owned = _target_index(labels_n[s:e], tp_rank * v_local, v_local)
-            probs[torch.arange(e - s, device=probs.device), col] -= owned  # softmax - onehot, [c, v_local]
-            g_c = g[s:e, None]
-            if want_h:  # g_i scales row i; applied to [c, h] instead of [c, v_local]
-                gh = (probs if weight.dtype == torch.float32 else probs.to(weight.dtype)) @ weight
-                grad_h.index_copy_(0, idx[s:e], gh.float().mul_(g_c))
-            if want_w:
-                grad_w.addmm_(probs.t(), hidden_c.float().mul_(g_c))
-            del probs
+            grad_h_c = _chunk_backward(
+                hidden.index_select(0, idx[s:e]), weight, labels_n[s:e], lse[s:e], g[s:e],
+                tp_rank * weight.shape[0], ctx.vocab_chunk_size, grad_w,
+            )
+            if want_h:
+                grad_h.index_copy_(0, idx[s:e], grad_h_c)
         if want_h and tp_size > 1 and ctx.reduce_hidden_grad:
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.tp_group)
         grad_h = grad_h.to(hidden.dtype) if want_h else None
         grad_w = grad_w.to(weight.dtype) if want_w else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def _validate(hidden, weight, labels, loss_mask, chunk_size, reduction) -> None:
+def _check_chunk(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _validate(hidden, weight, labels, loss_mask, chunk_size, vocab_chunk_size, reduction) -> None:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+    _check_chunk("chunk_size (tokens per chunk)", chunk_size)
+    _check_chunk("vocab_chunk_size (vocab rows per block)", vocab_chunk_size)
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"weight must be [v_local, h] with h = hidden.shape[-1]; got weight {tuple(weight.shape)}, "
@@ -129,8 +176,7 @@ def _validate(hidden, weight, labels, loss_mask, chunk_size, reduction) -> None:
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(
             f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
-            f"{tuple(hidden.shape[:-1])} "
-            "(Megatron labels are [b, s]: pass labels.t() with hidden [s, b, h])"
+            f"{tuple(hidden.shape[:-1])} (Megatron labels are [b, s]: pass labels.t() with hidden [s, b, h])"
         )
     if labels.dtype != torch.int64:
         raise TypeError(f"labels must be int64, got {labels.dtype}")
@@ -140,6 +186,23 @@ def _validate(hidden, weight, labels, loss_mask, chunk_size, reduction) -> None:
         )
     if hidden.dtype != weight.dtype:
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+
+
+def _trained_tokens(labels_1d, loss_mask, ignore_index, v_total):
+    """Return ``idx [n]`` (positions of trained tokens), their labels ``[n]`` and ``loss_mask`` values ``[n]``."""
+    trained = labels_1d != ignore_index
+    if loss_mask is not None:
+        trained &= loss_mask.reshape(-1) != 0
+    idx = trained.nonzero().squeeze(1)
+    labels_n = labels_1d.index_select(0, idx)
+    if idx.numel() and not bool(((labels_n >= 0) & (labels_n < v_total)).all()):
+        bad = labels_n[(labels_n < 0) | (labels_n >= v_total)][:5].tolist()
+        raise ValueError(f"labels {bad} are outside the vocabulary [0, {v_total}) and not ignore_index")
+    if loss_mask is None:
+        scale_n = torch.ones(idx.numel(), dtype=torch.float32, device=labels_1d.device)
+    else:
+        scale_n = loss_mask.reshape(-1).index_select(0, idx).float()
+    return idx, labels_n, scale_n
 
 
 def fused_linear_cross_entropy(
@@ -152,27 +215,28 @@ def fused_linear_cross_entropy(
     tp_group: dist.ProcessGroup | None = None,
     ignore_index: int = -100,
     reduce_hidden_grad: bool = True,
+    vocab_chunk_size: int = 32768,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels``, computed chunk by chunk over tokens.
 
     Equals ``F.cross_entropy(hidden @ weight.T, labels, ignore_index=ignore_index)`` (times ``loss_mask``)
-    but never holds the ``[t, v]`` logits: peak extra memory is one chunk's fp32 logits,
-    ``chunk_size * v_local * 4`` bytes (plus one bf16 copy of it for bf16 inputs), an fp32 weight
-    gradient ``v_local * h * 4`` bytes in backward and ``O(t * h)`` for the hidden gradient. At
-    t=4096, h=1024, v=128256, fp32 that is 683 MiB peak above baseline against 8049 MiB for
-    ``F.cross_entropy`` on full logits (measured, ``docs/loss.md``).
+    but never holds the ``[t, v]`` logits. Working memory is one block of fp32 logits,
+    ``chunk_size * min(vocab_chunk_size, v_local) * 4`` bytes (32 MiB at the defaults; plus a bf16 copy
+    for bf16 inputs), the fp32 weight gradient ``v_local * h * 4`` bytes (which every method produces)
+    and ``O(t * h)`` for the hidden gradient. At t=4096, h=1024, v=131072, fp32 on CPU the peak above
+    baseline is 0.09x that of ``F.cross_entropy`` on full logits (``docs/loss.md``, ``bench/loss.py``).
 
     Flow:
       1. Select the trained tokens: ``labels != ignore_index`` and ``loss_mask != 0``. Ignored tokens
          cost no compute and get loss 0 and gradient 0.
-      2. Forward, per chunk of ``chunk_size`` trained tokens: fp32 logits ``[c, v_local]``; row max,
-         all-reduced (MAX) over ``tp_group``; ``exp(logits - max)`` summed and, with the target logit
-         taken on the rank whose shard holds the label, all-reduced (SUM); ``lse = max + log(sum)``;
-         token loss ``= (lse - target) * loss_mask``. The chunk's logits are dropped; only ``lse [n]``
-         is kept.
-      3. Backward, per chunk: recompute the logits, ``softmax = exp(logits - lse)``, subtract 1 at the
-         label, scale row ``i`` by ``grad_output_i * loss_mask_i``; ``grad_hidden = p @ weight`` and
-         ``grad_weight += p.T @ hidden`` accumulated in fp32, cast to the parameter dtype at the end.
+      2. Forward, per chunk of ``chunk_size`` trained tokens and per block of ``vocab_chunk_size`` vocab
+         rows: fp32 logits ``[c, block]``, folded into a running max and sum of exponentials (online
+         log-sum-exp); the target logit is taken from the block (and TP rank) that holds the label. Max,
+         then (sum, target) are all-reduced over ``tp_group``; ``lse = max + log(sum)``; token loss
+         ``= (lse - target) * loss_mask``. Only ``lse [n]`` is kept for backward.
+      3. Backward, same loops: recompute the block's logits, ``p = exp(logits - lse) - onehot(label)``,
+         ``grad_hidden += p @ W_block`` and ``grad_W_block += p.T @ (g * hidden)`` with
+         ``g = grad_output * loss_mask``, accumulated in fp32 and cast to the input dtypes at the end.
       4. Reduce: ``"none"`` returns the ``[...]`` per-token loss, ``"sum"`` its sum, ``"mean"`` the sum
          divided by the number of trained tokens of this call (0.0, not NaN, when there is none). The
          training loss normalised over the global batch is ``"sum"`` divided by
@@ -208,41 +272,30 @@ def fused_linear_cross_entropy(
         labels: ``[...]`` int64 global vocab ids, same leading shape as ``hidden``; ``ignore_index``
             marks untrained positions.
         loss_mask: optional ``[...]`` float; multiplies each token's loss; 0 excludes the token.
-        chunk_size: trained tokens per chunk; memory grows and per-chunk overhead shrinks with it.
+        chunk_size: trained tokens per chunk.
         reduction: ``"none"`` (fp32 ``[...]``), ``"sum"`` or ``"mean"`` (fp32 scalars).
         tp_group: tensor-parallel process group; ``None`` (or size 1) for an unsharded weight.
         ignore_index: label value of untrained positions (-100 as in Megatron and torch).
         reduce_hidden_grad: all-reduce the hidden-state gradient over ``tp_group`` (see above).
+        vocab_chunk_size: vocab rows per logits block; the block is ``[chunk_size, vocab_chunk_size]``.
 
     Returns:
         fp32 loss: ``[...]`` for ``"none"``, a scalar otherwise.
 
     Raises:
-        ValueError: unknown ``reduction``, non-positive ``chunk_size``, mismatched shapes, or a trained
-            label outside ``[0, v_local * tp_size)``.
+        ValueError: unknown ``reduction``, non-positive ``chunk_size`` or ``vocab_chunk_size``,
+            mismatched shapes, or a trained label outside ``[0, v_local * tp_size)``.
         TypeError: labels not int64, or ``hidden`` and ``weight`` of different dtypes.
     """
-    _validate(hidden, weight, labels, loss_mask, chunk_size, reduction)
-    lead_shape = labels.shape
-    hidden_2d, labels_1d = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    trained = labels_1d != ignore_index
-    if loss_mask is not None:
-        trained &= loss_mask.reshape(-1) != 0
-    idx = trained.nonzero().squeeze(1)
-    labels_n = labels_1d.index_select(0, idx)
+    _validate(hidden, weight, labels, loss_mask, chunk_size, vocab_chunk_size, reduction)
     v_total = weight.shape[0] * _tp_size_rank(tp_group)[0]
-    if idx.numel() and not bool(((labels_n >= 0) & (labels_n < v_total)).all()):
-        bad = labels_n[(labels_n < 0) | (labels_n >= v_total)][:5].tolist()
-        raise ValueError(f"labels {bad} are outside the vocabulary [0, {v_total}) and not ignore_index")
-    if loss_mask is None:
-        scale_n = torch.ones(idx.numel(), dtype=torch.float32, device=hidden.device)
-    else:
-        scale_n = loss_mask.reshape(-1).index_select(0, idx).float()
+    idx, labels_n, scale_n = _trained_tokens(labels.reshape(-1), loss_mask, ignore_index, v_total)
     loss = FusedLinearCrossEntropyFunction.apply(
-        hidden_2d, weight, idx, labels_n, scale_n, chunk_size, tp_group, reduce_hidden_grad
+        hidden.reshape(-1, hidden.shape[-1]), weight, idx, labels_n, scale_n, chunk_size, vocab_chunk_size,
+        tp_group, reduce_hidden_grad,
     )
     if reduction == "none":
-        return loss.reshape(lead_shape)
+        return loss.reshape(labels.shape)
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / max(idx.numel(), 1)
@@ -262,9 +315,10 @@ class FusedLinearCrossEntropy(nn.Module):
         tp_group: tensor-parallel process group or ``None``.
         ignore_index: label value of untrained positions.
         reduce_hidden_grad: see :func:`fused_linear_cross_entropy`.
+        vocab_chunk_size: vocab rows per logits block (default 32768).
 
     Raises:
-        ValueError: unknown ``reduction`` or non-positive ``chunk_size`` (at construction).
+        ValueError: unknown ``reduction`` or non-positive chunk sizes (at construction).
     """
 
     def __init__(
@@ -274,23 +328,25 @@ class FusedLinearCrossEntropy(nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         ignore_index: int = -100,
         reduce_hidden_grad: bool = True,
+        vocab_chunk_size: int = 32768,
     ):
         super().__init__()
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
-        self.chunk_size, self.reduction, self.tp_group = chunk_size, reduction, tp_group
-        self.ignore_index, self.reduce_hidden_grad = ignore_index, reduce_hidden_grad
+        _check_chunk("chunk_size (tokens per chunk)", chunk_size)
+        _check_chunk("vocab_chunk_size (vocab rows per block)", vocab_chunk_size)
+        self.chunk_size, self.vocab_chunk_size, self.reduction = chunk_size, vocab_chunk_size, reduction
+        self.tp_group, self.ignore_index, self.reduce_hidden_grad = tp_group, ignore_index, reduce_hidden_grad
 
     def forward(self, hidden, weight, labels, loss_mask=None):
         """See :func:`fused_linear_cross_entropy`."""
         return fused_linear_cross_entropy(
             hidden, weight, labels, loss_mask, chunk_size=self.chunk_size, reduction=self.reduction,
             tp_group=self.tp_group, ignore_index=self.ignore_index,
-            reduce_hidden_grad=self.reduce_hidden_grad,
+            reduce_hidden_grad=self.reduce_hidden_grad, vocab_chunk_size=self.vocab_chunk_size,
         )
 
     def extra_repr(self) -> str:
         """Settings shown by ``print(module)``."""
-        return f"chunk_size={self.chunk_size}, reduction={self.reduction!r}, ignore_index={self.ignore_index}"
+        return (f"chunk_size={self.chunk_size}, vocab_chunk_size={self.vocab_chunk_size}, "
+                f"reduction={self.reduction!r}, ignore_index={self.ignore_index}")

@@ -227,3 +227,64 @@ def test_train_loader_yields_collated_rows(tmp_path, tekken):
     batch = next(iter(build_train_dataloader(ds, DataLoaderConfig(sampler="sequential", micro_batch_size=2))))
     assert batch["tokens"].shape == (2, 64)
     assert batch["cu_seqlens"].tolist() == ds[0]["cu_seqlens"].tolist() + (ds[1]["cu_seqlens"][1:] + 64).tolist()
+
+
+# Conversations read from each shared file per tokenizer (PACKSFT_FULL_REAL_DATA=1: every conversation; that
+# takes minutes on 2 CPU cores because chat-template masking re-renders the template for every assistant turn).
+REAL_FILES = {"chat/gpteacher.messages.jsonl": 400, "chat/gsm8k_train.messages.jsonl": 200,
+              "chat/gsm8k_test.messages.jsonl": 200, "chat/hh_rlhf_harmless_base_test.messages.jsonl": 200,
+              "chat/chitchat.messages.jsonl": 40, "tools/glaive_toolcall_en_demo.messages.jsonl": 100,
+              "tools/bfcl_v4_ast.messages.jsonl": 200}
+REAL_PAIRS = [(TEKKEN, "nemotron-nano-v2"), ("qwen2.5", "chat-template")]
+
+
+def _read_and_count(path, tok, fmt, limit, max_seq_len, cp):
+    """Parse and count conversations the way the packer does; skip the ones it would refuse or set apart."""
+    from packsft.conversation import iter_jsonl_lines, parse_record
+    from packsft.packing.algorithms import conversation_cost
+    from packsft.prompt_formats import PromptFormatError, count_conversation_tokens
+
+    convs, counts = [], []
+    for k, (line, text, _) in enumerate(iter_jsonl_lines(path)):
+        if limit is not None and k >= limit:
+            break
+        c = parse_record(json.loads(text), path, line)
+        try:
+            n = count_conversation_tokens(c.messages, tok, fmt, c.tools)
+        except Exception as e:  # PromptFormatError, or a template refusing this conversation
+            assert isinstance(e, PromptFormatError), e
+            continue
+        if conversation_cost(n, cp) <= max_seq_len:
+            convs.append(c)
+            counts.append(n)
+    return convs, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tokenizer_name", "preset"), REAL_PAIRS)
+def test_packer_length_equals_loader_length_on_real_data(tmp_path, shared_data, tokenizer_dir, tokenizer_name,
+                                                         preset):
+    from packsft.packing.algorithms import conversation_cost, next_fit
+
+    tok = load_cached(tokenizer_dir(tokenizer_name))
+    fmt = get_prompt_format(preset, tok)
+    max_seq_len, cp = 4096, 2
+    full = os.environ.get("PACKSFT_FULL_REAL_DATA") == "1"
+    checked = 0
+    for name, limit in REAL_FILES.items():
+        convs, counts = _read_and_count(shared_data / name, tok, fmt, None if full else limit, max_seq_len, cp)
+        costs = [conversation_cost(n, cp) for n in counts]
+        rows = next_fit(costs, max_seq_len)
+        path = tmp_path / (name.split("/")[1] + ".packed")
+        write_packed(path, [[convs[j].to_row_messages() for j in row] for row in rows], tok, fmt, max_seq_len, cp)
+        ds = PackedSFTDataset(path, tok, fmt, max_seq_len, cp)
+        assert len(ds) == len(rows)
+        for i, row in enumerate(rows):
+            pieces = ds.tokenize_row(i)
+            assert [len(t) for t, _ in pieces] == [counts[j] for j in row], f"{name} row {i}"
+            built, truncation = build_row(pieces, fmt.pad_token_id, max_seq_len, cp)
+            lengths = (built["cu_seqlens"][1:] - built["cu_seqlens"][:-1]).tolist()
+            assert truncation is None
+            assert lengths[:-1] == [costs[j] for j in row[:-1]] and lengths[-1] >= costs[row[-1]]
+            checked += len(row)
+    assert checked > 1000

@@ -1,0 +1,96 @@
+"""Sidecar: atomic write, read errors, and the field-by-field refusal message."""
+
+import json
+
+import pytest
+
+from packsft.data.sidecar import (
+    CHECKED_FIELDS,
+    SidecarError,
+    check_sidecar,
+    loader_expectation,
+    read_sidecar,
+    repack_hint,
+    sidecar_path,
+    write_sidecar,
+)
+from packsft.prompt_formats import PromptFormat
+
+FMT = PromptFormat(name="nemotron-h-aligned", pad_token="<SPECIAL_233>", pad_token_id=233)
+
+
+def meta(**overrides):
+    m = {"tokenizer_fingerprint": "abc", "prompt_format": FMT.spec(), "max_seq_len": 4096, "context_parallel_size": 2,
+         "algorithm": "next-fit", "seed": 0, "counts": {"rows": 3}, "efficiency": 0.9}
+    m.update(overrides)
+    return m
+
+
+def test_sidecar_path():
+    assert sidecar_path("d/x.jsonl.packed").as_posix() == "d/x.jsonl.packed.meta.json"
+    assert sidecar_path("d/x.jsonl.packed.meta.json").as_posix() == "d/x.jsonl.packed.meta.json"
+
+
+def test_write_then_read_round_trips_and_leaves_no_temporary_file(tmp_path):
+    packed = tmp_path / "x.jsonl.packed"
+    written = write_sidecar(packed, meta())
+    assert written == tmp_path / "x.jsonl.packed.meta.json"
+    assert read_sidecar(packed) == {"format_version": 1, **meta()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl.packed.meta.json"]
+
+
+def test_failed_write_keeps_the_old_sidecar(tmp_path):
+    packed = tmp_path / "x.jsonl.packed"
+    write_sidecar(packed, meta())
+    with pytest.raises(TypeError):
+        write_sidecar(packed, meta(seed=object()))
+    assert read_sidecar(packed)["seed"] == 0 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_missing_sidecar_reads_as_none(tmp_path):
+    assert read_sidecar(tmp_path / "x.jsonl.packed") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (json.dumps({**meta(), "format_version": 2}), "format_version 2 is not supported"),
+        (json.dumps({"format_version": 1, **meta(max_seq_len=None) | {"prompt_format": {"name": "x"}}}),
+         "missing field.*prompt_format.pad_token"),
+    ],
+)
+def test_unreadable_sidecars_are_refused(tmp_path, text, message):
+    (tmp_path / "x.jsonl.packed.meta.json").write_text(text)
+    with pytest.raises(SidecarError, match=message):
+        read_sidecar(tmp_path / "x.jsonl.packed")
+
+
+def test_matching_sidecar_passes():
+    check_sidecar(meta(), loader_expectation("abc", FMT, 4096, 2), "x.jsonl.packed", "hint")
+
+
+@pytest.mark.parametrize("field", CHECKED_FIELDS)
+def test_every_checked_field_is_compared_and_named(field):
+    expected = loader_expectation("abc", FMT, 4096, 2)
+    changed = json.loads(json.dumps(expected))
+    *parents, last = field.split(".")
+    target = changed
+    for key in parents:
+        target = target[key]
+    target[last] = "other"
+    with pytest.raises(SidecarError) as err:
+        check_sidecar(meta(), changed, "x.jsonl.packed", "python pack ...")
+    text = str(err.value)
+    assert f"  {field}: packed for " in text and "loader has 'other'" in text
+    assert sum(f"  {f}: " in text for f in CHECKED_FIELDS) == 1
+    assert text.endswith("Re-pack it for this configuration:\n  python pack ...")
+
+
+def test_repack_hint_gives_the_loader_configuration():
+    hint = repack_hint("out/x.jsonl.packed", {"input": "in.jsonl"}, FMT, "tok/dir", 8192, 4)
+    assert hint == ("python tools/pack_megatron_sft_jsonl.py --input in.jsonl --output out/x.jsonl.packed "
+                    "--tokenizer tok/dir --prompt-format nemotron-h-aligned --max-seq-len 8192 "
+                    "--context-parallel-size 4 --pad-token '<SPECIAL_233>'")
+    assert "<your input .jsonl>" in repack_hint("x", {}, FMT, "t", 8, 1)

@@ -169,3 +169,22 @@ def test_cpu_workarounds_are_idempotent():
     assert cpu_compat.apply_cpu_workarounds() is True
     assert rotary_pos_embedding.RotaryEmbedding.get_emb is patched is cpu_compat._get_emb_on_own_device
     assert torch.cuda.current_device() == "cpu"
+
+
+def test_bfloat16_params_run_both_loss_paths(parallel_state_1proc):  # noqa: F811
+    model = build(params_dtype="bfloat16")
+    use_hidden_state_output(model)
+    assert model.output_layer.weight.dtype == model.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    stock, _ = gpt_token_loss(model, packed_row(), fused=False, chunk_size=8)
+    fused, _ = gpt_token_loss(model, packed_row(), fused=True, chunk_size=8)
+    fused.sum().backward()
+    assert stock.dtype == fused.dtype == torch.float32 and bool(torch.isfinite(fused).all())
+    torch.testing.assert_close(fused, stock, atol=1e-3, rtol=0)
+    assert model.output_layer.weight.grad.dtype == torch.bfloat16
+
+
+def test_init_distributed_refuses_other_sizes(parallel_state_1proc):  # noqa: F811
+    from packsft.train.distributed import init_distributed
+
+    with pytest.raises(ValueError, match="already initialised"):
+        init_distributed(context_parallel_size=2)

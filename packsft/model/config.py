@@ -34,7 +34,9 @@ class ModelConfig:
         tie_word_embeddings: share the input embedding with the output layer.
         attention_backend: ``"torch"`` (packsft's SDPA core attention, runs on CPU) or ``"te"``
             (TransformerEngine; GPU only).
-        params_dtype: ``"float32"`` or ``"bfloat16"``.
+        params_dtype: ``"float32"`` or ``"bfloat16"`` (Megatron ``params_dtype`` + ``bf16``). With the
+            ``torch`` backend the linear and embedding weights take it, while the local spec's RMSNorm
+            weights stay fp32 (``WrappedTorchNorm`` ignores ``params_dtype``).
         init_method_std: standard deviation of the normal weight init.
     """
 

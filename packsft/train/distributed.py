@@ -75,7 +75,8 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
         :class:`DistributedContext`.
 
     Raises:
-        ValueError: if ``WORLD_SIZE`` is not a multiple of ``tp * cp``.
+        ValueError: if ``WORLD_SIZE`` is not a multiple of ``tp * cp``, or ``parallel_state`` is
+            already initialised with other sizes.
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -83,6 +84,13 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     _init_process_group(backend)
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size())
+        if have != (tensor_model_parallel_size, context_parallel_size):
+            raise ValueError(f"parallel_state is already initialised with (tp, cp) = {have}, "
+                             f"not ({tensor_model_parallel_size}, {context_parallel_size}); "
+                             "call destroy_distributed() first")
     world_size = dist.get_world_size()
     if world_size % (tensor_model_parallel_size * context_parallel_size):
         raise ValueError(f"WORLD_SIZE ({world_size}) must be a multiple of tensor_model_parallel_size "

@@ -237,7 +237,7 @@ def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat) -> li
             continue
         if not (m.get("content") or "").strip() and not m.get("tool_calls"):
             raise PromptFormatError("empty assistant turn", i)
-        end_text = _render(tokenizer, fmt, msgs[: i + 1], tools, False)
+        end_text = full if i == len(msgs) - 1 else _render(tokenizer, fmt, msgs[: i + 1], tools, False)
         probe = _render(tokenizer, fmt, msgs[:i] + [{"role": "assistant", "content": _SENTINEL}], tools, False)
         start = len(os.path.commonprefix([end_text, probe]))
         if not full.startswith(end_text) or start < done:

@@ -225,3 +225,21 @@ def test_build_row_allots_exactly_the_packers_cost(cp):
         cost = conversation_cost(n, cp)
         row, trunc = build_row([([1] * n, [1] * n)], pad_id=0, max_seq_len=cost, context_parallel_size=cp)
         assert trunc is None and row["cu_seqlens"].tolist() == [0, cost]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_slices_of_a_built_row_reassemble_it(cp):
+    from packsft.data.context_parallel import cp_partition_indices, slice_batch_for_cp
+
+    rng = random.Random(cp)
+    convs = [([rng.randint(1, 9) for _ in range(n)], [X] + [1] * (n - 1)) for n in (5, 1, 12, 7)]
+    row, _ = build_row(convs, pad_id=0, max_seq_len=64, context_parallel_size=cp)
+    parts = [slice_batch_for_cp(row, cp, r) for r in range(cp)]
+    index = torch.cat([cp_partition_indices(row["cu_seqlens"], cp, r) for r in range(cp)])
+    assert torch.equal(index.sort().values, torch.arange(64))
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        whole = torch.empty_like(row[key])
+        whole[index] = torch.cat([p[key] for p in parts])
+        assert torch.equal(whole, row[key]), key
+        assert all(p[key].shape == (64 // cp,) for p in parts)
+    assert sum(int(p["loss_mask"].sum()) for p in parts) == row["num_trained_tokens"]

@@ -1,0 +1,51 @@
+"""Show one row of a packed file as the trainer sees it: conversations, roles, trained tokens, positions.
+
+Examples::
+
+    python tools/inspect_packed.py --packed data/train.jsonl.packed --tokenizer ../shared/data/tokenizers/qwen2.5 \
+        --prompt-format chat-template --row 0
+    python tools/inspect_packed.py --packed x.jsonl.packed --tokenizer tok/ --prompt-format nemotron-nano-v2 \
+        --row 12 --max-seq-len 8192 --context-parallel-size 2 --color never | less
+
+``--max-seq-len`` and ``--context-parallel-size`` default to the values in the file's sidecar
+(``X.jsonl.packed.meta.json``); a sidecar that contradicts the options given is refused, as in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from packsft.data.dataset import PackedSFTDataset
+from packsft.data.inspect import describe_row
+from packsft.data.sidecar import read_sidecar
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, load the dataset and print the row; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--packed", required=True, help="the .jsonl.packed file")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer folder or tokenizer.json")
+    parser.add_argument("--prompt-format", required=True, help="identity, nemotron-nano-v2, nemotron-h-aligned, "
+                                                               "chat-template")
+    parser.add_argument("--row", type=int, default=0, help="row index, 0-based (negative: from the end)")
+    parser.add_argument("--max-seq-len", type=int, help="default: the sidecar's")
+    parser.add_argument("--context-parallel-size", type=int, help="default: the sidecar's, else 1")
+    parser.add_argument("--pad-token", help="override the prompt format's pad token")
+    parser.add_argument("--chat-template", help="chat-template only: a Jinja string or file")
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    args = parser.parse_args(argv)
+    meta = read_sidecar(args.packed) or {}
+    max_seq_len = args.max_seq_len or meta.get("max_seq_len")
+    if max_seq_len is None:
+        parser.error("--max-seq-len is required when the packed file has no sidecar")
+    cp = args.context_parallel_size or meta.get("context_parallel_size", 1)
+    dataset = PackedSFTDataset(args.packed, args.tokenizer, args.prompt_format, max_seq_len, cp,
+                               override_pad_token=args.pad_token, chat_template=args.chat_template)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    print(describe_row(dataset, args.row, color=color))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

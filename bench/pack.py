@@ -12,11 +12,12 @@ chat-template rendering (the packer counts exactly these tokens: checked against
 below); rows come from :func:`packsft.packing.algorithms.pack` with the pipeline's oversize rule (``own-row``:
 an oversize conversation fills a row by itself).
 
-Throughput, with P processes: the packer is :func:`packsft.packing.pipeline.run_pack` end to end (read, parse,
-render, tokenize with masking checks, pack, write rows + sidecar + report; no histogram) with
+Throughput, per file (its first ``--throughput-limit`` conversations), with P processes: the packer is
+:func:`packsft.packing.pipeline.run_pack` end to end (read, parse, render, tokenize with masking checks,
+pack, write rows + sidecar + report; no histogram; tokenizer load and process start included) with
 ``num_workers=0`` for P=1 and ``num_workers=P`` otherwise; the raw baseline is
 ``tokenizer.backend_tokenizer.encode_batch`` of the same rendered texts in P processes (batches of 64,
-``TOKENIZERS_PARALLELISM=false``, process start and tokenizer load included for P > 1). Both are reported in
+``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loaded before timing). Both are in
 conversations/s, with their ratio. Wall-clock times: on a shared machine they are noisy.
 """
 
@@ -72,17 +73,22 @@ def _encode_lengths(texts: list[str]) -> list[int]:
 
 
 def raw_encode(texts: list[str], tokenizer: str, processes: int) -> tuple[list[int], float]:
-    """Token count of each text and the wall seconds to encode them all in ``processes`` processes."""
+    """Token count of each text and the wall seconds to encode them all in ``processes`` processes.
+
+    With ``processes > 1`` the pool is started and its tokenizers loaded before the clock starts.
+    """
     batches = [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
     if processes == 1:
         _init_encoder(tokenizer)
         t0 = time.perf_counter()
         out = [_encode_lengths(b) for b in batches]
         return [n for b in out for n in b], time.perf_counter() - t0
-    t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(processes, initializer=_init_encoder, initargs=(tokenizer,)) as pool:
+        pool.map(_encode_lengths, [["warm-up"]] * processes, chunksize=1)
+        t0 = time.perf_counter()
         out = pool.map(_encode_lengths, batches, chunksize=1)
-    return [n for b in out for n in b], time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+    return [n for b in out for n in b], elapsed
 
 
 def efficiency_rows(lengths: list[int], max_seq_len: int) -> dict[str, dict]:
@@ -130,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-lens", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="process counts for the throughput runs")
     p.add_argument("--throughput-max-seq-len", type=int, default=4096)
+    p.add_argument("--throughput-limit", type=int, default=1000, help="conversations per file in the throughput runs")
     p.add_argument("--efficiency-only", action="store_true")
     a = p.parse_args(argv)
     data = Path(a.data)
@@ -145,7 +152,7 @@ def main(argv=None) -> int:
     print(f"{len(texts)} conversations in {len(files)} files, rendered once (one template call each) in "
           f"{time.perf_counter() - t0:.1f} s; tokenizer {a.tokenizer}; {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
-    lengths, raw_s = raw_encode(texts, a.tokenizer, 1)
+    lengths, _ = raw_encode(texts, a.tokenizer, 1)
     lengths_by_name, i = {}, 0
     for name, ts in texts_by_file.items():
         lengths_by_name[name], i = lengths[i : i + len(ts)], i + len(ts)
@@ -153,23 +160,44 @@ def main(argv=None) -> int:
     print_efficiency(lengths_by_name, a.max_seq_lens)
     if a.efficiency_only:
         return 0
-    return print_throughput(a, files, texts, lengths, raw_s)
+    return print_throughput(a, files, tok, fmt)
 
 
-def print_throughput(a, files, texts, lengths, raw_1_s: float) -> int:
-    """Time the packer and the raw encode for each process count; print conversations/s and the ratio."""
-    L, n, mismatches = a.throughput_max_seq_len, len(texts), 0
-    expected = efficiency_rows(lengths, L)["best-fit-decreasing"]
-    print(f"\nthroughput, all files, L={L}, best-fit-decreasing ({sum(lengths)} tokens)")
-    print(f"{'processes':>9} {'raw s':>7} {'raw conv/s':>10} {'packer s':>8} {'packer conv/s':>13} {'packer/raw':>10}")
+def head_file(path: Path, limit: int, out_dir: str) -> Path:
+    """Copy of the first ``limit`` lines of ``path`` in ``out_dir`` (the whole file when it is shorter)."""
+    dst = Path(out_dir) / path.name
+    with open(path, encoding="utf-8") as src, open(dst, "w", encoding="utf-8") as out:
+        for _, line in zip(range(limit), src):
+            out.write(line)
+    return dst
+
+
+def print_throughput(a, files: list[Path], tok, fmt) -> int:
+    """Time the packer and the raw encode per file and process count; print conversations/s and the ratios."""
+    L, mismatches = a.throughput_max_seq_len, 0
+    print(f"\nthroughput: first {a.throughput_limit} conversations of each file, L={L}, best-fit-decreasing, "
+          f"wall seconds (load average {os.getloadavg()[0]:.1f}); 'start s' = the packer on one conversation "
+          f"(tokenizer load, process start, writing); 'steady' ratio = raw / (packer - start)")
+    print(f"{'input':<36} {'convs':>5} {'msgs/conv':>9} {'procs':>5} {'raw s':>7} {'raw conv/s':>10} {'packer s':>8} "
+          f"{'packer conv/s':>13} {'start s':>7} {'packer/raw':>10} {'steady':>7}")
     with tempfile.TemporaryDirectory() as out_dir:
-        for procs in a.workers:
-            raw_s = raw_1_s if procs == 1 else raw_encode(texts, a.tokenizer, procs)[1]
-            report, pack_s = time_packer([str(f) for f in files], a.tokenizer, procs, L, out_dir)
-            same = report.real_tokens == sum(min(x, L) for x in lengths) and report.rows == expected["rows"]
-            mismatches += not same
-            print(f"{procs:>9} {raw_s:>7.2f} {n / raw_s:>10.0f} {pack_s:>8.2f} {n / pack_s:>13.1f} "
-                  f"{raw_s / pack_s:>10.4f}" + ("" if same else "  MISMATCH: packer counts differ from raw encode"))
+        one = head_file(files[0], 1, tempfile.mkdtemp(dir=out_dir))
+        for f in files:
+            part = head_file(f, a.throughput_limit, out_dir)
+            texts = render_file(part, tok, fmt)
+            with open(part, encoding="utf-8") as fh:
+                msgs = sum(len(json.loads(x)["messages"]) for x in fh) / len(texts)
+            for procs in a.workers:
+                lengths, raw_s = raw_encode(texts, a.tokenizer, procs)
+                report, pack_s = time_packer([str(part)], a.tokenizer, procs, L, out_dir)
+                start_s = time_packer([str(one)], a.tokenizer, procs, L, out_dir)[1]
+                expected = efficiency_rows(lengths, L)["best-fit-decreasing"]["rows"]
+                same = report.real_tokens == sum(min(x, L) for x in lengths) and report.rows == expected
+                mismatches += not same
+                n, steady = len(texts), raw_s / max(pack_s - start_s, 1e-9)
+                print(f"{f.name:<36} {n:>5} {msgs:>9.1f} {procs:>5} {raw_s:>7.2f} {n / raw_s:>10.0f} {pack_s:>8.2f} "
+                      f"{n / pack_s:>13.1f} {start_s:>7.2f} {raw_s / pack_s:>10.4f} {steady:>7.4f}"
+                      + ("" if same else "  MISMATCH: packer counts differ from the raw encode"))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 1 if mismatches else 0
 

@@ -288,3 +288,26 @@ def test_packer_length_equals_loader_length_on_real_data(tmp_path, shared_data, 
             assert lengths[:-1] == [costs[j] for j in row[:-1]] and lengths[-1] >= costs[row[-1]]
             checked += len(row)
     assert checked > 1000
+
+
+@pytest.mark.slow
+def test_files_written_by_the_packer_load_without_truncation(tmp_path, shared_data, tokenizer_dir):
+    from packsft.packing.pipeline import PackConfig, run_pack
+
+    source = shared_data / "chat" / "gsm8k_test.messages.jsonl"
+    subset = tmp_path / "in.jsonl"
+    subset.write_text("".join(source.read_text(encoding="utf-8").splitlines(keepends=True)[:120]), encoding="utf-8")
+    out = tmp_path / "g.jsonl.packed"
+    report = run_pack(PackConfig(inputs=[str(subset)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+                                 max_seq_len=1024, prompt_format="chat-template", context_parallel_size=2,
+                                 histogram="", progress=False))
+    tok = load_cached(tokenizer_dir("qwen2.5"))
+    ds = PackedSFTDataset(out, tok, "chat-template", 1024, 2, require_sidecar=True)
+    assert len(ds) == report.rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = [ds[i] for i in range(len(ds))]
+    assert sum(len(r["cu_seqlens"]) - 1 for r in rows) == 120
+    assert all(((r["cu_seqlens"][1:] - r["cu_seqlens"][:-1]) % 4 == 0).all() for r in rows)
+    with pytest.raises(SidecarError, match="context_parallel_size: packed for 2, loader has 4"):
+        PackedSFTDataset(out, tok, "chat-template", 1024, 4)

@@ -89,8 +89,10 @@ def test_every_checked_field_is_compared_and_named(field):
 
 
 def test_repack_hint_gives_the_loader_configuration():
-    hint = repack_hint("out/x.jsonl.packed", {"input": "in.jsonl"}, FMT, "tok/dir", 8192, 4)
-    assert hint == ("python tools/pack_megatron_sft_jsonl.py --input in.jsonl --output out/x.jsonl.packed "
-                    "--tokenizer tok/dir --prompt-format nemotron-h-aligned --max-seq-len 8192 "
-                    "--context-parallel-size 4 --pad-token '<SPECIAL_233>'")
-    assert "<your input .jsonl>" in repack_hint("x", {}, FMT, "t", 8, 1)
+    hint = repack_hint("out/x.jsonl.packed", {"inputs": ["a.jsonl", "b.jsonl"], "algorithm": "next-fit", "seed": 7},
+                       FMT, "tok/dir", 8192, 4)
+    assert hint == ("python tools/pack_megatron_sft_jsonl.py --input a.jsonl b.jsonl --output out/x.jsonl.packed "
+                    "--tokenizer tok/dir --prompt-format nemotron-h-aligned --max-seq-length 8192 "
+                    "--context-parallel-size 4 --pad-token '<SPECIAL_233>' --algorithm next-fit --seed 7")
+    assert repack_hint("x", {}, FMT, "t", 8, 1).startswith("python tools/pack_megatron_sft_jsonl.py --input "
+                                                           "<your input .jsonl> --output x")

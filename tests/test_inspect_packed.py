@@ -69,3 +69,11 @@ def test_identity_rows_are_one_text_span(tmp_path, tekken):
     out = describe_row(ds, 0)
     assert "[text] position 0: Capital« of France?Paris.»" in out
     assert "[text] position 0: Be« brief.2+2?4»" in out
+
+
+def test_cli_refuses_a_mismatched_file_with_exit_code_2(tmp_path, tekken, tokenizer_dir, capsys):
+    tok, fmt = tekken
+    path = write_packed(tmp_path / "m.jsonl.packed", ROWS, tok, fmt, 96, cp=1)
+    assert load_tool().main(["--packed", str(path), "--tokenizer", str(tokenizer_dir(TEKKEN)),
+                             "--prompt-format", "nemotron-nano-v2", "--context-parallel-size", "2"]) == 2
+    assert "error: " in capsys.readouterr().err

@@ -35,15 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-template", help="chat-template only: a Jinja string or file")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     args = parser.parse_args(argv)
-    meta = read_sidecar(args.packed) or {}
-    max_seq_len = args.max_seq_len or meta.get("max_seq_len")
-    if max_seq_len is None:
-        parser.error("--max-seq-len is required when the packed file has no sidecar")
-    cp = args.context_parallel_size or meta.get("context_parallel_size", 1)
-    dataset = PackedSFTDataset(args.packed, args.tokenizer, args.prompt_format, max_seq_len, cp,
-                               override_pad_token=args.pad_token, chat_template=args.chat_template)
-    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    print(describe_row(dataset, args.row, color=color))
+    try:
+        meta = read_sidecar(args.packed) or {}
+        max_seq_len = args.max_seq_len or meta.get("max_seq_len")
+        if max_seq_len is None:
+            parser.error("--max-seq-len is required when the packed file has no sidecar")
+        cp = args.context_parallel_size or meta.get("context_parallel_size", 1)
+        dataset = PackedSFTDataset(args.packed, args.tokenizer, args.prompt_format, max_seq_len, cp,
+                                   override_pad_token=args.pad_token, chat_template=args.chat_template)
+        color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+        print(describe_row(dataset, args.row, color=color))
+    except (ValueError, IndexError, FileNotFoundError) as e:  # SidecarError and ConversationError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

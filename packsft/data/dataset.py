@@ -198,9 +198,11 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         meta = read_sidecar(self.path)
         expected = loader_expectation(tokenizer_fingerprint(self.tokenizer), self.prompt_format, self.max_seq_len,
                                       self.context_parallel_size)
+        template = self.prompt_format.chat_template
         hint = repack_hint(self.path, meta or {}, self.prompt_format,
                            str(getattr(self.tokenizer, "name_or_path", "") or "<tokenizer>"),
-                           self.max_seq_len, self.context_parallel_size)
+                           self.max_seq_len, self.context_parallel_size,
+                           custom_template=template is not None and template != self.tokenizer.chat_template)
         if meta is None:
             message = (f"{self.path} has no sidecar {sidecar_path(self.path).name}: its tokenizer, prompt format, "
                        f"pad, max_seq_len and context_parallel_size cannot be checked against the loader's")

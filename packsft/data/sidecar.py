@@ -127,14 +127,23 @@ def loader_expectation(fingerprint: str, fmt: PromptFormat, max_seq_len: int,
 
 
 def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat, tokenizer_path: str,
-                max_seq_len: int, context_parallel_size: int) -> str:
-    """The packer command that would produce a file this loader accepts."""
-    source = meta.get("input") or "<your input .jsonl>"
+                max_seq_len: int, context_parallel_size: int, custom_template: bool = False) -> str:
+    """The packer command (``tools/pack_megatron_sft_jsonl.py`` flags) that produces a file this loader accepts.
+
+    The input files come from the sidecar's ``inputs`` (or ``input``) when it records them; the algorithm and
+    seed are the sidecar's, so only the loader's fields change. ``custom_template``: the loader uses a chat
+    template other than the tokenizer's own, which must be passed again.
+    """
+    source = meta.get("inputs") or meta.get("input") or "<your input .jsonl>"
+    source = " ".join(map(str, source)) if isinstance(source, list) else source
     hint = (f"python {PACK_TOOL} --input {source} --output {packed_path} --tokenizer {tokenizer_path} "
-            f"--prompt-format {fmt.name} --max-seq-len {max_seq_len} --context-parallel-size {context_parallel_size}")
-    if fmt.chat_template is not None:
+            f"--prompt-format {fmt.name} --max-seq-length {max_seq_len} "
+            f"--context-parallel-size {context_parallel_size} --pad-token '{fmt.pad_token}'")
+    if custom_template:
         hint += " --chat-template <the same template>"
-    return hint + f" --pad-token '{fmt.pad_token}'"
+    if "algorithm" in meta:
+        hint += f" --algorithm {meta['algorithm']} --seed {meta.get('seed', 1234)}"
+    return hint
 
 
 def check_sidecar(meta: dict[str, Any], expected: dict[str, Any], packed_path: str | Path, hint: str) -> None:

@@ -40,6 +40,9 @@ def test_cp2_pads_each_conversation_to_a_multiple_of_4_and_stops_at_exactly_L():
     _check(row, tokens=[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0], labels=[2, 3, X, X, X, 6, 7, 8, X, X, X, X],
            loss_mask=[1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0], position_ids=[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7],
            cu_seqlens=[0, 4, 12], max_seqlen=8)
+    from packsft.data.context_parallel import cp_partition_indices
+
+    assert cp_partition_indices(row["cu_seqlens"], 2, 1).tolist() == [1, 2, 6, 7, 8, 9]  # docs/loader.md example
 
 
 def test_cp4_boundary_label_on_a_pad_position_is_masked():

@@ -185,7 +185,8 @@ def test_file_packed_for_cp1_is_refused_with_cp2(tmp_path, tekken):
         ({"prompt_format": "nemotron-nano-v2"}, "prompt_format.name: packed for 'nemotron-h-aligned', loader has "
                                                 "'nemotron-nano-v2'"),
         ({"override_pad_token": "<pad>"}, "prompt_format.pad_token: packed for '<SPECIAL_233>', loader has '<pad>'"),
-        ({"tokenizer": "mistral-nemo", "prompt_format": "nemotron-h-aligned"}, "tokenizer_fingerprint: packed for"),
+        pytest.param({"tokenizer": "mistral-nemo", "prompt_format": "nemotron-h-aligned"},
+                     "tokenizer_fingerprint: packed for", marks=pytest.mark.slow),
     ],
 )
 def test_sidecar_mismatch_names_the_field(tmp_path, tekken, tokenizer_dir, loader, field):
@@ -219,6 +220,7 @@ def test_pickles_without_the_file_handle_and_fingerprint_tracks_content(tmp_path
     assert PackedSFTDataset(path, tok, fmt, 64).fingerprint != ds.fingerprint
 
 
+@pytest.mark.slow
 def test_train_loader_yields_collated_rows(tmp_path, tekken):
     from packsft.data.loader import DataLoaderConfig, build_train_dataloader
 

@@ -216,29 +216,33 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _render(tokenizer, fmt: PromptFormat, msgs, tools, add_generation_prompt: bool) -> str:
+def _render_many(tokenizer, fmt: PromptFormat, conversations: list[list[dict]], tools) -> list[str]:
+    """Render several conversations with the chat template in one ``apply_chat_template`` call."""
     try:
-        text = tokenizer.apply_chat_template(msgs, tools=tools, chat_template=fmt.chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        texts = tokenizer.apply_chat_template(conversations, tools=tools, chat_template=fmt.chat_template,
+                                              tokenize=False, add_generation_prompt=False)
     except Exception as e:  # jinja2 errors and template `raise_exception` calls
         raise PromptFormatError(f"chat template failed: {type(e).__name__}: {e}") from e
-    if not isinstance(text, str):
-        raise PromptFormatError(f"chat template rendered {type(text).__name__}, expected text")
-    return text
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise PromptFormatError(f"chat template rendered {type(texts).__name__}, expected text")
+    return texts
 
 
 def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat) -> list[Segment]:
     msgs = _template_messages(messages)
-    full = _render(tokenizer, fmt, msgs, tools, False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for i in turns:
+        if not (messages[i].get("content") or "").strip() and not messages[i].get("tool_calls"):
+            raise PromptFormatError("empty assistant turn", i)
+    # one call renders: the whole conversation, each prefix ending with an assistant turn, and each probe
+    prefixes = [msgs[: i + 1] for i in turns if i != len(msgs) - 1]
+    probes = [msgs[:i] + [{"role": "assistant", "content": _SENTINEL}] for i in turns]
+    texts = _render_many(tokenizer, fmt, [msgs] + prefixes + probes, tools)
+    full, ends, starts = texts[0], iter(texts[1 : 1 + len(prefixes)]), texts[1 + len(prefixes) :]
     segments: list[Segment] = []
     done = 0  # characters of `full` already assigned to segments
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        if not (m.get("content") or "").strip() and not m.get("tool_calls"):
-            raise PromptFormatError("empty assistant turn", i)
-        end_text = full if i == len(msgs) - 1 else _render(tokenizer, fmt, msgs[: i + 1], tools, False)
-        probe = _render(tokenizer, fmt, msgs[:i] + [{"role": "assistant", "content": _SENTINEL}], tools, False)
+    for i, probe in zip(turns, starts):
+        end_text = full if i == len(msgs) - 1 else next(ends)
         start = len(os.path.commonprefix([end_text, probe]))
         if not full.startswith(end_text) or start < done:
             raise PromptFormatError("chat template is not prefix-stable here: rendering the conversation up to "

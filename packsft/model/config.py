@@ -32,6 +32,10 @@ class ModelConfig:
         rotary_base: RoPE theta (10000 for Llama-2, 500000 for Llama-3, 1e6 for Qwen2).
         norm_epsilon: RMSNorm epsilon.
         tie_word_embeddings: share the input embedding with the output layer.
+        add_qkv_bias: give the fused QKV projection a bias (Qwen2); every other linear stays bias-free.
+        rope_scaling_factor: Llama-3.1-style RoPE frequency scaling factor (Megatron ``rope_scaling``,
+            with its fixed ``low_freq_factor=1``, ``high_freq_factor=4``,
+            ``original_max_position_embeddings=8192``); ``None`` means no scaling.
         attention_backend: ``"torch"`` (packsft's SDPA core attention, runs on CPU) or ``"te"``
             (TransformerEngine; GPU only).
         params_dtype: ``"float32"`` or ``"bfloat16"`` (Megatron ``params_dtype`` + ``bf16``). With the
@@ -51,6 +55,8 @@ class ModelConfig:
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
+    add_qkv_bias: bool = False
+    rope_scaling_factor: float | None = None
     attention_backend: str = "torch"
     params_dtype: str = "float32"
     init_method_std: float = 0.02
@@ -87,6 +93,8 @@ class ModelConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"model.params_dtype must be one of {tuple(PARAMS_DTYPES)}, "
                              f"got {self.params_dtype!r}")
+        if self.rope_scaling_factor is not None and not self.rope_scaling_factor > 0:
+            raise ValueError(f"model.rope_scaling_factor must be > 0 or None, got {self.rope_scaling_factor!r}")
         for name in ("rotary_base", "norm_epsilon", "init_method_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)!r}")
@@ -101,10 +109,10 @@ class ModelConfig:
     def to_transformer_config(self, tp: int = 1, cp: int = 1):
         """Build Megatron-Core's ``TransformerConfig`` for tensor-parallel ``tp`` and context-parallel ``cp``.
 
-        Dropout is 0 (``attention_dropout``, ``hidden_dropout``), biases are off (``add_bias_linear``,
-        ``add_qkv_bias``), and every CUDA-only fusion is off. On a machine without CUDA the weights
-        are created on CPU (``use_cpu_initialization``), which also makes TP shards exact slices of
-        the TP=1 weights for the same seed.
+        Dropout is 0 (``attention_dropout``, ``hidden_dropout``), biases are off (``add_bias_linear``;
+        ``add_qkv_bias`` follows the field of that name), and every CUDA-only fusion is off. On a machine
+        without CUDA the weights are created on CPU (``use_cpu_initialization``), which also makes TP
+        shards exact slices of the TP=1 weights for the same seed.
 
         Raises:
             ValueError: if ``num_attention_heads``/``num_query_groups`` are not divisible by ``tp``,
@@ -132,7 +140,7 @@ class ModelConfig:
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=False,
+            add_qkv_bias=self.add_qkv_bias,
             attention_dropout=0.0,
             hidden_dropout=0.0,
             init_method_std=self.init_method_std,

@@ -48,8 +48,9 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process:
     ``cfg.init_method_std``), on CPU when CUDA is absent, so the same seed gives the same weights, and
     TP shards are slices of the TP=1 weights.
 
-    The model is Llama-style: RMSNorm, SwiGLU, RoPE with ``cfg.rotary_base`` (positions restart at 0
-    in every THD segment), GQA, no biases, ``share_embeddings_and_output_weights =
+    The model is Llama-style: RMSNorm, SwiGLU, RoPE with ``cfg.rotary_base`` (and Llama-3.1 frequency
+    scaling when ``cfg.rope_scaling_factor`` is set; positions restart at 0 in every THD segment), GQA,
+    no biases except an optional QKV bias (``cfg.add_qkv_bias``), ``share_embeddings_and_output_weights =
     cfg.tie_word_embeddings``, ``parallel_output=True`` (logits stay vocab-sharded).
 
     Returns:
@@ -81,4 +82,6 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process:
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.rotary_base,
+        rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor if cfg.rope_scaling_factor is not None else 8.0,
     )

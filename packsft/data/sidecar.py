@@ -20,11 +20,10 @@ Only the first five are checked (:data:`CHECKED_FIELDS`); the rest describe the 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from packsft.io import atomic_open
 from packsft.prompt_formats import PromptFormat
 
 SIDECAR_SUFFIX = ".meta.json"
@@ -66,14 +65,8 @@ def write_sidecar(path: str | Path, meta: dict[str, Any]) -> Path:
     """
     target = sidecar_path(path)
     text = json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2, sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_open(target) as f:
+        f.write(text)
     return target
 
 

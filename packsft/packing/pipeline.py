@@ -34,14 +34,13 @@ from tqdm import tqdm
 
 from packsft import __version__
 from packsft.conversation import ConversationError, iter_jsonl_lines, parse_record
+from packsft.data.sidecar import sidecar_path, write_sidecar
 from packsft.io import atomic_open, write_json_atomic
 from packsft.packing.algorithms import ALGORITHMS, check_max_seq_len, conversation_cost, lower_bound_rows, pack
 from packsft.prompt_formats import PromptFormatError, count_conversation_tokens, get_prompt_format
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
-SIDECAR_SUFFIX = ".meta.json"
-FORMAT_VERSION = 1
 _BATCH = 64
 
 
@@ -327,18 +326,17 @@ def run_pack(cfg: PackConfig) -> PackReport:
 
 
 def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs) -> None:
-    sidecar_path = cfg.output + SIDECAR_SUFFIX
     report_path = cfg.report or cfg.output + ".report.json"
     histogram = cfg.histogram if cfg.histogram is not None else cfg.output + ".lengths.png"
-    report.outputs = {"rows": cfg.output, "sidecar": sidecar_path, "report": report_path}
+    report.outputs = {"rows": cfg.output, "sidecar": str(sidecar_path(cfg.output)), "report": report_path}
     if histogram:
         from packsft.packing.report import plot_lengths
 
         plot_lengths(histogram, lengths, [sum(costs[i] for i in r) for r in rows], cfg.max_seq_len)
         report.outputs["histogram"] = histogram
     sidecar = {
-        "format_version": FORMAT_VERSION,
         "packsft_version": __version__,
+        "inputs": list(cfg.inputs),
         "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "tokenizer": str(cfg.tokenizer),
         "prompt_format": fmt.spec(),
@@ -353,5 +351,5 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs) -> N
                    "real_tokens": report.real_tokens, "padding_tokens": report.padding_tokens},
         "efficiency": report.efficiency,
     }
-    write_json_atomic(sidecar_path, sidecar)
+    write_sidecar(cfg.output, sidecar)
     write_json_atomic(report_path, asdict(report))

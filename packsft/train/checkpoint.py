@@ -1,0 +1,219 @@
+"""Checkpoints: Megatron ``dist_checkpointing`` for model + AdamW state, small files for everything else.
+
+Layout of ``<checkpoint_dir>``::
+
+    latest                      # text: the name of the newest complete checkpoint, e.g. "iter_0000020"
+    iter_0000020/
+      .metadata, __*_*.distcp   # torch_dist shards of {"model": ..., "optimizer": ...} (dist_checkpointing)
+      common.pt, metadata.json  # dist_checkpointing common state (optimizer param_groups, common_step)
+      train_state.pt            # rank 0: step, consumed_samples/tokens, trained_tokens, scheduler, config, layout
+      dataloader_dp{d}.pt       # one per data-parallel rank d (written by its TP=CP=0 rank): loader_state_dict
+      rng_rank{r}.pt            # one per global rank r: python, numpy, torch (and CUDA) RNG states
+
+Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames it to ``iter_XXXXXXX`` and
+then rewrites ``latest`` through a temp file + ``os.replace``. A process killed during a save leaves a ``.tmp``
+folder that is never read (and is deleted by the next save of that step) and ``latest`` still names the previous
+complete checkpoint.
+
+Resharding: model and optimizer tensors are stored with their global shapes (``GPTModel.sharded_state_dict`` and
+``get_param_id_to_sharded_param_map`` + ``optim_state_to_sharding_state``, see ``shared/notes`` §5), so TP and DP
+sizes may change between save and resume. ``torch.distributed.checkpoint`` on a plain ``state_dict`` is not used: it
+is silently wrong under TP>1 (a TP shard has the same key on each rank and is deduplicated as if replicated).
+The data order (``dataloader_dp*.pt``) only continues with the same DP size and data; the RNG files are restored
+when one exists for this rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+
+from packsft.io import atomic_open
+from packsft.train.optim import optimizer_params
+
+LATEST = "latest"
+TRAIN_STATE = "train_state.pt"
+COMMON_STEP = "common_step"
+
+
+def checkpoint_name(step: int) -> str:
+    """Folder name of the checkpoint after optimizer step ``step``: ``iter_0000020``."""
+    return f"iter_{step:07d}"
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def _fill_missing_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter AdamW state (zeros, step 0) so a load template has a tensor for each entry."""
+    for p in optimizer_params(optimizer):
+        if not optimizer.state[p]:
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def sharded_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": sharded model state, "optimizer": AdamW state with sharding metadata}`` for dist_checkpointing.
+
+    AdamW's per-parameter ``step`` tensors are equal, so they are stored once as ``state["common_step"]`` (float).
+
+    Raises:
+        ValueError: (from Megatron) an optimizer parameter without a matching model sharded tensor.
+    """
+    _fill_missing_adam_state(optimizer)
+    model_state = _unwrap(model).sharded_state_dict()
+    optim_state = optimizer.state_dict()
+    id_map = get_param_id_to_sharded_param_map(model_state, optimizer_params(optimizer))
+    step = float(next(iter(optim_state["state"].values()))["step"]) if optim_state["state"] else 0.0
+    optim_state_to_sharding_state(optim_state, id_map, exclude_keys=("step",))
+    optim_state["state"][COMMON_STEP] = step
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["cuda_tracker"])
+
+
+def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_state: dict[str, Any],
+                    loader_state: dict[str, Any] | None, dp_rank: int, write_loader_state: bool) -> Path:
+    """Write the checkpoint of ``step`` atomically (see the module docstring); collective over all ranks.
+
+    Args:
+        ckpt_dir: checkpoint folder (created if missing; must be shared by all ranks).
+        step: optimizer steps done.
+        model: ``GPTModel`` or its DDP wrapper. optimizer: the AdamW of :func:`packsft.train.optim.build_optimizer`.
+        train_state: rank 0's ``train_state.pt`` content (step, counters, scheduler, config, layout).
+        loader_state: ``packsft.data.loader.loader_state_dict`` of this rank's training loader.
+        dp_rank: this rank's data-parallel index. write_loader_state: True on the one rank per DP index (TP=CP=0).
+
+    Returns:
+        The final ``iter_XXXXXXX`` path.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    final, tmp = ckpt_dir / checkpoint_name(step), ckpt_dir / f"{checkpoint_name(step)}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded_train_state(model, optimizer), str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    if write_loader_state:
+        torch.save(loader_state, tmp / f"dataloader_dp{dp_rank}.pt")
+    if rank == 0:
+        torch.save(train_state, tmp / TRAIN_STATE)
+    dist.barrier()
+    if rank == 0:
+        _publish(ckpt_dir, tmp, final)
+    dist.barrier()
+    return final
+
+
+def _publish(ckpt_dir: Path, tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final`` (replacing an older folder of that name), then point ``latest`` at it."""
+    if final.exists():
+        old = final.with_name(final.name + ".replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    with atomic_open(ckpt_dir / LATEST) as f:
+        f.write(final.name + "\n")
+
+
+def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
+    """Resolve ``checkpoint.resume``: ``none`` -> None; ``auto`` -> ``latest`` in ``ckpt_dir`` or None; else a path.
+
+    Raises:
+        FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.pt``.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        latest = Path(ckpt_dir) / LATEST
+        if not latest.is_file():
+            return None
+        path = Path(ckpt_dir) / latest.read_text().strip()
+    else:
+        path = Path(resume)
+    if not (path / TRAIN_STATE).is_file():
+        raise FileNotFoundError(f"checkpoint {path} (checkpoint.resume={resume!r}) is missing or incomplete: "
+                                f"no {TRAIN_STATE}")
+    return path
+
+
+def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
+    """Load model weights and AdamW state from ``path`` into this rank's shards (any saved TP/DP layout).
+
+    Raises:
+        megatron ``CheckpointingException``: a tensor of the model is missing from the checkpoint or has another
+            global shape (a different architecture).
+    """
+    loaded = dist_checkpointing.load(sharded_train_state(model, optimizer), str(path))
+    _unwrap(model).load_state_dict(loaded["model"])
+    optim_state = loaded["optimizer"]
+    step = optim_state["state"].pop(COMMON_STEP)
+    for param_state in optim_state["state"].values():
+        param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    optimizer.load_state_dict(optim_state)
+
+
+def load_train_state(path: str | Path) -> dict[str, Any]:
+    """``train_state.pt`` of a checkpoint (plain Python values and the scheduler state)."""
+    return torch.load(Path(path) / TRAIN_STATE, weights_only=False)
+
+
+def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
+    """The loader state saved for data-parallel rank ``dp_rank``.
+
+    Raises:
+        FileNotFoundError: no ``dataloader_dp{dp_rank}.pt`` (the checkpoint had fewer data-parallel ranks); the
+            message says to set ``checkpoint.restore_data_order=false``.
+    """
+    file = Path(path) / f"dataloader_dp{dp_rank}.pt"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist: the checkpoint was written with another data-parallel size; "
+                                "resume with checkpoint.restore_data_order=false to restart the data order")
+    return torch.load(file, weights_only=False)
+
+
+def load_rng_state(path: str | Path, rank: int) -> bool:
+    """Restore this rank's RNG states if ``rng_rank{rank}.pt`` exists; return whether it did."""
+    file = Path(path) / f"rng_rank{rank}.pt"
+    if file.is_file():
+        _set_rng_state(torch.load(file, weights_only=False))
+        return True
+    return False

@@ -1,0 +1,340 @@
+"""Typed training configuration: dataclass schema + YAML file + dotted CLI overrides (OmegaConf).
+
+``load_config("configs/tiny_cpu.yaml", ["optimizer.lr=1e-3", "train.train_steps=50"])`` merges, in order, the
+schema defaults, the YAML file and the overrides, then builds the dataclasses with ``OmegaConf.to_object``, which
+runs every section's ``__post_init__`` validation (``ModelConfig`` and ``DataLoaderConfig`` included) and finally the
+cross-section checks of :class:`Config`. A misspelt key, a wrong type or an invalid value raises ``ValueError``
+naming the dotted key and the value. Checks that need the world size (``global_batch_size`` vs data-parallel size)
+are in :func:`check_parallel_layout`, called by the trainer after ``init_distributed``.
+
+Sections (every field is documented in ``docs/training.md``): ``model`` (:class:`~packsft.model.config.ModelConfig`),
+``data``, ``loader`` (:class:`~packsft.data.loader.DataLoaderConfig`), ``loss``, ``optimizer``, ``scheduler``,
+``parallel``, ``train``, ``checkpoint``, ``logging``, ``validation``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from packsft.data.loader import DataLoaderConfig
+from packsft.model.config import ModelConfig
+
+DECAY_STYLES = ("cosine", "linear", "constant")
+AUTOCAST_DTYPES = ("bfloat16", "float16")
+
+
+def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
+    """Raise ``ValueError`` naming ``section.name`` for each field that is not > 0 (or >= 0).
+
+    ``None`` and OmegaConf's ``MISSING`` (a schema default still to be filled by the YAML) are skipped.
+    """
+    for name in names:
+        value = getattr(obj, name)
+        if value is None or value == MISSING:
+            continue
+        if (value < 0) if allow_zero else (value <= 0):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{section}.{name} must be {bound}, got {value!r}")
+
+
+@dataclass
+class DataConfig:
+    """Packed input files and how to tokenize them (must match the packer's settings, checked via the sidecar)."""
+
+    train_path: str = MISSING
+    """The ``.jsonl.packed`` training file."""
+    tokenizer: str = MISSING
+    """Local tokenizer folder or ``tokenizer.json`` (the one the file was packed with)."""
+    max_seq_len: int = MISSING
+    """Tokens per packed row ``L``; a multiple of ``2 * parallel.context_parallel_size`` when CP > 1."""
+    prompt_format: str = "chat-template"
+    """``chat-template``, ``identity``, ``nemotron-nano-v2`` or ``nemotron-h-aligned``."""
+    chat_template: str | None = None
+    """Jinja string or file for ``chat-template`` (default: the tokenizer's)."""
+    override_pad_token: str | None = None
+    """Pad token override, as given to the packer."""
+    require_sidecar: bool = False
+    """Refuse a packed file without ``<file>.meta.json`` instead of warning."""
+    validation_path: str | None = None
+    """A separate packed file for validation (same tokenizer and ``max_seq_len``)."""
+    split_validation_size: float = 0.0
+    """Fraction in [0, 1) of the training rows held out for validation (seeded by ``loader.seed``)."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the field for invalid values."""
+        _positive("data", self, "max_seq_len")
+        if not 0.0 <= self.split_validation_size < 1.0:
+            raise ValueError(f"data.split_validation_size must be in [0, 1), got {self.split_validation_size!r}")
+        if self.validation_path and self.split_validation_size > 0:
+            raise ValueError("set either data.validation_path or data.split_validation_size, not both "
+                             f"(got {self.validation_path!r} and {self.split_validation_size})")
+
+
+@dataclass
+class LossConfig:
+    """Token cross-entropy (DESIGN §7): normalised by the trained tokens of the whole global batch."""
+
+    fused_linear_cross_entropy: bool = True
+    """True: packsft's chunked fused linear-CE (never holds ``[t, v]`` logits); False: Megatron's stock
+    ``vocab_parallel_cross_entropy`` on full logits."""
+    chunk_size: int = 1024
+    """Tokens per chunk of the fused loss (memory ~ ``chunk_size * vocab / tp * 4`` bytes)."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` for a non-positive ``chunk_size``."""
+        _positive("loss", self, "chunk_size")
+
+
+@dataclass
+class OptimizerConfig:
+    """``torch.optim.AdamW`` with two parameter groups (decay / no decay) and global-norm clipping."""
+
+    lr: float = 3e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of matrices; 1-D parameters (norm weights, biases) get 0."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient L2 norm (TP-aware) to this value; 0 disables clipping (the norm is still logged)."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the field for invalid values."""
+        _positive("optimizer", self, "lr", "adam_eps")
+        _positive("optimizer", self, "weight_decay", "clip_grad", allow_zero=True)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning rate per optimizer step: linear warmup from 0, then decay to ``min_lr``."""
+
+    warmup_steps: int = 0
+    """Steps of linear warmup (lr = lr * (step + 1) / warmup_steps)."""
+    decay_style: str = "cosine"
+    """``cosine``, ``linear`` or ``constant``."""
+    decay_steps: int | None = None
+    """Steps of decay after warmup; default ``train.train_steps - warmup_steps``. After it lr stays ``min_lr``."""
+    min_lr: float = 0.0
+    """Final learning rate."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the field for invalid values."""
+        _positive("scheduler", self, "warmup_steps", "min_lr", allow_zero=True)
+        _positive("scheduler", self, "decay_steps")
+        if self.decay_style not in DECAY_STYLES:
+            raise ValueError(f"scheduler.decay_style must be one of {DECAY_STYLES}, got {self.decay_style!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout; the data-parallel size is ``WORLD_SIZE / (tensor * context)``."""
+
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    backend: str | None = None
+    """``nccl`` or ``gloo``; default NCCL with CUDA, gloo on CPU."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the field for invalid values."""
+        _positive("parallel", self, "tensor_model_parallel_size", "context_parallel_size")
+        if self.backend not in (None, "nccl", "gloo"):
+            raise ValueError(f"parallel.backend must be 'nccl', 'gloo' or null, got {self.backend!r}")
+
+
+@dataclass
+class TrainSection:
+    """The step loop: batch size, length, seed, precision."""
+
+    global_batch_size: int = 8
+    """Packed rows per optimizer step over all data-parallel ranks (= micro-batches x data-parallel size)."""
+    train_steps: int = MISSING
+    """Optimizer steps of the whole run (defines the LR schedule)."""
+    stop_at_step: int | None = None
+    """Stop (after checkpointing) once this step is done, before ``train_steps``; the schedule is unchanged.
+    For time-limited jobs: resume later with ``checkpoint.resume=auto``."""
+    seed: int = 1234
+    """Seeds weight init (``torch.manual_seed``) and ``random``; the data order uses ``loader.seed``."""
+    autocast_dtype: str | None = None
+    """``bfloat16``/``float16``: ``torch.autocast`` on CUDA with fp32 master weights; null = no autocast (fp32).
+    CPU autocast is refused (Megatron's backward fails, ``tensor_parallel/layers.py:531``)."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the field for invalid values."""
+        _positive("train", self, "global_batch_size", "train_steps", "stop_at_step")
+        if self.autocast_dtype not in (None, *AUTOCAST_DTYPES):
+            raise ValueError(f"train.autocast_dtype must be null or one of {AUTOCAST_DTYPES}, "
+                             f"got {self.autocast_dtype!r}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron ``dist_checkpointing`` checkpoints (layout in ``packsft.train.checkpoint``)."""
+
+    dir: str | None = None
+    """Checkpoint folder; default ``<logging.output_dir>/checkpoints``."""
+    save_interval: int = 0
+    """Save every N steps; 0 = only at the end."""
+    save_at_end: bool = True
+    """Save after the last step (``train_steps`` or ``stop_at_step``)."""
+    resume: str = "auto"
+    """``auto`` (the ``latest`` checkpoint in ``dir`` if any), ``none``, or a path to an ``iter_XXXXXXX`` folder."""
+    restore_data_order: bool = True
+    """Restore the loader's sampler position (needs the same data-parallel size and data); false restarts the
+    data order (use it to resume with another data-parallel size)."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` for a negative ``save_interval``."""
+        _positive("checkpoint", self, "save_interval", allow_zero=True)
+
+
+@dataclass
+class LoggingConfig:
+    """Outputs of the run: progress bar, ``metrics.jsonl``, TensorBoard events."""
+
+    output_dir: str = "out/train"
+    """Run folder: ``metrics.jsonl``, ``tensorboard/``, ``config.yaml``, ``checkpoints/`` (by default)."""
+    log_interval: int = 1
+    """Write a metrics record every N steps."""
+    tensorboard: bool = True
+    progress: bool = True
+    """tqdm progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` for a non-positive ``log_interval``."""
+        _positive("logging", self, "log_interval")
+
+
+@dataclass
+class ValidationConfig:
+    """Validation passes over ``data.validation_path`` or the ``data.split_validation_size`` held-out rows."""
+
+    val_period: int = 0
+    """Validate every N steps; 0 = never periodically."""
+    val_at_start: bool = False
+    val_at_end: bool = False
+    max_batches: int | None = None
+    """Micro-batches per data-parallel rank and pass; null = the whole validation set."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the field for invalid values."""
+        _positive("validation", self, "val_period", allow_zero=True)
+        _positive("validation", self, "max_batches")
+
+    @property
+    def enabled(self) -> bool:
+        """True when any validation pass is requested."""
+        return self.val_period > 0 or self.val_at_start or self.val_at_end
+
+
+@dataclass
+class Config:
+    """The whole training configuration (see the module docstring)."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    loader: DataLoaderConfig = field(default_factory=DataLoaderConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+    def __post_init__(self) -> None:
+        """Cross-section checks.
+
+        Raises:
+            ValueError: naming both dotted keys and values: ``loader.micro_batch_size`` != 1 (THD rows),
+                ``data.max_seq_len`` not a multiple of ``2 * context_parallel_size``, ``max_seq_len`` above
+                ``model.max_position_embeddings``, warmup longer than the run, validation without data,
+                ``stop_at_step`` past ``train_steps``.
+        """
+        if self.loader.micro_batch_size != 1:
+            raise ValueError(f"loader.micro_batch_size ({self.loader.micro_batch_size}) must be 1: a micro-batch is "
+                             "one packed THD row (qkv_format='thd' needs batch dimension 1); raise "
+                             "train.global_batch_size for more rows per step")
+        cp, seq = self.parallel.context_parallel_size, self.data.max_seq_len
+        if cp > 1 and seq % (2 * cp):
+            raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of 2 * parallel.context_parallel_size "
+                             f"({2 * cp})")
+        if seq > self.model.max_position_embeddings:
+            raise ValueError(f"data.max_seq_len ({seq}) must be <= model.max_position_embeddings "
+                             f"({self.model.max_position_embeddings})")
+        if self.scheduler.warmup_steps > self.train.train_steps:
+            raise ValueError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be <= "
+                             f"train.train_steps ({self.train.train_steps})")
+        if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.train_steps:
+            raise ValueError(f"train.stop_at_step ({self.train.stop_at_step}) must be <= train.train_steps "
+                             f"({self.train.train_steps})")
+        has_val_data = bool(self.data.validation_path) or self.data.split_validation_size > 0
+        if self.validation.enabled and not has_val_data:
+            raise ValueError("validation is enabled (validation.val_period / val_at_start / val_at_end) but there is "
+                             "no validation data: set data.validation_path or data.split_validation_size")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``checkpoint.dir``, or ``<logging.output_dir>/checkpoints``."""
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.logging.output_dir) / "checkpoints"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a :class:`Config` from a YAML file and dotted overrides (``section.key=value``).
+
+    Args:
+        path: YAML file, or None for schema defaults plus overrides only.
+        overrides: e.g. ``["optimizer.lr=1e-3", "parallel.context_parallel_size=2"]``; applied after the file.
+
+    Returns:
+        The validated :class:`Config` (plain dataclasses, not OmegaConf nodes).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: an unknown key, a value of the wrong type, a missing required value (``???``) or any validation
+            failure; the message names the file and the dotted key.
+    """
+    where = str(path) if path else "<overrides>"
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config),
+                                 OmegaConf.load(path) if path else {},
+                                 OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"invalid config {where}: {err}") from err
+    except ValueError as err:
+        raise ValueError(f"invalid config {where}: {err}") from err
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The resolved configuration as YAML (written to ``<output_dir>/config.yaml`` and into checkpoints)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def check_parallel_layout(cfg: Config, world_size: int) -> int:
+    """Check the configuration against the job's world size and return the data-parallel size.
+
+    Raises:
+        ValueError: ``world_size`` not a multiple of ``tp * cp``, or ``train.global_batch_size`` not a multiple of
+            ``loader.micro_batch_size * data_parallel_size``; the message names the keys and values.
+    """
+    tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
+    if world_size % (tp * cp):
+        raise ValueError(f"WORLD_SIZE ({world_size}) must be a multiple of parallel.tensor_model_parallel_size "
+                         f"({tp}) * parallel.context_parallel_size ({cp})")
+    dp = world_size // (tp * cp)
+    per_step = cfg.loader.micro_batch_size * dp
+    if cfg.train.global_batch_size % per_step:
+        raise ValueError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
+                         f"loader.micro_batch_size ({cfg.loader.micro_batch_size}) * data-parallel size ({dp})")
+    return dp

@@ -1,0 +1,102 @@
+"""Training and validation datasets from the config, and the per-rank micro-batch given to the model.
+
+The loaders themselves (sampling order, data-parallel split, resumable state) are ``packsft.data.loader``'s; this
+module only chooses the rows (a held-out ``split_validation_size`` share) and turns a collated row into the model
+input of this context-parallel rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from packsft.data.context_parallel import make_packed_seq_params, slice_batch_for_cp
+from packsft.data.dataset import PackedSFTDataset
+from packsft.train.config import Config
+
+MODEL_INPUT_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+class RowSubset(torch.utils.data.Dataset):
+    """Rows ``indices`` of a dataset, with a ``fingerprint`` that names the base file and the subset.
+
+    Args:
+        base: a dataset with ``__getitem__``/``__len__`` (and optionally ``fingerprint``, ``sidecar``).
+        indices: row indices into ``base``, in the order they are exposed.
+        tag: distinguishes subsets in the fingerprint (``"train"``, ``"validation"``).
+    """
+
+    def __init__(self, base: Any, indices: list[int], tag: str) -> None:
+        self.base, self.indices, self.tag = base, list(indices), tag
+        self.sidecar = getattr(base, "sidecar", None)
+
+    def __len__(self) -> int:
+        """Number of rows in the subset."""
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Row ``indices[i]`` of the base dataset."""
+        return self.base[self.indices[i]]
+
+    @property
+    def fingerprint(self) -> str:
+        """``<base fingerprint>:<tag>:<rows>`` (checked by the loader on resume)."""
+        return f"{getattr(self.base, 'fingerprint', None)}:{self.tag}:{len(self.indices)}"
+
+
+def split_rows(num_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded split of ``range(num_rows)`` into (train, validation) with ``ceil(fraction * num_rows)`` held out.
+
+    Raises:
+        ValueError: when either side would be empty.
+    """
+    num_val = math.ceil(fraction * num_rows)
+    if not 0 < num_val < num_rows:
+        raise ValueError(f"data.split_validation_size={fraction} of {num_rows} rows leaves {num_val} validation and "
+                         f"{num_rows - num_val} training rows; both must be > 0")
+    order = np.random.default_rng(seed).permutation(num_rows)
+    return sorted(order[num_val:].tolist()), sorted(order[:num_val].tolist())
+
+
+def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
+    """``(train, validation or None)`` datasets of packed rows for ``cfg.data``.
+
+    Raises:
+        FileNotFoundError, SidecarError, ValueError: from ``PackedSFTDataset`` or :func:`split_rows`.
+    """
+    data = cfg.data
+
+    def packed(path: str) -> PackedSFTDataset:
+        return PackedSFTDataset(path, data.tokenizer, data.prompt_format, data.max_seq_len,
+                                cfg.parallel.context_parallel_size, override_pad_token=data.override_pad_token,
+                                chat_template=data.chat_template, require_sidecar=data.require_sidecar)
+
+    train = packed(data.train_path)
+    if data.validation_path:
+        return train, packed(data.validation_path)
+    if data.split_validation_size > 0:
+        train_rows, val_rows = split_rows(len(train), data.split_validation_size, cfg.loader.seed)
+        return RowSubset(train, train_rows, "train"), RowSubset(train, val_rows, "validation")
+    return train, None
+
+
+def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, device: torch.device) -> dict[str, Any]:
+    """This CP rank's share of one collated row, on ``device``, as ``packsft.model.output_head.gpt_token_loss`` wants.
+
+    Args:
+        batch: ``packsft.data.collate.collate_rows`` output of one row: ``tokens``/``labels``/``position_ids`` int64
+            ``[1, L]``, ``loss_mask`` float32 ``[1, L]``, ``cu_seqlens`` int32 ``[n + 1]``, ``max_seqlen`` int.
+        cp_size, cp_rank, cp_group: context parallelism (``cp_group`` is ignored when ``cp_size == 1``).
+
+    Returns:
+        ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[1, L / cp_size]`` on ``device`` and
+        ``packed_seq_params`` (THD, global ``cu_seqlens``).
+    """
+    local = slice_batch_for_cp(batch, cp_size, cp_rank)
+    out = {key: local[key].to(device, non_blocking=True) for key in MODEL_INPUT_KEYS}
+    out["packed_seq_params"] = make_packed_seq_params(batch["cu_seqlens"].to(device), batch["max_seqlen"],
+                                                      cp_group if cp_size > 1 else None)
+    return out

@@ -1,0 +1,260 @@
+"""The training loop: one :class:`Trainer` built from a :class:`~packsft.train.config.Config`, iterating on steps.
+
+Flow of ``Trainer(cfg).run()``:
+
+1. ``init_distributed`` (torchrun variables; gloo on CPU, NCCL on GPU) with the TP/CP sizes; DP = world / (TP*CP).
+2. Datasets (``packsft.train.data``), model (``build_gpt_model`` + the hidden-state seam for the fused loss), torch
+   ``DistributedDataParallel`` over the data-parallel-with-context-parallel group when it has more than one rank,
+   AdamW + warmup/decay schedule (``packsft.train.optim``), the stateful training loader of this DP rank.
+3. Resume (``checkpoint.resume``), before the loader's first ``iter()``.
+4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
+   all-reduced over DP x CP, then each micro-batch runs forward + backward on ``sum(token loss) * dp * cp / count``;
+   gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
+5. Logging, validation and checkpoints on their periods; a final validation and checkpoint.
+
+Loss scaling under DDP: DDP *averages* gradients over its group (size ``dp * cp``), while the DESIGN §7 loss is a
+*sum* over ranks of ``token-loss sum / global count``. Each rank therefore back-propagates its share multiplied by
+``dp * cp`` (``normalize_loss(..., gradient_average_size=dp * cp)``), so the averaged gradient is exactly the gradient
+of the global mean. CP ranks hold different tokens of the same rows, so summing their gradients (not averaging) is
+what the factor restores. The logged loss is the unscaled share summed over micro-batches and all-reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from packsft.data.loader import build_eval_dataloader, build_train_dataloader, load_loader_state_dict, loader_state_dict
+from packsft.loss import global_num_trained_tokens, normalize_loss
+from packsft.model.gpt import build_gpt_model
+from packsft.model.output_head import gpt_token_loss, use_hidden_state_output
+from packsft.train import checkpoint as ckpt
+from packsft.train.config import Config, check_parallel_layout, config_to_yaml
+from packsft.train.data import build_datasets, model_input
+from packsft.train.distributed import init_distributed
+from packsft.train.metrics import MetricsLogger, format_summary, peak_memory_gib
+from packsft.train.optim import build_optimizer, build_scheduler, clip_grads, optimizer_params
+
+
+@dataclass
+class TrainState:
+    """Counters saved in ``train_state.pt``: optimizer steps done, rows and tokens consumed (global)."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    trained_tokens: int = 0
+
+
+class Trainer:
+    """Everything one training process holds; build with a validated config, then :meth:`run`.
+
+    Raises (at construction):
+        ValueError: a layout that does not fit the world size, a tokenizer larger than ``model.vocab_size``, CPU
+            autocast, or any data/config error.
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        par = cfg.parallel
+        self.ctx = init_distributed(par.tensor_model_parallel_size, par.context_parallel_size, par.backend,
+                                    seed=cfg.train.seed)
+        self.dp = check_parallel_layout(cfg, self.ctx.world_size)
+        self.micro_batches = cfg.train.global_batch_size // (cfg.loader.micro_batch_size * self.dp)
+        if cfg.train.autocast_dtype and not torch.cuda.is_available():
+            raise ValueError(f"train.autocast_dtype={cfg.train.autocast_dtype!r} needs CUDA (CPU autocast fails in "
+                             "Megatron's backward); use null on CPU")
+        self.train_set, self.val_set = build_datasets(cfg)
+        self._check_vocab()
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.optimizer.lr, cfg.train.train_steps)
+        self.train_loader = build_train_dataloader(self.train_set, cfg.loader, dp_rank=self.ctx.dp_rank,
+                                                   dp_size=self.dp)
+        self.state = TrainState()
+        self.resumed_from = self._resume()
+        self._batches = None
+
+    def _check_vocab(self) -> None:
+        tokenizer = getattr(self.train_set, "tokenizer", None) or self.train_set.base.tokenizer
+        if len(tokenizer) > self.cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size ({self.cfg.model.vocab_size}) is smaller than the tokenizer "
+                             f"{self.cfg.data.tokenizer} ({len(tokenizer)} tokens)")
+
+    def _build_model(self) -> torch.nn.Module:
+        gpt = build_gpt_model(self.cfg.model).to(self.ctx.device)
+        use_hidden_state_output(gpt)
+        if self.dp * self.ctx.context_parallel_size == 1:
+            return gpt
+        ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
+        return DistributedDataParallel(gpt, device_ids=ids, process_group=self.ctx.dp_cp_group)
+
+    @property
+    def gpt(self) -> torch.nn.Module:
+        """The ``GPTModel`` (inside DDP when wrapped)."""
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    # -- resume and checkpoint -------------------------------------------------------------------------------------
+    def _resume(self) -> str | None:
+        path = ckpt.find_resume_checkpoint(self.cfg.checkpoint_dir, self.cfg.checkpoint.resume)
+        if path is None:
+            return None
+        ckpt.load_model_and_optimizer(path, self.model, self.optimizer)
+        saved = ckpt.load_train_state(path)
+        self.state = TrainState(**saved["state"])
+        sched = {k: v for k, v in saved["scheduler"].items() if k not in ("lr_lambdas", "base_lrs")}
+        self.scheduler.load_state_dict(sched)
+        lmbda = self.scheduler.lr_lambdas[0]
+        for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base_lr * lmbda(self.scheduler.last_epoch)   # the current schedule, as LambdaLR computes it
+            group["weight_decay"] = self.cfg.optimizer.weight_decay if group["name"] == "decay" else 0.0
+        if self.cfg.checkpoint.restore_data_order:
+            load_loader_state_dict(self.train_loader, ckpt.load_loader_state(path, self.ctx.dp_rank))
+        ckpt.load_rng_state(path, self.ctx.rank)
+        return str(path)
+
+    def save(self) -> None:
+        """Write the checkpoint of the current step (collective)."""
+        train_state = {"state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
+                       "config": config_to_yaml(self.cfg), "layout": self.layout()}
+        first_of_dp = (dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0)
+        ckpt.save_checkpoint(self.cfg.checkpoint_dir, self.state.step, self.model, self.optimizer,
+                             train_state=train_state, loader_state=loader_state_dict(self.train_loader),
+                             dp_rank=self.ctx.dp_rank, write_loader_state=first_of_dp)
+
+    def layout(self) -> dict[str, int]:
+        """World size and TP/CP/DP sizes."""
+        return {"world_size": self.ctx.world_size, "tensor_model_parallel_size": self.ctx.tensor_model_parallel_size,
+                "context_parallel_size": self.ctx.context_parallel_size, "data_parallel_size": self.dp}
+
+    # -- one step ---------------------------------------------------------------------------------------------------
+    def next_micro_batches(self) -> list[dict[str, Any]]:
+        """This rank's micro-batches of the next step, CP-sliced, on the device (one ``next()`` each)."""
+        if self._batches is None:
+            self._batches = iter(self.train_loader)
+        ctx = self.ctx
+        return [model_input(next(self._batches), ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device)
+                for _ in range(self.micro_batches)]
+
+    def _autocast(self):
+        dtype = self.cfg.train.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=getattr(torch, dtype))
+
+    def _token_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        with self._autocast():
+            per_token, _ = gpt_token_loss(self.model, batch, fused=self.cfg.loss.fused_linear_cross_entropy,
+                                          chunk_size=self.cfg.loss.chunk_size)
+        return per_token.sum()
+
+    def train_step(self, batches: list[dict[str, Any]]) -> dict[str, float]:
+        """Forward/backward over ``batches``, clip, AdamW step, LR step; return ``loss``, ``grad_norm``, ``lr``, counts.
+
+        ``loss`` is the global-batch mean token loss (nats) before the update; identical on every rank.
+        """
+        count = global_num_trained_tokens([b["loss_mask"] for b in batches], (self.ctx.dp_cp_group,),
+                                          labels=[b["labels"] for b in batches])
+        scale = self.dp * self.ctx.context_parallel_size if isinstance(self.model, DistributedDataParallel) else 1
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for i, batch in enumerate(batches):
+            sync = i == len(batches) - 1 or not isinstance(self.model, DistributedDataParallel)
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                token_loss_sum = self._token_loss(batch)
+                normalize_loss(token_loss_sum, count, scale).backward()
+            loss_sum += token_loss_sum.detach().float()
+        dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
+        norm = clip_grads(optimizer_params(self.optimizer), self.cfg.optimizer.clip_grad, self.ctx.tp_group)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": float(loss_sum / count.clamp(min=1)), "grad_norm": float(norm), "lr": lr,
+                "trained_tokens": int(count)}
+
+    # -- validation -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Mean token loss over the validation rows (all DP ranks; ``validation.max_batches`` per rank)."""
+        self.model.eval()
+        ctx, limit = self.ctx, self.cfg.validation.max_batches
+        loader = build_eval_dataloader(self.val_set, self.cfg.loader, dp_rank=ctx.dp_rank, dp_size=self.dp)
+        totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)       # [loss sum, trained tokens]
+        for i, row in enumerate(loader):
+            if limit is not None and i >= limit:
+                break
+            batch = model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device)
+            mask = batch["loss_mask"] * (batch["labels"] != -100)
+            totals += torch.stack([self._token_loss(batch).double(), mask.sum().double()])
+        dist.all_reduce(totals, group=ctx.dp_cp_group)
+        self.model.train()
+        return {"val_loss": float(totals[0] / totals[1].clamp(min=1)), "val_trained_tokens": int(totals[1])}
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Parameters, parallel layout, batch geometry, data rows and packing efficiency (from the sidecar)."""
+        local = sum(p.numel() for p in self.gpt.parameters()
+                    if not getattr(p, "tensor_model_parallel", False) and dist.get_rank(self.ctx.tp_group) == 0)
+        sharded = torch.tensor(sum(p.numel() for p in self.gpt.parameters()
+                                   if getattr(p, "tensor_model_parallel", False)) + local)
+        dist.all_reduce(sharded, group=self.ctx.tp_group)
+        sidecar = getattr(self.train_set, "sidecar", None) or {}
+        return {"kind": "summary", "step": self.state.step, "parameters": int(sharded), **self.layout(),
+                "micro_batches_per_step": self.micro_batches, "global_batch_size": self.cfg.train.global_batch_size,
+                "max_seq_len": self.cfg.data.max_seq_len, "train_rows": len(self.train_set),
+                "validation_rows": len(self.val_set) if self.val_set is not None else 0,
+                "packing_efficiency": sidecar.get("efficiency"), "device": str(self.ctx.device),
+                "resumed_from": self.resumed_from}
+
+    def run(self) -> TrainState:
+        """Train until ``train.stop_at_step`` or ``train.train_steps``; validate and checkpoint on their periods."""
+        cfg, ctx = self.cfg, self.ctx
+        last = cfg.train.stop_at_step or cfg.train.train_steps
+        logger = MetricsLogger(cfg.logging.output_dir, enabled=ctx.rank == 0, tensorboard=cfg.logging.tensorboard,
+                               progress=cfg.logging.progress, initial_step=self.state.step, total_steps=last)
+        summary = self.summary()
+        logger.log(summary)
+        logger.message(format_summary(summary))
+        if cfg.validation.val_at_start and self.state.step == 0:
+            logger.log({"kind": "validation", "step": 0, **self.validate()})
+        saved_at = validated_at = None
+        while self.state.step < last:
+            self._one_step(logger)
+            step = self.state.step
+            if cfg.validation.val_period and step % cfg.validation.val_period == 0:
+                logger.log({"kind": "validation", "step": step, **self.validate()})
+                validated_at = step
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                self.save()
+                saved_at = step
+        if cfg.validation.val_at_end and validated_at != self.state.step:
+            logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
+        if cfg.checkpoint.save_at_end and saved_at != self.state.step:
+            self.save()
+        logger.close()
+        return self.state
+
+    def _one_step(self, logger: MetricsLogger) -> None:
+        start = time.perf_counter()
+        result = self.train_step(self.next_micro_batches())
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        rows = self.cfg.train.global_batch_size
+        tokens = rows * self.cfg.data.max_seq_len
+        st = self.state
+        st.step, st.consumed_samples = st.step + 1, st.consumed_samples + rows
+        st.consumed_tokens += tokens
+        st.trained_tokens += result["trained_tokens"]
+        record = {"kind": "train", "step": st.step, **result, "tokens_per_s": tokens / seconds,
+                  "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_tokens,
+                  "step_time_s": seconds, "mem_gib": peak_memory_gib()}
+        if st.step % self.cfg.logging.log_interval == 0:
+            logger.log(record)
+        logger.progress(record)

@@ -1,0 +1,109 @@
+"""Training outputs on rank 0: tqdm progress, ``metrics.jsonl``, TensorBoard events, and the start-of-run summary.
+
+``metrics.jsonl`` (appended across resumes, one JSON object per line):
+
+* ``{"kind": "train", "step", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens", "consumed_samples",
+  "consumed_tokens", "step_time_s", "mem_gib"}``: ``loss`` is the global-batch mean token loss (nats, DESIGN §7);
+  ``grad_norm`` the TP-aware L2 norm before clipping; ``tokens_per_s`` all row tokens of the global batch (padding
+  included) per second of the step; ``trained_tokens`` the global trained-token count of the step; ``mem_gib`` the peak
+  CUDA memory allocated (GPU) or the process's peak RSS (CPU), GiB.
+* ``{"kind": "validation", "step", "val_loss", "val_trained_tokens"}``.
+* ``{"kind": "summary", ...}``: the run summary, once per start.
+
+A resumed run appends records for the steps after the checkpoint; a step logged by a run that was killed before
+its checkpoint appears twice (the later record is the one of the resumed run).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_gib() -> float:
+    """Peak CUDA memory allocated on this device (GPU) or peak resident set size of this process (CPU), in GiB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
+class MetricsLogger:
+    """Write metrics records on the main rank (every method is a no-op on other ranks).
+
+    Args:
+        output_dir: run folder; ``metrics.jsonl`` and ``tensorboard/`` are created in it.
+        enabled: True on global rank 0 only.
+        tensorboard: also write TensorBoard scalars (``torch.utils.tensorboard.SummaryWriter``).
+        progress: show a tqdm bar from ``initial_step`` to ``total_steps``.
+    """
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, progress: bool,
+                 initial_step: int, total_steps: int) -> None:
+        self.enabled = enabled
+        self._file = self._tb = self._bar = None
+        if not enabled:
+            return
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._file = open(out / "metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out / "tensorboard"))
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (must have ``kind`` and ``step``) to the JSONL file and its numbers to TensorBoard."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in ("kind", "step") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def progress(self, record: dict[str, Any]) -> None:
+        """Advance the bar by one step and show loss, lr, grad norm, tokens/s (and GPU memory)."""
+        if self._bar is None:
+            return
+        shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}", "gnorm": f"{record['grad_norm']:.3f}",
+                 "tok/s": f"{record['tokens_per_s']:.0f}"}
+        if torch.cuda.is_available():
+            shown["mem"] = f"{record['mem_gib']:.1f}G"
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(1)
+
+    def message(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        """Flush and close the file, TensorBoard writer and bar."""
+        for obj in (self._bar, self._tb, self._file):
+            if obj is not None:
+                obj.close()
+        self._file = self._tb = self._bar = None
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """Human-readable lines of the run summary dict of ``Trainer.summary``."""
+    lines = ["run summary:"]
+    for key, value in summary.items():
+        if key != "kind":
+            lines.append(f"  {key:<24} {value}")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""AdamW with weight-decay groups, the warmup + decay learning-rate schedule, and TP-aware gradient clipping.
+
+``torch.optim.AdamW`` is used on CPU and GPU alike: Megatron's optimizer hard-codes ``device="cuda"``
+(``optimizer/optimizer.py:481/907``, ``clip_grads.py``), see ``shared/notes/megatron_core_on_cpu.md`` §4. Its state is
+checkpointed through ``dist_checkpointing`` with the model's sharding (``packsft.train.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from packsft.train.config import OptimizerConfig, SchedulerConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Split trainable parameters into a decayed and a non-decayed group.
+
+    Matrices (``dim >= 2``: linear and embedding weights) get ``weight_decay``; vectors (RMSNorm weights, biases) get
+    0, as in Megatron-LM's ``get_param_groups`` and nanoGPT. The order is ``named_parameters()`` order within each
+    group, decayed group first; the checkpoint maps optimizer state to parameters through this order.
+
+    Returns:
+        ``[{"params": [...], "weight_decay": weight_decay, "name": "decay"}, {..., 0.0, "no_decay"}]`` (a group
+        may be empty).
+    """
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over :func:`param_groups` with ``cfg``'s lr, betas and eps (``foreach`` default)."""
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The optimizer's parameters in state-dict id order (group by group)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class WarmupDecay:
+    """Learning-rate multiplier of optimizer step ``step`` (0-based), for ``torch.optim.lr_scheduler.LambdaLR``.
+
+    ``warmup``: ``(step + 1) / warmup_steps`` for ``step < warmup_steps``. Then with ``p = (step - warmup_steps) /
+    decay_steps`` clamped to [0, 1] and ``m = min_lr / lr``: cosine ``m + (1 - m) * (1 + cos(pi p)) / 2``, linear
+    ``m + (1 - m) * (1 - p)``, constant 1 (Megatron-LM ``OptimizerParamScheduler`` formulas).
+    A plain object (not a lambda) so ``LambdaLR.state_dict`` can store it.
+    """
+
+    def __init__(self, cfg: SchedulerConfig, lr: float, train_steps: int) -> None:
+        self.warmup_steps = cfg.warmup_steps
+        self.decay_steps = cfg.decay_steps if cfg.decay_steps is not None else max(train_steps - cfg.warmup_steps, 1)
+        self.decay_style = cfg.decay_style
+        self.min_ratio = cfg.min_lr / lr
+
+    def __call__(self, step: int) -> float:
+        """Multiplier of the peak lr at 0-based optimizer ``step``."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay_style == "constant":
+            return 1.0
+        progress = min(max((step - self.warmup_steps) / self.decay_steps, 0.0), 1.0)
+        shape = (1 + math.cos(math.pi * progress)) / 2 if self.decay_style == "cosine" else 1 - progress
+        return self.min_ratio + (1 - self.min_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, lr: float,
+                    train_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` with :class:`WarmupDecay`; call ``scheduler.step()`` once after each ``optimizer.step()``."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(cfg, lr, train_steps))
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global L2 norm of the gradients of a tensor-parallel model, identical on every rank.
+
+    Parameters sharded over TP (Megatron attribute ``tensor_model_parallel=True``) contribute their local squares,
+    summed over ``tp_group``; replicated parameters (norm weights) are counted once, on TP rank 0
+    (``param_is_not_tensor_parallel_duplicate``, as Megatron's ``get_grad_norm_fp32``). Gradients must already be
+    reduced over data and context parallelism (DDP does it). ``torch.nn.utils.clip_grad_norm_`` would count
+    replicated parameters ``tp`` times and sharded ones only locally.
+
+    Returns:
+        fp32 scalar tensor on the gradients' device; 0 when no parameter has a gradient.
+    """
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        if param_is_not_tensor_parallel_duplicate(p):
+            total += p.grad.detach().float().pow(2).sum()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=tp_group)
+    return total.sqrt()
+
+
+def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float,
+               tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Scale gradients so their global norm (:func:`grad_norm`) is at most ``max_norm``; 0 disables clipping.
+
+    Scale ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
+
+    Returns:
+        The norm before clipping (fp32 scalar), for logging.
+    """
+    params = list(params)
+    norm = grad_norm(params, tp_group)
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.detach().mul_(scale.to(p.grad.device, p.grad.dtype))
+    return norm

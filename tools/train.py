@@ -1,0 +1,72 @@
+"""Train a Megatron-Core GPT on packed SFT rows (``.jsonl.packed``), on CPU (gloo) or GPUs (NCCL).
+
+One process (CPU or one GPU)::
+
+    python tools/train.py --config configs/tiny_cpu.yaml
+
+Two processes on one machine (data parallel, or ``parallel.context_parallel_size=2`` / TP=2)::
+
+    torchrun --nproc_per_node=2 tools/train.py --config configs/tiny_cpu.yaml
+    torchrun --nproc_per_node=2 tools/train.py --config configs/tiny_cpu.yaml parallel.context_parallel_size=2
+
+Resume: ``checkpoint.resume=auto`` (the default) continues from ``<checkpoint dir>/latest`` when it exists, so
+re-running the same command after an interruption resumes; ``checkpoint.resume=none`` starts over and
+``checkpoint.resume=out/train/tiny_cpu/checkpoints/iter_0000010`` picks a checkpoint::
+
+    python tools/train.py --config configs/tiny_cpu.yaml train.stop_at_step=10   # stop after step 10
+    python tools/train.py --config configs/tiny_cpu.yaml                         # resumes at step 10
+
+Arguments after ``--config`` are dotted overrides (``optimizer.lr=1e-3 train.global_batch_size=16``); every key is
+described in docs/training.md. Outputs: ``<logging.output_dir>/metrics.jsonl``, ``tensorboard/``, ``config.yaml``
+and ``checkpoints/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``--config FILE`` plus any number of ``section.key=value`` overrides."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--config", required=True, help="YAML file (configs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-3")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load the config, train, tear down; return the exit status (2 on a config error)."""
+    args = parse_args(argv)
+    from packsft.train.config import config_to_yaml, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    from packsft.io import atomic_open
+    from packsft.train.distributed import destroy_distributed
+    from packsft.train.loop import Trainer
+
+    try:
+        trainer = Trainer(cfg)
+        if trainer.ctx.rank == 0:
+            with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:
+                f.write(config_to_yaml(cfg))
+        state = trainer.run()
+        if trainer.ctx.rank == 0:
+            print(f"done: step {state.step}, {state.consumed_samples} rows, {state.trained_tokens} trained tokens; "
+                  f"outputs in {cfg.logging.output_dir}")
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":  # required: dist_checkpointing.save starts a spawn-context Manager that re-imports this file
+    sys.exit(main())

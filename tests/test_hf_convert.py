@@ -1,0 +1,208 @@
+"""HF <-> Megatron conversion: layouts, logits parity with transformers (fp32), round trips, refusals."""
+
+import json
+
+import pytest
+import torch
+from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+
+from packsft.data.context_parallel import make_packed_seq_params
+from packsft.model import hf_convert
+from packsft.model.config import ModelConfig
+from packsft.model.gpt import build_gpt_model
+
+VOCAB = 256
+LENGTHS = [7, 12, 5, 8]
+CONFIGS = {  # one tied, two untied; rope_theta and rms_norm_eps differ from every default
+    "llama": (LlamaConfig, dict(tie_word_embeddings=True)),
+    "qwen2": (Qwen2Config, dict(tie_word_embeddings=False)),
+    "mistral": (MistralConfig, dict(tie_word_embeddings=False)),   # sliding_window 4096 >= 128: never reached
+}
+
+
+def hf_config(family, **overrides):
+    cls, extra = CONFIGS[family]
+    fields = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rope_theta=50000.0,
+                  rms_norm_eps=1e-6, **extra)
+    return cls(**{**fields, **overrides})
+
+
+def hf_model(family, seed=0, **overrides):
+    """A random tiny HF model; every weight (norms and Qwen2 biases included) is perturbed away from init."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **overrides)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def megatron_from_hf(model):
+    cfg = hf_convert.model_config_from_hf(model.config)
+    megatron = build_gpt_model(cfg).eval()
+    hf_convert.load_hf_state_into_model(megatron, model.state_dict(), cfg)
+    return megatron, cfg
+
+
+def megatron_logits(model, tokens, position_ids, packed_seq_params=None):
+    with torch.no_grad():
+        return model(tokens, position_ids, None, packed_seq_params=packed_seq_params)[0]   # [t, v] fp32
+
+
+def test_qkv_layout_is_interleaved_per_query_group():
+    cfg = ModelConfig(num_layers=1, hidden_size=8, ffn_hidden_size=8, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=8, max_position_embeddings=8)                      # hn = 2, 2 q heads per group
+    q, k, v = torch.arange(8.0)[:, None], 100 + torch.arange(4.0)[:, None], 200 + torch.arange(4.0)[:, None]
+    state = {"model.embed_tokens.weight": torch.zeros(8, 8), "model.norm.weight": torch.ones(8),
+             "lm_head.weight": torch.zeros(8, 8), "model.layers.0.input_layernorm.weight": torch.ones(8),
+             "model.layers.0.post_attention_layernorm.weight": torch.ones(8),
+             "model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
+             "model.layers.0.self_attn.v_proj.weight": v, "model.layers.0.self_attn.o_proj.weight": torch.zeros(8, 8),
+             "model.layers.0.mlp.gate_proj.weight": torch.full((8, 8), 1.0),
+             "model.layers.0.mlp.up_proj.weight": torch.full((8, 8), 2.0),
+             "model.layers.0.mlp.down_proj.weight": torch.zeros(8, 8)}
+    shards = [hf_convert.hf_to_megatron_state_dict(state, cfg, r, 2) for r in range(2)]
+    qkv = [s["decoder.layers.0.self_attention.linear_qkv.weight"].flatten().tolist() for s in shards]
+    assert qkv == [[0, 1, 2, 3, 100, 101, 200, 201], [4, 5, 6, 7, 102, 103, 202, 203]]
+    fc1 = shards[1]["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist()
+    assert fc1 == [1.0] * 4 + [2.0] * 4                                            # cat(gate_r, up_r)
+    back = hf_convert.megatron_to_hf_state_dict(shards, cfg)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_tp2_shards_reassemble_exactly(family):
+    model = hf_model(family)
+    cfg = hf_convert.model_config_from_hf(model.config)
+    full = hf_convert.hf_to_megatron_state_dict(model.state_dict(), cfg)
+    shards = [hf_convert.hf_to_megatron_state_dict(model.state_dict(), cfg, r, 2) for r in range(2)]
+    qkv = "decoder.layers.1.self_attention.linear_qkv.weight"
+    assert torch.equal(torch.cat([s[qkv] for s in shards]), full[qkv])           # whole groups per rank
+    assert shards[0]["decoder.layers.1.mlp.linear_fc2.weight"].shape == (64, 48)
+    back = hf_convert.megatron_to_hf_state_dict(shards, cfg)
+    expected = {k: v for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_logits_equal_transformers_unpacked(parallel_state_1proc, family):  # noqa: F811
+    model = hf_model(family)
+    megatron, cfg = megatron_from_hf(model)
+    assert cfg.add_qkv_bias == (family == "qwen2") and cfg.rotary_base == 50000.0 and cfg.norm_epsilon == 1e-6
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(tokens).logits[0]
+    torch.testing.assert_close(megatron_logits(megatron, tokens, torch.arange(24)[None]), expected,
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_packed_row_logits_equal_each_conversation_alone(parallel_state_1proc, family):  # noqa: F811
+    model = hf_model(family, seed=2)
+    megatron, _ = megatron_from_hf(model)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = torch.randint(0, VOCAB, (1, int(cu[-1])), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    packed = megatron_logits(megatron, tokens, position_ids, make_packed_seq_params(cu, max(LENGTHS)))
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        with torch.no_grad():
+            alone = model(tokens[:, s:e]).logits[0]
+        torch.testing.assert_close(packed[s:e], alone, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_export_loads_in_transformers_and_reimports_exactly(parallel_state_1proc, family, tmp_path,  # noqa: F811
+                                                            tokenizer_dir):
+    model = hf_model(family, seed=4)
+    megatron, cfg = megatron_from_hf(model)
+    source_tok = tokenizer_dir("smollm2-135m-instruct")
+    out = hf_convert.save_hf_checkpoint(megatron, cfg, tmp_path / "hf", hf_config=model.config,
+                                        tokenizer_dir=source_tok)
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]          # no temp folder left
+    assert json.loads((out / "config.json").read_text())["architectures"] == [type(model).__name__]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template and tok.chat_template == AutoTokenizer.from_pretrained(source_tok).chat_template
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, model(tokens).logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(megatron_logits(megatron, tokens, torch.arange(16)[None]), reloaded(tokens).logits[0],
+                               atol=1e-4, rtol=0)
+
+    hf_config2, hf_state = hf_convert.load_hf_checkpoint(out)
+    cfg2 = hf_convert.model_config_from_hf(hf_config2)
+    assert cfg2 == cfg
+    again = build_gpt_model(cfg2)
+    hf_convert.load_hf_state_into_model(again, hf_state, cfg2)
+    before, after = megatron.state_dict(), again.state_dict()
+    params = [k for k, v in before.items() if isinstance(v, torch.Tensor)]
+    assert params and all(torch.equal(before[k], after[k]) for k in params)
+
+
+def test_export_without_original_config_builds_llama(parallel_state_1proc, tmp_path):  # noqa: F811
+    model = hf_model("mistral", seed=6)
+    megatron, cfg = megatron_from_hf(model)
+    out = hf_convert.save_hf_checkpoint(megatron, cfg, tmp_path / "hf", dtype=torch.bfloat16)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(reloaded).__name__ == "LlamaForCausalLM" and reloaded.dtype == torch.bfloat16
+    assert hf_convert.model_config_from_hf(reloaded.config) == cfg
+
+
+def test_sharded_safetensors_have_an_index(tmp_path):
+    state = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}        # 1 KiB each
+    hf_convert.write_hf_checkpoint(state, hf_config("llama"), tmp_path / "hf", max_shard_bytes=2048)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    from safetensors.torch import load_file
+
+    loaded = {}
+    for name in set(index["weight_map"].values()):
+        loaded.update(load_file(tmp_path / "hf" / name))
+    assert all(torch.equal(loaded[k], state[k]) for k in state) and index["metadata"]["total_size"] == 4096
+
+
+def test_llama3_rope_scaling_matches_transformers(parallel_state_1proc):  # noqa: F811
+    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    model = hf_model("llama", rope_parameters=rope)
+    megatron, cfg = megatron_from_hf(model)
+    assert cfg.rope_scaling_factor == 32.0
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = model(tokens).logits[0]
+    torch.testing.assert_close(megatron_logits(megatron, tokens, torch.arange(24)[None]), expected,
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("family", "overrides", "message"), [
+    ("llama", dict(attention_bias=True), "attention_bias"),
+    ("llama", dict(mlp_bias=True), "mlp_bias"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act"),
+    ("llama", dict(attention_dropout=0.1), "attention_dropout"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_type"),
+    ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 2.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+     "low_freq_factor"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+    ("mistral", dict(sliding_window=64), "sliding_window=64"),
+])
+def test_unsupported_options_are_refused_by_name(family, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        hf_convert.model_config_from_hf(hf_config(family, **overrides))
+
+
+def test_unsupported_model_type_and_reachable_window():
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        hf_convert.model_config_from_hf(AutoConfig.for_model("gpt2"))
+    windowed = hf_config("mistral", sliding_window=64)
+    assert hf_convert.model_config_from_hf(windowed, max_seq_len=64).max_position_embeddings == 128
+    with pytest.raises(ValueError, match="max_seq_len <= 64"):
+        hf_convert.model_config_from_hf(windowed, max_seq_len=65)

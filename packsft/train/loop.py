@@ -39,7 +39,7 @@ from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.metrics import MetricsLogger, format_summary, peak_memory_gib
-from packsft.train.optim import build_optimizer, build_scheduler, clip_grads, optimizer_params
+from packsft.train.optim import build_optimizer, build_scheduler, clip_grads, optimizer_params, set_schedule_step
 
 
 @dataclass
@@ -108,11 +108,8 @@ class Trainer:
         ckpt.load_model_and_optimizer(path, self.model, self.optimizer)
         saved = ckpt.load_train_state(path)
         self.state = TrainState(**saved["state"])
-        sched = {k: v for k, v in saved["scheduler"].items() if k not in ("lr_lambdas", "base_lrs")}
-        self.scheduler.load_state_dict(sched)
-        lmbda = self.scheduler.lr_lambdas[0]
-        for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-            group["lr"] = base_lr * lmbda(self.scheduler.last_epoch)   # the current schedule, as LambdaLR computes it
+        set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
+        for group in self.optimizer.param_groups:
             group["weight_decay"] = self.cfg.optimizer.weight_decay if group["name"] == "decay" else 0.0
         if self.cfg.checkpoint.restore_data_order:
             load_loader_state_dict(self.train_loader, ckpt.load_loader_state(path, self.ctx.dp_rank))

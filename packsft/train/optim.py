@@ -79,6 +79,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, lr: 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(cfg, lr, train_steps))
 
 
+def set_schedule_step(scheduler: torch.optim.lr_scheduler.LambdaLR, last_epoch: int) -> None:
+    """Put a resumed scheduler at ``last_epoch`` and set each group's lr as ``LambdaLR`` computes it.
+
+    The schedule's shape and peak lr come from the *current* config (``base_lrs`` set at construction), not from the
+    checkpoint, so ``train.train_steps`` or ``scheduler.*`` may change on resume; with an unchanged config the lr is
+    bit-identical to the uninterrupted run's.
+    """
+    scheduler.last_epoch = last_epoch
+    for group, base_lr, lmbda in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * lmbda(last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Global L2 norm of the gradients of a tensor-parallel model, identical on every rank.
 

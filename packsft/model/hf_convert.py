@@ -185,6 +185,8 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None):
                  max_position_embeddings=cfg.max_position_embeddings, head_dim=cfg.head_dim,
                  rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_word_embeddings,
                  rope_parameters=rope, hidden_act="silu", dtype=cfg.params_dtype)
+    if cfg.kv_channels is None and "head_dim" not in base:
+        del shape["head_dim"]   # Qwen2Config has no head_dim field; hidden_size // heads is the default
     hf_config = AutoConfig.for_model(model_type, **{**base, **shape})
     hf_config.architectures = [ARCHITECTURES[model_type]]
     return hf_config
@@ -556,13 +558,20 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
-    """``ModelConfig`` from a ``model_config.json`` (or a checkpoint folder holding one).
+    """``ModelConfig`` from a ``model_config.json``, a checkpoint folder holding one, or a YAML's ``model:`` section.
 
     Raises:
         ValueError: naming unknown fields.
     """
     path = Path(path)
-    data = json.loads((path / MODEL_CONFIG_FILE if path.is_dir() else path).read_text())
+    path = path / MODEL_CONFIG_FILE if path.is_dir() else path
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(path.read_text())
+        data = data.get("model", data)
+    else:
+        data = json.loads(path.read_text())
     unknown = set(data) - {f.name for f in fields(ModelConfig)}
     if unknown:
         raise ValueError(f"{path}: unknown ModelConfig fields {sorted(unknown)}")
@@ -575,3 +584,10 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path) -> None:
 
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir))
     model.load_state_dict(loaded["model"])
+
+
+def read_hf_config(path: str | Path) -> dict | None:
+    """An HF ``config.json`` as a dict: ``path`` itself, or a checkpoint folder's ``hf_config.json`` (else ``None``)."""
+    path = Path(path)
+    path = path / HF_CONFIG_FILE if path.is_dir() else path
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,88 @@
+"""Convert checkpoints between Hugging Face and packsft's Megatron format (model weights only).
+
+Import a local HF checkpoint (a safetensors folder, or a GGUF file read through transformers'
+dequantizing GGUF loader) into a Megatron ``dist_checkpointing`` folder::
+
+    python tools/convert_checkpoint.py import --hf ~/models/SmolLM2-135M-Instruct --out ckpt/smollm2
+    python tools/convert_checkpoint.py import --hf SmolLM2-135M-Instruct.Q4_1.gguf --out ckpt/smollm2
+    torchrun --nproc_per_node=2 tools/convert_checkpoint.py import --hf DIR --out ckpt/smollm2-tp2 \\
+        --tensor-model-parallel-size 2     # each rank reads the HF tensors once and keeps its shard
+
+Export a Megatron checkpoint (any TP size; ``--config`` defaults to the folder's ``model_config.json``,
+the HF config to its ``hf_config.json``) back to an HF folder that ``AutoModelForCausalLM.from_pretrained``
+loads, with the tokenizer files and chat template of ``--tokenizer``::
+
+    python tools/convert_checkpoint.py export --megatron ckpt/smollm2 --out hf/smollm2-sft \\
+        --tokenizer ~/models/SmolLM2-135M-Instruct --dtype bfloat16
+
+Layouts, supported families and refused options: docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from packsft.model import hf_convert  # noqa: E402
+from packsft.model.gpt import build_gpt_model  # noqa: E402
+from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line arguments (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                        help="TP size of the Megatron model (default: WORLD_SIZE)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF safetensors folder or GGUF file -> Megatron checkpoint")
+    imp.add_argument("--hf", required=True, help="HF checkpoint folder or *.gguf file")
+    imp.add_argument("--out", required=True, help="Megatron checkpoint folder to write")
+    imp.add_argument("--max-seq-len", type=int, default=None,
+                     help="longest training row; lets a Mistral sliding_window >= it be accepted")
+    imp.add_argument("--params-dtype", choices=("float32", "bfloat16"), default="float32")
+    exp = sub.add_parser("export", help="Megatron checkpoint -> HF safetensors folder")
+    exp.add_argument("--megatron", required=True, help="Megatron checkpoint folder (model under key 'model')")
+    exp.add_argument("--out", required=True, help="HF folder to write (replaced atomically)")
+    exp.add_argument("--config", default=None, help="model_config.json or a YAML with a model: section")
+    exp.add_argument("--hf-config", default=None, help="config.json of the original HF model (optional)")
+    exp.add_argument("--tokenizer", default=None, help="folder with tokenizer files and chat template to copy")
+    exp.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                     help="dtype of the safetensors (default: the model's)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Run ``import`` or ``export``."""
+    args = parse_args(argv)
+    ctx = init_distributed(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    try:
+        if args.command == "import":
+            hf_config, hf_state = hf_convert.load_hf_checkpoint(args.hf)
+            cfg = hf_convert.model_config_from_hf(hf_config, max_seq_len=args.max_seq_len,
+                                                  params_dtype=args.params_dtype)
+            model = build_gpt_model(cfg)
+            hf_convert.load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)
+            del hf_state
+            hf_convert.save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
+        else:
+            cfg = hf_convert.read_model_config(args.config or args.megatron)
+            hf_config = hf_convert.read_hf_config(args.hf_config or args.megatron)
+            model = build_gpt_model(cfg)
+            hf_convert.load_megatron_checkpoint(model, args.megatron)
+            dtype = getattr(torch, args.dtype) if args.dtype else None
+            hf_convert.save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
+                                          tp_group=ctx.tp_group, dtype=dtype)
+        if ctx.rank == 0:
+            print(f"{args.command}: wrote {args.out}")
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":   # required: dist_checkpointing.save starts a spawn-context Manager
+    main()

@@ -26,12 +26,19 @@ chat-template        the tokenizer's Jinja chat template (or a    everything but
 assistant turn that only carries ``tool_calls`` is an error (they do not render tool calls).
 
 Masking is verified: every turn is re-tokenized alone and must equal its slice of the whole conversation's
-tokens; otherwise :class:`PromptFormatError` names the turn. For ``chat-template`` assistant turn ``i`` ends where
-rendering ``messages[:i+1]`` ends (that rendering must be a prefix of the whole one) and starts where it
-first differs from a rendering whose turn ``i`` is replaced by a sentinel, i.e. right after the template's
-assistant header (templates that move the system prompt, as Mistral's does, are handled); it is trained up
-to and including its end-of-turn token (trailing whitespace after it, e.g. Qwen's ``\\n`` after
-``<|im_end|>``, is not trained).
+tokens; otherwise :class:`PromptFormatError` names the turn. For ``chat-template`` the assistant turns are
+located in the rendered text in one of two ways, which give identical results (tested):
+
+* fast path (one extra render): every assistant content is wrapped in private-use markers; removing the
+  markers must give exactly the plain rendering, and the template's end-of-turn text (learned once per
+  template from a probe conversation, e.g. ``<|im_end|>``) must follow each content;
+* otherwise (tool-call turns, templates that transform contents): assistant turn ``i`` ends where rendering
+  ``messages[:i+1]`` ends (that rendering must be a prefix of the whole one) and starts where it first
+  differs from a rendering whose turn ``i`` is replaced by a sentinel, i.e. right after the template's
+  assistant header. Templates that move the system prompt, as Mistral's does, are handled.
+
+A turn is trained up to and including its end-of-turn token; trailing whitespace after it (Qwen's ``\n``
+after ``<|im_end|>``) is not trained.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ IGNORE_INDEX = -100
 PRESETS = ("identity", "nemotron-nano-v2", "nemotron-h-aligned", "chat-template")
 ALIASES = {"default": "chat-template"}
 _SENTINEL = "\ue000"  # private-use character: never the first character of a real assistant turn
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use markers around assistant contents (fast path)
+_END_OF_TURN: dict[tuple, str | None] = {}  # (template, eos, bos) -> text a template emits after assistant content
 _PRESET_PAD = {"identity": "<unk>", "nemotron-nano-v2": "<unk>", "nemotron-h-aligned": "<SPECIAL_233>"}
 
 
@@ -228,19 +237,65 @@ def _render_many(tokenizer, fmt: PromptFormat, conversations: list[list[dict]], 
     return texts
 
 
-def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat) -> list[Segment]:
-    msgs = _template_messages(messages)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for i in turns:
-        if not (messages[i].get("content") or "").strip() and not messages[i].get("tool_calls"):
-            raise PromptFormatError("empty assistant turn", i)
-    # one call renders: the whole conversation, each prefix ending with an assistant turn, and each probe
+def _end_of_turn(tokenizer, fmt: PromptFormat) -> str | None:
+    """What the template writes after an assistant turn's content, trailing whitespace removed (cached).
+
+    E.g. ``<|im_end|>`` for ChatML, ``</s>`` for Mistral; ``None`` when the probe conversation cannot be rendered.
+    """
+    key = (fmt.chat_template, tokenizer.eos_token, tokenizer.bos_token)
+    if key not in _END_OF_TURN:
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": f"{_OPEN}a{_CLOSE}"}]
+        try:
+            text = _render_many(tokenizer, fmt, [probe], None)[0]
+            _END_OF_TURN[key] = text[text.index(_CLOSE) + 1 :].rstrip() if text.count(_CLOSE) == 1 else None
+        except PromptFormatError:
+            _END_OF_TURN[key] = None
+    return _END_OF_TURN[key]
+
+
+def _marked_spans(msgs, turns, full: str, marked: str, eot: str) -> list[tuple[int, int]] | None:
+    """Assistant spans ``[start, end)`` in ``full`` from a rendering whose assistant contents carry markers.
+
+    Returns ``None`` (use the slow path) unless removing the markers gives exactly ``full``, every turn has
+    exactly one pair of markers, and the end-of-turn text follows each content.
+    """
+    if marked.replace(_OPEN, "").replace(_CLOSE, "") != full or marked.count(_OPEN) != len(turns):
+        return None
+    spans, removed, pos = [], 0, 0
+    for _ in turns:
+        o = marked.index(_OPEN, pos)
+        c = marked.index(_CLOSE, o)
+        if _OPEN in marked[o + 1 : c]:
+            return None
+        start, content_end = o - removed, c - removed - 1
+        removed += 2
+        pos = c + 1
+        if not full.startswith(eot, content_end):
+            return None
+        spans.append((start, content_end + len(eot)))
+    return spans
+
+
+def _fast_spans(msgs, tools, tokenizer, fmt: PromptFormat, turns) -> tuple[str, list[tuple[int, int]] | None]:
+    """Render the conversation and, when the template allows, locate all assistant turns in one more render."""
+    eot = _end_of_turn(tokenizer, fmt)
+    plain = all(isinstance(msgs[i].get("content"), str) and not msgs[i].get("tool_calls") for i in turns)
+    clean = not any(_OPEN in str(m.get("content")) or _CLOSE in str(m.get("content")) for m in msgs)
+    if eot is None or not (plain and clean):
+        return _render_many(tokenizer, fmt, [msgs], tools)[0], None
+    marked = [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") if i in turns else m for i, m in enumerate(msgs)]
+    full, marked_text = _render_many(tokenizer, fmt, [msgs, marked], tools)
+    return full, _marked_spans(msgs, turns, full, marked_text, eot)
+
+
+def _prefix_spans(msgs, tools, tokenizer, fmt: PromptFormat, turns, full: str) -> list[tuple[int, int]]:
+    """Assistant spans by rendering each prefix that ends with an assistant turn and a sentinel probe of it."""
     prefixes = [msgs[: i + 1] for i in turns if i != len(msgs) - 1]
     probes = [msgs[:i] + [{"role": "assistant", "content": _SENTINEL}] for i in turns]
-    texts = _render_many(tokenizer, fmt, [msgs] + prefixes + probes, tools)
-    full, ends, starts = texts[0], iter(texts[1 : 1 + len(prefixes)]), texts[1 + len(prefixes) :]
-    segments: list[Segment] = []
-    done = 0  # characters of `full` already assigned to segments
+    texts = _render_many(tokenizer, fmt, prefixes + probes, tools)
+    ends, starts = iter(texts[: len(prefixes)]), texts[len(prefixes) :]
+    spans, done = [], 0
     for i, probe in zip(turns, starts):
         end_text = full if i == len(msgs) - 1 else next(ends)
         start = len(os.path.commonprefix([end_text, probe]))
@@ -248,7 +303,23 @@ def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat) -> li
             raise PromptFormatError("chat template is not prefix-stable here: rendering the conversation up to "
                                     "this turn is not a prefix of the whole rendering, so the turn cannot be "
                                     "located for masking", i)
-        end = len(end_text.rstrip())
+        done = len(end_text.rstrip())
+        spans.append((start, done))
+    return spans
+
+
+def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat) -> list[Segment]:
+    msgs = _template_messages(messages)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for i in turns:
+        if not (messages[i].get("content") or "").strip() and not messages[i].get("tool_calls"):
+            raise PromptFormatError("empty assistant turn", i)
+    full, spans = _fast_spans(msgs, tools, tokenizer, fmt, turns)
+    if spans is None:
+        spans = _prefix_spans(msgs, tools, tokenizer, fmt, turns, full)
+    segments: list[Segment] = []
+    done = 0  # characters of `full` already assigned to segments
+    for i, (start, end) in zip(turns, spans):
         if start > done:
             segments.append(Segment(full[done:start], i - 1, False))
         segments.append(Segment(full[start:end], i, True))

@@ -178,3 +178,28 @@ def test_fingerprint_differs_between_tokenizers(tokenizer_dir, nemo, qwen):
     assert tokenizer_fingerprint(qwen) == tokenizer_fingerprint(load_tokenizer(tokenizer_dir("qwen2.5")))
     file_tok = load_tokenizer(tokenizer_dir("qwen2.5") / "tokenizer.json")
     assert tokenizer_fingerprint(file_tok) == tokenizer_fingerprint(qwen)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo"])
+def test_marker_fast_path_equals_prefix_rendering(monkeypatch, tokenizer_dir, shared_data, name):
+    """The one-render marker path gives exactly the spans of the per-turn prefix rendering."""
+    import packsft.prompt_formats as pf
+
+    tok = load_tokenizer(tokenizer_dir(name))
+    fmt = get_prompt_format("chat-template", tok)
+    convs = []
+    for ds in ("chat/chitchat", "chat/hh_rlhf_harmless_base_test"):
+        with open(shared_data / f"{ds}.messages.jsonl") as f:
+            convs += [parse_record(json.loads(line)) for _, line in zip(range(15), f)]
+    fast = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
+    calls = []
+    real_fast = pf._fast_spans
+
+    def no_fast_path(msgs, tools, tokenizer, f, turns):
+        calls.append(real_fast(msgs, tools, tokenizer, f, turns)[1] is not None)
+        return pf._render_many(tokenizer, f, [msgs], tools)[0], None
+
+    monkeypatch.setattr(pf, "_fast_spans", no_fast_path)
+    slow = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
+    assert fast == slow
+    assert all(calls)  # the fast path was taken for every one of these conversations

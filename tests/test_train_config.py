@@ -1,0 +1,80 @@
+"""Training config: every YAML in configs/ loads; overrides apply; errors name the key and the values."""
+
+from pathlib import Path
+
+import pytest
+
+from packsft.train.config import check_parallel_layout, config_to_yaml, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+
+
+def test_there_are_configs():
+    assert {p.name for p in CONFIGS} >= {"tiny_cpu.yaml", "smollm2_135m.yaml", "llama3_8b_multigpu.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads_and_round_trips(path):
+    cfg = load_config(path)
+    assert cfg.loader.micro_batch_size == 1 and cfg.model.vocab_size > 0
+    assert cfg.data.max_seq_len <= cfg.model.max_position_embeddings
+    assert "tensor_model_parallel_size" in config_to_yaml(cfg)
+    assert load_config(None, _dotlist(cfg)) == cfg          # overrides alone rebuild the same config
+
+
+def _dotlist(cfg) -> list[str]:
+    from omegaconf import OmegaConf
+
+    flat = OmegaConf.to_container(OmegaConf.structured(cfg))
+    return [f"{section}.{key}={'null' if value is None else value}" for section, values in flat.items()
+            for key, value in values.items() if not isinstance(value, dict)]
+
+
+def test_missing_required_values_are_named():
+    with pytest.raises(ValueError, match="missing mandatory value: model"):
+        load_config(None)
+    with pytest.raises(ValueError, match="data.train_path"):
+        load_config(None, [item for item in _dotlist(load_config(TINY)) if not item.startswith("data.train_path=")])
+
+
+def test_overrides_apply_after_the_file():
+    cfg = load_config(TINY, ["optimizer.lr=0.5", "train.train_steps=7", "loss.fused_linear_cross_entropy=false"])
+    assert (cfg.optimizer.lr, cfg.train.train_steps, cfg.loss.fused_linear_cross_entropy) == (0.5, 7, False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["loader.micro_batch_size=2"], "loader.micro_batch_size (2) must be 1"),
+    (["parallel.context_parallel_size=3", "data.max_seq_len=100"], "2 * parallel.context_parallel_size (6)"),
+    (["optimizer.lrr=1"], "optimizer.lrr"),
+    (["optimizer.lr=abc"], "optimizer.lr"),
+    (["optimizer.lr=0"], "optimizer.lr must be > 0"),
+    (["model.num_layers=0"], "model.num_layers"),
+    (["scheduler.decay_style=exp"], "scheduler.decay_style"),
+    (["scheduler.warmup_steps=1000", "train.train_steps=10"], "scheduler.warmup_steps (1000)"),
+    (["data.split_validation_size=0", "validation.val_period=5"], "no validation data"),
+    (["data.split_validation_size=1.5"], "data.split_validation_size must be in [0, 1)"),
+    (["data.validation_path=v.packed"], "either data.validation_path or data.split_validation_size"),
+    (["data.max_seq_len=999999"], "model.max_position_embeddings"),
+    (["train.stop_at_step=99", "train.train_steps=10"], "train.stop_at_step (99)"),
+])
+def test_config_errors_are_clear(overrides, message):
+    with pytest.raises(ValueError) as err:
+        load_config(TINY, overrides)
+    assert message in str(err.value)
+
+
+def test_missing_file():
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config("nope.yaml")
+
+
+def test_parallel_layout_against_world_size():
+    assert check_parallel_layout(load_config(TINY, ["train.global_batch_size=8"]), 4) == 4
+    big = load_config(CONFIGS[0])                                  # llama3_8b_multigpu: TP=4, CP=2
+    assert check_parallel_layout(big, 16) == 2
+    tiny = load_config(TINY, ["train.global_batch_size=3"])
+    with pytest.raises(ValueError, match=r"train.global_batch_size \(3\) must be a multiple of .* data-parallel size"):
+        check_parallel_layout(tiny, 2)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE \(12\) must be a multiple"):
+        check_parallel_layout(big, 12)

@@ -1,0 +1,59 @@
+"""Command line of the packer (``tools/pack_megatron_sft_jsonl.py`` and the ``packsft-pack`` script).
+
+See ``tools/pack_megatron_sft_jsonl.py`` for examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from packsft.packing.algorithms import ALGORITHMS
+from packsft.packing.pipeline import OVERSIZE_POLICIES, PackConfig, PackError, run_pack
+from packsft.prompt_formats import PRESETS
+
+
+def parse_args(argv=None) -> PackConfig:
+    """Parse the command line into a :class:`PackConfig`."""
+    p = argparse.ArgumentParser(description="Pack chat conversations (OpenAI messages JSONL) into .jsonl.packed rows.")
+    p.add_argument("--input", nargs="+", required=True, help="input JSONL file(s), read in order")
+    p.add_argument("--output", required=True, help="output .jsonl.packed file")
+    p.add_argument("--tokenizer", required=True, help="local tokenizer folder or tokenizer.json")
+    p.add_argument("--max-seq-length", type=int, required=True, help="row length in tokens")
+    p.add_argument("--prompt-format", default="chat-template", choices=PRESETS + ("default",))
+    p.add_argument("--chat-template", default=None, help="Jinja template string or file (chat-template only)")
+    p.add_argument("--pad-token", default=None, help="override the prompt format's pad token")
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--algorithm", default="best-fit-decreasing", choices=ALGORITHMS)
+    p.add_argument("--oversize", default="own-row", choices=OVERSIZE_POLICIES,
+                   help="conversations longer than --max-seq-length: own row (truncated), drop, or error")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--shuffle-rows", action="store_true", help="write rows in a seeded random order")
+    p.add_argument("--num-workers", type=int, default=0, help="tokenizer processes (0: this process)")
+    p.add_argument("--input-key", default=None, help="prompt field of prompt/response records")
+    p.add_argument("--output-key", default=None, help="response field of prompt/response records")
+    p.add_argument("--default-system-prompt", default="", help="system prompt for conversations without one")
+    p.add_argument("--strict", action="store_true", help="stop at the first invalid record")
+    p.add_argument("--report", default=None, help="JSON report path (default <output>.report.json)")
+    p.add_argument("--histogram", default=None, help="PNG path (default <output>.lengths.png; '' for none)")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    return PackConfig(inputs=a.input, output=a.output, tokenizer=a.tokenizer, max_seq_len=a.max_seq_length,
+                      prompt_format=a.prompt_format, chat_template=a.chat_template, pad_token=a.pad_token,
+                      context_parallel_size=a.context_parallel_size, algorithm=a.algorithm, oversize=a.oversize,
+                      seed=a.seed, shuffle_rows=a.shuffle_rows, num_workers=a.num_workers, input_key=a.input_key,
+                      output_key=a.output_key, default_system_prompt=a.default_system_prompt, strict=a.strict,
+                      report=a.report, histogram=a.histogram, progress=not a.no_progress)
+
+
+def main(argv=None) -> int:
+    """Run the packer; return the process exit code."""
+    cfg = parse_args(argv)
+    try:
+        report = run_pack(cfg)
+    except (ValueError, PackError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+

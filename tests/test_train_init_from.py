@@ -1,0 +1,133 @@
+"""Training from imported Hugging Face weights (``checkpoint.init_from``): the first loss is the HF model's loss on
+the same row, a found resume checkpoint wins over ``init_from``, and a contradicting ``model`` section is refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from packsft.data.dataset import PackedSFTDataset
+from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.train.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ = 256
+ENV = {"OMP_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1"}
+
+
+def tiny_hf_llama(seed: int = 0):
+    """A random tied Llama (hidden 64, 2 layers, 4 heads / 2 KV heads) over the SmolLM2 vocabulary (49152)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         rope_theta=50000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():   # move the norms off 1.0 so that a missed norm weight changes the loss
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    """Run a repository tool in a fresh process (dist_checkpointing's save needs a ``__main__`` guard)."""
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, shared_data, tokenizer_dir):
+    """Packed gsm8k rows (SmolLM2 tokenizer, 256 tokens), a tiny HF Llama and its imported Megatron checkpoint."""
+    out = tmp_path_factory.mktemp("init_from")
+    src = out / "chats.jsonl"
+    lines = (shared_data / "chat" / "gsm8k_test.messages.jsonl").read_text().splitlines()
+    src.write_text("\n".join(lines[:8]) + "\n")
+    tokenizer = tokenizer_dir("smollm2-135m-instruct")
+    run_pack(PackConfig(inputs=[str(src)], output=str(out / "rows.jsonl.packed"), max_seq_len=SEQ,
+                        tokenizer=str(tokenizer), histogram="", progress=False, oversize="drop"))
+    hf = tiny_hf_llama()
+    hf.save_pretrained(out / "hf")
+    run("tools/convert_checkpoint.py", "import", "--hf", str(out / "hf"), "--out", str(out / "imported"))
+    return {"dir": out, "rows": out / "rows.jsonl.packed", "tokenizer": tokenizer, "hf": hf,
+            "imported": out / "imported"}
+
+
+def write_config(setup: dict, name: str, **model) -> Path:
+    """A YAML with no ``model`` section (it comes from ``init_from``), sequential rows, 1 row per step, 2 steps."""
+    cfg = {"data": {"train_path": str(setup["rows"]), "tokenizer": str(setup["tokenizer"]), "max_seq_len": SEQ},
+           "loader": {"sampler": "sequential"},
+           "optimizer": {"lr": 1e-3, "weight_decay": 0.0},
+           "scheduler": {"decay_style": "constant"},
+           "train": {"global_batch_size": 1, "train_steps": 2},
+           "checkpoint": {"init_from": str(setup["imported"])},
+           "logging": {"output_dir": str(setup["dir"] / name), "progress": False, "tensorboard": False}}
+    if model:
+        cfg["model"] = model
+    path = setup["dir"] / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def records(output_dir: Path, kind: str) -> list[dict]:
+    """The ``metrics.jsonl`` records of one kind, in file order."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def hf_row_loss(model, row: dict) -> float:
+    """Mean token loss of packed ``row`` under a transformers model, each conversation run alone from position 0."""
+    cu = row["cu_seqlens"].tolist()
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for s, e in zip(cu[:-1], cu[1:]):
+            logits = model(input_ids=row["tokens"][s:e].unsqueeze(0)).logits[0].float()
+            labels, mask = row["labels"][s:e], row["loss_mask"][s:e] * (row["labels"][s:e] != -100)
+            ce = torch.nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+            total += float((ce * mask).sum())
+            count += float(mask.sum())
+    return total / count
+
+
+@pytest.mark.slow
+def test_first_loss_is_the_hf_models_and_resume_wins(setup):
+    full = setup["dir"] / "full"
+    run("tools/train.py", "--config", str(write_config(setup, "full")))
+    summary, = records(full, "summary")
+    assert summary["initialized_from"] == str(setup["imported"]) and summary["resumed_from"] is None
+    train = {r["step"]: r for r in records(full, "train")}
+    row = PackedSFTDataset(setup["rows"], setup["tokenizer"], "chat-template", SEQ)[0]
+    expected = hf_row_loss(setup["hf"], row)
+    assert train[1]["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert train[1]["trained_tokens"] == row["num_trained_tokens"]
+
+    # stop after step 1, then rerun: the checkpoint found by resume=auto wins over init_from (same step 2 as `full`)
+    parts_cfg = write_config(setup, "parts")
+    run("tools/train.py", "--config", str(parts_cfg), "train.stop_at_step=1")
+    run("tools/train.py", "--config", str(parts_cfg))
+    first, second = records(setup["dir"] / "parts", "summary")
+    assert first["initialized_from"] == str(setup["imported"]) and first["resumed_from"] is None
+    assert second["initialized_from"] is None and second["resumed_from"].endswith("iter_0000001")
+    parts = {r["step"]: r for r in records(setup["dir"] / "parts", "train")}
+    assert parts[2]["loss"] == train[2]["loss"] and parts[2]["grad_norm"] == train[2]["grad_norm"]
+    assert train[2]["loss"] != train[1]["loss"]
+
+
+def test_model_section_comes_from_the_checkpoint_and_must_agree(setup):
+    cfg = load_config(write_config(setup, "fill"))
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (64, 2, 49152)
+    assert cfg.model.rotary_base == 50000.0 and cfg.model.tie_word_embeddings
+    assert load_config(write_config(setup, "free", max_position_embeddings=4096)).model.max_position_embeddings == 4096
+    with pytest.raises(ValueError, match=r"model.hidden_size \(128\) differs .*model_config.json \(64\)"):
+        load_config(write_config(setup, "bad", hidden_size=128))
+
+
+def test_init_from_without_model_config_is_named(setup, tmp_path):
+    with pytest.raises(FileNotFoundError, match="checkpoint.init_from=.*model_config.json not found"):
+        load_config(write_config(setup, "missing"), [f"checkpoint.init_from={tmp_path}"])

@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     imp.add_argument("--max-seq-len", type=int, default=None,
                      help="longest training row; lets a Mistral sliding_window >= it be accepted")
     imp.add_argument("--params-dtype", choices=("float32", "bfloat16"), default="float32")
+    imp.add_argument("--attention-backend", choices=("torch", "te"), default="torch",
+                     help="backend the checkpoint is written for: te (TransformerEngine, needs it installed) fuses "
+                          "the norms into the linear layers, so its key names differ from torch's")
     exp = sub.add_parser("export", help="Megatron checkpoint -> HF safetensors folder")
     exp.add_argument("--megatron", required=True, help="Megatron checkpoint folder (model under key 'model')")
     exp.add_argument("--out", required=True, help="HF folder to write (replaced atomically)")
@@ -65,6 +68,7 @@ def main(argv=None) -> None:
         if args.command == "import":
             hf_config, hf_state = hf_convert.load_hf_checkpoint(args.hf)
             cfg = hf_convert.model_config_from_hf(hf_config, max_seq_len=args.max_seq_len,
+                                                  attention_backend=args.attention_backend,
                                                   params_dtype=args.params_dtype)
             model = build_gpt_model(cfg)
             hf_convert.load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)

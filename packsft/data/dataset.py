@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from packsft.data.sidecar import (
     repack_hint,
     sidecar_path,
 )
+from packsft.io import atomic_open
 from packsft.packing.algorithms import check_max_seq_len
 from packsft.prompt_formats import PromptFormat, PromptFormatError, get_prompt_format, tokenize_conversation
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -57,10 +57,15 @@ class PackedDataWarning(UserWarning):
 
 
 def build_index(path: str | Path) -> np.ndarray:
-    """Scan a packed file once and return its index array (layout in the module docstring).
+    """Scan a packed file once, check every row's structure, and return its index array (layout above).
+
+    Each row must be a JSON object whose ``messages`` split into valid conversations (:func:`split_row`: a system
+    message first, known roles, string contents, ...), so a corrupt row is reported when the dataset is opened,
+    not at the training step that first reads it. Token counts are not checked here (that needs the tokenizer).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ConversationError: a row that is not JSON or not a valid packed row, naming ``path``, its line and field.
     """
     stat = os.stat(path)
     starts, lines = [], []
@@ -68,11 +73,22 @@ def build_index(path: str | Path) -> np.ndarray:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if raw.strip():
+                _check_row(raw, path, number)
                 starts.append(offset)
                 lines.append(number)
             offset += len(raw)
     header = [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns, len(starts)]
     return np.asarray(header + starts + lines, dtype=np.int64)
+
+
+def _check_row(raw: bytes, path: str | Path, line: int) -> None:
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversationError(path, line, "", f"not valid JSON: {e}") from e
+    if not isinstance(record, dict):
+        raise ConversationError(path, line, "", f"a packed row must be a JSON object, got {type(record).__name__}")
+    split_row(record.get("messages"), path, line)
 
 
 def _index_is_current(index: np.ndarray, path: str | Path) -> bool:
@@ -105,10 +121,8 @@ def load_or_build_index(path: str | Path, index_path: str | Path | None = None) 
             pass  # unreadable or foreign file: rebuild
     index = build_index(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=index_path.name + ".", suffix=".tmp", dir=index_path.parent)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_open(index_path, "wb") as f:
             np.save(f, index, allow_pickle=False)
-        os.replace(tmp, index_path)
     except OSError as e:  # read-only dataset folder: keep the index in memory
         warnings.warn(f"could not cache the row index at {index_path} ({e}); it is rebuilt on every load",
                       PackedDataWarning, stacklevel=2)

@@ -97,6 +97,13 @@ def iter_jsonl_lines(path: str | Path) -> Iterator[tuple[int, str | None, str | 
                 yield number, text, None
 
 
+def _json_type(value: Any) -> str:
+    """JSON name of a decoded value's type (``null``, ``array``, ``object``, ...) for error messages."""
+    names = {type(None): "null", list: "array", dict: "object", str: "string", bool: "boolean", int: "number",
+             float: "number"}
+    return names.get(type(value), type(value).__name__)
+
+
 def _fail(path: str | Path, line: int, field: str, reason: str) -> ConversationError:
     return ConversationError(path, line, field, reason)
 
@@ -162,6 +169,8 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
         if not isinstance(m, dict):
             raise _fail(path, line, where, f"must be an object, got {type(m).__name__}")
         role = m.get("role")
+        if "role" not in m:
+            raise _fail(path, line, f"{where}.role", f"missing (expected one of {', '.join(ROLES)})")
         if role not in ROLES:
             raise _fail(path, line, f"{where}.role", f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
         content = m.get("content")
@@ -171,7 +180,9 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
                 raise _fail(path, line, f"{where}.content",
                             "is null; null content is allowed only on an assistant turn with tool_calls")
         elif not isinstance(content, str):
-            raise _fail(path, line, f"{where}.content", f"must be a string, got {type(content).__name__}")
+            parts = isinstance(content, list)
+            why = " (lists of content parts are not supported; join the text parts)" if parts else ""
+            raise _fail(path, line, f"{where}.content", f"must be a string, got {_json_type(content)}{why}")
         if has_calls:
             _check_tool_calls(m["tool_calls"], path, line, f"{where}.tool_calls")
         elif "tool_calls" in m and m["tool_calls"] not in (None, []):
@@ -214,7 +225,7 @@ def parse_record(
         ConversationError: on any invalid field, naming ``path``, ``line`` and the field.
     """
     if not isinstance(record, dict):
-        raise _fail(path, line, "", f"a record must be a JSON object, got {type(record).__name__}")
+        raise _fail(path, line, "", f"a record must be a JSON object, got {_json_type(record)}")
     if input_key or output_key:
         if not (input_key and output_key):
             raise ValueError("input_key and output_key must be given together")

@@ -231,7 +231,9 @@ def _render_many(tokenizer, fmt: PromptFormat, conversations: list[list[dict]], 
         texts = tokenizer.apply_chat_template(conversations, tools=tools, chat_template=fmt.chat_template,
                                               tokenize=False, add_generation_prompt=False)
     except Exception as e:  # jinja2 errors and template `raise_exception` calls
-        raise PromptFormatError(f"chat template failed: {type(e).__name__}: {e}") from e
+        calls = any(m.get("tool_calls") or m.get("role") == "tool" for conv in conversations for m in conv)
+        hint = " (the conversation has tool calls: this template may not support them)" if calls else ""
+        raise PromptFormatError(f"chat template failed: {type(e).__name__}: {e}{hint}") from e
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise PromptFormatError(f"chat template rendered {type(texts).__name__}, expected text")
     return texts

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -146,7 +147,7 @@ def test_oversize_drop_and_error_and_strict(tmp_path, tokenizer_dir):
     assert report.packed_conversations == 4
     with pytest.raises(PackError, match=r"edge.jsonl:10: conversation has \d+ tokens"):
         run_pack(PackConfig(output=str(tmp_path / "e.jsonl.packed"), oversize="error", **base))
-    with pytest.raises(PackError, match=r"edge.jsonl:2: not valid JSON .*strict"):
+    with pytest.raises(PackError, match=r"edge.jsonl:2: not valid JSON: .*strict"):
         run_pack(PackConfig(output=str(tmp_path / "s.jsonl.packed"), strict=True, **base))
     assert not (tmp_path / "e.jsonl.packed").exists() and not (tmp_path / "s.jsonl.packed").exists()
 
@@ -171,6 +172,22 @@ def test_bad_settings_are_clear(tmp_path, tokenizer_dir):
         run_pack(PackConfig(max_seq_len=128, algorithm="magic", **base))
     with pytest.raises(ValueError, match="no such file"):
         run_pack(PackConfig(max_seq_len=128, **{**base, "inputs": [str(tmp_path / "nope.jsonl")]}))
+    with pytest.raises(ValueError, match="is a directory"):
+        run_pack(PackConfig(max_seq_len=128, **{**base, "output": str(tmp_path)}))
+    with pytest.raises(ValueError, match="max_seq_len must be positive"):
+        run_pack(PackConfig(max_seq_len=0, **base))
+
+
+def test_nothing_to_pack_is_an_error_not_an_empty_file(tmp_path, tokenizer_dir):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = _write_lines(tmp_path / "bad.jsonl", ["{nope", [1]])
+    for src, counts in ((empty, "0 input line(s), 0 rejected"), (bad, "2 input line(s), 2 rejected")):
+        out = tmp_path / f"{src.stem}.jsonl.packed"
+        with pytest.raises(PackError, match=f"no conversation to pack: {re.escape(counts)}"):
+            run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+                                max_seq_len=128, progress=False, histogram=""))
+        assert not out.exists()
 
 
 def _cli(args, env_extra):

@@ -39,10 +39,12 @@ def conversation_cost(num_tokens: int, context_parallel_size: int = 1) -> int:
 
 
 def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1) -> None:
-    """Raise ``ValueError`` unless ``max_seq_len`` is a positive multiple of the CP granularity."""
+    """Raise ``ValueError`` unless ``max_seq_len`` is positive and, when CP > 1, a multiple of ``2 * cp``."""
     g = cp_granularity(context_parallel_size)
-    if max_seq_len <= 0 or max_seq_len % g:
-        raise ValueError(f"max_seq_len ({max_seq_len}) must be a positive multiple of 2 * context_parallel_size "
+    if max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    if max_seq_len % g:
+        raise ValueError(f"max_seq_len ({max_seq_len}) must be a multiple of 2 * context_parallel_size "
                          f"({g}) so every row splits into equal context-parallel chunks")
 
 

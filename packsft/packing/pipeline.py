@@ -107,6 +107,8 @@ class PackConfig:
             raise ValueError("--input-key and --output-key must be given together")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if Path(self.output).is_dir():
+            raise ValueError(f"--output {self.output} is a directory; give the .jsonl.packed file to write")
 
 
 class PackError(RuntimeError):
@@ -141,7 +143,7 @@ def _process_batch(batch: list[tuple[int, int, str | None, str | None]]) -> list
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ConversationError(path, line, "", f"not valid JSON ({e.msg} at column {e.colno})") from e
+                raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
             conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
                                 default_system_prompt=cfg.default_system_prompt)
             n = count_conversation_tokens(conv.messages, tok, fmt, conv.tools)
@@ -309,6 +311,10 @@ def run_pack(cfg: PackConfig) -> PackReport:
         kept = _apply_oversize(cfg, counted, report)
         L, cp = cfg.max_seq_len, cfg.context_parallel_size
         costs = [min(conversation_cost(c.num_tokens, cp), L) for c in kept]
+        if not kept:
+            raise PackError(f"no conversation to pack: {report.input_conversations} input line(s), "
+                            f"{len(report.rejected)} rejected, {len(report.oversize)} oversize "
+                            f"({', '.join(cfg.inputs)}); see the reasons with --strict")
         rows = pack(costs, L, cfg.algorithm)
         if cfg.shuffle_rows:
             random.Random(cfg.seed).shuffle(rows)

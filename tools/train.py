@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     from packsft.train.loop import Trainer
 
     try:
-        trainer = Trainer(cfg)
+        try:
+            trainer = Trainer(cfg)
+        except (ValueError, FileNotFoundError) as err:  # layout, data, sidecar, vocabulary, resume path
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         if trainer.ctx.rank == 0:
             with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:
                 f.write(config_to_yaml(cfg))

@@ -315,7 +315,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         ValueError: an unknown key, a value of the wrong type, a missing required value (``???``) or any validation
             failure; the message names the file and the dotted key.
     """
-    where = str(path) if path else "<overrides>"
+    where = (str(path) if path else "") + (f" with overrides {list(overrides)}" if overrides else "")
+    where = where.strip() or "<defaults>"
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:

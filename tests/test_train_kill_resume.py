@@ -7,9 +7,8 @@ import sys
 import time
 
 import pytest
-import torch
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
-from test_train_loop import REPO, _flat, packed, train, train_records, write_config  # noqa: F401 - fixture
+from test_train_loop import REPO, assert_same_run, packed, train, write_config  # noqa: F401 - fixture
 
 COMMON = {"train": {"global_batch_size": 2, "train_steps": 8}, "checkpoint": {"save_interval": 3},
           "scheduler": {"warmup_steps": 2, "decay_style": "cosine"}, "optimizer": {"weight_decay": 0.1}}
@@ -39,15 +38,4 @@ def test_sigkilled_run_resumes_bit_exact(tmp_path, packed, parallel_state_1proc)
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "checkpoints" / "iter_0000008").exists()
     train(cfg)  # checkpoint.resume=auto: continues from `latest`
-    a, b = train_records(full), train_records(killed)
-    assert sorted(a) == sorted(b) == list(range(1, 9))
-    for step in a:
-        for key in ("loss", "grad_norm", "lr", "trained_tokens", "consumed_samples"):
-            assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
-    from megatron.core.dist_checkpointing import load_plain_tensors
-
-    pa = _flat(load_plain_tensors(str(full / "checkpoints" / "iter_0000008")))
-    pb = _flat(load_plain_tensors(str(killed / "checkpoints" / "iter_0000008")))
-    assert pa.keys() == pb.keys()
-    for key in pa:
-        assert torch.equal(pa[key], pb[key]) if torch.is_tensor(pa[key]) else pa[key] == pb[key], key
+    assert_same_run(full, killed, steps=8)

@@ -103,3 +103,17 @@ def parallel_state_1proc():
     ctx = init_distributed()
     yield ctx
     destroy_distributed()
+
+
+def short_conversation_lines(shared_data, count: int, max_chars: int = 200) -> list[str]:
+    """The first ``count`` hh-rlhf lines whose message contents total at most ``max_chars`` characters.
+
+    Short real conversations make packed rows of several conversations at small ``max_seq_len`` for the
+    multi-process parity tests.
+    """
+    import json
+
+    lines = (shared_data / "chat" / "hh_rlhf_harmless_base_test.messages.jsonl").read_text().splitlines()
+    short = [line for line in lines
+             if sum(len(m.get("content") or "") for m in json.loads(line)["messages"]) <= max_chars]
+    return short[:count]

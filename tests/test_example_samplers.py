@@ -1,22 +1,16 @@
 """The example custom samplers: curriculum and weighted mixing (examples/samplers/)."""
 
 import pickle
-import sys
 from collections import Counter
 from itertools import islice
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import default_collate
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `examples` is imported from the repository root
-    sys.path.insert(0, str(REPO_ROOT))
-
-from examples.samplers.curriculum import CurriculumSampler, read_difficulties, split_stages  # noqa: E402
-from examples.samplers.mixing import MixedDataset, WeightedMixingSampler, rows_per_source  # noqa: E402
-from packsft.data.loader import (  # noqa: E402
+from examples.samplers.curriculum import CurriculumSampler, read_difficulties, split_stages
+from examples.samplers.mixing import MixedDataset, WeightedMixingSampler, rows_per_source
+from packsft.data.loader import (
     DataLoaderConfig,
     build_train_dataloader,
     load_loader_state_dict,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from distributed_helpers import short_conversation_lines
 
 from packsft.packing.pipeline import PackConfig, run_pack
 
@@ -28,9 +29,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def config(tmp_path_factory, shared_data, tokenizer_dir) -> Path:
     """Tiny-model YAML over 4 packed rows (hidden 64, 2 layers, fp32, lr 3e-3, checkpoint every step)."""
     out = tmp_path_factory.mktemp("ckpt")
-    lines = (shared_data / "chat" / "hh_rlhf_harmless_base_test.messages.jsonl").read_text().splitlines()
-    short = [line for line in lines if sum(len(m.get("content") or "") for m in json.loads(line)["messages"]) <= 200]
-    (out / "in.jsonl").write_text("\n".join(short[:17]) + "\n")
+    (out / "in.jsonl").write_text("\n".join(short_conversation_lines(shared_data, 17)) + "\n")
     tokenizer = str(tokenizer_dir("smollm2-135m-instruct"))
     packed = out / "rows.jsonl.packed"
     run_pack(PackConfig(inputs=[str(out / "in.jsonl")], output=str(packed), max_seq_len=SEQ, algorithm="next-fit",

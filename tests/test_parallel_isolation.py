@@ -6,11 +6,10 @@ CP=2) with at least 3 conversations. The model is the tiny GPT with its normal (
 logits ``[t, v]`` of the original row and of the row with one token of its middle conversation replaced are compared.
 """
 
-import json
 
 import pytest
 import torch
-from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from distributed_helpers import parallel_state_1proc, run_distributed, short_conversation_lines  # noqa: F401 - fixture
 
 from packsft.data.collate import collate_rows
 from packsft.data.context_parallel import cp_partition_indices
@@ -27,9 +26,7 @@ def row(tmp_path_factory, shared_data, tokenizer_dir) -> dict:
     from packsft.packing.pipeline import PackConfig, run_pack
 
     out = tmp_path_factory.mktemp("isolation")
-    lines = (shared_data / "chat" / "hh_rlhf_harmless_base_test.messages.jsonl").read_text().splitlines()
-    short = [line for line in lines if sum(len(m.get("content") or "") for m in json.loads(line)["messages"]) <= 200]
-    (out / "in.jsonl").write_text("\n".join(short[:6]) + "\n")
+    (out / "in.jsonl").write_text("\n".join(short_conversation_lines(shared_data, 6)) + "\n")
     tokenizer = str(tokenizer_dir("smollm2-135m-instruct"))
     run_pack(PackConfig(inputs=[str(out / "in.jsonl")], output=str(out / "rows.jsonl.packed"), max_seq_len=SEQ,
                         algorithm="next-fit", context_parallel_size=CP, tokenizer=tokenizer, histogram="",

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from distributed_helpers import parallel_state_1proc, run_distributed, short_conversation_lines  # noqa: F401
 
 from packsft.data.sidecar import read_sidecar, sidecar_path, write_sidecar
 from packsft.packing.pipeline import PackConfig, run_pack
@@ -37,19 +37,12 @@ CLIP = 0.05                    # below the reference gradient norm (asserted), s
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _short_conversations(shared_data: Path, n: int) -> list[str]:
-    """The first ``n`` hh-rlhf conversations with at most 200 characters of content (real data, short turns)."""
-    lines = (shared_data / "chat" / "hh_rlhf_harmless_base_test.messages.jsonl").read_text().splitlines()
-    short = [line for line in lines if sum(len(m.get("content") or "") for m in json.loads(line)["messages"]) <= 200]
-    return short[:n]
-
-
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory, shared_data, tokenizer_dir) -> dict:
     """``{cp: packed path}`` for CP 1, 2, 4 (the same rows), plus ``tokenizer``."""
     out = tmp_path_factory.mktemp("parity")
     src = out / "short.jsonl"
-    src.write_text("\n".join(_short_conversations(shared_data, 17)) + "\n")
+    src.write_text("\n".join(short_conversation_lines(shared_data, 17)) + "\n")
     base = out / f"cp{MAX_CP}.jsonl.packed"
     run_pack(PackConfig(inputs=[str(src)], output=str(base), max_seq_len=SEQ, algorithm="next-fit",
                         context_parallel_size=MAX_CP, tokenizer=str(tokenizer_dir(TOKENIZER)), histogram="",

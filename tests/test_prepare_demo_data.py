@@ -6,16 +6,10 @@ The real-package tests need ``pip install --no-deps chitchat-dataset==0.9.0 llm-
 
 import hashlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `examples` is imported from the repository root
-    sys.path.insert(0, str(REPO_ROOT))
-
-from examples.prepare_demo_data import (  # noqa: E402
+from examples.prepare_demo_data import (
     CHITCHAT_FILE,
     CHITCHAT_PACKAGE,
     SMOLLM2_GGUF,

@@ -1,12 +1,13 @@
-"""Atomic file writes: a temp file in the destination folder, then ``os.replace``.
+"""Atomic writes of files and folders: write beside the destination, then ``os.replace``.
 
-A reader never sees a half-written file, and a killed writer leaves the previous file intact.
+A reader never sees a half-written file or folder, and a killed writer leaves the previous one intact.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,9 +35,7 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8
             yield f
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -49,3 +48,48 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     with atomic_open(path) as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+def replace_dir(tmp: str | Path, final: str | Path) -> Path:
+    """Publish the finished folder ``tmp`` as ``final`` (same file system) by renames.
+
+    An existing ``final`` is first renamed aside, then ``tmp`` takes its name, then the old one is removed; a
+    reader sees either the old or the new complete folder, never a mix.
+
+    Returns:
+        ``final`` as a ``Path``.
+    """
+    tmp, final = Path(tmp), Path(final)
+    old = None
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.replace(final, old / final.name)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Create a temp folder beside ``path``; on clean exit publish it as ``path`` (:func:`replace_dir`).
+
+    Yields:
+        The temp folder to fill. If the block raises, it is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask

@@ -35,7 +35,8 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, as in the packer's workers
 
 from packsft.conversation import parse_record  # noqa: E402
-from packsft.packing.algorithms import ALGORITHMS, conversation_cost, lower_bound_rows, pack  # noqa: E402
+from packsft.layout import conversation_cost  # noqa: E402
+from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack  # noqa: E402
 from packsft.packing.pipeline import PackConfig, run_pack  # noqa: E402
 from packsft.prompt_formats import get_prompt_format  # noqa: E402
 from packsft.tokenizer import load_tokenizer  # noqa: E402

@@ -53,9 +53,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from packsft.layout import IGNORE_INDEX
 from packsft.tokenizer import token_id
 
-IGNORE_INDEX = -100
 PRESETS = ("identity", "nemotron-nano-v2", "nemotron-h-aligned", "chat-template")
 ALIASES = {"default": "chat-template"}
 _SENTINEL = "\ue000"  # private-use character: never the first character of a real assistant turn

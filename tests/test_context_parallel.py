@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from packsft.data.context_parallel import cp_partition_indices, make_packed_seq_params, slice_batch_for_cp
+from packsft.data.context_parallel import make_packed_seq_params, slice_batch_for_cp
+from packsft.layout import cp_partition_indices
 
 CU_DESIGN = torch.tensor([0, 4, 8], dtype=torch.int32)
 

@@ -14,8 +14,8 @@ from packsft.conversation import ConversationError
 from packsft.data import dataset as dataset_module
 from packsft.data.dataset import PackedDataWarning, PackedSFTDataset
 from packsft.data.row import build_row
-from packsft.data.sidecar import SidecarError, write_sidecar
 from packsft.prompt_formats import get_prompt_format, tokenize_conversation
+from packsft.sidecar import SidecarError, write_sidecar
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 TEKKEN = "nemotron-h-layout-tekken"
@@ -249,7 +249,7 @@ REAL_PAIRS = [(TEKKEN, "nemotron-nano-v2"), ("qwen2.5", "chat-template")]
 def _read_and_count(path, tok, fmt, limit, max_seq_len, cp):
     """Parse and count conversations the way the packer does; skip the ones it would refuse or set apart."""
     from packsft.conversation import iter_jsonl_lines, parse_record
-    from packsft.packing.algorithms import conversation_cost
+    from packsft.layout import conversation_cost
     from packsft.prompt_formats import PromptFormatError, count_conversation_tokens
 
     convs, counts = [], []
@@ -272,7 +272,8 @@ def _read_and_count(path, tok, fmt, limit, max_seq_len, cp):
 @pytest.mark.parametrize(("tokenizer_name", "preset"), REAL_PAIRS)
 def test_packer_length_equals_loader_length_on_real_data(tmp_path, shared_data, tokenizer_dir, tokenizer_name,
                                                          preset):
-    from packsft.packing.algorithms import conversation_cost, next_fit
+    from packsft.layout import conversation_cost
+    from packsft.packing.algorithms import next_fit
 
     tok = load_cached(tokenizer_dir(tokenizer_name))
     fmt = get_prompt_format(preset, tok)

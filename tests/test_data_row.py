@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from packsft.data.row import RowTruncation, build_row
-from packsft.packing.algorithms import conversation_cost
-from packsft.prompt_formats import IGNORE_INDEX, get_prompt_format, tokenize_conversation
+from packsft.layout import IGNORE_INDEX, conversation_cost
+from packsft.prompt_formats import get_prompt_format, tokenize_conversation
 from packsft.tokenizer import load_tokenizer
 
 X = IGNORE_INDEX
@@ -40,7 +40,7 @@ def test_cp2_pads_each_conversation_to_a_multiple_of_4_and_stops_at_exactly_L():
     _check(row, tokens=[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0], labels=[2, 3, X, X, X, 6, 7, 8, X, X, X, X],
            loss_mask=[1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0], position_ids=[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7],
            cu_seqlens=[0, 4, 12], max_seqlen=8)
-    from packsft.data.context_parallel import cp_partition_indices
+    from packsft.layout import cp_partition_indices
 
     assert cp_partition_indices(row["cu_seqlens"], 2, 1).tolist() == [1, 2, 6, 7, 8, 9]  # docs/loader.md example
 
@@ -106,7 +106,6 @@ def test_row_without_trained_token_has_zero_loss_mask():
         ([], {"max_seq_len": 8}, "at least one conversation"),
         ([([1, 2], [1])], {"max_seq_len": 8}, "conversation 0.*equally long"),
         ([([], [])], {"max_seq_len": 8}, "non-empty"),
-        ([([1], [1])], {"max_seq_len": 6, "context_parallel_size": 2}, "multiple of 2 \\* context_parallel_size"),
     ],
 )
 def test_invalid_inputs(convs, kwargs, message):
@@ -232,7 +231,8 @@ def test_build_row_allots_exactly_the_packers_cost(cp):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_slices_of_a_built_row_reassemble_it(cp):
-    from packsft.data.context_parallel import cp_partition_indices, slice_batch_for_cp
+    from packsft.data.context_parallel import slice_batch_for_cp
+    from packsft.layout import cp_partition_indices
 
     rng = random.Random(cp)
     convs = [([rng.randint(1, 9) for _ in range(n)], [X] + [1] * (n - 1)) for n in (5, 1, 12, 7)]

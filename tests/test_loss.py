@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from packsft.loss import (
-    FusedLinearCrossEntropy,
     fused_linear_cross_entropy,
     global_num_trained_tokens,
     normalize_loss,
@@ -125,8 +124,8 @@ def test_megatron_sbh_layout_and_module_form():
     flat_labels = labels_bs.t().reshape(-1)
     flat = fused_linear_cross_entropy(hidden_sbh.reshape(-1, H), weight, flat_labels, reduction="none")
     torch.testing.assert_close(per_token.reshape(-1), flat, **TOL)
-    module = FusedLinearCrossEntropy(chunk_size=5, reduction="sum")
-    torch.testing.assert_close(module(hidden_sbh, weight, labels_bs.t()), per_token.sum(), **TOL)
+    summed = fused_linear_cross_entropy(hidden_sbh, weight, labels_bs.t(), chunk_size=5, reduction="sum")
+    torch.testing.assert_close(summed, per_token.sum(), **TOL)
 
 
 def test_tied_embedding_gradient_adds_both_uses():
@@ -212,11 +211,12 @@ def test_invalid_arguments_raise(kwargs, error):
         fused_linear_cross_entropy(**args)
 
 
-def test_module_rejects_bad_settings():
+def test_rejects_bad_settings():
+    hidden, weight, labels = _inputs()
     with pytest.raises(ValueError, match="reduction"):
-        FusedLinearCrossEntropy(reduction="avg")
+        fused_linear_cross_entropy(hidden, weight, labels, reduction="avg")
     with pytest.raises(ValueError, match="chunk_size"):
-        FusedLinearCrossEntropy(chunk_size=-1)
+        fused_linear_cross_entropy(hidden, weight, labels, chunk_size=-1)
 
 
 def test_num_trained_tokens_counts_mask_and_labels():

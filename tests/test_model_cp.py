@@ -5,11 +5,13 @@ import torch
 import torch.distributed as dist
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 
-from packsft.data.context_parallel import cp_partition_indices, make_packed_seq_params, slice_batch_for_cp
+from packsft.data.context_parallel import make_packed_seq_params, slice_batch_for_cp
+from packsft.layout import cp_partition_indices
 from packsft.model.config import ModelConfig
 from packsft.model.gpt import build_gpt_model
-from packsft.model.output_head import gpt_token_loss, use_hidden_state_output
+from packsft.model.output_head import use_hidden_state_output
 from packsft.train.distributed import init_distributed
+from packsft.train.token_loss import gpt_token_loss
 
 LENGTHS = [8, 12, 4, 8]                      # multiples of 2 * cp = 4
 CU = torch.tensor([0, 8, 20, 24, 32], dtype=torch.int32)

@@ -7,7 +7,8 @@ from packsft.data.context_parallel import make_packed_seq_params
 from packsft.model import cpu_compat, gpt
 from packsft.model.config import ModelConfig
 from packsft.model.gpt import build_gpt_model
-from packsft.model.output_head import HiddenStateOutputLayer, gpt_token_loss, use_hidden_state_output
+from packsft.model.output_head import HiddenStateOutputLayer, use_hidden_state_output
+from packsft.train.token_loss import gpt_token_loss
 
 LENGTHS = [7, 12, 5, 8]
 CU = torch.tensor([0, 7, 19, 24, 32], dtype=torch.int32)

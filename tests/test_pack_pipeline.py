@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from packsft.conversation import parse_record, split_row
-from packsft.packing.algorithms import conversation_cost
+from packsft.layout import conversation_cost
 from packsft.packing.pipeline import PackConfig, PackError, run_pack
 from packsft.prompt_formats import count_conversation_tokens, get_prompt_format
 from packsft.tokenizer import load_tokenizer

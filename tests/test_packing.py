@@ -2,11 +2,10 @@ import random
 
 import pytest
 
+from packsft.layout import check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import (
     ALGORITHMS,
     best_fit_decreasing,
-    check_max_seq_len,
-    conversation_cost,
     lower_bound_rows,
     next_fit,
     pack,

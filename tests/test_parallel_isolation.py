@@ -12,7 +12,7 @@ import torch
 from distributed_helpers import parallel_state_1proc, run_distributed, short_conversation_lines  # noqa: F401 - fixture
 
 from packsft.data.collate import collate_rows
-from packsft.data.context_parallel import cp_partition_indices
+from packsft.layout import cp_partition_indices
 from packsft.model.config import ModelConfig
 from packsft.train.data import model_input
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import yaml
 from distributed_helpers import parallel_state_1proc, run_distributed, short_conversation_lines  # noqa: F401
 
-from packsft.data.sidecar import read_sidecar, sidecar_path, write_sidecar
 from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.sidecar import read_sidecar, sidecar_path, write_sidecar
 from packsft.train.config import load_config
 
 SEQ, ROWS, MAX_CP = 256, 4, 4

@@ -73,8 +73,8 @@ def _tp_grad_norm(rank, world_size):
     from packsft.data.context_parallel import make_packed_seq_params
     from packsft.model.config import ModelConfig
     from packsft.model.gpt import build_gpt_model
-    from packsft.model.output_head import gpt_token_loss
     from packsft.train.distributed import init_distributed
+    from packsft.train.token_loss import gpt_token_loss
 
     ctx = init_distributed(tensor_model_parallel_size=world_size)
     model = build_gpt_model(ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,

@@ -18,7 +18,7 @@ import sys
 
 from packsft.data.dataset import PackedSFTDataset
 from packsft.data.inspect import describe_row
-from packsft.data.sidecar import read_sidecar
+from packsft.sidecar import read_sidecar
 
 
 def main(argv: list[str] | None = None) -> int:

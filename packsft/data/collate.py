@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-STACKED_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+from packsft.layout import ROW_KEYS, TOKEN_KEYS
 
 
 def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """
     if not rows:
         raise ValueError("collate_rows needs at least one row")
-    missing = [k for k in (*STACKED_KEYS, "cu_seqlens", "max_seqlen", "num_trained_tokens") if k not in rows[0]]
+    missing = [k for k in ROW_KEYS if k not in rows[0]]
     if missing:
         raise ValueError(f"row 0 lacks {missing}; rows must come from PackedSFTDataset")
     length = rows[0]["tokens"].shape[-1]
@@ -51,7 +51,7 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"row {i}: tokens shape {tuple(row['tokens'].shape)} and cu_seqlens[-1] "
                              f"{int(cu[-1])} must both match row 0's length {length}")
         offsets.append(cu[1:].to(torch.int32) + i * length)
-    batch = {key: torch.stack([row[key] for row in rows]) for key in STACKED_KEYS}
+    batch = {key: torch.stack([row[key] for row in rows]) for key in TOKEN_KEYS}
     batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int32), *offsets])
     batch["max_seqlen"] = max(int(row["max_seqlen"]) for row in rows)
     batch["num_trained_tokens"] = sum(int(row["num_trained_tokens"]) for row in rows)

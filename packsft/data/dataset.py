@@ -32,7 +32,10 @@ from transformers import PreTrainedTokenizerBase
 
 from packsft.conversation import ConversationError, split_row
 from packsft.data.row import build_row
-from packsft.data.sidecar import (
+from packsft.io import atomic_open
+from packsft.packing.algorithms import check_max_seq_len
+from packsft.prompt_formats import PromptFormat, PromptFormatError, get_prompt_format, tokenize_conversation
+from packsft.sidecar import (
     SidecarError,
     check_sidecar,
     loader_expectation,
@@ -40,9 +43,6 @@ from packsft.data.sidecar import (
     repack_hint,
     sidecar_path,
 )
-from packsft.io import atomic_open
-from packsft.packing.algorithms import check_max_seq_len
-from packsft.prompt_formats import PromptFormat, PromptFormatError, get_prompt_format, tokenize_conversation
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 INDEX_SUFFIX = ".idx"

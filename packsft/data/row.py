@@ -3,35 +3,13 @@
 Shape legend: ``L`` = ``max_seq_len`` (tokens per row), ``n`` = number of segments (conversations kept in
 the row; each segment is one conversation plus its CP padding, the last one also holds the tail padding).
 
-Construction (DESIGN §5; Megatron-LM ``megatron/training/datasets/sft_dataset.py``, ``SFTDataset.__getitem__``):
-
-1. For each conversation append its ``(tokens, targets)`` (from
-   :func:`packsft.prompt_formats.tokenize_conversation`); positions restart at 0. With
-   ``context_parallel_size > 1`` append pad ids (as token and target) until the running length is a multiple
-   of ``g = 2 * context_parallel_size``; their positions continue the conversation's. A conversation thus
-   occupies exactly :func:`packsft.packing.algorithms.conversation_cost` tokens, the packer's cost.
-2. Stop at exactly ``L``. At ``L + 1`` or more, right-truncate to ``L`` and append one pad (the row is
-   reported, see :class:`RowTruncation`); conversations after the cut one are dropped. Otherwise pad to
-   ``L + 1``; the tail padding belongs to the last segment and its positions continue the last conversation's.
-3. Shift once: ``tokens = toks[:-1]``, ``labels = tgts[1:]``, ``position_ids = pos[:-1]``.
-4. Boundary policy: the label at the last position of every segment but the last (it would be the first
-   token of the next conversation) is ``IGNORE_INDEX``: no prediction crosses a conversation.
-5. ``loss_mask`` is 0 where the label is ``IGNORE_INDEX`` or the pad id, else 1; then ``labels`` is set to
-   ``IGNORE_INDEX`` wherever ``loss_mask`` is 0.
-
-Differences from Megatron-LM's ``SFTDataset`` (all deliberate, documented in ``docs/loader.md``):
-
-* Megatron keeps the label at a segment's last position (step 4). That label is the next conversation's
-  first *target*: ``IGNORE_INDEX`` for every masked-prompt preset (their conversations start with a masked
-  system turn), so the difference only shows with ``identity``, where Megatron trains the last token of one
-  conversation (or, with CP padding, its last pad token) to predict the first token of an unrelated one.
-* Megatron leaves the pad id in ``labels`` at padded positions (their ``loss_mask`` is 0); packsft writes
-  ``IGNORE_INDEX`` there, so ``labels != IGNORE_INDEX`` equals ``loss_mask == 1`` and a loss that ignores
-  ``loss_mask`` still skips padding. The loss under ``loss_mask`` is identical.
-* Megatron appends EOD after a conversation whose last token is not EOD; packsft adds nothing (DESIGN §3:
-  the prompt format renders the end of turn), so packed lengths equal ``count_conversation_tokens``.
-* Megatron continues appending after a row of exactly ``L`` tokens and can then emit an empty last segment;
-  packsft stops at ``L``.
+Conversations are concatenated with positions restarting at 0, each padded to
+:func:`packsft.layout.conversation_cost` tokens (the packer's cost); the row stops at exactly ``L`` or is
+right-truncated to ``L`` plus one pad, or padded to ``L + 1``; then shifted once
+(``tokens = toks[:-1]``, ``labels = tgts[1:]``). No label crosses from one conversation into the next, and
+``labels`` is ``IGNORE_INDEX`` wherever ``loss_mask`` is 0. Source: Megatron-LM
+``megatron/training/datasets/sft_dataset.py`` (``SFTDataset.__getitem__``); the step-by-step construction and
+every difference from Megatron-LM: ``docs/loader.md``.
 """
 
 from __future__ import annotations
@@ -41,10 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packsft.packing.algorithms import check_max_seq_len, conversation_cost
-from packsft.prompt_formats import IGNORE_INDEX
-
-ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen", "num_trained_tokens")
+from packsft.layout import IGNORE_INDEX, conversation_cost
 
 
 @dataclass(frozen=True)
@@ -137,7 +112,7 @@ def build_row(
             :func:`packsft.prompt_formats.tokenize_conversation` (targets hold ``IGNORE_INDEX`` = -100
             where not trained). At least one conversation.
         pad_id: the prompt format's pad token id (CP and tail padding; never trained).
-        max_seq_len: ``L``, a positive multiple of ``2 * context_parallel_size`` when CP > 1.
+        max_seq_len: ``L``, a positive multiple of ``2 * context_parallel_size`` when CP > 1 (unchecked).
         context_parallel_size: CP size; conversations are padded to a multiple of ``2 * cp`` when > 1.
 
     Returns:
@@ -148,8 +123,8 @@ def build_row(
         :class:`RowTruncation`.
 
     Raises:
-        ValueError: no conversation; a conversation with unequal or empty tokens/targets; ``max_seq_len``
-            not a positive multiple of the CP granularity.
+        ValueError: no conversation; a conversation with unequal or empty tokens/targets. ``max_seq_len`` is
+            not checked here (per row); callers check it once with :func:`packsft.layout.check_max_seq_len`.
 
     Example (``cp = 1``, ``L = 6``, pad 0, conversations ``([5, 6, 7], [-100, 6, 7])`` and ``([8, 9], [8, 9])``):
     ``toks = [5, 6, 7, 8, 9, 0, 0]``, ``tgts = [-100, 6, 7, 8, 9, 0, 0]`` ->
@@ -160,7 +135,6 @@ def build_row(
     """
     if not conversations:
         raise ValueError("a row needs at least one conversation")
-    check_max_seq_len(max_seq_len, context_parallel_size)
     toks, tgts, pos, cu, truncation = _layout(conversations, pad_id, max_seq_len, context_parallel_size)
     tokens = torch.tensor(toks[:-1], dtype=torch.int64)
     labels = torch.tensor(tgts[1:], dtype=torch.int64)

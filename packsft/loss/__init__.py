@@ -1,14 +1,12 @@
 """Chunked fused linear cross-entropy (TP vocab-parallel, CP-safe) and global-batch loss normalisation."""
 
 from packsft.loss.fused_linear_cross_entropy import (
-    FusedLinearCrossEntropy,
     FusedLinearCrossEntropyFunction,
     fused_linear_cross_entropy,
 )
 from packsft.loss.normalization import global_num_trained_tokens, normalize_loss, num_trained_tokens
 
 __all__ = [
-    "FusedLinearCrossEntropy",
     "FusedLinearCrossEntropyFunction",
     "fused_linear_cross_entropy",
     "global_num_trained_tokens",

@@ -5,17 +5,17 @@ flattened), ``h`` = hidden size, ``v`` = vocabulary size, ``v_local = v / tp`` =
 shard, ``c`` = ``chunk_size`` (tokens per chunk), ``n`` = trained tokens (label not ignored and
 ``loss_mask`` non-zero).
 
-Reference: DESIGN section 7; memory figures measured in ``shared/notes/megatron_core_on_cpu.md`` section 7
-and ``docs/loss.md``. The vocab-parallel log-sum-exp follows Megatron-Core's
-``tensor_parallel/cross_entropy.py`` (``VocabParallelCrossEntropy``): max all-reduced, then the sum of
-exponentials and the target logit all-reduced, over the tensor-parallel group.
+Algorithm, memory figures and the normalisation it feeds: ``docs/loss.md``. The vocab-parallel
+log-sum-exp follows Megatron-Core's ``VocabParallelCrossEntropy`` (``tensor_parallel.cross_entropy``): max
+all-reduced, then the sum of exponentials and the target logit all-reduced, over the tensor-parallel group.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+from packsft.layout import IGNORE_INDEX
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -213,7 +213,7 @@ def fused_linear_cross_entropy(
     chunk_size: int = 256,
     reduction: str = "mean",
     tp_group: dist.ProcessGroup | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduce_hidden_grad: bool = True,
     vocab_chunk_size: int = 32768,
 ) -> torch.Tensor:
@@ -299,54 +299,3 @@ def fused_linear_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / max(idx.numel(), 1)
-
-
-class FusedLinearCrossEntropy(nn.Module):
-    """Module form of :func:`fused_linear_cross_entropy`, holding its settings.
-
-    ``forward(hidden [..., h], weight [v_local, h], labels [...] int64, loss_mask=None | [...] float)``
-    returns the fp32 loss of the configured ``reduction``. The module owns no parameters: the output
-    weight stays with the model (``output_layer.weight`` or the tied embedding), so checkpoints and
-    Megatron's ``sharded_state_dict`` are unchanged.
-
-    Args:
-        chunk_size: trained tokens per chunk (default 256).
-        reduction: ``"none"``, ``"sum"`` or ``"mean"``.
-        tp_group: tensor-parallel process group or ``None``.
-        ignore_index: label value of untrained positions.
-        reduce_hidden_grad: see :func:`fused_linear_cross_entropy`.
-        vocab_chunk_size: vocab rows per logits block (default 32768).
-
-    Raises:
-        ValueError: unknown ``reduction`` or non-positive chunk sizes (at construction).
-    """
-
-    def __init__(
-        self,
-        chunk_size: int = 256,
-        reduction: str = "mean",
-        tp_group: dist.ProcessGroup | None = None,
-        ignore_index: int = -100,
-        reduce_hidden_grad: bool = True,
-        vocab_chunk_size: int = 32768,
-    ):
-        super().__init__()
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        _check_chunk("chunk_size (tokens per chunk)", chunk_size)
-        _check_chunk("vocab_chunk_size (vocab rows per block)", vocab_chunk_size)
-        self.chunk_size, self.vocab_chunk_size, self.reduction = chunk_size, vocab_chunk_size, reduction
-        self.tp_group, self.ignore_index, self.reduce_hidden_grad = tp_group, ignore_index, reduce_hidden_grad
-
-    def forward(self, hidden, weight, labels, loss_mask=None):
-        """See :func:`fused_linear_cross_entropy`."""
-        return fused_linear_cross_entropy(
-            hidden, weight, labels, loss_mask, chunk_size=self.chunk_size, reduction=self.reduction,
-            tp_group=self.tp_group, ignore_index=self.ignore_index,
-            reduce_hidden_grad=self.reduce_hidden_grad, vocab_chunk_size=self.vocab_chunk_size,
-        )
-
-    def extra_repr(self) -> str:
-        """Settings shown by ``print(module)``."""
-        return (f"chunk_size={self.chunk_size}, vocab_chunk_size={self.vocab_chunk_size}, "
-                f"reduction={self.reduction!r}, ignore_index={self.ignore_index}")

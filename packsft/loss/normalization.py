@@ -1,6 +1,6 @@
 """Global loss normalisation: sum of token losses / trained tokens of the whole global batch.
 
-DESIGN section 7: the training loss of one optimizer step is
+The training loss of one optimizer step is
 ``sum over trained tokens of token loss / number of trained tokens in the global batch``, where the
 global batch is every micro-batch of the step on every DP and CP rank. Each micro-batch therefore
 contributes ``loss_sum / global_count`` (torchtitan ``train_step``'s ``global_valid_tokens``; Megatron's
@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from packsft.layout import IGNORE_INDEX
+
 
 def _as_list(x: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch.Tensor] | None:
     if x is None or isinstance(x, torch.Tensor):
@@ -24,7 +26,7 @@ def _as_list(x: torch.Tensor | Iterable[torch.Tensor] | None) -> list[torch.Tens
 def num_trained_tokens(
     loss_mask: torch.Tensor | Iterable[torch.Tensor],
     labels: torch.Tensor | Iterable[torch.Tensor] | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Count this rank's trained tokens: positions with ``loss_mask != 0`` (and ``labels != ignore_index``).
 
@@ -64,7 +66,7 @@ def global_num_trained_tokens(
     loss_mask: torch.Tensor | Iterable[torch.Tensor],
     groups: Sequence[dist.ProcessGroup | None] | None = None,
     labels: torch.Tensor | Iterable[torch.Tensor] | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Trained tokens of the global batch: the local count all-reduced (SUM) over each group in turn.
 

@@ -44,7 +44,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from packsft.data.context_parallel import cp_partition_indices
+from packsft.layout import cp_partition_indices
 
 
 class _AllGatherDim0(torch.autograd.Function):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -85,3 +86,10 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process:
         rope_scaling=cfg.rope_scaling_factor is not None,
         rope_scaling_factor=cfg.rope_scaling_factor if cfg.rope_scaling_factor is not None else 8.0,
     )
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP-style wrappers (anything with ``.module``), or the model itself."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -1,6 +1,6 @@
 """Packing algorithms on lengths only: which conversations go into which row.
 
-Every function here takes per-conversation *costs* in tokens (see :func:`conversation_cost`) and a row
+Every function here takes per-conversation *costs* in tokens (see :func:`packsft.layout.conversation_cost`) and a row
 capacity ``max_seq_len``, and returns rows as lists of conversation indices. No text, no tokenizer: the
 algorithms are deterministic functions of their inputs (ties are broken by index, never by hash order), so
 the same input gives the same rows whatever the worker count or ``PYTHONHASHSEED``.
@@ -19,33 +19,6 @@ from collections import deque
 from collections.abc import Sequence
 
 ALGORITHMS = ("next-fit", "best-fit-decreasing")
-
-
-def cp_granularity(context_parallel_size: int) -> int:
-    """Padding granularity ``g`` in tokens: ``2 * context_parallel_size`` when CP > 1, else 1 (DESIGN §4)."""
-    if context_parallel_size < 1:
-        raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}")
-    return 2 * context_parallel_size if context_parallel_size > 1 else 1
-
-
-def conversation_cost(num_tokens: int, context_parallel_size: int = 1) -> int:
-    """Tokens a conversation occupies in a row: ``ceil(n / g) * g`` with ``g`` = :func:`cp_granularity`.
-
-    Matches TransformerEngine's THD context-parallel layout, where every sequence is padded to a multiple
-    of ``2 * cp`` so it can be cut into ``2 * cp`` equal chunks (DESIGN §4, §6).
-    """
-    g = cp_granularity(context_parallel_size)
-    return -(-num_tokens // g) * g
-
-
-def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1) -> None:
-    """Raise ``ValueError`` unless ``max_seq_len`` is positive and, when CP > 1, a multiple of ``2 * cp``."""
-    g = cp_granularity(context_parallel_size)
-    if max_seq_len <= 0:
-        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
-    if max_seq_len % g:
-        raise ValueError(f"max_seq_len ({max_seq_len}) must be a multiple of 2 * context_parallel_size "
-                         f"({g}) so every row splits into equal context-parallel chunks")
 
 
 def next_fit(costs: Sequence[int], max_seq_len: int) -> list[list[int]]:

@@ -34,10 +34,11 @@ from tqdm import tqdm
 
 from packsft import __version__
 from packsft.conversation import ConversationError, iter_jsonl_lines, parse_record
-from packsft.data.sidecar import sidecar_path, write_sidecar
 from packsft.io import atomic_open, write_json_atomic
-from packsft.packing.algorithms import ALGORITHMS, check_max_seq_len, conversation_cost, lower_bound_rows, pack
+from packsft.layout import check_max_seq_len, conversation_cost
+from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
 from packsft.prompt_formats import PromptFormatError, count_conversation_tokens, get_prompt_format
+from packsft.sidecar import sidecar_path, write_sidecar
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")

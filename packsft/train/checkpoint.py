@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 
 from packsft.io import atomic_open
+from packsft.model.gpt import unwrap_model
 from packsft.train.optim import optimizer_params
 
 LATEST = "latest"
@@ -51,10 +52,6 @@ COMMON_STEP = "common_step"
 def checkpoint_name(step: int) -> str:
     """Folder name of the checkpoint after optimizer step ``step``: ``iter_0000020``."""
     return f"iter_{step:07d}"
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
 
 
 def _fill_missing_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -75,7 +72,7 @@ def sharded_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         ValueError: (from Megatron) an optimizer parameter without a matching model sharded tensor.
     """
     _fill_missing_adam_state(optimizer)
-    model_state = _unwrap(model).sharded_state_dict()
+    model_state = unwrap_model(model).sharded_state_dict()
     optim_state = optimizer.state_dict()
     id_map = get_param_id_to_sharded_param_map(model_state, optimizer_params(optimizer))
     step = float(next(iter(optim_state["state"].values()))["step"]) if optim_state["state"] else 0.0
@@ -183,7 +180,7 @@ def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
             global shape (a different architecture).
     """
     loaded = dist_checkpointing.load(sharded_train_state(model, optimizer), str(path))
-    _unwrap(model).load_state_dict(loaded["model"])
+    unwrap_model(model).load_state_dict(loaded["model"])
     optim_state = loaded["optimizer"]
     step = optim_state["state"].pop(COMMON_STEP)
     for param_state in optim_state["state"].values():

@@ -15,9 +15,8 @@ import torch
 
 from packsft.data.context_parallel import make_packed_seq_params, slice_batch_for_cp
 from packsft.data.dataset import PackedSFTDataset
+from packsft.layout import TOKEN_KEYS
 from packsft.train.config import Config
-
-MODEL_INPUT_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 class RowSubset(torch.utils.data.Dataset):
@@ -84,7 +83,7 @@ def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
 
 
 def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, device: torch.device) -> dict[str, Any]:
-    """This CP rank's share of one collated row, on ``device``, as ``packsft.model.output_head.gpt_token_loss`` wants.
+    """This CP rank's share of one collated row, on ``device``, as ``packsft.train.token_loss.gpt_token_loss`` wants.
 
     Args:
         batch: ``packsft.data.collate.collate_rows`` output of one row: ``tokens``/``labels``/``position_ids`` int64
@@ -96,7 +95,7 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
         ``packed_seq_params`` (THD, global ``cu_seqlens``).
     """
     local = slice_batch_for_cp(batch, cp_size, cp_rank)
-    out = {key: local[key].to(device, non_blocking=True) for key in MODEL_INPUT_KEYS}
+    out = {key: local[key].to(device, non_blocking=True) for key in TOKEN_KEYS}
     out["packed_seq_params"] = make_packed_seq_params(batch["cu_seqlens"].to(device), batch["max_seqlen"],
                                                       cp_group if cp_size > 1 else None)
     return out

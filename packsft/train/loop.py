@@ -32,16 +32,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from packsft.data.loader import build_eval_dataloader, build_train_dataloader, load_loader_state_dict, loader_state_dict
+from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.gpt import build_gpt_model
 from packsft.model.hf_convert import load_megatron_checkpoint
-from packsft.model.output_head import gpt_token_loss, use_hidden_state_output
+from packsft.model.output_head import use_hidden_state_output
 from packsft.train import checkpoint as ckpt
 from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.metrics import MetricsLogger, format_summary, peak_memory_gib
 from packsft.train.optim import build_optimizer, build_scheduler, clip_grads, optimizer_params, set_schedule_step
+from packsft.train.token_loss import gpt_token_loss
 
 
 @dataclass
@@ -193,7 +195,7 @@ class Trainer:
             if limit is not None and i >= limit:
                 break
             batch = model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device)
-            mask = batch["loss_mask"] * (batch["labels"] != -100)
+            mask = batch["loss_mask"] * (batch["labels"] != IGNORE_INDEX)
             totals += torch.stack([self._token_loss(batch).double(), mask.sum().double()])
         dist.all_reduce(totals, group=ctx.dp_cp_group)
         self.model.train()

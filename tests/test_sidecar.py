@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from packsft.data.sidecar import (
+from packsft.prompt_formats import PromptFormat
+from packsft.sidecar import (
     CHECKED_FIELDS,
     SidecarError,
     check_sidecar,
@@ -14,7 +15,6 @@ from packsft.data.sidecar import (
     sidecar_path,
     write_sidecar,
 )
-from packsft.prompt_formats import PromptFormat
 
 FMT = PromptFormat(name="nemotron-h-aligned", pad_token="<SPECIAL_233>", pad_token_id=233)
 

@@ -1,0 +1,121 @@
+"""What the packer and the loader must agree on about a packed row: costs, keys, the CP split.
+
+A conversation of ``n`` tokens occupies :func:`conversation_cost` tokens of a row (padded for context
+parallelism); the packer packs those costs and the loader lays the row out with the same numbers, so the
+two can never disagree on what fits. Row layout and CP slicing: ``docs/loader.md``.
+
+Dependency-free (torch is imported only by :func:`cp_partition_indices`), so every package can import it,
+the pack path stays light, and the prompt formats can mark untrained targets with :data:`IGNORE_INDEX`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+IGNORE_INDEX = -100
+"""Label of a position that is not trained (``torch.nn.functional.cross_entropy``'s and Megatron's default)."""
+
+TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+"""Per-token tensors of a row, ``[L]`` each: stacked by collate, sliced per CP rank, moved to the model."""
+
+ROW_KEYS = (*TOKEN_KEYS, "cu_seqlens", "max_seqlen", "num_trained_tokens")
+"""Every entry of a row built by :func:`packsft.data.row.build_row`."""
+
+
+def cp_granularity(context_parallel_size: int) -> int:
+    """Padding granularity ``g`` in tokens: ``2 * context_parallel_size`` when CP > 1, else 1.
+
+    Raises:
+        ValueError: ``context_parallel_size < 1``.
+    """
+    if context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}")
+    return 2 * context_parallel_size if context_parallel_size > 1 else 1
+
+
+def conversation_cost(num_tokens: int, context_parallel_size: int = 1) -> int:
+    """Tokens a conversation occupies in a row: ``ceil(n / g) * g`` with ``g`` = :func:`cp_granularity`.
+
+    TransformerEngine's THD context parallelism cuts every sequence into ``2 * cp`` equal chunks, so each
+    conversation is padded to a multiple of ``2 * cp``.
+    """
+    g = cp_granularity(context_parallel_size)
+    return -(-num_tokens // g) * g
+
+
+def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1) -> None:
+    """Raise ``ValueError`` unless ``max_seq_len`` is positive and, when CP > 1, a multiple of ``2 * cp``."""
+    g = cp_granularity(context_parallel_size)
+    if max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    if max_seq_len % g:
+        raise ValueError(f"max_seq_len ({max_seq_len}) must be a multiple of 2 * context_parallel_size "
+                         f"({g}) so every row splits into equal context-parallel chunks")
+
+
+def check_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
+    """``cu_seqlens`` as a 1-D integer tensor (a ``[1, n + 1]`` one is squeezed).
+
+    Raises:
+        ValueError: not 1-D with at least 2 entries, not integer, not starting at 0, or decreasing.
+    """
+    if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:
+        cu_seqlens = cu_seqlens[0]
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, "
+                         f"got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if int(cu_seqlens[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu_seqlens[0])}")
+    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
+    return cu_seqlens
+
+
+def cp_partition_indices(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
+    """Positions in the full row of the tokens that CP rank ``cp_rank`` keeps.
+
+    Every segment is cut into ``2 * cp_size`` equal chunks and rank ``r`` keeps chunks ``r`` and
+    ``2 * cp_size - 1 - r`` of each, in segment order: the same result as TransformerEngine's
+    ``thd_get_partitioned_indices``. Example: ``cu_seqlens=[0,4,8]``, ``cp_size=2``: rank 1 keeps
+    ``[1, 2, 5, 6]``, rank 0 ``[0, 3, 4, 7]``.
+
+    Args:
+        cu_seqlens: integer ``[num_segments + 1]`` (or ``[1, num_segments + 1]``), padded offsets from 0
+            to the row length ``L``.
+        cp_size: context-parallel size (>= 1).
+        cp_rank: this rank's index in the CP group, ``0 <= cp_rank < cp_size``.
+
+    Returns:
+        int64 ``[L // cp_size]`` on ``cu_seqlens``' device, ascending.
+
+    Raises:
+        ValueError: a malformed ``cu_seqlens``, a bad ``cp_size``/``cp_rank``, or (``cp_size > 1``) a
+            segment whose length is not a multiple of ``2 * cp_size``.
+    """
+    import torch
+
+    cu_seqlens = check_cu_seqlens(cu_seqlens).to(torch.int64)
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"need context_parallel_size >= 1 and 0 <= cp_rank < context_parallel_size, "
+                         f"got cp_size={cp_size}, cp_rank={cp_rank}")
+    total = int(cu_seqlens[-1])
+    if cp_size == 1:
+        return torch.arange(total, device=cu_seqlens.device)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    bad = (lengths % (2 * cp_size)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"segment {i} of cu_seqlens has length {int(lengths[i])}, not a multiple of "
+                         f"2 * context_parallel_size = {2 * cp_size} (pad conversations when packing)")
+    chunk = lengths // (2 * cp_size)                                           # [n]
+    seg = torch.repeat_interleave(torch.arange(len(chunk), device=chunk.device), 2 * chunk)
+    local_start = torch.cumsum(2 * chunk, 0) - 2 * chunk                       # [n]
+    j = torch.arange(total // cp_size, device=chunk.device) - local_start[seg]  # offset in own 2 chunks
+    c = chunk[seg]
+    in_row = torch.where(j < c, cp_rank * c + j, (2 * cp_size - 1 - cp_rank) * c + (j - c))
+    return cu_seqlens[:-1][seg] + in_row

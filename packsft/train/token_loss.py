@@ -1,0 +1,60 @@
+"""Per-token loss of one packed row: the trainer's choice between the fused and the stock loss.
+
+* fused (``loss.fused_linear_cross_entropy: true``): final hidden states ``[t, h]`` and the (vocab-parallel)
+  output weight go to :func:`packsft.loss.fused_linear_cross_entropy`, which never materialises ``[t, v]``
+  logits (``docs/loss.md``);
+* stock: ``labels=`` given to ``GPTModel`` -> Megatron's ``tensor_parallel.vocab_parallel_cross_entropy``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from packsft.layout import IGNORE_INDEX
+from packsft.loss import fused_linear_cross_entropy
+from packsft.model.gpt import unwrap_model
+from packsft.model.output_head import final_hidden_states, output_weight
+
+
+def gpt_token_loss(model, batch: dict, *, fused: bool, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Run ``model`` on one packed THD row and return its per-token cross-entropy.
+
+    Args:
+        model: ``GPTModel`` (or a wrapper with ``.module``, called as is so DDP hooks run); for
+            ``fused=True`` prepared with ``packsft.model.output_head.use_hidden_state_output``.
+        batch: ``tokens`` int64 ``[1, t]``, ``position_ids`` int64 ``[1, t]``, ``labels`` int64
+            ``[1, t]`` (``IGNORE_INDEX`` = untrained), ``loss_mask`` float ``[1, t]``, ``packed_seq_params``
+            (``PackedSeqParams``, ``qkv_format="thd"``, global ``cu_seqlens``). Under context
+            parallelism ``t`` is this rank's share, already sliced.
+        fused: True -> the fused loss on the hidden states (``reduction="none"``, vocab-parallel over the
+            model's TP group); False -> Megatron's ``vocab_parallel_cross_entropy`` through
+            ``GPTModel(labels=...)``.
+        chunk_size: tokens per chunk of the fused loss (ignored by the stock path).
+
+    Returns:
+        ``(per_token_loss, loss_mask)``, both fp32 ``[t]``. ``loss_mask`` is the input mask, zeroed
+        where ``labels == IGNORE_INDEX``; ``per_token_loss`` (nats) is already multiplied by it, so
+        untrained tokens are exactly 0. The training loss is ``per_token_loss.sum()`` divided by the
+        global number of trained tokens (``packsft.loss.normalize_loss``).
+
+    Raises:
+        ValueError: ``fused=True`` on a model without the hidden-state seam, or a batch that is not one row.
+    """
+    tokens, labels = batch["tokens"], batch["labels"]
+    if tokens.dim() != 2 or tokens.shape[0] != 1 or labels.shape != tokens.shape:
+        raise ValueError(f"expected tokens and labels of shape [1, t] (one THD row), got "
+                         f"{tuple(tokens.shape)} and {tuple(labels.shape)}")
+    loss_mask = (batch["loss_mask"].float() * (labels != IGNORE_INDEX)).reshape(-1)
+    psp = batch["packed_seq_params"]
+    if not fused:
+        safe_labels = labels.masked_fill(labels == IGNORE_INDEX, 0)
+        per_token = model(tokens, batch["position_ids"], None, labels=safe_labels,
+                          packed_seq_params=psp).reshape(-1).float()
+        return per_token * loss_mask, loss_mask
+    hidden = final_hidden_states(model, tokens, batch["position_ids"], psp)     # [1, t, h], after the final norm
+    gpt = unwrap_model(model)
+    per_token = fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), output_weight(gpt), labels.reshape(-1), loss_mask,
+        chunk_size=chunk_size, reduction="none", tp_group=gpt.pg_collection.tp,
+    )
+    return per_token, loss_mask

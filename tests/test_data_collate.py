@@ -1,4 +1,4 @@
-"""collate_rows: one row (THD micro-batch) and several rows (cu_seqlens over the flattened tokens)."""
+"""collate_rows: one row (THD micro-batch) and several rows (one THD sequence, cu_seqlens over all tokens)."""
 
 import pytest
 import torch
@@ -27,8 +27,8 @@ def test_one_row_is_a_thd_micro_batch_of_shape_1_by_L():
 def test_several_rows_offset_cu_seqlens_by_row_and_sum_trained_tokens():
     a, b = rows()
     batch = collate_rows([a, b, a])
-    assert batch["tokens"].shape == (3, 8) and batch["loss_mask"].dtype == torch.float32
-    assert torch.equal(batch["labels"][1], b["labels"])
+    assert batch["tokens"].shape == (1, 24) and batch["loss_mask"].dtype == torch.float32
+    assert torch.equal(batch["labels"][0, 8:16], b["labels"])
     assert batch["cu_seqlens"].tolist() == [0, 3, 8, 16, 19, 24]
     assert batch["max_seqlen"] == 8
     assert batch["num_trained_tokens"] == 3 + 2 + 3 == int(batch["loss_mask"].sum())

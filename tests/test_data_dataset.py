@@ -233,7 +233,7 @@ def test_train_loader_yields_collated_rows(tmp_path, tekken):
     tok, fmt = tekken
     ds = PackedSFTDataset(write_packed(tmp_path / "l.jsonl.packed", ROWS, tok, fmt), tok, fmt, 64)
     batch = next(iter(build_train_dataloader(ds, DataLoaderConfig(sampler="sequential", micro_batch_size=2))))
-    assert batch["tokens"].shape == (2, 64)
+    assert batch["tokens"].shape == (1, 128)
     assert batch["cu_seqlens"].tolist() == ds[0]["cu_seqlens"].tolist() + (ds[1]["cu_seqlens"][1:] + 64).tolist()
 
 

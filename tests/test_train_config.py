@@ -44,7 +44,6 @@ def test_overrides_apply_after_the_file():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["loader.micro_batch_size=2"], "loader.micro_batch_size (2) must be 1"),
     (["parallel.context_parallel_size=3", "data.max_seq_len=100"], "2 * parallel.context_parallel_size (6)"),
     (["optimizer.lrr=1"], "optimizer.lrr"),
     (["optimizer.lr=abc"], "optimizer.lr"),

@@ -166,3 +166,25 @@ def test_data_parallel_ranks_read_disjoint_rows(tmp_path, packed):
     assert len(rank0) == len(rank1) == 2 * steps
     assert not set(rank0) & set(rank1)
     assert len(set(rank0) | set(rank1)) == 4 * steps
+
+
+def test_micro_batch_of_two_rows_equals_two_micro_batches(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+    """``loader.micro_batch_size: 2`` concatenates two rows into one THD sequence: same loss and gradients."""
+    from packsft.train.loop import Trainer
+
+    results = {}
+    for mbs in (1, 2):
+        cfg = load_config(write_config(tmp_path / f"c{mbs}.yaml", packed, tmp_path / f"o{mbs}",
+                                       data={"train_path": str(packed["many"])}, train={"global_batch_size": 4},
+                                       loader={"micro_batch_size": mbs, "sampler": "sequential"},
+                                       checkpoint={"resume": "none"}))
+        torch.manual_seed(0)
+        trainer = Trainer(cfg)
+        trainer.optimizer.step = lambda: None
+        batches = trainer.next_micro_batches()
+        assert len(batches) == 4 // mbs and batches[0]["tokens"].shape == (1, mbs * SEQ)
+        result = trainer.train_step(batches)
+        results[mbs] = result
+    assert results[1]["trained_tokens"] == results[2]["trained_tokens"]
+    assert abs(results[1]["loss"] - results[2]["loss"]) < 1e-6, results
+    assert abs(results[1]["grad_norm"] - results[2]["grad_norm"]) < 1e-5, results

@@ -1,12 +1,12 @@
-"""Collate packed rows into a micro-batch for the THD (``qkv_format="thd"``) model input.
+"""Collate packed rows into one micro-batch: a single THD (``qkv_format="thd"``) sequence of ``b * L`` tokens.
 
-Shape legend: ``b`` = rows in the micro-batch (``micro_batch_size``), ``L`` = ``max_seq_len``, ``n_i`` = segments
-of row ``i``.
+Shape legend: ``b`` = rows in the micro-batch (``loader.micro_batch_size``), ``L`` = ``max_seq_len``, ``n_i`` =
+segments of row ``i``.
 
-Every row is already exactly ``L`` long (:func:`packsft.data.row.build_row`), so the rows stack without
-padding. For attention the ``b`` rows are one packed THD sequence of ``b * L`` tokens: ``cu_seqlens`` is the
-concatenation of each row's segment offsets shifted by ``i * L``, so no attention crosses a row (nor a
-conversation). With ``b == 1`` this is the row's own ``cu_seqlens``.
+Every row is already exactly ``L`` long (:func:`packsft.data.row.build_row`), so ``b`` rows concatenate into
+one packed sequence: ``cu_seqlens`` is the concatenation of each row's segment offsets shifted by ``i * L``, so
+no attention crosses a row (nor a conversation), and the model sees batch dimension 1 as THD needs. With
+``b == 1`` this is the row itself.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             (int) and ``num_trained_tokens`` (int), all with the same ``L``.
 
     Returns:
-        ``tokens``, ``labels``, ``position_ids`` int64 ``[b, L]``; ``loss_mask`` float32 ``[b, L]``;
+        ``tokens``, ``labels``, ``position_ids`` int64 ``[1, b * L]``; ``loss_mask`` float32 ``[1, b * L]``;
         ``cu_seqlens`` int32 ``[sum(n_i) + 1]`` over the flattened ``b * L`` tokens (row ``i``'s offsets
         ``+ i * L``); ``max_seqlen`` int, the longest segment of any row; ``num_trained_tokens`` int, the sum.
         Example: two rows of ``L = 8`` with ``cu_seqlens`` ``[0, 3, 8]`` and ``[0, 8]`` give
@@ -51,7 +51,7 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"row {i}: tokens shape {tuple(row['tokens'].shape)} and cu_seqlens[-1] "
                              f"{int(cu[-1])} must both match row 0's length {length}")
         offsets.append(cu[1:].to(torch.int32) + i * length)
-    batch = {key: torch.stack([row[key] for row in rows]) for key in TOKEN_KEYS}
+    batch = {key: torch.cat([row[key] for row in rows]).unsqueeze(0) for key in TOKEN_KEYS}
     batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int32), *offsets])
     batch["max_seqlen"] = max(int(row["max_seqlen"]) for row in rows)
     batch["num_trained_tokens"] = sum(int(row["num_trained_tokens"]) for row in rows)

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from packsft.conversation import ConversationError, split_row
 from packsft.data.row import build_row
 from packsft.io import atomic_open
-from packsft.packing.algorithms import check_max_seq_len
+from packsft.layout import check_max_seq_len
 from packsft.prompt_formats import PromptFormat, PromptFormatError, get_prompt_format, tokenize_conversation
 from packsft.sidecar import (
     SidecarError,

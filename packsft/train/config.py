@@ -264,15 +264,10 @@ class Config:
         """Cross-section checks.
 
         Raises:
-            ValueError: naming both dotted keys and values: ``loader.micro_batch_size`` != 1 (THD rows),
-                ``data.max_seq_len`` not a multiple of ``2 * context_parallel_size``, ``max_seq_len`` above
-                ``model.max_position_embeddings``, warmup longer than the run, validation without data,
-                ``stop_at_step`` past ``train_steps``.
+            ValueError: naming both dotted keys and values: ``data.max_seq_len`` not a multiple of
+                ``2 * context_parallel_size``, ``max_seq_len`` above ``model.max_position_embeddings``, warmup
+                longer than the run, validation without data, ``stop_at_step`` past ``train_steps``.
         """
-        if self.loader.micro_batch_size != 1:
-            raise ValueError(f"loader.micro_batch_size ({self.loader.micro_batch_size}) must be 1: a micro-batch is "
-                             "one packed THD row (qkv_format='thd' needs batch dimension 1); raise "
-                             "train.global_batch_size for more rows per step")
         cp, seq = self.parallel.context_parallel_size, self.data.max_seq_len
         if cp > 1 and seq % (2 * cp):
             raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of 2 * parallel.context_parallel_size "

@@ -50,6 +50,20 @@ def sidecar_path(packed_path: str | Path) -> Path:
     return p if p.name.endswith(SIDECAR_SUFFIX) else p.with_name(p.name + SIDECAR_SUFFIX)
 
 
+def efficiency(real_tokens: int, padding_tokens: int) -> float:
+    """Packing efficiency, real tokens / all row tokens; 0.0 for no tokens."""
+    total = real_tokens + padding_tokens
+    return real_tokens / total if total else 0.0
+
+
+def packing_efficiency(meta: dict[str, Any] | None) -> float | None:
+    """The efficiency of a packed file from its sidecar's ``counts`` (``None`` without a sidecar)."""
+    counts = (meta or {}).get("counts")
+    if not counts:
+        return None
+    return efficiency(counts["real_tokens"], counts["padding_tokens"])
+
+
 def write_sidecar(path: str | Path, meta: dict[str, Any]) -> Path:
     """Write ``meta`` as the sidecar of ``path`` atomically (temporary file in the same folder + ``os.replace``).
 

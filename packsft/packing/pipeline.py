@@ -38,7 +38,7 @@ from packsft.io import atomic_open, write_json_atomic
 from packsft.layout import check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
 from packsft.prompt_formats import PromptFormatError, count_conversation_tokens, get_prompt_format
-from packsft.sidecar import sidecar_path, write_sidecar
+from packsft.sidecar import efficiency, sidecar_path, write_sidecar
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
@@ -202,7 +202,7 @@ class _Counted:
 class PackReport:
     """What a packing run did (printed, and written as JSON).
 
-    Token counts are in tokens; ``efficiency`` = real tokens / (rows * max_seq_len) (DESIGN §4).
+    Token counts are in tokens; :attr:`efficiency` and :attr:`pack_factor` are derived from them.
     """
 
     input_conversations: int = 0
@@ -210,14 +210,26 @@ class PackReport:
     rows: int = 0
     real_tokens: int = 0
     padding_tokens: int = 0
-    efficiency: float = 0.0
     lower_bound_rows: int = 0
-    pack_factor: float = 0.0
     oversize: list[dict[str, Any]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     per_input: dict[str, dict[str, int]] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / (rows * max_seq_len), 0.0 before packing."""
+        return efficiency(self.real_tokens, self.padding_tokens)
+
+    @property
+    def pack_factor(self) -> float:
+        """Conversations per row."""
+        return self.packed_conversations / self.rows if self.rows else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as written to JSON: the fields plus ``efficiency`` and ``pack_factor``."""
+        return {**asdict(self), "efficiency": self.efficiency, "pack_factor": self.pack_factor}
 
     def summary(self) -> str:
         """Human-readable multi-line summary."""
@@ -325,9 +337,7 @@ def run_pack(cfg: PackConfig) -> PackReport:
     report.rows = len(rows)
     report.real_tokens = sum(min(n, L) for n in lengths)
     report.padding_tokens = report.rows * L - report.real_tokens
-    report.efficiency = report.real_tokens / (report.rows * L) if rows else 0.0
     report.lower_bound_rows = lower_bound_rows(costs, L) if costs else 0
-    report.pack_factor = len(kept) / len(rows) if rows else 0.0
     _write_outputs(cfg, fmt, tok, report, lengths, rows, costs)
     return report
 
@@ -356,7 +366,6 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs) -> N
         "counts": {"input_conversations": report.input_conversations, "packed_conversations": len(lengths),
                    "rejected": len(report.rejected), "oversize": len(report.oversize), "rows": report.rows,
                    "real_tokens": report.real_tokens, "padding_tokens": report.padding_tokens},
-        "efficiency": report.efficiency,
     }
     write_sidecar(cfg.output, sidecar)
-    write_json_atomic(report_path, asdict(report))
+    write_json_atomic(report_path, report.to_dict())

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -34,9 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 from packsft.data.loader import build_eval_dataloader, build_train_dataloader, load_loader_state_dict, loader_state_dict
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
-from packsft.model.gpt import build_gpt_model
+from packsft.model.gpt import build_gpt_model, unwrap_model
 from packsft.model.hf_convert import load_megatron_checkpoint
 from packsft.model.output_head import use_hidden_state_output
+from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
 from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
@@ -48,12 +49,19 @@ from packsft.train.token_loss import gpt_token_loss
 
 @dataclass
 class TrainState:
-    """Counters saved in ``train_state.pt``: optimizer steps done, rows and tokens consumed (global)."""
+    """Counters saved in checkpoints: optimizer steps done, rows consumed and tokens trained (global).
+
+    Consumed tokens are not stored: every row is ``max_seq_len`` tokens, so they are ``consumed_samples * L``.
+    """
 
     step: int = 0
     consumed_samples: int = 0
-    consumed_tokens: int = 0
     trained_tokens: int = 0
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> TrainState:
+        """From a checkpoint's dict; fields of older versions (``consumed_tokens``) are ignored."""
+        return cls(**{f.name: int(saved[f.name]) for f in fields(cls) if f.name in saved})
 
 
 class Trainer:
@@ -69,8 +77,9 @@ class Trainer:
         par = cfg.parallel
         self.ctx = init_distributed(par.tensor_model_parallel_size, par.context_parallel_size, par.backend,
                                     seed=cfg.train.seed)
-        self.dp = check_parallel_layout(cfg, self.ctx.world_size)
-        self.micro_batches = cfg.train.global_batch_size // (cfg.loader.micro_batch_size * self.dp)
+        check_parallel_layout(cfg, self.ctx.world_size)
+        dp = self.ctx.data_parallel_size
+        self.micro_batches = cfg.train.global_batch_size // (cfg.loader.micro_batch_size * dp)
         if cfg.train.autocast_dtype and not torch.cuda.is_available():
             raise ValueError(f"train.autocast_dtype={cfg.train.autocast_dtype!r} needs CUDA (CPU autocast fails in "
                              "Megatron's backward); use null on CPU")
@@ -80,7 +89,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.optimizer.lr, cfg.train.train_steps)
         self.train_loader = build_train_dataloader(self.train_set, cfg.loader, dp_rank=self.ctx.dp_rank,
-                                                   dp_size=self.dp)
+                                                   dp_size=dp)
         self.state = TrainState()
         self.initialized_from: str | None = None
         self.resumed_from = self._resume()
@@ -95,7 +104,7 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         gpt = build_gpt_model(self.cfg.model).to(self.ctx.device)
         use_hidden_state_output(gpt)
-        if self.dp * self.ctx.context_parallel_size == 1:
+        if self.ctx.data_parallel_size * self.ctx.context_parallel_size == 1:
             return gpt
         ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
         return DistributedDataParallel(gpt, device_ids=ids, process_group=self.ctx.dp_cp_group)
@@ -103,7 +112,7 @@ class Trainer:
     @property
     def gpt(self) -> torch.nn.Module:
         """The ``GPTModel`` (inside DDP when wrapped)."""
-        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        return unwrap_model(self.model)
 
     # -- resume and checkpoint -------------------------------------------------------------------------------------
     def _resume(self) -> str | None:
@@ -115,7 +124,7 @@ class Trainer:
             return None
         ckpt.load_model_and_optimizer(path, self.model, self.optimizer)
         saved = ckpt.load_train_state(path)
-        self.state = TrainState(**saved["state"])
+        self.state = TrainState.from_dict(saved["state"])
         set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
         for group in self.optimizer.param_groups:
             group["weight_decay"] = self.cfg.optimizer.weight_decay if group["name"] == "decay" else 0.0
@@ -135,8 +144,9 @@ class Trainer:
 
     def layout(self) -> dict[str, int]:
         """World size and TP/CP/DP sizes."""
-        return {"world_size": self.ctx.world_size, "tensor_model_parallel_size": self.ctx.tensor_model_parallel_size,
-                "context_parallel_size": self.ctx.context_parallel_size, "data_parallel_size": self.dp}
+        ctx = self.ctx
+        return {"world_size": ctx.world_size, "tensor_model_parallel_size": ctx.tensor_model_parallel_size,
+                "context_parallel_size": ctx.context_parallel_size, "data_parallel_size": ctx.data_parallel_size}
 
     # -- one step ---------------------------------------------------------------------------------------------------
     def next_micro_batches(self) -> list[dict[str, Any]]:
@@ -166,7 +176,8 @@ class Trainer:
         """
         count = global_num_trained_tokens([b["loss_mask"] for b in batches], (self.ctx.dp_cp_group,),
                                           labels=[b["labels"] for b in batches])
-        scale = self.dp * self.ctx.context_parallel_size if isinstance(self.model, DistributedDataParallel) else 1
+        wrapped = isinstance(self.model, DistributedDataParallel)
+        scale = self.ctx.data_parallel_size * self.ctx.context_parallel_size if wrapped else 1
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1 or not isinstance(self.model, DistributedDataParallel)
@@ -189,7 +200,8 @@ class Trainer:
         """Mean token loss over the validation rows (all DP ranks; ``validation.max_batches`` per rank)."""
         self.model.eval()
         ctx, limit = self.ctx, self.cfg.validation.max_batches
-        loader = build_eval_dataloader(self.val_set, self.cfg.loader, dp_rank=ctx.dp_rank, dp_size=self.dp)
+        loader = build_eval_dataloader(self.val_set, self.cfg.loader, dp_rank=ctx.dp_rank,
+                                       dp_size=ctx.data_parallel_size)
         totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)       # [loss sum, trained tokens]
         for i, row in enumerate(loader):
             if limit is not None and i >= limit:
@@ -214,7 +226,7 @@ class Trainer:
                 "micro_batches_per_step": self.micro_batches, "global_batch_size": self.cfg.train.global_batch_size,
                 "max_seq_len": self.cfg.data.max_seq_len, "train_rows": len(self.train_set),
                 "validation_rows": len(self.val_set) if self.val_set is not None else 0,
-                "packing_efficiency": sidecar.get("efficiency"), "device": str(self.ctx.device),
+                "packing_efficiency": packing_efficiency(sidecar), "device": str(self.ctx.device),
                 "resumed_from": self.resumed_from, "initialized_from": self.initialized_from}
 
     def run(self) -> TrainState:
@@ -252,13 +264,12 @@ class Trainer:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         rows = self.cfg.train.global_batch_size
-        tokens = rows * self.cfg.data.max_seq_len
+        seq = self.cfg.data.max_seq_len
         st = self.state
         st.step, st.consumed_samples = st.step + 1, st.consumed_samples + rows
-        st.consumed_tokens += tokens
         st.trained_tokens += result["trained_tokens"]
-        record = {"kind": "train", "step": st.step, **result, "tokens_per_s": tokens / seconds,
-                  "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_tokens,
+        record = {"kind": "train", "step": st.step, **result, "tokens_per_s": rows * seq / seconds,
+                  "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_samples * seq,
                   "step_time_s": seconds, "mem_gib": peak_memory_gib()}
         if st.step % self.cfg.logging.log_interval == 0:
             logger.log(record)

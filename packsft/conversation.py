@@ -254,12 +254,15 @@ def parse_record(
     return Conversation(messages=messages, tools=tools or None, path=str(path), line=line, meta=meta)
 
 
-def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: int = 0) -> list[Conversation]:
+def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: int = 0, *,
+              validate: bool = True) -> list[Conversation]:
     """Split a packed row's messages into conversations at each ``system`` message (DESIGN §4).
 
     Args:
         messages: the row's ``messages``; the first must be ``system``.
         path, line: the packed file and 1-based row line, for errors.
+        validate: check every conversation (:func:`validate_messages`); ``False`` for a row already checked
+            (the loader checks each row once, when it indexes the file).
 
     Returns:
         One :class:`Conversation` per system message, with its ``tools`` taken from that system message.
@@ -276,11 +279,12 @@ def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: 
     for k, (s, e) in enumerate(zip(starts, starts[1:] + [len(messages)])):
         msgs = [dict(m) for m in messages[s:e]]
         tools = msgs[0].pop("tools", None)
-        try:
-            validate_messages(msgs, path, line)
-            if tools is not None:
-                _check_tools(tools, path, line, f"messages[{s}].tools")
-        except ConversationError as err:
-            raise _fail(path, line, f"conversation {k}: {err.field}", err.reason) from err
+        if validate:
+            try:
+                validate_messages(msgs, path, line)
+                if tools is not None:
+                    _check_tools(tools, path, line, f"messages[{s}].tools")
+            except ConversationError as err:
+                raise _fail(path, line, f"conversation {k}: {err.field}", err.reason) from err
         conversations.append(Conversation(messages=msgs, tools=tools, path=str(path), line=line))
     return conversations

@@ -128,7 +128,7 @@ def get_prompt_format(
     name: str,
     tokenizer: PreTrainedTokenizerBase,
     *,
-    override_pad_token: str | None = None,
+    pad_token: str | None = None,
     chat_template: str | Path | None = None,
 ) -> PromptFormat:
     """Bind a prompt format to a tokenizer and resolve its pad token.
@@ -136,7 +136,7 @@ def get_prompt_format(
     Args:
         name: ``identity``, ``nemotron-nano-v2``, ``nemotron-h-aligned``, ``chat-template`` (or ``default``).
         tokenizer: a fast Hugging Face tokenizer.
-        override_pad_token: replaces the preset's pad token (Megatron-LM ``override_pad_token``).
+        pad_token: replaces the preset's pad token (Megatron-LM's ``override_pad_token``).
         chat_template: for ``chat-template``: a Jinja string or a file; default: the tokenizer's own.
 
     Returns:
@@ -150,8 +150,8 @@ def get_prompt_format(
     if canonical not in PRESETS:
         raise ValueError(f"unknown prompt format {name!r} (choose one of {', '.join(PRESETS)}, or 'default')")
     template = _resolve_template(tokenizer, chat_template) if canonical == "chat-template" else None
-    if override_pad_token is not None:
-        pad = override_pad_token
+    if pad_token is not None:
+        pad = pad_token
     elif canonical in _PRESET_PAD:
         pad = _PRESET_PAD[canonical]
     else:

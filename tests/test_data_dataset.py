@@ -190,7 +190,7 @@ def test_file_packed_for_cp1_is_refused_with_cp2(tmp_path, tekken):
         ({"max_seq_len": 128}, "max_seq_len: packed for 64, loader has 128"),
         ({"prompt_format": "nemotron-nano-v2"}, "prompt_format.name: packed for 'nemotron-h-aligned', loader has "
                                                 "'nemotron-nano-v2'"),
-        ({"override_pad_token": "<pad>"}, "prompt_format.pad_token: packed for '<SPECIAL_233>', loader has '<pad>'"),
+        ({"pad_token": "<pad>"}, "prompt_format.pad_token: packed for '<SPECIAL_233>', loader has '<pad>'"),
         pytest.param({"tokenizer": "mistral-nemo", "prompt_format": "nemotron-h-aligned"},
                      "tokenizer_fingerprint: packed for", marks=pytest.mark.slow),
     ],

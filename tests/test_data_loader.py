@@ -187,18 +187,18 @@ def test_eval_loader_covers_each_rank_share_once():
 
 @pytest.mark.slow
 def test_num_workers_two_matches_zero_and_state_moves_between_them():
-    reference = run(loader(n=12, dataloader_num_workers=0), 14)  # epoch = 6 batches
-    two = loader(n=12, dataloader_num_workers=2, dataloader_persistent_workers=True)
+    reference = run(loader(n=12, num_workers=0), 14)  # epoch = 6 batches
+    two = loader(n=12, num_workers=2, persistent_workers=True)
     it = iter(two)
     got = [rows(next(it)) for _ in range(6)]  # ends exactly at the epoch end, with prefetch in flight
     assert got == reference[:6]
     state = loader_state_dict(two)
     assert state["sampler_state"]["sampler"] == {"epoch": 0, "position": 12}
-    zero = loader(n=12, dataloader_num_workers=0)
+    zero = loader(n=12, num_workers=0)
     load_loader_state_dict(zero, state)
     it = iter(zero)
     got += [rows(next(it)) for _ in range(3)]
-    back = loader(n=12, dataloader_num_workers=2)
+    back = loader(n=12, num_workers=2)
     load_loader_state_dict(back, loader_state_dict(zero))
     got += run(back, 5)
     assert got == reference

@@ -31,7 +31,7 @@ def _canon(messages) -> str:
 def _check_invariants(cfg: PackConfig, report):
     """Every input line is in exactly one row or in the report; rows fit; counts are the loader's."""
     tok = load_tokenizer(cfg.tokenizer)
-    fmt = get_prompt_format(cfg.prompt_format, tok, override_pad_token=cfg.pad_token)
+    fmt = get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token)
     rejected = {(r["input"], r["line"]) for r in report.rejected}
     dropped = {(o["input"], o["line"]) for o in report.oversize if o["action"] == "dropped"}
     expected = Counter()

@@ -131,7 +131,7 @@ def test_chat_template_that_moves_the_system_prompt_is_handled(tokenizer_dir):
 def test_turn_crossing_a_token_boundary_is_an_error(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir("gpt2"))
     fmt = get_prompt_format("chat-template", tok, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
-                            override_pad_token="!")
+                            pad_token="!")
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
             {"role": "assistant", "content": "lo world"}]
     with pytest.raises(PromptFormatError, match=r"messages\[1\]: turn tokenized alone"):
@@ -152,10 +152,10 @@ def test_pad_token_rules(tokenizer_dir, nemo):
     # SmolLM2's own pad is EOS: the chat-template default falls back to its unk token
     assert get_prompt_format("chat-template", smol).pad_token == "<|endoftext|>"
     with pytest.raises(ValueError, match="equals the EOS token"):
-        get_prompt_format("chat-template", smol, override_pad_token="<|im_end|>")
+        get_prompt_format("chat-template", smol, pad_token="<|im_end|>")
     with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
-        get_prompt_format("identity", nemo, override_pad_token="<nope>")
-    assert get_prompt_format("identity", nemo, override_pad_token="<pad>").pad_token_id == 4
+        get_prompt_format("identity", nemo, pad_token="<nope>")
+    assert get_prompt_format("identity", nemo, pad_token="<pad>").pad_token_id == 4
     with pytest.raises(ValueError, match="unknown prompt format"):
         get_prompt_format("llama", nemo)
     assert get_prompt_format("default", smol).name == "chat-template"
@@ -164,13 +164,13 @@ def test_pad_token_rules(tokenizer_dir, nemo):
 def test_custom_template_file_and_missing_template(tmp_path, tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir("gpt2"))
     with pytest.raises(ValueError, match="no chat template"):
-        get_prompt_format("chat-template", tok, override_pad_token="!")
+        get_prompt_format("chat-template", tok, pad_token="!")
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}")
-    fmt = get_prompt_format("chat-template", tok, chat_template=f, override_pad_token="!")
+    fmt = get_prompt_format("chat-template", tok, chat_template=f, pad_token="!")
     assert fmt.spec()["chat_template_sha256"] and fmt.chat_template.startswith("{% for")
     with pytest.raises(ValueError, match="neither a Jinja template nor an existing file"):
-        get_prompt_format("chat-template", tok, chat_template=tmp_path / "missing.jinja", override_pad_token="!")
+        get_prompt_format("chat-template", tok, chat_template=tmp_path / "missing.jinja", pad_token="!")
 
 
 def test_fingerprint_differs_between_tokenizers(tokenizer_dir, nemo, qwen):

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from packsft.train.config import check_parallel_layout, config_to_yaml, load_config
 
@@ -77,3 +78,22 @@ def test_parallel_layout_against_world_size():
         check_parallel_layout(tiny, 2)
     with pytest.raises(ValueError, match=r"WORLD_SIZE \(12\) must be a multiple"):
         check_parallel_layout(big, 12)
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("loader.dataloader_num_workers", "loader.num_workers", 3),
+    ("loader.dataloader_persistent_workers", "loader.persistent_workers", True),
+    ("data.override_pad_token", "data.pad_token", "<pad>"),
+])
+def test_old_key_names_still_load_with_a_warning(tmp_path, old, new, value):
+    section, old_key = old.split(".")
+    new_key = new.split(".")[1]
+    with pytest.warns(FutureWarning, match=f"{old} is renamed {new}"):
+        assert getattr(getattr(load_config(TINY, [f"{old}={value}"]), section), new_key) == value
+    old_yaml = yaml.safe_load(TINY.read_text())
+    old_yaml.setdefault(section, {})[old_key] = value
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old_yaml))
+    with pytest.warns(FutureWarning, match=old):
+        assert getattr(getattr(load_config(tmp_path / "old.yaml"), section), new_key) == value
+    with pytest.raises(ValueError, match="sets both"):
+        load_config(TINY, [f"{old}={value}", f"{new}={value}"])

@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from packsft.data.dataset import PackedSFTDataset
-from packsft.data.inspect import describe_row
+from packsft.data.describe import describe_row
 from packsft.sidecar import read_sidecar
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--max-seq-len is required when the packed file has no sidecar")
         cp = args.context_parallel_size or meta.get("context_parallel_size", 1)
         dataset = PackedSFTDataset(args.packed, args.tokenizer, args.prompt_format, max_seq_len, cp,
-                                   override_pad_token=args.pad_token, chat_template=args.chat_template)
+                                   pad_token=args.pad_token, chat_template=args.chat_template)
         color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
         print(describe_row(dataset, args.row, color=color))
     except (ValueError, IndexError, FileNotFoundError) as e:  # SidecarError and ConversationError are ValueErrors

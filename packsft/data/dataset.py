@@ -159,7 +159,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         prompt_format: a :class:`~packsft.prompt_formats.PromptFormat` bound to ``tokenizer``, or its name.
         max_seq_len: ``L``, tokens per row; a multiple of ``2 * context_parallel_size`` when CP > 1.
         context_parallel_size: CP size the rows are padded for (each conversation to a multiple of ``2 * cp``).
-        override_pad_token, chat_template: passed to :func:`~packsft.prompt_formats.get_prompt_format` when
+        pad_token, chat_template: passed to :func:`~packsft.prompt_formats.get_prompt_format` when
             ``prompt_format`` is a name.
         index_path: where the row index is cached; default ``<path>.idx``.
         require_sidecar: refuse (rather than warn about) a file without ``<path>.meta.json``.
@@ -185,7 +185,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         max_seq_len: int,
         context_parallel_size: int = 1,
         *,
-        override_pad_token: str | None = None,
+        pad_token: str | None = None,
         chat_template: str | Path | None = None,
         index_path: str | Path | None = None,
         require_sidecar: bool = False,
@@ -196,7 +196,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             raise FileNotFoundError(f"packed file not found: {self.path}")
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         if isinstance(prompt_format, str):
-            prompt_format = get_prompt_format(prompt_format, self.tokenizer, override_pad_token=override_pad_token,
+            prompt_format = get_prompt_format(prompt_format, self.tokenizer, pad_token=pad_token,
                                               chat_template=chat_template)
         self.prompt_format = prompt_format
         self.max_seq_len = max_seq_len
@@ -251,23 +251,17 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     def read_messages(self, i: int) -> list[dict[str, Any]]:
         """The ``messages`` list of row ``i`` as stored (one JSON line, read by seeking to its offset).
 
+        The row's structure was checked when the index was built (:func:`build_index`), so it is not
+        checked again here.
+
         Raises:
             IndexError: ``i`` out of range.
-            ConversationError: the line is not JSON or has no ``messages`` list (names file and line).
         """
         pos = self._position(i)
         if self._file is None or self._file_pid != os.getpid():
             self._file, self._file_pid = open(self.path, "rb"), os.getpid()  # kept open for reuse
         self._file.seek(int(self._index[_HEADER + pos]))
-        raw = self._file.readline()
-        line = self.line_number(pos)
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConversationError(self.path, line, "", f"not valid JSON ({e})") from e
-        if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-            raise ConversationError(self.path, line, "messages", "a packed row must be an object with a messages list")
-        return record["messages"]
+        return json.loads(self._file.readline())["messages"]
 
     def tokenize_row(self, i: int) -> list[tuple[list[int], list[int]]]:
         """``(tokens, targets)`` of each conversation of row ``i``, as the packer counted them.
@@ -277,7 +271,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                 the conversation).
         """
         pos = self._position(i)
-        conversations = split_row(self.read_messages(pos), self.path, self.line_number(pos))
+        conversations = split_row(self.read_messages(pos), self.path, self.line_number(pos), validate=False)
         pieces = []
         for k, conv in enumerate(conversations):
             try:

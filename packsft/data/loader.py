@@ -12,14 +12,14 @@ allow that). With workers the main process samples ahead of what was yielded (pr
 sampler's state is read from torchdata's snapshot of the last *yielded* batch; the loader is built
 with ``snapshot_every_n_steps=1`` so that snapshot is always current.
 
-Portable between save and resume: ``dataloader_num_workers``, ``dataloader_persistent_workers``.
+Portable between save and resume: ``num_workers``, ``persistent_workers``.
 Refused with ``ValueError``: a different ``dp_size`` or ``dp_rank`` (each rank's share of the order
 would change), a different dataset (``fingerprint`` attribute or row count), ``micro_batch_size``,
 sampler class, ``seed`` or ``sampler_kwargs``: any of those would not continue the same order.
 
 Usage::
 
-    cfg = DataLoaderConfig(sampler="random", seed=1234, micro_batch_size=1, dataloader_num_workers=2)
+    cfg = DataLoaderConfig(sampler="random", seed=1234, micro_batch_size=1, num_workers=2)
     loader = build_train_dataloader(dataset, cfg, dp_rank=dp_rank, dp_size=dp_size)
     if resuming:
         load_loader_state_dict(loader, checkpoint["dataloader"])
@@ -103,10 +103,10 @@ class DataLoaderConfig:
     """Import path of the class when ``sampler: custom``: ``pkg.module.Class`` or ``pkg.module:Class``."""
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the sampler class (custom samplers only)."""
-    dataloader_num_workers: int = 0
+    num_workers: int = 0
     """Worker processes (``spawn`` context when > 0); may change between save and resume."""
-    dataloader_persistent_workers: bool = False
-    """Keep workers alive between iterators; ignored when ``dataloader_num_workers == 0``."""
+    persistent_workers: bool = False
+    """Keep workers alive between iterators; ignored when ``num_workers == 0``."""
     seed: int = 1234
     """Seed of the sampling order, identical on every data-parallel rank."""
     micro_batch_size: int = 1
@@ -134,8 +134,8 @@ class DataLoaderConfig:
                 f"sampler_class_path={self.sampler_class_path!r} is only used with sampler='custom', "
                 f"but sampler={self.sampler!r}"
             )
-        if self.dataloader_num_workers < 0:
-            raise ValueError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         cls = self.sampler_class()
@@ -180,7 +180,7 @@ def build_train_dataloader(
     Args:
         dataset: a map-style dataset (``PackedSFTDataset`` or any with ``__len__``/``__getitem__``);
             its optional ``fingerprint`` str goes into the checkpoint header. Must be picklable when
-            ``dataloader_num_workers > 0`` (workers are spawned and re-import its module).
+            ``num_workers > 0`` (workers are spawned and re-import its module).
         config: the validated :class:`DataLoaderConfig`.
         dp_rank, dp_size: this rank and the data-parallel world size.
         collate_fn: turns a list of ``micro_batch_size`` rows into a batch; default
@@ -236,12 +236,12 @@ def build_eval_dataloader(
 
 def _make_loader(dataset: Any, batch_sampler: Any, config: DataLoaderConfig, collate_fn: Callable | None):
     """Wrap ``batch_sampler`` in a ``StatefulDataLoader`` with the config's worker settings."""
-    workers = config.dataloader_num_workers
+    workers = config.num_workers
     return StatefulDataLoader(
         dataset,
         batch_sampler=batch_sampler,
         num_workers=workers,
-        persistent_workers=config.dataloader_persistent_workers and workers > 0,
+        persistent_workers=config.persistent_workers and workers > 0,
         multiprocessing_context="spawn" if workers > 0 else None,
         collate_fn=collate_fn if collate_fn is not None else _default_collate(),
         generator=torch.Generator().manual_seed(config.seed),

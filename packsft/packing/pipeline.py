@@ -123,7 +123,7 @@ _W: dict[str, Any] = {}
 def _init_worker(cfg: PackConfig) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(cfg.tokenizer)
-    _W.update(cfg=cfg, tok=tok, fmt=get_prompt_format(cfg.prompt_format, tok, override_pad_token=cfg.pad_token,
+    _W.update(cfg=cfg, tok=tok, fmt=get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token,
                                                       chat_template=cfg.chat_template))
 
 
@@ -315,7 +315,7 @@ def run_pack(cfg: PackConfig) -> PackReport:
     """
     cfg.validate()
     tok = load_tokenizer(cfg.tokenizer)
-    fmt = get_prompt_format(cfg.prompt_format, tok, override_pad_token=cfg.pad_token, chat_template=cfg.chat_template)
+    fmt = get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token, chat_template=cfg.chat_template)
     report = PackReport(settings={k: v for k, v in asdict(cfg).items() if k not in ("progress",)})
     out_dir = Path(cfg.output).resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,12 @@ INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std")
 """``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight)."""
 MODEL_CONFIG_FILE = "model_config.json"
 AUTOCAST_DTYPES = ("bfloat16", "float16")
+RENAMED_KEYS = {
+    "loader.dataloader_num_workers": "loader.num_workers",
+    "loader.dataloader_persistent_workers": "loader.persistent_workers",
+    "data.override_pad_token": "data.pad_token",
+}
+"""Old dotted keys still accepted (with a ``FutureWarning``) under their new names."""
 
 
 def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
@@ -60,7 +67,7 @@ class DataConfig:
     """``chat-template``, ``identity``, ``nemotron-nano-v2`` or ``nemotron-h-aligned``."""
     chat_template: str | None = None
     """Jinja string or file for ``chat-template`` (default: the tokenizer's)."""
-    override_pad_token: str | None = None
+    pad_token: str | None = None
     """Pad token override, as given to the packer."""
     require_sidecar: bool = False
     """Refuse a packed file without ``<file>.meta.json`` instead of warning."""
@@ -155,7 +162,7 @@ class ParallelConfig:
 
 
 @dataclass
-class TrainSection:
+class TrainConfig:
     """The step loop: batch size, length, seed, precision."""
 
     global_batch_size: int = 8
@@ -255,7 +262,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainSection = field(default_factory=TrainSection)
+    train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -315,7 +322,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     try:
-        layers = [OmegaConf.load(path) if path else {}, OmegaConf.from_dotlist(list(overrides))]
+        layers = [_rename_old_keys(OmegaConf.load(path) if path else OmegaConf.create(), str(path)),
+                  _rename_old_keys(OmegaConf.from_dotlist(list(overrides)), "the overrides")]
         merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
         imported = read_init_model_fields(merged.checkpoint.init_from) if merged.checkpoint.init_from else None
         if imported is not None:
@@ -328,6 +336,25 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ValueError(f"invalid config {where}: {err}") from err
     except ValueError as err:
         raise ValueError(f"invalid config {where}: {err}") from err
+
+
+def _rename_old_keys(layer, where: str):
+    """Move every :data:`RENAMED_KEYS` old key of one config layer to its new name, warning once per key.
+
+    Raises:
+        ValueError: both the old and the new name are set in the same layer.
+    """
+    for old, new in RENAMED_KEYS.items():
+        value = OmegaConf.select(layer, old, default=MISSING)
+        if value == MISSING:
+            continue
+        if OmegaConf.select(layer, new, default=MISSING) != MISSING:
+            raise ValueError(f"{where} sets both {old} (the old name) and {new}; keep only {new}")
+        section, key = old.split(".")
+        del layer[section][key]
+        OmegaConf.update(layer, new, value)
+        warnings.warn(f"{where}: {old} is renamed {new}; the old name will be removed", FutureWarning, stacklevel=3)
+    return layer
 
 
 def read_init_model_fields(init_from: str | Path) -> dict:

@@ -70,7 +70,7 @@ def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
 
     def packed(path: str) -> PackedSFTDataset:
         return PackedSFTDataset(path, data.tokenizer, data.prompt_format, data.max_seq_len,
-                                cfg.parallel.context_parallel_size, override_pad_token=data.override_pad_token,
+                                cfg.parallel.context_parallel_size, pad_token=data.pad_token,
                                 chat_template=data.chat_template, require_sidecar=data.require_sidecar)
 
     train = packed(data.train_path)

@@ -1,4 +1,4 @@
-"""tools/inspect_packed.py and packsft.data.inspect: what a person sees of a row."""
+"""tools/inspect_packed.py and packsft.data.describe: what a person sees of a row."""
 
 import importlib.util
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 from test_data_dataset import ROWS, TEKKEN, conv, load_cached, write_packed
 
 from packsft.data.dataset import PackedSFTDataset
-from packsft.data.inspect import describe_row
+from packsft.data.describe import describe_row
 from packsft.prompt_formats import get_prompt_format
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "inspect_packed.py"

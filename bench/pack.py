@@ -5,7 +5,7 @@
     python bench/pack.py --data path/to/chat --tokenizer path/to/tok --max-seq-lens 4096 --workers 1 2
     python bench/pack.py --efficiency-only                 # skip the (slow) packer runs
 
-Efficiency (DESIGN §4): for every input file and for all files together, at each ``max_seq_len`` L, each
+Efficiency (``docs/packing.md``): for every input file and for all files together, at each ``max_seq_len`` L, each
 algorithm's rows, efficiency = real tokens / (rows * L) and rows over the lower bound
 ``ceil(sum(cost) / L)`` per 1,000 rows. Token counts come from one raw encode of each conversation's full
 chat-template rendering (the packer counts exactly these tokens: checked against the packer's report

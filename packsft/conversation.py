@@ -1,6 +1,6 @@
 """Conversations: reading OpenAI ``messages`` JSONL with line numbers, validating it, splitting packed rows.
 
-An input record is one JSON object per line (DESIGN §2)::
+An input record is one JSON object per line (``docs/formats.md``)::
 
     {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str | null, ...}, ...],
      "tools": [{"type": "function", "function": {"name": str, "description": str, "parameters": {...}}}]}
@@ -63,7 +63,7 @@ class Conversation:
         """Messages as written into a packed row: the conversation's ``tools`` ride on its system message.
 
         Returns:
-            A new list of message dicts (DESIGN §4); the first is the system message.
+            A new list of message dicts; the first is the system message.
         """
         msgs = [dict(m) for m in self.messages]
         if self.tools:
@@ -151,7 +151,7 @@ def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> No
 def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0) -> None:
     """Check roles, contents, tool calls and ordering of one conversation's messages.
 
-    Rules (DESIGN §2): roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string,
+    Rules: roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string,
     or null only on an assistant turn with ``tool_calls``; ``system`` only as the first message; a
     ``tool`` message follows an assistant turn with ``tool_calls`` (or another ``tool`` message); at
     least one non-system message.
@@ -215,7 +215,7 @@ def parse_record(
             ``ResponseDataset``): ``record[input_key]`` becomes the user turn and ``record[output_key]``
             the assistant turn. Otherwise ``record["messages"]`` is used.
         default_system_prompt: content of the system message given to a conversation that has none
-            (DESIGN §2: every conversation in a packed row starts with a system message).
+            (every conversation in a packed row starts with a system message, so rows split back into them).
 
     Returns:
         The conversation; its first message is ``system``. Keys other than ``messages``/``tools`` are kept
@@ -256,7 +256,7 @@ def parse_record(
 
 def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: int = 0, *,
               validate: bool = True) -> list[Conversation]:
-    """Split a packed row's messages into conversations at each ``system`` message (DESIGN §4).
+    """Split a packed row's messages into conversations at each ``system`` message.
 
     Args:
         messages: the row's ``messages``; the first must be ``system``.

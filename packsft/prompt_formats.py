@@ -2,7 +2,7 @@
 
 The packer counts tokens with :func:`count_conversation_tokens` and the loader builds rows with
 :func:`tokenize_conversation`; both run the same code, so a packed row is exactly as long as the packer
-said (DESIGN §1, §3).
+said (rendered examples and masking rules: ``docs/prompt_formats.md``).
 
 Presets (from Megatron-LM's ``SFTTokenizer``, as used by NeMo RL's ``megatron_sft_packed``; none adds BOS
 or EOS; ``targets`` equal ``tokens`` except where masked to ``IGNORE_INDEX``):

@@ -1,7 +1,7 @@
 """The packed file's sidecar ``X.jsonl.packed.meta.json``: writing, reading, and refusing a mismatched file.
 
 A packed row only makes sense with the tokenizer, prompt format, pad, ``max_seq_len`` and
-``context_parallel_size`` it was packed for (DESIGN §4): another tokenizer gives other lengths, another CP
+``context_parallel_size`` it was packed for: another tokenizer gives other lengths, another CP
 size other padding. The packer records them with :func:`write_sidecar`; the loader compares them with its own
 configuration through :func:`check_sidecar` and refuses the file on any difference.
 

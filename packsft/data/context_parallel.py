@@ -48,14 +48,14 @@ def slice_batch_for_cp(batch: dict, cp_size: int, cp_rank: int) -> dict:
 
 
 def make_packed_seq_params(cu_seqlens: Tensor, max_seqlen: int | Tensor, cp_group=None):
-    """Megatron ``PackedSeqParams`` for one packed THD row (DESIGN §6).
+    """Megatron ``PackedSeqParams`` for one packed THD row.
 
     Args:
         cu_seqlens: integer ``[num_segments + 1]`` (or ``[1, num_segments + 1]``), global offsets
             0..``L``; converted to int32 as TE and Megatron expect.
         max_seqlen: longest segment in tokens (int or 0-d tensor). Use the true longest segment:
             Megatron's THD RoPE switches to pack-offset positions when it equals ``cu_seqlens[-1]``
-            (``rope_utils.py:211``), harmless for the loss but not what packsft means.
+            (``rope_utils``' THD path), harmless for the loss but not what packsft means.
         cp_group: the context-parallel process group, or None for cp=1.
 
     Returns:

@@ -4,7 +4,7 @@ The file is never held in memory: a byte-offset index of its rows is built once 
 (``X.jsonl.packed.idx``), and ``__getitem__`` seeks to the row, parses it, splits it into conversations at
 each system message (:func:`packsft.conversation.split_row`), tokenizes each with the packer's own
 :func:`packsft.prompt_formats.tokenize_conversation`, and builds the tensors with
-:func:`packsft.data.row.build_row` (Megatron-LM ``SFTDataset`` semantics, DESIGN §5).
+:func:`packsft.data.row.build_row` (Megatron-LM ``SFTDataset`` semantics, ``docs/loader.md``).
 
 Index file: a ``.npy`` array of int64, ``[MAGIC, INDEX_VERSION, file_size, file_mtime_ns, n, start_0 ..
 start_{n-1}, line_0 .. line_{n-1}]`` (byte offset and 1-based line number of each non-blank row). It is written
@@ -154,7 +154,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     """Map-style dataset: item ``i`` is row ``i`` (the ``i``-th non-blank line) of a ``.jsonl.packed`` file.
 
     Args:
-        path: the packed file (rows ``{"messages": [...]}``, DESIGN §4).
+        path: the packed file (rows ``{"messages": [...]}``, ``docs/formats.md``).
         tokenizer: a fast Hugging Face tokenizer, or a local folder / ``tokenizer.json`` to load one from.
         prompt_format: a :class:`~packsft.prompt_formats.PromptFormat` bound to ``tokenizer``, or its name.
         max_seq_len: ``L``, tokens per row; a multiple of ``2 * context_parallel_size`` when CP > 1.

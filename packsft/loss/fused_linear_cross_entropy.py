@@ -253,9 +253,10 @@ def fused_linear_cross_entropy(
     ``gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)`` (its backward
     reduce-scatters the partial sums) and pass ``reduce_hidden_grad=False``.
 
-    Context parallelism: labels and ``loss_mask`` are sliced with the tokens (DESIGN section 6), so each
-    CP rank's per-token loss is complete and needs no communication here; only the normaliser (number of
-    trained tokens) is reduced over CP, by :func:`packsft.loss.global_num_trained_tokens`.
+    Context parallelism: labels and ``loss_mask`` are sliced with the tokens
+    (``packsft.layout.cp_partition_indices``), so each CP rank's per-token loss is complete and needs no
+    communication here; only the normaliser (number of trained tokens) is reduced over CP, by
+    :func:`packsft.loss.global_num_trained_tokens`.
 
     Data parallelism: use ``reduction="sum"`` and divide by the trained-token count of the whole global
     batch (all micro-batches, DP and CP ranks), so every trained token has the same weight whatever

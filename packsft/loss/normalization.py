@@ -100,8 +100,8 @@ def normalize_loss(
 ) -> torch.Tensor:
     """Return this micro-batch's share of the global-batch mean loss: ``loss_sum * k / max(count, 1)``.
 
-    Summing the returned values over all micro-batches and ranks gives the global mean of DESIGN
-    section 7. A micro-batch with no trained token has ``loss_sum == 0`` (with zero gradients), so it
+    Summing the returned values over all micro-batches and ranks gives the global-batch mean token loss.
+    A micro-batch with no trained token has ``loss_sum == 0`` (with zero gradients), so it
     contributes exactly 0; a global batch with no trained token gives 0.0, not NaN.
 
     ``k = gradient_average_size`` undoes a gradient reduction that averages instead of summing: torch

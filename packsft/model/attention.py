@@ -6,7 +6,7 @@ size, ``T = cp * t`` tokens of the whole row.
 
 It replaces ``core_attention`` in Megatron's local layer spec and keeps ``DotProductAttention``'s
 constructor and forward signature (megatron-core 0.16.1, ``transformer/dot_product_attention.py``),
-so ``SelfAttention`` calls it unchanged (call contract: ``transformer/attention.py:1066-1194``):
+so ``SelfAttention`` calls it unchanged (call contract: ``Attention.forward`` in ``transformer.attention``):
 
 * ``qkv_format="thd"`` (``packed_seq_params`` given): q ``[t, np, hn]``, k/v ``[t, ng, hn]``
   -> ``[t, np*hn]``.
@@ -17,7 +17,7 @@ so ``SelfAttention`` calls it unchanged (call contract: ``transformer/attention.
 GQA is not expanded in memory: SDPA's ``enable_gqa`` broadcasts the ``ng`` groups.
 
 Without context parallelism no ``T x T`` mask is built: one ``SDPA(is_causal=True)`` call per
-conversation (also the fastest CPU variant measured, notes §7).
+conversation (also the fastest CPU variant measured, ``docs/model.md``).
 
 With context parallelism (the CP group comes from ``packed_seq_params.cp_group``, else the model's
 ``pg_collection.cp``), each rank holds the load-balanced chunks of every conversation

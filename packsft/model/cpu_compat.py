@@ -2,28 +2,26 @@
 
 Megatron-Core assumes a CUDA device in a few spots that packed SFT reaches. On a CPU-only build
 (tests, CI, laptops) :func:`apply_cpu_workarounds` patches exactly those spots; on a machine where
-``torch.cuda.is_available()`` it does nothing, so GPU runs use stock Megatron code. Line numbers
-refer to the installed ``megatron/core`` of megatron-core 0.16.1 (measured facts in
-``shared/notes/megatron_core_on_cpu.md``):
+``torch.cuda.is_available()`` it does nothing, so GPU runs use stock Megatron code. The list (symbols of
+megatron-core 0.16; ``docs/model.md`` has the measured facts):
 
-1. ``models/common/embeddings/rotary_pos_embedding.py:162``: ``RotaryEmbedding.get_emb`` moves
-   ``inv_freq`` to ``torch.cuda.current_device()``. Replaced by :func:`_get_emb_on_own_device`,
+1. ``RotaryEmbedding.get_emb`` (``models.common.embeddings.rotary_pos_embedding``) moves ``inv_freq`` to
+   ``torch.cuda.current_device()``. Replaced by :func:`_get_emb_on_own_device`,
    which computes the same ``[s, 1, 1, d]`` embedding on ``inv_freq``'s own device.
-2. ``models/common/embeddings/rope_utils.py:62``: ``get_pos_emb_on_this_cp_rank`` (sbhd layout
-   with context parallelism only) builds its chunk index with ``pin_memory=True`` and ``.cuda()``.
-   Replaced by :func:`_get_pos_emb_on_this_cp_rank` where ``rotary_pos_embedding.py:204/358``
-   imported it. The packed THD path does not use it.
+2. ``get_pos_emb_on_this_cp_rank`` (``models.common.embeddings.rope_utils``; sbhd layout with context
+   parallelism only) builds its chunk index with ``pin_memory=True`` and ``.cuda()``. Replaced by
+   :func:`_get_pos_emb_on_this_cp_rank` where ``rotary_pos_embedding`` imported it. The packed THD path does not use it.
 3. The "cuda shim": ``torch.cuda.current_device`` returns ``"cpu"`` and ``torch.cuda.synchronize``
    is a no-op. This lets code that only *names* the current device run on CPU:
-   ``dist_checkpointing`` save (``strategies/filesystem_async.py:230`` synchronize,
-   ``strategies/state_dict_saver.py:252`` current_device), Megatron DDP buffers
-   (``distributed/param_and_grad_buffer.py:800/806``) and the global memory buffer
-   (``utils.py:631``). It does **not** fix code with a literal ``device="cuda"`` (stock
-   ``DotProductAttention`` via ``transformer/utils.py:35``, the Megatron optimizer), which is why
+   ``dist_checkpointing`` save (the filesystem-async writer's synchronize, ``state_dict_saver``'s
+   current device), Megatron DDP's ``param_and_grad_buffer`` and the global memory buffer
+   (``megatron.core.utils.GlobalMemoryBuffer``). It does **not** fix code with a literal ``device="cuda"``
+   (stock ``DotProductAttention`` through ``transformer.utils.get_default_causal_mask``, the Megatron
+   optimizer), which is why
    packsft has its own core attention and uses ``torch.optim.AdamW`` on CPU.
 
 Not patched (keep them off on CPU): sequence parallelism, activation recompute
-(``tensor_parallel/random.py:55``), ``model_parallel_cuda_manual_seed`` (``random.py:235``).
+(``tensor_parallel.random.CheckpointFunction``), ``model_parallel_cuda_manual_seed``.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ _APPLIED = False
 
 
 def _get_emb_on_own_device(self, max_seq_len: int, offset: int = 0) -> Tensor:
-    """``RotaryEmbedding.get_emb`` without the move to CUDA (rotary_pos_embedding.py:150-174).
+    """``RotaryEmbedding.get_emb`` without the move to CUDA.
 
     Returns:
         float32 ``[max_seq_len, 1, 1, rotary_dim]``: angles ``(offset + pos) * inv_freq``, repeated

@@ -22,7 +22,7 @@ ALGORITHMS = ("next-fit", "best-fit-decreasing")
 
 
 def next_fit(costs: Sequence[int], max_seq_len: int) -> list[list[int]]:
-    """Pack in input order with one open row (NeMo RL's sequence packing; DESIGN §4).
+    """Pack in input order with one open row (NeMo RL's sequence packing).
 
     Args:
         costs: per-conversation cost in tokens, each ``<= max_seq_len``.
@@ -139,7 +139,7 @@ def pack(costs: Sequence[int], max_seq_len: int, algorithm: str) -> list[list[in
 
 
 def lower_bound_rows(costs: Sequence[int], max_seq_len: int) -> int:
-    """Fewest rows any packing can use: ``ceil(sum(costs) / max_seq_len)`` (DESIGN §4)."""
+    """Fewest rows any packing can use: ``ceil(sum(costs) / max_seq_len)``."""
     return -(-sum(costs) // max_seq_len)
 
 

@@ -1,6 +1,6 @@
 """The pack pipeline: JSONL conversations -> ``.jsonl.packed`` rows + sidecar + report.
 
-Flow (DESIGN §1, §4):
+Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
 
 1. Stream every input line (never the whole file) to worker processes in bounded, ordered batches. Each
    worker parses and validates the record (:mod:`packsft.conversation`) and counts its tokens with

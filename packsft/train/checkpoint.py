@@ -16,7 +16,7 @@ folder that is never read (and is deleted by the next save of that step) and ``l
 complete checkpoint.
 
 Resharding: model and optimizer tensors are stored with their global shapes (``GPTModel.sharded_state_dict`` and
-``get_param_id_to_sharded_param_map`` + ``optim_state_to_sharding_state``, see ``shared/notes`` §5), so TP and DP
+``get_param_id_to_sharded_param_map`` + ``optim_state_to_sharding_state``), so TP and DP
 sizes may change between save and resume. ``torch.distributed.checkpoint`` on a plain ``state_dict`` is not used: it
 is silently wrong under TP>1 (a TP shard has the same key on each rank and is deduplicated as if replicated).
 The data order (``dataloader_dp*.pt``) only continues with the same DP size and data; the RNG files are restored

@@ -88,7 +88,7 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    """Token cross-entropy (DESIGN §7): normalised by the trained tokens of the whole global batch."""
+    """Token cross-entropy, normalised by the trained tokens of the whole global batch (``docs/loss.md``)."""
 
     fused_linear_cross_entropy: bool = True
     """True: packsft's chunked fused linear-CE (never holds ``[t, v]`` logits); False: Megatron's stock
@@ -176,7 +176,7 @@ class TrainConfig:
     """Seeds weight init (``torch.manual_seed``) and ``random``; the data order uses ``loader.seed``."""
     autocast_dtype: str | None = None
     """``bfloat16``/``float16``: ``torch.autocast`` on CUDA with fp32 master weights; null = no autocast (fp32).
-    CPU autocast is refused (Megatron's backward fails, ``tensor_parallel/layers.py:531``)."""
+    CPU autocast is refused (Megatron's backward fails in ``LinearWithGradAccumulationAndAsyncCommunication``)."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""

@@ -69,7 +69,7 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
         seed: seeds ``random`` and ``torch.manual_seed`` identically on every rank (so
             ``use_cpu_initialization`` builds identical full weights before TP slicing); on CUDA also
             Megatron's ``model_parallel_cuda_manual_seed`` (which fails on CPU,
-            ``tensor_parallel/random.py:235``).
+            ``tensor_parallel.random.model_parallel_cuda_manual_seed``).
 
     Returns:
         :class:`DistributedContext`.

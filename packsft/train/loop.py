@@ -13,11 +13,12 @@ Flow of ``Trainer(cfg).run()``:
    gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
 5. Logging, validation and checkpoints on their periods; a final validation and checkpoint.
 
-Loss scaling under DDP: DDP *averages* gradients over its group (size ``dp * cp``), while the DESIGN §7 loss is a
-*sum* over ranks of ``token-loss sum / global count``. Each rank therefore back-propagates its share multiplied by
-``dp * cp`` (``normalize_loss(..., gradient_average_size=dp * cp)``), so the averaged gradient is exactly the gradient
-of the global mean. CP ranks hold different tokens of the same rows, so summing their gradients (not averaging) is
-what the factor restores. The logged loss is the unscaled share summed over micro-batches and all-reduced.
+Loss scaling under DDP: DDP *averages* gradients over its group (size ``dp * cp``), while the loss
+(``docs/loss.md``) is a *sum* over ranks of ``token-loss sum / global count``. Each rank therefore back-propagates its
+share multiplied by ``dp * cp`` (``normalize_loss(..., gradient_average_size=dp * cp)``), so the averaged gradient is
+exactly the gradient of the global mean. CP ranks hold different tokens of the same rows, so summing their gradients
+(not averaging) is what the factor restores. The logged loss is the unscaled share summed over micro-batches and
+all-reduced.
 """
 
 from __future__ import annotations

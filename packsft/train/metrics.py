@@ -3,7 +3,7 @@
 ``metrics.jsonl`` (appended across resumes, one JSON object per line):
 
 * ``{"kind": "train", "step", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens", "consumed_samples",
-  "consumed_tokens", "step_time_s", "mem_gib"}``: ``loss`` is the global-batch mean token loss (nats, DESIGN §7);
+  "consumed_tokens", "step_time_s", "mem_gib"}``: ``loss`` is the global-batch mean token loss (nats, ``docs/loss.md``);
   ``grad_norm`` the TP-aware L2 norm before clipping; ``tokens_per_s`` all row tokens of the global batch (padding
   included) per second of the step; ``trained_tokens`` the global trained-token count of the step; ``mem_gib`` the peak
   CUDA memory allocated (GPU) or the process's peak RSS (CPU), GiB.

@@ -1,8 +1,8 @@
 """AdamW with weight-decay groups, the warmup + decay learning-rate schedule, and TP-aware gradient clipping.
 
 ``torch.optim.AdamW`` is used on CPU and GPU alike: Megatron's optimizer hard-codes ``device="cuda"``
-(``optimizer/optimizer.py:481/907``, ``clip_grads.py``), see ``shared/notes/megatron_core_on_cpu.md`` §4. Its state is
-checkpointed through ``dist_checkpointing`` with the model's sharding (``packsft.train.checkpoint``).
+(``megatron.core.optimizer``'s ``Float16OptimizerWithFloat16Params`` and ``clip_grads``; ``docs/model.md``).
+Its state is checkpointed through ``dist_checkpointing`` with the model's sharding (``packsft.train.checkpoint``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ repeated (whole shuffled passes, then part of one more); a larger one is subsamp
 replacement. The plan is shuffled together, so the sources interleave. A source whose count
 rounds to zero is an error at start-up.
 
-Config (the trainer builds ``MixedDataset.from_files(paths, ...)`` as the dataset)::
+Library use (``tools/train.py`` reads one ``data.train_path`` and cannot build a ``MixedDataset`` yet, so this
+sampler works with your own loop over ``build_train_dataloader(MixedDataset.from_files(paths, ...), cfg)``)::
 
     sampler: custom
     sampler_class_path: examples.samplers.mixing.WeightedMixingSampler

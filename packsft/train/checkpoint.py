@@ -25,7 +25,6 @@ when one exists for this rank.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
@@ -40,7 +39,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 
-from packsft.io import atomic_open
+from packsft.io import atomic_open, replace_dir
 from packsft.model.gpt import unwrap_model
 from packsft.train.optim import optimizer_params
 
@@ -139,14 +138,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
 
 def _publish(ckpt_dir: Path, tmp: Path, final: Path) -> None:
     """Rename ``tmp`` to ``final`` (replacing an older folder of that name), then point ``latest`` at it."""
-    if final.exists():
-        old = final.with_name(final.name + ".replaced")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    replace_dir(tmp, final)
     with atomic_open(ckpt_dir / LATEST) as f:
         f.write(final.name + "\n")
 

@@ -94,7 +94,8 @@ class LossConfig:
     """True: packsft's chunked fused linear-CE (never holds ``[t, v]`` logits); False: Megatron's stock
     ``vocab_parallel_cross_entropy`` on full logits."""
     chunk_size: int = 1024
-    """Tokens per chunk of the fused loss (memory ~ ``chunk_size * vocab / tp * 4`` bytes)."""
+    """Tokens per chunk of the fused loss; with vocabulary blocks of ``b = min(32768, vocab / tp)`` rows, its
+    buffers are about ``chunk_size * b * (4 + 2e)`` bytes (``e`` = 2 for bf16 inputs, 0 for fp32; ``docs/loss.md``)."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` for a non-positive ``chunk_size``."""

@@ -8,9 +8,11 @@ from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from packsft.data.context_parallel import make_packed_seq_params
-from packsft.model import hf_convert
 from packsft.model.config import ModelConfig
 from packsft.model.gpt import build_gpt_model
+from packsft.model.hf_config import model_config_from_hf
+from packsft.model.hf_io import load_hf_checkpoint, load_hf_state_into_model, save_hf_checkpoint, write_hf_checkpoint
+from packsft.model.state_dict_adapter import hf_to_megatron_state_dict, megatron_to_hf_state_dict
 
 VOCAB = 256
 LENGTHS = [7, 12, 5, 8]
@@ -40,9 +42,9 @@ def hf_model(family, seed=0, **overrides):
 
 
 def megatron_from_hf(model):
-    cfg = hf_convert.model_config_from_hf(model.config)
+    cfg = model_config_from_hf(model.config)
     megatron = build_gpt_model(cfg).eval()
-    hf_convert.load_hf_state_into_model(megatron, model.state_dict(), cfg)
+    load_hf_state_into_model(megatron, model.state_dict(), cfg)
     return megatron, cfg
 
 
@@ -63,12 +65,12 @@ def test_qkv_layout_is_interleaved_per_query_group():
              "model.layers.0.mlp.gate_proj.weight": torch.full((8, 8), 1.0),
              "model.layers.0.mlp.up_proj.weight": torch.full((8, 8), 2.0),
              "model.layers.0.mlp.down_proj.weight": torch.zeros(8, 8)}
-    shards = [hf_convert.hf_to_megatron_state_dict(state, cfg, r, 2) for r in range(2)]
+    shards = [hf_to_megatron_state_dict(state, cfg, r, 2) for r in range(2)]
     qkv = [s["decoder.layers.0.self_attention.linear_qkv.weight"].flatten().tolist() for s in shards]
     assert qkv == [[0, 1, 2, 3, 100, 101, 200, 201], [4, 5, 6, 7, 102, 103, 202, 203]]
     fc1 = shards[1]["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist()
     assert fc1 == [1.0] * 4 + [2.0] * 4                                            # cat(gate_r, up_r)
-    back = hf_convert.megatron_to_hf_state_dict(shards, cfg)
+    back = megatron_to_hf_state_dict(shards, cfg)
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
 
@@ -76,13 +78,13 @@ def test_qkv_layout_is_interleaved_per_query_group():
 @pytest.mark.parametrize("family", CONFIGS)
 def test_tp2_shards_reassemble_exactly(family):
     model = hf_model(family)
-    cfg = hf_convert.model_config_from_hf(model.config)
-    full = hf_convert.hf_to_megatron_state_dict(model.state_dict(), cfg)
-    shards = [hf_convert.hf_to_megatron_state_dict(model.state_dict(), cfg, r, 2) for r in range(2)]
+    cfg = model_config_from_hf(model.config)
+    full = hf_to_megatron_state_dict(model.state_dict(), cfg)
+    shards = [hf_to_megatron_state_dict(model.state_dict(), cfg, r, 2) for r in range(2)]
     qkv = "decoder.layers.1.self_attention.linear_qkv.weight"
     assert torch.equal(torch.cat([s[qkv] for s in shards]), full[qkv])           # whole groups per rank
     assert shards[0]["decoder.layers.1.mlp.linear_fc2.weight"].shape == (64, 48)
-    back = hf_convert.megatron_to_hf_state_dict(shards, cfg)
+    back = megatron_to_hf_state_dict(shards, cfg)
     expected = {k: v for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     assert back.keys() == expected.keys()
     assert all(torch.equal(back[k], expected[k]) for k in expected)
@@ -120,8 +122,7 @@ def test_export_loads_in_transformers_and_reimports_exactly(parallel_state_1proc
     model = hf_model(family, seed=4)
     megatron, cfg = megatron_from_hf(model)
     source_tok = tokenizer_dir("smollm2-135m-instruct")
-    out = hf_convert.save_hf_checkpoint(megatron, cfg, tmp_path / "hf", hf_config=model.config,
-                                        tokenizer_dir=source_tok)
+    out = save_hf_checkpoint(megatron, cfg, tmp_path / "hf", hf_config=model.config, tokenizer_dir=source_tok)
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= {
         p.name for p in out.iterdir()}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]          # no temp folder left
@@ -136,11 +137,11 @@ def test_export_loads_in_transformers_and_reimports_exactly(parallel_state_1proc
     torch.testing.assert_close(megatron_logits(megatron, tokens, torch.arange(16)[None]), reloaded(tokens).logits[0],
                                atol=1e-4, rtol=0)
 
-    hf_config2, hf_state = hf_convert.load_hf_checkpoint(out)
-    cfg2 = hf_convert.model_config_from_hf(hf_config2)
+    hf_config2, hf_state = load_hf_checkpoint(out)
+    cfg2 = model_config_from_hf(hf_config2)
     assert cfg2 == cfg
     again = build_gpt_model(cfg2)
-    hf_convert.load_hf_state_into_model(again, hf_state, cfg2)
+    load_hf_state_into_model(again, hf_state, cfg2)
     before, after = megatron.state_dict(), again.state_dict()
     params = [k for k, v in before.items() if isinstance(v, torch.Tensor)]
     assert params and all(torch.equal(before[k], after[k]) for k in params)
@@ -149,15 +150,15 @@ def test_export_loads_in_transformers_and_reimports_exactly(parallel_state_1proc
 def test_export_without_original_config_builds_llama(parallel_state_1proc, tmp_path):  # noqa: F811
     model = hf_model("mistral", seed=6)
     megatron, cfg = megatron_from_hf(model)
-    out = hf_convert.save_hf_checkpoint(megatron, cfg, tmp_path / "hf", dtype=torch.bfloat16)
+    out = save_hf_checkpoint(megatron, cfg, tmp_path / "hf", dtype=torch.bfloat16)
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(reloaded).__name__ == "LlamaForCausalLM" and reloaded.dtype == torch.bfloat16
-    assert hf_convert.model_config_from_hf(reloaded.config) == cfg
+    assert model_config_from_hf(reloaded.config) == cfg
 
 
 def test_sharded_safetensors_have_an_index(tmp_path):
     state = {f"w{i}": torch.full((256,), float(i)) for i in range(4)}        # 1 KiB each
-    hf_convert.write_hf_checkpoint(state, hf_config("llama"), tmp_path / "hf", max_shard_bytes=2048)
+    write_hf_checkpoint(state, hf_config("llama"), tmp_path / "hf", max_shard_bytes=2048)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
                                                          "model-00002-of-00002.safetensors"]
@@ -196,16 +197,16 @@ def test_llama3_rope_scaling_matches_transformers(parallel_state_1proc):  # noqa
 ])
 def test_unsupported_options_are_refused_by_name(family, overrides, message):
     with pytest.raises(ValueError, match=message):
-        hf_convert.model_config_from_hf(hf_config(family, **overrides))
+        model_config_from_hf(hf_config(family, **overrides))
 
 
 def test_unsupported_model_type_and_reachable_window():
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
-        hf_convert.model_config_from_hf(AutoConfig.for_model("gpt2"))
+        model_config_from_hf(AutoConfig.for_model("gpt2"))
     windowed = hf_config("mistral", sliding_window=64)
-    assert hf_convert.model_config_from_hf(windowed, max_seq_len=64).max_position_embeddings == 128
+    assert model_config_from_hf(windowed, max_seq_len=64).max_position_embeddings == 128
     with pytest.raises(ValueError, match="max_seq_len <= 64"):
-        hf_convert.model_config_from_hf(windowed, max_seq_len=65)
+        model_config_from_hf(windowed, max_seq_len=65)
 
 
 def _permute_for_gguf(w, n_head):
@@ -245,12 +246,12 @@ def test_gguf_import_matches_transformers(parallel_state_1proc, tmp_path):  # no
     model = hf_model("llama", seed=13)                                     # tied: the GGUF has no output.weight
     write_tiny_gguf(model, tmp_path / "tiny.gguf")
     for source in (tmp_path / "tiny.gguf", tmp_path):                       # the file, or a folder holding one
-        hf_cfg, hf_state = hf_convert.load_hf_checkpoint(source)
+        hf_cfg, hf_state = load_hf_checkpoint(source)
         assert all(torch.equal(hf_state[k], v) for k, v in model.state_dict().items())   # q/k un-permuted
-    cfg = hf_convert.model_config_from_hf(hf_cfg)
+    cfg = model_config_from_hf(hf_cfg)
     assert (cfg.tie_word_embeddings, cfg.rotary_base, cfg.num_query_groups) == (True, 50000.0, 2)
     megatron = build_gpt_model(cfg).eval()
-    hf_convert.load_hf_state_into_model(megatron, hf_state, cfg)
+    load_hf_state_into_model(megatron, hf_state, cfg)
     tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(14))
     with torch.no_grad():
         expected = model(tokens).logits[0]
@@ -260,18 +261,18 @@ def test_gguf_import_matches_transformers(parallel_state_1proc, tmp_path):  # no
 
 def test_missing_checkpoint_files_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
-        hf_convert.load_hf_checkpoint(tmp_path)
+        load_hf_checkpoint(tmp_path)
     with pytest.raises(KeyError, match="model.norm.weight"):
         state = {k: v for k, v in hf_model("qwen2").state_dict().items() if k != "model.norm.weight"}
-        hf_convert.hf_to_megatron_state_dict(state, hf_convert.model_config_from_hf(hf_config("qwen2")))
+        hf_to_megatron_state_dict(state, model_config_from_hf(hf_config("qwen2")))
 
 
 def test_te_backend_uses_fused_norm_names():
     model = hf_model("qwen2")
-    cfg = hf_convert.model_config_from_hf(model.config, attention_backend="te")
-    state = hf_convert.hf_to_megatron_state_dict(model.state_dict(), cfg)
+    cfg = model_config_from_hf(model.config, attention_backend="te")
+    state = hf_to_megatron_state_dict(model.state_dict(), cfg)
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in state
     assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in state
     assert not [k for k in state if "input_layernorm" in k or "pre_mlp_layernorm" in k]
-    back = hf_convert.megatron_to_hf_state_dict([state], cfg)
+    back = megatron_to_hf_state_dict([state], cfg)
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())

@@ -12,8 +12,9 @@ from test_hf_convert import LENGTHS, VOCAB, hf_model, megatron_logits
 from transformers import AutoModelForCausalLM
 
 from packsft.data.context_parallel import make_packed_seq_params
-from packsft.model import hf_convert
 from packsft.model.gpt import build_gpt_model
+from packsft.model.hf_config import model_config_from_hf
+from packsft.model.hf_io import load_hf_state_into_model, save_hf_checkpoint
 from packsft.train.distributed import init_distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -28,9 +29,9 @@ def _import_and_export_tp2(rank, world_size, out_dir):
 
 def _check_family(rank, ctx, family, out_dir):
     model = hf_model(family, seed=11)                       # same seed: every rank holds the same HF model
-    cfg = hf_convert.model_config_from_hf(model.config)
+    cfg = model_config_from_hf(model.config)
     megatron = build_gpt_model(cfg).eval()
-    hf_convert.load_hf_state_into_model(megatron, model.state_dict(), cfg, ctx.tp_group)
+    load_hf_state_into_model(megatron, model.state_dict(), cfg, ctx.tp_group)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     tokens = torch.randint(0, VOCAB, (1, int(cu[-1])), generator=torch.Generator().manual_seed(3))
     position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
@@ -41,7 +42,7 @@ def _check_family(rank, ctx, family, out_dir):
         with torch.no_grad():
             alone = model(tokens[:, s:e]).logits[0, :, vocab]
         diffs.append((packed[s:e] - alone).abs().max().item())
-    hf_convert.save_hf_checkpoint(megatron, cfg, out_dir, hf_config=model.config, tp_group=ctx.tp_group)
+    save_hf_checkpoint(megatron, cfg, out_dir, hf_config=model.config, tp_group=ctx.tp_group)
     return max(diffs), packed.shape
 
 

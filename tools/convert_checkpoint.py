@@ -29,9 +29,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packsft.model import hf_convert  # noqa: E402
+from packsft.model.config import read_model_config  # noqa: E402
 from packsft.model.gpt import build_gpt_model  # noqa: E402
+from packsft.model.hf_config import model_config_from_hf  # noqa: E402
+from packsft.model.hf_io import (  # noqa: E402
+    load_hf_checkpoint,
+    load_hf_state_into_model,
+    read_hf_config,
+    save_hf_checkpoint,
+)
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
+from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,22 +74,21 @@ def main(argv=None) -> None:
     ctx = init_distributed(tensor_model_parallel_size=args.tensor_model_parallel_size)
     try:
         if args.command == "import":
-            hf_config, hf_state = hf_convert.load_hf_checkpoint(args.hf)
-            cfg = hf_convert.model_config_from_hf(hf_config, max_seq_len=args.max_seq_len,
-                                                  attention_backend=args.attention_backend,
-                                                  params_dtype=args.params_dtype)
+            hf_config, hf_state = load_hf_checkpoint(args.hf)
+            cfg = model_config_from_hf(hf_config, max_seq_len=args.max_seq_len,
+                                       attention_backend=args.attention_backend, params_dtype=args.params_dtype)
             model = build_gpt_model(cfg)
-            hf_convert.load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)
+            load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)
             del hf_state
-            hf_convert.save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
+            save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
         else:
-            cfg = hf_convert.read_model_config(args.config or args.megatron)
-            hf_config = hf_convert.read_hf_config(args.hf_config or args.megatron)
+            cfg = read_model_config(args.config or args.megatron)
+            hf_config = read_hf_config(args.hf_config or args.megatron)
             model = build_gpt_model(cfg)
-            hf_convert.load_megatron_checkpoint(model, args.megatron)
+            load_megatron_checkpoint(model, args.megatron)
             dtype = getattr(torch, args.dtype) if args.dtype else None
-            hf_convert.save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
-                                          tp_group=ctx.tp_group, dtype=dtype)
+            save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
+                               tp_group=ctx.tp_group, dtype=dtype)
         if ctx.rank == 0:
             print(f"{args.command}: wrote {args.out}")
     finally:

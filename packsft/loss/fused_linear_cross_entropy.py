@@ -16,14 +16,9 @@ import torch
 import torch.distributed as dist
 
 from packsft.layout import IGNORE_INDEX
+from packsft.process_groups import rank_and_size
 
 _REDUCTIONS = ("none", "sum", "mean")
-
-
-def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if tp_group is None:
-        return 1, 0
-    return dist.get_world_size(group=tp_group), dist.get_rank(group=tp_group)
 
 
 def _chunk_logits_fp32(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -118,7 +113,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, idx, labels_n, scale_n, chunk_size, vocab_chunk_size, tp_group,
                 reduce_hidden_grad):
         """Per chunk: ``scale * (logsumexp(logits) - logits[label])`` for the ``n`` trained tokens."""
-        vocab_start = _tp_size_rank(tp_group)[1] * weight.shape[0]
+        vocab_start = rank_and_size(tp_group)[0] * weight.shape[0]
         n = idx.numel()
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         target = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -139,7 +134,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         """Recompute each chunk's softmax; ``d loss_i / d logits_i = g_i * (softmax_i - onehot(label_i))``."""
         hidden, weight, idx, labels_n, scale_n, lse = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        tp_size, tp_rank = _tp_size_rank(ctx.tp_group)
+        tp_rank, tp_size = rank_and_size(ctx.tp_group)
         g = grad_loss.float().index_select(0, idx) * scale_n  # [n] fp32: upstream gradient times loss_mask
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
@@ -289,7 +284,7 @@ def fused_linear_cross_entropy(
         TypeError: labels not int64, or ``hidden`` and ``weight`` of different dtypes.
     """
     _validate(hidden, weight, labels, loss_mask, chunk_size, vocab_chunk_size, reduction)
-    v_total = weight.shape[0] * _tp_size_rank(tp_group)[0]
+    v_total = weight.shape[0] * rank_and_size(tp_group)[1]
     idx, labels_n, scale_n = _trained_tokens(labels.reshape(-1), loss_mask, ignore_index, v_total)
     loss = FusedLinearCrossEntropyFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, idx, labels_n, scale_n, chunk_size, vocab_chunk_size,

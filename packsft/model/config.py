@@ -1,4 +1,4 @@
-"""Llama-style model configuration and its translation to Megatron-Core's ``TransformerConfig``.
+"""Llama-style model configuration, its ``model_config.json`` file and its Megatron-Core ``TransformerConfig``.
 
 The architecture is fixed to what Llama, Qwen2, Mistral and SmolLM2 share: RMSNorm, SwiGLU MLP
 (``gated_linear_unit`` + SiLU), rotary position embeddings, grouped-query attention, no biases and
@@ -7,13 +7,17 @@ optionally tied input/output embeddings. Everything that varies between those fa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 ATTENTION_BACKENDS = ("torch", "te")
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODEL_CONFIG_FILE = "model_config.json"
+"""The ``ModelConfig`` fields (``dataclasses.asdict``) in a model-only Megatron checkpoint folder."""
 
 
 @dataclass
@@ -159,3 +163,24 @@ class ModelConfig:
             gradient_accumulation_fusion=False,
             cross_entropy_loss_fusion=False,
         )
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """``ModelConfig`` from a ``model_config.json``, a checkpoint folder holding one, or a YAML's ``model:`` section.
+
+    Raises:
+        ValueError: naming unknown fields.
+    """
+    path = Path(path)
+    path = path / MODEL_CONFIG_FILE if path.is_dir() else path
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(path.read_text())
+        data = data.get("model", data)
+    else:
+        data = json.loads(path.read_text())
+    unknown = set(data) - {f.name for f in fields(ModelConfig)}
+    if unknown:
+        raise ValueError(f"{path}: unknown ModelConfig fields {sorted(unknown)}")
+    return ModelConfig(**data)

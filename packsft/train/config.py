@@ -24,12 +24,11 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from packsft.data.loader import DataLoaderConfig
-from packsft.model.config import ModelConfig
+from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std")
 """``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight)."""
-MODEL_CONFIG_FILE = "model_config.json"
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 RENAMED_KEYS = {
     "loader.dataloader_num_workers": "loader.num_workers",

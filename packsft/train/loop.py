@@ -36,7 +36,6 @@ from packsft.data.loader import build_eval_dataloader, build_train_dataloader, l
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.gpt import build_gpt_model, unwrap_model
-from packsft.model.hf_convert import load_megatron_checkpoint
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
@@ -44,6 +43,7 @@ from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.metrics import MetricsLogger, format_summary, peak_memory_gib
+from packsft.train.model_checkpoint import load_megatron_checkpoint
 from packsft.train.optim import build_optimizer, build_scheduler, clip_grads, optimizer_params, set_schedule_step
 from packsft.train.token_loss import gpt_token_loss
 

@@ -1,0 +1,152 @@
+"""Hugging Face ``config.json`` <-> packsft ``ModelConfig`` (Llama, Qwen2, Mistral families).
+
+:func:`model_config_from_hf` translates a transformers ``PretrainedConfig`` and refuses, with a
+``ValueError`` naming the option, anything packsft's Megatron ``GPTModel`` cannot reproduce;
+:func:`hf_config_from_model_config` builds the config written on export. RoPE: ``rope_theta`` ->
+``rotary_base``; ``rope_type: llama3`` -> ``rope_scaling_factor``, only with the constants Megatron-Core
+fixes (``MEGATRON_LLAMA3_ROPE``). Sources: transformers ``LlamaConfig`` / ``Qwen2Config`` /
+``MistralConfig``; Megatron-Core ``RotaryEmbedding._apply_scaling``.
+"""
+
+from __future__ import annotations
+
+from packsft.model.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# Megatron's fixed Llama-3.1 scaling constants (megatron.core RotaryEmbedding._apply_scaling).
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_parameters(hf_config) -> dict:
+    """``rope_parameters`` (transformers 5) or the older ``rope_theta`` + ``rope_scaling`` pair, as one dict."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _rope_scaling_factor(hf_config) -> float | None:
+    """Megatron ``rope_scaling_factor`` for the config's RoPE type, or ``None`` for plain RoPE.
+
+    Raises:
+        ValueError: for a RoPE type other than ``default`` / ``llama3``, or ``llama3`` with constants
+            Megatron cannot express (it fixes low 1, high 4, original 8192).
+    """
+    rope = _rope_parameters(hf_config)
+    if rope["rope_type"] == "default":
+        return None
+    if rope["rope_type"] != "llama3":
+        raise ValueError(f"unsupported rope_parameters.rope_type {rope['rope_type']!r}; packsft supports "
+                         "'default' and 'llama3'")
+    for key, expected in MEGATRON_LLAMA3_ROPE.items():
+        if float(rope.get(key, expected)) != expected:
+            raise ValueError(f"unsupported llama3 RoPE scaling: rope_parameters.{key} = {rope.get(key)!r}, "
+                             f"Megatron-Core fixes it at {expected}")
+    return float(rope["factor"])
+
+
+def _refuse_unsupported(hf_config, max_seq_len: int | None) -> None:
+    """Raise ``ValueError`` naming the first HF option packsft's Megatron model cannot reproduce."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; packsft's MLP is SwiGLU (silu)")
+    for name in ("attention_bias", "mlp_bias"):   # Llama options; Qwen2's QKV bias is built in
+        if getattr(hf_config, name, False):
+            raise ValueError(f"unsupported {name}=True for model_type {model_type!r}")
+    if getattr(hf_config, "pretraining_tp", 1) != 1:
+        raise ValueError(f"unsupported pretraining_tp={hf_config.pretraining_tp}; expected 1")
+    if getattr(hf_config, "attention_dropout", 0.0):
+        raise ValueError(f"unsupported attention_dropout={hf_config.attention_dropout}; packsft trains "
+                         "without dropout, set it to 0.0")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("unsupported use_sliding_window=True; packsft attention is full causal")
+    window = getattr(hf_config, "sliding_window", None) if model_type == "mistral" else None
+    if window is not None and window < hf_config.max_position_embeddings:
+        if max_seq_len is None or max_seq_len > window:
+            raise ValueError(
+                f"unsupported sliding_window={window} (< max_position_embeddings="
+                f"{hf_config.max_position_embeddings}): packsft attention is full causal, which equals "
+                f"Mistral's only when no conversation is longer than the window; pass max_seq_len <= {window} "
+                f"(got {max_seq_len}) or set sliding_window to null")
+
+
+def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention_backend: str = "torch",
+                         params_dtype: str = "float32") -> ModelConfig:
+    """Translate a transformers ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` into a ``ModelConfig``.
+
+    Args:
+        hf_config: a transformers ``PretrainedConfig`` of a supported ``model_type``.
+        max_seq_len: the longest row packsft will train on (tokens); only needed to accept a Mistral
+            ``sliding_window`` smaller than ``max_position_embeddings`` (then it must be ``<= window``).
+        attention_backend / params_dtype: as in ``ModelConfig``.
+
+    Raises:
+        ValueError: naming the option when the config uses something the Megatron model cannot
+            reproduce: another ``model_type``, a ``hidden_act`` other than silu, ``attention_bias`` /
+            ``mlp_bias`` on Llama, ``pretraining_tp`` > 1, ``attention_dropout`` > 0, a sliding window
+            that can be reached, RoPE types other than default/llama3 (Megatron's constants).
+    """
+    _refuse_unsupported(hf_config, max_seq_len)
+    head_dim = getattr(hf_config, "head_dim", None)
+    default_head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    return ModelConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        kv_channels=head_dim if head_dim and head_dim != default_head_dim else None,
+        rotary_base=float(_rope_parameters(hf_config)["rope_theta"]),
+        norm_epsilon=float(hf_config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        add_qkv_bias=hf_config.model_type == "qwen2",
+        rope_scaling_factor=_rope_scaling_factor(hf_config),
+        attention_backend=attention_backend,
+        params_dtype=params_dtype,
+    )
+
+
+def hf_config_from_model_config(cfg: ModelConfig, base=None):
+    """The transformers config that describes ``cfg``, for export.
+
+    Args:
+        cfg: the Megatron model's configuration.
+        base: the original HF config (``PretrainedConfig`` or its ``to_dict()``) to keep model_type,
+            token ids, sliding window and other metadata from; ``None`` builds a fresh ``Qwen2Config``
+            when ``cfg.add_qkv_bias`` else a ``LlamaConfig``.
+
+    Returns:
+        ``PretrainedConfig`` with ``architectures`` set and the shape fields taken from ``cfg``.
+
+    Raises:
+        ValueError: if ``cfg.add_qkv_bias`` disagrees with the base's ``model_type`` (only Qwen2 has it).
+    """
+    from transformers import AutoConfig
+
+    base = base.to_dict() if hasattr(base, "to_dict") else dict(base or {})
+    model_type = base.get("model_type") or ("qwen2" if cfg.add_qkv_bias else "llama")
+    if cfg.add_qkv_bias != (model_type == "qwen2"):
+        raise ValueError(f"model.add_qkv_bias={cfg.add_qkv_bias} cannot be exported as model_type {model_type!r}")
+    for key in ("model_type", "transformers_version", "architectures", "rope_scaling", "rope_theta"):
+        base.pop(key, None)
+    rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rope_scaling_factor is not None:
+        rope = {**rope, "rope_type": "llama3", "factor": cfg.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+    shape = dict(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                 intermediate_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
+                 num_key_value_heads=cfg.num_query_groups, vocab_size=cfg.vocab_size,
+                 max_position_embeddings=cfg.max_position_embeddings, head_dim=cfg.head_dim,
+                 rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_word_embeddings,
+                 rope_parameters=rope, hidden_act="silu", dtype=cfg.params_dtype)
+    if cfg.kv_channels is None and "head_dim" not in base:
+        del shape["head_dim"]   # Qwen2Config has no head_dim field; hidden_size // heads is the default
+    hf_config = AutoConfig.for_model(model_type, **{**base, **shape})
+    hf_config.architectures = [ARCHITECTURES[model_type]]
+    return hf_config

@@ -1,0 +1,157 @@
+"""HF ``*ForCausalLM`` state dict <-> Megatron ``GPTModel`` state dicts, one per TP rank (pure tensors, no I/O).
+
+Shape legend: ``h`` hidden size, ``np`` query heads, ``ng`` key/value groups, ``qpg = np // ng`` query
+heads per group, ``hn`` head dimension, ``f`` SwiGLU width, ``v`` vocabulary, ``tp`` tensor-parallel size.
+
+Tensor layouts (Megatron-Core 0.16.1 local spec, what :func:`packsft.model.gpt.build_gpt_model` builds)::
+
+    HF (transformers LlamaForCausalLM & co.)          Megatron GPTModel, TP rank r of tp
+    model.embed_tokens.weight        [v, h]           embedding.word_embeddings.weight      rows r*v/tp..
+    model.layers.i.input_layernorm.weight   [h]       decoder.layers.i.input_layernorm.weight   (replicated)
+    self_attn.q_proj/k_proj/v_proj   [np*hn|ng*hn, h] decoder.layers.i.self_attention.linear_qkv.weight
+                                                          [ng/tp * (qpg + 2) * hn, h], per query group
+                                                          [q_g (qpg*hn rows), k_g (hn), v_g (hn)], groups
+                                                          r*ng/tp.. (Qwen2: .bias alike, [.. * hn])
+    self_attn.o_proj.weight          [h, np*hn]       self_attention.linear_proj.weight  [h, np*hn/tp] (cols)
+    post_attention_layernorm.weight  [h]              decoder.layers.i.pre_mlp_layernorm.weight (replicated)
+    mlp.gate_proj / up_proj.weight   [f, h] each      mlp.linear_fc1.weight [2f/tp, h] = cat(gate_r, up_r)
+    mlp.down_proj.weight             [h, f]           mlp.linear_fc2.weight  [h, f/tp] (cols)
+    model.norm.weight                [h]              decoder.final_layernorm.weight (replicated)
+    lm_head.weight                   [v, h]           output_layer.weight  rows r*v/tp.. (absent when tied)
+
+With ``attention_backend="te"`` the two per-layer norms are fused into the linears and are named
+``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``.
+HF q/k weights are already in the "rotate half" RoPE layout that Megatron uses
+(``rotary_interleaved=False``), so no permutation is needed. Sources: transformers
+``modeling_llama.py`` / ``modeling_qwen2.py``; Megatron-Core ``transformer/attention.py``
+(``get_query_key_value_tensors``) and ``transformer/mlp.py`` (``glu``: ``silu(x[:f]) * x[f:]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from packsft.model.config import ModelConfig
+
+
+def _norm_keys(cfg: ModelConfig, i: int) -> tuple[str, str]:
+    """Megatron names of layer ``i``'s attention and MLP RMSNorm weights for ``cfg.attention_backend``."""
+    p = f"decoder.layers.{i}."
+    if cfg.attention_backend == "te":
+        return p + "self_attention.linear_qkv.layer_norm_weight", p + "mlp.linear_fc1.layer_norm_weight"
+    return p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"
+
+
+def _shard(t: Tensor, dim: int, tp_rank: int, tp_size: int) -> Tensor:
+    """Slice ``tp_rank`` of ``tp_size`` equal parts along ``dim``, as a fresh contiguous tensor."""
+    if t.shape[dim] % tp_size:
+        raise ValueError(f"dimension {dim} of a {tuple(t.shape)} tensor is not divisible by TP size {tp_size}")
+    return t.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+
+def _pack_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig, tp_rank: int, tp_size: int) -> Tensor:
+    """HF q ``[np*hn, *]``, k/v ``[ng*hn, *]`` -> Megatron ``[ng/tp * (qpg+2) * hn, *]`` (weight or bias)."""
+    ng, hn = cfg.num_query_groups, cfg.head_dim
+    qpg = cfg.num_attention_heads // ng
+    rest = q.shape[1:]
+    grouped = torch.cat([q.reshape(ng, qpg * hn, *rest), k.reshape(ng, hn, *rest), v.reshape(ng, hn, *rest)], 1)
+    return _shard(grouped, 0, tp_rank, tp_size).reshape(-1, *rest)
+
+
+def _unpack_qkv(shards: Sequence[Tensor], cfg: ModelConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of :func:`_pack_qkv` over all TP shards (in rank order): returns HF ``(q, k, v)``."""
+    ng, hn = cfg.num_query_groups, cfg.head_dim
+    qpg = cfg.num_attention_heads // ng
+    full = torch.cat(list(shards), 0)
+    rest = full.shape[1:]
+    q, k, v = full.reshape(ng, (qpg + 2) * hn, *rest).split([qpg * hn, hn, hn], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_rank: int = 0,
+                              tp_size: int = 1) -> dict[str, Tensor]:
+    """TP rank ``tp_rank``'s Megatron state dict from a full HF ``*ForCausalLM`` state dict (layouts above).
+
+    Args:
+        hf_state: HF names -> full tensors (any float dtype, kept). ``lm_head.weight`` is ignored when
+            ``cfg.tie_word_embeddings``.
+        cfg: the model configuration (``model_config_from_hf``).
+        tp_rank / tp_size: this rank's tensor-parallel index and the TP size.
+
+    Returns:
+        Megatron parameter names -> fresh tensors of this rank's shard (no ``_extra_state`` entries).
+
+    Raises:
+        KeyError: naming a missing HF tensor.
+        ValueError: if a sharded dimension is not divisible by ``tp_size``.
+    """
+    def get(name: str) -> Tensor:
+        if name not in hf_state:
+            raise KeyError(f"HF checkpoint has no tensor {name!r}")
+        return hf_state[name]
+
+    out = {"embedding.word_embeddings.weight": _shard(get("model.embed_tokens.weight"), 0, tp_rank, tp_size),
+           "decoder.final_layernorm.weight": get("model.norm.weight").clone()}
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = _shard(get("lm_head.weight"), 0, tp_rank, tp_size)
+    for i in range(cfg.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn_norm, mlp_norm = _norm_keys(cfg, i)
+        out[attn_norm] = get(hf + "input_layernorm.weight").clone()
+        out[mlp_norm] = get(hf + "post_attention_layernorm.weight").clone()
+        for kind in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
+            q, k, v = (get(f"{hf}self_attn.{n}_proj.{kind}") for n in "qkv")
+            out[f"{mg}self_attention.linear_qkv.{kind}"] = _pack_qkv(q, k, v, cfg, tp_rank, tp_size)
+        out[mg + "self_attention.linear_proj.weight"] = _shard(get(hf + "self_attn.o_proj.weight"), 1, tp_rank,
+                                                               tp_size)
+        gate = _shard(get(hf + "mlp.gate_proj.weight"), 0, tp_rank, tp_size)
+        up = _shard(get(hf + "mlp.up_proj.weight"), 0, tp_rank, tp_size)
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
+        out[mg + "mlp.linear_fc2.weight"] = _shard(get(hf + "mlp.down_proj.weight"), 1, tp_rank, tp_size)
+    return out
+
+
+def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Full HF state dict from every TP rank's Megatron state dict (``shards[r]`` = rank ``r``; layouts above).
+
+    ``_extra_state`` entries are ignored. With ``cfg.tie_word_embeddings`` no ``lm_head.weight`` is
+    written (transformers ties it to ``model.embed_tokens.weight`` on load).
+
+    Returns:
+        HF names -> contiguous tensors in the shards' dtype.
+
+    Raises:
+        KeyError: naming a Megatron tensor missing from a shard.
+    """
+    def cat(name: str, dim: int) -> Tensor:
+        missing = [r for r, s in enumerate(shards) if name not in s]
+        if missing:
+            raise KeyError(f"Megatron state of TP rank {missing[0]} has no tensor {name!r}")
+        return torch.cat([s[name] for s in shards], dim).contiguous()
+
+    first = shards[0]
+    out = {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight", 0),
+           "model.norm.weight": first["decoder.final_layernorm.weight"].clone()}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = cat("output_layer.weight", 0)
+    for i in range(cfg.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn_norm, mlp_norm = _norm_keys(cfg, i)
+        out[hf + "input_layernorm.weight"] = first[attn_norm].clone()
+        out[hf + "post_attention_layernorm.weight"] = first[mlp_norm].clone()
+        for kind in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
+            name = f"{mg}self_attention.linear_qkv.{kind}"
+            cat(name, 0)  # presence check on every rank
+            q, k, v = _unpack_qkv([s[name] for s in shards], cfg)
+            for n, t in zip("qkv", (q, k, v)):
+                out[f"{hf}self_attn.{n}_proj.{kind}"] = t.contiguous()
+        out[hf + "self_attn.o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
+        cat(mg + "mlp.linear_fc1.weight", 0)
+        gate_up = [s[mg + "mlp.linear_fc1.weight"].chunk(2, 0) for s in shards]
+        out[hf + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up], 0).contiguous()
+        out[hf + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up], 0).contiguous()
+        out[hf + "mlp.down_proj.weight"] = cat(mg + "mlp.linear_fc2.weight", 1)
+    return out

@@ -10,6 +10,7 @@ the pack path stays light, and the prompt formats can mark untrained targets wit
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,14 +47,30 @@ def conversation_cost(num_tokens: int, context_parallel_size: int = 1) -> int:
     return -(-num_tokens // g) * g
 
 
-def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1) -> None:
-    """Raise ``ValueError`` unless ``max_seq_len`` is positive and, when CP > 1, a multiple of ``2 * cp``."""
-    g = cp_granularity(context_parallel_size)
+def row_granularity(context_parallel_size: int = 1, sequence_parallel_size: int = 1) -> int:
+    """What ``max_seq_len`` must be a multiple of: ``lcm(g, cp * sp)`` with ``g`` = :func:`cp_granularity`.
+
+    CP needs every conversation padded to ``2 * cp`` (and so the row). Sequence parallelism splits this CP
+    rank's ``L / cp`` tokens into ``sp`` (= the TP size) equal contiguous shards for the norms and the
+    residual stream; attention all-gathers them back, so shards may cut through a conversation and only the
+    row length must divide, not each conversation (Megatron-Bridge's ``lcm(2 * cp, cp * tp)``, applied to
+    the fixed-length row).
+    """
+    if sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
+    return math.lcm(cp_granularity(context_parallel_size), context_parallel_size * sequence_parallel_size)
+
+
+def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1, sequence_parallel_size: int = 1) -> None:
+    """Raise ``ValueError`` unless ``max_seq_len`` is positive and a multiple of :func:`row_granularity`."""
+    g = row_granularity(context_parallel_size, sequence_parallel_size)
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
     if max_seq_len % g:
-        raise ValueError(f"max_seq_len ({max_seq_len}) must be a multiple of 2 * context_parallel_size "
-                         f"({g}) so every row splits into equal context-parallel chunks")
+        why = ("2 * context_parallel_size" if sequence_parallel_size == 1 else
+               "lcm(2 * context_parallel_size, context_parallel_size * tensor_model_parallel_size)")
+        raise ValueError(f"max_seq_len ({max_seq_len}) must be a multiple of {why} ({g}) so every row splits into "
+                         "equal context-parallel chunks and sequence-parallel shards")
 
 
 def check_cu_seqlens(cu_seqlens: Tensor) -> Tensor:

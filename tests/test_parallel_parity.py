@@ -98,7 +98,7 @@ def _full_grads(gpt, tp_group) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_grads: bool) -> dict:
+def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_grads: bool, sp: bool = False) -> dict:
     """Build the real ``Trainer`` for (tp, cp) and run ``train_step`` on its first global batch, fused then stock.
 
     Returns ``{fused: {"loss", "grad_norm", "trained_tokens", "grads" (full tensors, only if want_grads)}}`` and the
@@ -108,7 +108,8 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
     from packsft.train.loop import Trainer
 
     cfg = load_config(config_path, [f"parallel.tensor_model_parallel_size={tp}",
-                                    f"parallel.context_parallel_size={cp}", f"data.train_path={train_path}"])
+                                    f"parallel.context_parallel_size={cp}", f"data.train_path={train_path}",
+                                    f"parallel.sequence_parallel={str(sp).lower()}"])
     trainer = Trainer(cfg)
     batches = trainer.next_micro_batches()
     trainer.optimizer.step = lambda: None                    # both losses and all layouts see the initial weights
@@ -139,10 +140,10 @@ def _layouts_worker(rank, world_size, config_path, train_paths, layouts):
     from megatron.core import parallel_state
 
     results = []
-    for tp, cp in layouts:
+    for tp, cp, *sp in layouts:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        results.append(_step_both_losses(config_path, train_paths[cp], tp, cp, want_grads=rank == 0))
+        results.append(_step_both_losses(config_path, train_paths[cp], tp, cp, want_grads=rank == 0, sp=bool(sp)))
         dist.barrier()
     return results
 
@@ -210,21 +211,27 @@ def test_reference_step_is_sane(reference):
 
 def test_cp2_tp2_dp2_equal_single_process(setup, reference):
     config, paths = setup
-    layouts = [(1, 2), (2, 1), (1, 1)]                        # cp=2, tp=2, then dp=2 (tp=cp=1 on 2 ranks)
-    per_layout = run_distributed(_layouts_worker, 2, config, paths, layouts, timeout_s=400)
-    for i, (tp, cp) in enumerate(layouts):
+    layouts = [(1, 2), (2, 1), (1, 1), (2, 1, "sp")]          # cp=2, tp=2, dp=2 (tp=cp=1 on 2 ranks), tp=2 + SP
+    per_layout = run_distributed(_layouts_worker, 2, config, paths, layouts, timeout_s=500)
+    for i, (tp, cp, *sp) in enumerate(layouts):
         per_rank = [per_layout[rank][i] for rank in range(2)]
-        name = f"tp={tp} cp={cp} dp={2 // (tp * cp)}"
+        name = f"tp={tp} cp={cp} dp={2 // (tp * cp)}{' sequence-parallel' if sp else ''}"
         if tp * cp == 1:
             _check_global_batch(name, per_rank, reference)
-        print(name, _check_layout(name, per_rank, reference))
+        maxima = _check_layout(name, per_rank, reference)
+        print(name, maxima)
+        if sp:
+            assert maxima["loss"] < 1e-6 and maxima["grad"] < 1e-6, (name, maxima)
 
 
 def test_cp4_and_tp2_cp2_equal_single_process(setup, reference):
     config, paths = setup
-    layouts = [(1, 4), (2, 2)]
-    per_layout = run_distributed(_layouts_worker, 4, config, paths, layouts, timeout_s=500)
-    for i, (tp, cp) in enumerate(layouts):
+    layouts = [(1, 4), (2, 2), (2, 2, "sp")]
+    per_layout = run_distributed(_layouts_worker, 4, config, paths, layouts, timeout_s=700)
+    for i, (tp, cp, *sp) in enumerate(layouts):
         per_rank = [per_layout[rank][i] for rank in range(4)]
-        name = f"tp={tp} cp={cp}"
-        print(name, _check_layout(name, per_rank, reference))
+        name = f"tp={tp} cp={cp}{' sequence-parallel' if sp else ''}"
+        maxima = _check_layout(name, per_rank, reference)
+        print(name, maxima)
+        if sp:
+            assert maxima["loss"] < 1e-6 and maxima["grad"] < 1e-6, (name, maxima)

@@ -163,6 +163,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             ``prompt_format`` is a name.
         index_path: where the row index is cached; default ``<path>.idx``.
         require_sidecar: refuse (rather than warn about) a file without ``<path>.meta.json``.
+        sequence_parallel_size: the TP size under sequence parallelism (1 without); ``max_seq_len`` must be a
+            multiple of :func:`packsft.layout.row_granularity`. Conversations are padded for CP only, so a file
+            packed without ``--sequence-parallel`` serves an SP run whenever its ``max_seq_len`` divides.
 
     Items: ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``), ``loss_mask`` (float32 ``[L]``),
     ``cu_seqlens`` (int32 ``[segments + 1]``), ``max_seqlen`` (int), ``num_trained_tokens`` (int); see
@@ -189,8 +192,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         chat_template: str | Path | None = None,
         index_path: str | Path | None = None,
         require_sidecar: bool = False,
+        sequence_parallel_size: int = 1,
     ):
-        check_max_seq_len(max_seq_len, context_parallel_size)
+        check_max_seq_len(max_seq_len, context_parallel_size, sequence_parallel_size)
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"packed file not found: {self.path}")

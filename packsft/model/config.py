@@ -110,7 +110,7 @@ class ModelConfig:
             return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
-    def to_transformer_config(self, tp: int = 1, cp: int = 1):
+    def to_transformer_config(self, tp: int = 1, cp: int = 1, sequence_parallel: bool = False):
         """Build Megatron-Core's ``TransformerConfig`` for tensor-parallel ``tp`` and context-parallel ``cp``.
 
         Dropout is 0 (``attention_dropout``, ``hidden_dropout``), biases are off (``add_bias_linear``;
@@ -153,7 +153,7 @@ class ModelConfig:
             pipeline_dtype=dtype,
             tensor_model_parallel_size=tp,
             context_parallel_size=cp,
-            sequence_parallel=False,
+            sequence_parallel=sequence_parallel and tp > 1,
             use_cpu_initialization=not torch.cuda.is_available(),
             bias_activation_fusion=False,
             bias_dropout_fusion=False,

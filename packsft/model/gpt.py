@@ -6,10 +6,27 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from packsft.model.attention import TorchCoreAttention
 from packsft.model.config import ModelConfig
 from packsft.model.cpu_compat import apply_cpu_workarounds
+
+
+class RMSNorm:
+    """Megatron ``WrappedTorchNorm`` for RMSNorm, also under sequence parallelism: builds ``torch.nn.RMSNorm``.
+
+    Megatron's wrapper refuses ``sequence_parallel`` although a per-token norm runs on sequence shards
+    unchanged; what SP needs is that the weight's gradient is summed over the TP group, which Megatron does for
+    parameters marked ``sequence_parallel`` (``finalize_model_grads``; packsft's torch optimizer path does the
+    same). Same class and state-dict keys as before, so checkpoints are unchanged.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        """``torch.nn.RMSNorm(hidden_size, eps)`` whose weight is marked ``sequence_parallel`` under SP."""
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
 
 
 def layer_spec(attention_backend: str):
@@ -27,6 +44,7 @@ def layer_spec(attention_backend: str):
     if attention_backend == "torch":
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
         return spec
     if attention_backend == "te":
         try:
@@ -40,7 +58,8 @@ def layer_spec(attention_backend: str):
     raise ValueError(f"unknown attention_backend {attention_backend!r}; expected 'torch' or 'te'")
 
 
-def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process: bool = True) -> GPTModel:
+def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
+                    sequence_parallel: bool = False) -> GPTModel:
     """Build the GPT model for ``cfg`` on this rank's tensor/context-parallel shard.
 
     Requires ``megatron.core.parallel_state`` to be initialised
@@ -52,7 +71,8 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process:
     The model is Llama-style: RMSNorm, SwiGLU, RoPE with ``cfg.rotary_base`` (and Llama-3.1 frequency
     scaling when ``cfg.rope_scaling_factor`` is set; positions restart at 0 in every THD segment), GQA,
     no biases except an optional QKV bias (``cfg.add_qkv_bias``), ``share_embeddings_and_output_weights =
-    cfg.tie_word_embeddings``, ``parallel_output=True`` (logits stay vocab-sharded).
+    cfg.tie_word_embeddings``, ``parallel_output=True`` (logits stay vocab-sharded). ``sequence_parallel``:
+    Megatron's sequence parallelism over the TP group (norms and residual stream on ``t / tp`` tokens).
 
     Returns:
         ``GPTModel`` in fp32 or bf16 (``cfg.params_dtype``). ``model(tokens [1, t], position_ids [1, t],
@@ -72,9 +92,13 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process:
     if cfg.vocab_size % tp:
         raise ValueError(f"model.vocab_size ({cfg.vocab_size}) must be a multiple of "
                          f"tensor_model_parallel_size ({tp}); pad the vocabulary")
+    config = cfg.to_transformer_config(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+    spec = layer_spec(cfg.attention_backend)
+    if cfg.attention_backend == "torch":   # the final norm too (Megatron's block default refuses SP)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
     return GPTModel(
-        config=cfg.to_transformer_config(tp=tp, cp=cp),
-        transformer_layer_spec=layer_spec(cfg.attention_backend),
+        config=config,
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

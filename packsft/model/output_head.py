@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_sequence_parallel_region
 from torch import Tensor
 
 from packsft.model.gpt import unwrap_model
@@ -30,8 +30,16 @@ class HiddenStateOutputLayer(ColumnParallelLinear):
 
     def forward(self, input_: Tensor, weight: Tensor | None = None,
                 runtime_gather_output: bool | None = None):
-        """Return ``(input_, None)`` while ``return_hidden_states``, else the stock ``(logits, bias)``."""
+        """Return ``(input_, None)`` while ``return_hidden_states``, else the stock ``(logits, bias)``.
+
+        Under sequence parallelism ``input_`` is this rank's ``[s / tp, b, h]`` shard; it is all-gathered to
+        ``[s, b, h]`` first (backward: reduce-scatter, summing every TP rank's partial gradient), as the stock
+        layer does before its matmul, so the loss sees every token on every TP rank.
+        """
         if self.return_hidden_states:
+            if self.sequence_parallel:
+                input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                              group=self.tp_group)
             return input_, None
         return super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
 

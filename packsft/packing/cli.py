@@ -24,6 +24,10 @@ def parse_args(argv=None) -> PackConfig:
     p.add_argument("--chat-template", default=None, help="Jinja template string or file (chat-template only)")
     p.add_argument("--pad-token", default=None, help="override the prompt format's pad token")
     p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP size of the training run; only used with --sequence-parallel")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="rows for Megatron sequence parallelism: max_seq_len a multiple of lcm(2*CP, CP*TP)")
     p.add_argument("--algorithm", default="best-fit-decreasing", choices=ALGORITHMS)
     p.add_argument("--oversize", default="own-row", choices=OVERSIZE_POLICIES,
                    help="conversations longer than --max-seq-length: own row (truncated), drop, or error")
@@ -40,7 +44,9 @@ def parse_args(argv=None) -> PackConfig:
     a = p.parse_args(argv)
     return PackConfig(inputs=a.input, output=a.output, tokenizer=a.tokenizer, max_seq_len=a.max_seq_length,
                       prompt_format=a.prompt_format, chat_template=a.chat_template, pad_token=a.pad_token,
-                      context_parallel_size=a.context_parallel_size, algorithm=a.algorithm, oversize=a.oversize,
+                      context_parallel_size=a.context_parallel_size,
+                      sequence_parallel_size=a.tensor_model_parallel_size if a.sequence_parallel else 1,
+                      algorithm=a.algorithm, oversize=a.oversize,
                       seed=a.seed, shuffle_rows=a.shuffle_rows, num_workers=a.num_workers, input_key=a.input_key,
                       output_key=a.output_key, default_system_prompt=a.default_system_prompt, strict=a.strict,
                       report=a.report, histogram=a.histogram, progress=not a.no_progress)

@@ -58,6 +58,8 @@ class PackConfig:
         chat_template: Jinja string or file for ``chat-template`` (default: the tokenizer's).
         pad_token: overrides the prompt format's pad token.
         context_parallel_size: CP size the rows are padded for.
+        sequence_parallel_size: the TP size of a run with sequence parallelism (1 without): ``max_seq_len``
+            must then be a multiple of ``lcm(2 * cp, cp * tp)`` (:func:`packsft.layout.row_granularity`).
         algorithm: ``next-fit`` or ``best-fit-decreasing``.
         oversize: ``own-row``, ``drop`` or ``error`` for conversations longer than ``max_seq_len``.
         seed: seeds the row order when ``shuffle_rows`` is set; recorded in the sidecar.
@@ -79,6 +81,7 @@ class PackConfig:
     chat_template: str | None = None
     pad_token: str | None = None
     context_parallel_size: int = 1
+    sequence_parallel_size: int = 1
     algorithm: str = "best-fit-decreasing"
     oversize: str = "own-row"
     seed: int = 1234
@@ -99,7 +102,7 @@ class PackConfig:
         for p in self.inputs:
             if not Path(p).is_file():
                 raise ValueError(f"--input {p}: no such file")
-        check_max_seq_len(self.max_seq_len, self.context_parallel_size)
+        check_max_seq_len(self.max_seq_len, self.context_parallel_size, self.sequence_parallel_size)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"--algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
         if self.oversize not in OVERSIZE_POLICIES:
@@ -359,6 +362,7 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs) -> N
         "prompt_format": fmt.spec(),
         "max_seq_len": cfg.max_seq_len,
         "context_parallel_size": cfg.context_parallel_size,
+        "sequence_parallel_size": cfg.sequence_parallel_size,
         "algorithm": cfg.algorithm,
         "seed": cfg.seed,
         "shuffle_rows": cfg.shuffle_rows,

@@ -24,6 +24,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from packsft.data.loader import DataLoaderConfig
+from packsft.layout import row_granularity
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -151,8 +152,17 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (norms and residual stream split over the TP group); needs TP > 1 and
+    ``data.max_seq_len`` a multiple of ``lcm(2 * cp, cp * tp)`` (pack with ``--tensor-model-parallel-size TP
+    --sequence-parallel``). Ignored with a warning at TP = 1, as Megatron-LM does."""
     backend: str | None = None
     """``nccl`` or ``gloo``; default NCCL with CUDA, gloo on CPU."""
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The TP size when sequence parallelism is on, else 1."""
+        return self.tensor_model_parallel_size if self.sequence_parallel else 1
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
@@ -279,6 +289,15 @@ class Config:
         if cp > 1 and seq % (2 * cp):
             raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of 2 * parallel.context_parallel_size "
                              f"({2 * cp})")
+        if self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size == 1:
+            warnings.warn("parallel.sequence_parallel needs tensor_model_parallel_size > 1; it is ignored",
+                          UserWarning, stacklevel=2)
+            self.parallel.sequence_parallel = False
+        granularity = row_granularity(cp, self.parallel.sequence_parallel_size)
+        if seq % granularity:
+            raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of lcm(2 * parallel.context_parallel_size, "
+                             f"context_parallel_size * tensor_model_parallel_size) = {granularity} with "
+                             "parallel.sequence_parallel")
         if seq > self.model.max_position_embeddings:
             raise ValueError(f"data.max_seq_len ({seq}) must be <= model.max_position_embeddings "
                              f"({self.model.max_position_embeddings})")

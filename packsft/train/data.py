@@ -71,7 +71,8 @@ def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
     def packed(path: str) -> PackedSFTDataset:
         return PackedSFTDataset(path, data.tokenizer, data.prompt_format, data.max_seq_len,
                                 cfg.parallel.context_parallel_size, pad_token=data.pad_token,
-                                chat_template=data.chat_template, require_sidecar=data.require_sidecar)
+                                chat_template=data.chat_template, require_sidecar=data.require_sidecar,
+                                sequence_parallel_size=cfg.parallel.sequence_parallel_size)
 
     train = packed(data.train_path)
     if data.validation_path:

@@ -44,7 +44,14 @@ from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.metrics import MetricsLogger, format_summary, peak_memory_gib
 from packsft.train.model_checkpoint import load_megatron_checkpoint
-from packsft.train.optim import build_optimizer, build_scheduler, clip_grads, optimizer_params, set_schedule_step
+from packsft.train.optim import (
+    allreduce_sequence_parallel_grads,
+    build_optimizer,
+    build_scheduler,
+    clip_grads,
+    optimizer_params,
+    set_schedule_step,
+)
 from packsft.train.token_loss import gpt_token_loss
 
 
@@ -103,7 +110,7 @@ class Trainer:
                              f"{self.cfg.data.tokenizer} ({len(tokenizer)} tokens)")
 
     def _build_model(self) -> torch.nn.Module:
-        gpt = build_gpt_model(self.cfg.model).to(self.ctx.device)
+        gpt = build_gpt_model(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel).to(self.ctx.device)
         use_hidden_state_output(gpt)
         if self.ctx.data_parallel_size * self.ctx.context_parallel_size == 1:
             return gpt
@@ -187,6 +194,7 @@ class Trainer:
                 normalize_loss(token_loss_sum, count, scale).backward()
             loss_sum += token_loss_sum.detach().float()
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
+        allreduce_sequence_parallel_grads(optimizer_params(self.optimizer), self.ctx.tp_group)
         norm = clip_grads(optimizer_params(self.optimizer), self.cfg.optimizer.clip_grad, self.ctx.tp_group)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

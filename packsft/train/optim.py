@@ -115,6 +115,21 @@ def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: dist.ProcessGroup 
     return total.sqrt()
 
 
+def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group: dist.ProcessGroup | None) -> None:
+    """Sum over the TP group the gradients of parameters marked ``sequence_parallel`` (the norms under SP).
+
+    Each TP rank saw only its sequence shard, so these replicated weights hold partial gradients; Megatron's
+    ``finalize_model_grads`` does the same reduction for its own DDP. One coalesced all-reduce.
+    """
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=tp_group)
+    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(synced)
+
+
 def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float,
                tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Scale gradients so their global norm (:func:`grad_norm`) is at most ``max_norm``; 0 disables clipping.

@@ -56,5 +56,7 @@ def gpt_token_loss(model, batch: dict, *, fused: bool, chunk_size: int) -> tuple
     per_token = fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), output_weight(gpt), labels.reshape(-1), loss_mask,
         chunk_size=chunk_size, reduction="none", tp_group=gpt.pg_collection.tp,
+        # under SP the hidden states' all-gather reduce-scatters (sums) their gradient over TP itself
+        reduce_hidden_grad=not gpt.config.sequence_parallel,
     )
     return per_token, loss_mask

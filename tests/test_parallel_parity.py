@@ -7,7 +7,8 @@ sidecar's ``context_parallel_size`` set accordingly; the dataset then pads each 
 run, and the reference (CP=1) sees the natural unpadded rows. ``train.global_batch_size`` = 4 = all rows, so every
 layout trains on the same global batch.
 
-For each layout (CP=2, TP=2 and DP=2 in one 2-process spawn; CP=4 and TP=2 x CP=2 in one 4-process spawn) and each
+For each layout (CP=2, TP=2 and DP=2 in one 2-process spawn, once more with activation recompute; CP=4 and
+TP=2 x CP=2 in one 4-process spawn) and each
 loss (fused chunked linear-CE and Megatron's stock ``vocab_parallel_cross_entropy``), ``Trainer.train_step`` (the
 product code: trained-token count, normalisation, DDP over DP x CP, TP-aware clipping) runs on the first global
 batch; the test captures the gradients the clipping sees (full tensors: TP shards concatenated along their partition
@@ -98,8 +99,11 @@ def _full_grads(gpt, tp_group) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_grads: bool) -> dict:
+def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_grads: bool,
+                      overrides: tuple[str, ...] = ()) -> dict:
     """Build the real ``Trainer`` for (tp, cp) and run ``train_step`` on its first global batch, fused then stock.
+
+    ``overrides``: further dotted config overrides (e.g. activation recompute).
 
     Returns ``{fused: {"loss", "grad_norm", "trained_tokens", "grads" (full tensors, only if want_grads)}}`` and the
     rows this rank read (``rows``: token sums, to check the global batch).
@@ -108,7 +112,8 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
     from packsft.train.loop import Trainer
 
     cfg = load_config(config_path, [f"parallel.tensor_model_parallel_size={tp}",
-                                    f"parallel.context_parallel_size={cp}", f"data.train_path={train_path}"])
+                                    f"parallel.context_parallel_size={cp}", f"data.train_path={train_path}",
+                                    *overrides])
     trainer = Trainer(cfg)
     batches = trainer.next_micro_batches()
     trainer.optimizer.step = lambda: None                    # both losses and all layouts see the initial weights
@@ -131,18 +136,20 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
         loop.clip_grads = original_clip
     out["rows"] = sorted(int(b["tokens"].sum()) for b in batches)
     out["layout"] = trainer.layout()
+    out["recompute"] = trainer.gpt.config.recompute_granularity
     return out
 
 
 def _layouts_worker(rank, world_size, config_path, train_paths, layouts):
-    """Run each ``(tp, cp)`` of ``layouts`` in these processes in turn (parallel_state rebuilt between them)."""
+    """Run each ``(tp, cp[, overrides])`` of ``layouts`` in these processes in turn (parallel_state rebuilt between)."""
     from megatron.core import parallel_state
 
     results = []
-    for tp, cp in layouts:
+    for tp, cp, *overrides in layouts:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        results.append(_step_both_losses(config_path, train_paths[cp], tp, cp, want_grads=rank == 0))
+        results.append(_step_both_losses(config_path, train_paths[cp], tp, cp, want_grads=rank == 0,
+                                         overrides=tuple(overrides[0]) if overrides else ()))
         dist.barrier()
     return results
 
@@ -227,4 +234,21 @@ def test_cp4_and_tp2_cp2_equal_single_process(setup, reference):
     for i, (tp, cp) in enumerate(layouts):
         per_rank = [per_layout[rank][i] for rank in range(4)]
         name = f"tp={tp} cp={cp}"
+        print(name, _check_layout(name, per_rank, reference))
+
+
+SELECTIVE = ("model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]")
+FULL_BLOCK = ("model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1")
+FULL_UNIFORM = ("model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1")
+
+
+def test_recompute_under_cp2_tp2_dp2_equals_single_process_without(setup, reference):
+    """Activation recompute under each 2-rank layout (recomputed CP all-gather, TP collectives, DDP hooks)."""
+    config, paths = setup
+    layouts = [(1, 2, SELECTIVE), (2, 1, FULL_BLOCK), (1, 1, FULL_UNIFORM)]
+    per_layout = run_distributed(_layouts_worker, 2, config, paths, layouts, timeout_s=400)
+    for i, (tp, cp, overrides) in enumerate(layouts):
+        per_rank = [per_layout[rank][i] for rank in range(2)]
+        name = f"tp={tp} cp={cp} dp={2 // (tp * cp)} {overrides[0].split('=')[1]}"
+        assert [r["recompute"] for r in per_rank] == [overrides[0].split("=")[1]] * 2, name
         print(name, _check_layout(name, per_rank, reference))

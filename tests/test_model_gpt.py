@@ -170,6 +170,10 @@ def test_cpu_workarounds_are_idempotent():
     assert cpu_compat.apply_cpu_workarounds() is True
     assert rotary_pos_embedding.RotaryEmbedding.get_emb is patched is cpu_compat._get_emb_on_own_device
     assert torch.cuda.current_device() == "cpu"
+    from megatron.core.tensor_parallel import random as tp_random
+
+    assert tp_random._get_cuda_rng_state is cpu_compat._no_cuda_rng_state
+    assert tp_random._set_cuda_rng_state is cpu_compat._set_no_cuda_rng_state
 
 
 def test_bfloat16_params_run_both_loss_paths(parallel_state_1proc):  # noqa: F811
@@ -189,3 +193,113 @@ def test_init_distributed_refuses_other_sizes(parallel_state_1proc):  # noqa: F8
 
     with pytest.raises(ValueError, match="already initialised"):
         init_distributed(context_parallel_size=2)
+
+
+RECOMPUTE = {
+    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+    "selective-all": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+}
+# forward calls per training step of (layer 0, layer 1) and (core attention 0, 1, mlp 0, 1): 2 = recomputed
+RECOMPUTED_CALLS = {
+    None: ((1, 1), (1, 1, 1, 1)),
+    "full-uniform-1": ((2, 2), (2, 2, 2, 2)),
+    "full-uniform-2": ((2, 2), (2, 2, 2, 2)),
+    "full-block-1": ((2, 1), (2, 1, 2, 1)),
+    "selective": ((1, 1), (2, 2, 1, 1)),
+    "selective-all": ((1, 1), (2, 2, 2, 2)),
+}
+
+
+def step_grads(model, fused=True):
+    """Gradients of every parameter and the calls of layers / core attentions / MLPs of one forward+backward."""
+    calls = {}
+    modules = {}
+    for i, layer in enumerate(model.decoder.layers):
+        modules[f"layer{i}"] = layer
+        modules[f"attn{i}"] = layer.self_attention.core_attention
+        modules[f"mlp{i}"] = layer.mlp
+    hooks = [m.register_forward_hook(lambda *_, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
+             for n, m in modules.items()]
+    model.zero_grad(set_to_none=True)
+    loss, mask = gpt_token_loss(model, packed_row(), fused=fused, chunk_size=8)
+    (loss.sum() / mask.sum()).backward()
+    for hook in hooks:
+        hook.remove()
+    counts = ((calls["layer0"], calls["layer1"]), (calls["attn0"], calls["attn1"], calls["mlp0"], calls["mlp1"]))
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, counts
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("setting", list(RECOMPUTE))
+def test_recompute_gives_identical_gradients(parallel_state_1proc, setting, fused):  # noqa: F811
+    models = {}
+    for name, overrides in ((None, {}), (setting, RECOMPUTE[setting])):
+        models[name] = build(seed=5, **overrides)
+        use_hidden_state_output(models[name])
+    assert models[setting].config.recompute_granularity == RECOMPUTE[setting]["recompute_granularity"]
+    ref_loss, ref_grads, ref_calls = step_grads(models[None], fused)
+    loss, grads, calls = step_grads(models[setting], fused)
+    assert ref_calls == RECOMPUTED_CALLS[None] and calls == RECOMPUTED_CALLS[setting]   # it did recompute
+    assert torch.equal(loss, ref_loss)
+    assert list(grads) == list(ref_grads) and all(ref_grads[n].abs().sum() > 0 for n in ref_grads)
+    for name in ref_grads:                 # bit-identical on CPU fp32 (same kernels, same order)
+        assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_recompute_is_off_in_eval_mode(parallel_state_1proc):  # noqa: F811
+    model = build(**RECOMPUTE["full-uniform-1"])
+    model.eval()
+    with torch.no_grad():
+        loss, _ = gpt_token_loss(model, packed_row(), fused=False, chunk_size=8)
+    model.train()
+    torch.testing.assert_close(loss, gpt_token_loss(model, packed_row(), fused=False, chunk_size=8)[0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU workarounds are off with CUDA")
+def test_megatron_checkpoint_replays_the_cpu_rng():
+    from megatron.core import tensor_parallel
+
+    cpu_compat.apply_cpu_workarounds()
+    x = torch.ones(64, requires_grad=True)
+    torch.manual_seed(7)
+    y = tensor_parallel.checkpoint(lambda t: F.dropout(t, p=0.5, training=True), False, x)
+    y.sum().backward()                     # the recompute must draw the same dropout mask
+    assert torch.equal(x.grad, (y.detach() != 0).float() * 2.0) and 0 < int((y == 0).sum()) < 64
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"recompute_granularity": "some"}, "model.recompute_granularity"),
+        ({"recompute_granularity": "full", "recompute_num_layers": 1}, "model.recompute_method"),
+        ({"recompute_granularity": "full", "recompute_method": "uniform"}, "model.recompute_num_layers"),
+        ({"recompute_granularity": "full", "recompute_method": "blocks", "recompute_num_layers": 1},
+         "model.recompute_method"),
+        ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+         "model.recompute_num_layers"),
+        ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 0},
+         "model.recompute_num_layers"),
+        ({"recompute_granularity": "selective", "recompute_method": "uniform"}, "model.recompute_method"),
+        ({"recompute_granularity": "selective", "recompute_num_layers": 1}, "model.recompute_num_layers"),
+        ({"recompute_method": "uniform", "recompute_num_layers": 1}, "model.recompute_method"),
+        ({"recompute_modules": ["mlp"]}, "model.recompute_modules"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, "model.recompute_modules"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["layernorm"]}, "model.recompute_modules"),
+        ({"recompute_granularity": "selective", "recompute_modules": []}, "model.recompute_modules"),
+    ],
+)
+def test_recompute_config_validation_names_the_key(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**overrides)
+
+
+def test_recompute_keys_reach_transformer_config():
+    tc = tiny_config(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    tc = tc.to_transformer_config()
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "block", 2)
+    tc = tiny_config(recompute_granularity="selective", recompute_modules=["mlp"]).to_transformer_config()
+    assert tc.recompute_granularity == "selective" and tc.recompute_modules == ["mlp"]
+    assert tiny_config().to_transformer_config().recompute_granularity is None

@@ -7,7 +7,8 @@ sidecar's ``context_parallel_size`` set accordingly; the dataset then pads each 
 run, and the reference (CP=1) sees the natural unpadded rows. ``train.global_batch_size`` = 4 = all rows, so every
 layout trains on the same global batch.
 
-For each layout (CP=2, TP=2 and DP=2 in one 2-process spawn; CP=4 and TP=2 x CP=2 in one 4-process spawn) and each
+For each layout (CP=2, TP=2 and DP=2 in one 2-process spawn, once more with activation recompute; CP=4 and
+TP=2 x CP=2 in one 4-process spawn) and each
 loss (fused chunked linear-CE and Megatron's stock ``vocab_parallel_cross_entropy``), ``Trainer.train_step`` (the
 product code: trained-token count, normalisation, DDP over DP x CP, TP-aware clipping) runs on the first global
 batch; the test captures the gradients the clipping sees (full tensors: TP shards concatenated along their partition
@@ -32,6 +33,7 @@ from packsft.train.config import load_config
 SEQ, ROWS, MAX_CP = 256, 4, 4
 TOKENIZER = "smollm2-135m-instruct"
 ATOL = 1e-5
+SP = ("parallel.sequence_parallel=true",)
 CLIP = 0.05                    # below the reference gradient norm (asserted), so clipping is active
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -98,8 +100,11 @@ def _full_grads(gpt, tp_group) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_grads: bool, sp: bool = False) -> dict:
+def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_grads: bool,
+                      overrides: tuple[str, ...] = ()) -> dict:
     """Build the real ``Trainer`` for (tp, cp) and run ``train_step`` on its first global batch, fused then stock.
+
+    ``overrides``: further dotted config overrides (e.g. activation recompute).
 
     Returns ``{fused: {"loss", "grad_norm", "trained_tokens", "grads" (full tensors, only if want_grads)}}`` and the
     rows this rank read (``rows``: token sums, to check the global batch).
@@ -109,7 +114,7 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
 
     cfg = load_config(config_path, [f"parallel.tensor_model_parallel_size={tp}",
                                     f"parallel.context_parallel_size={cp}", f"data.train_path={train_path}",
-                                    f"parallel.sequence_parallel={str(sp).lower()}"])
+                                    *overrides])
     trainer = Trainer(cfg)
     batches = trainer.next_micro_batches()
     trainer.optimizer.step = lambda: None                    # both losses and all layouts see the initial weights
@@ -132,18 +137,20 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
         loop.clip_grads = original_clip
     out["rows"] = sorted(int(b["tokens"].sum()) for b in batches)
     out["layout"] = trainer.layout()
+    out["recompute"] = trainer.gpt.config.recompute_granularity
     return out
 
 
 def _layouts_worker(rank, world_size, config_path, train_paths, layouts):
-    """Run each ``(tp, cp)`` of ``layouts`` in these processes in turn (parallel_state rebuilt between them)."""
+    """Run each ``(tp, cp[, overrides])`` of ``layouts`` in these processes in turn (parallel_state rebuilt between)."""
     from megatron.core import parallel_state
 
     results = []
-    for tp, cp, *sp in layouts:
+    for tp, cp, *overrides in layouts:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        results.append(_step_both_losses(config_path, train_paths[cp], tp, cp, want_grads=rank == 0, sp=bool(sp)))
+        results.append(_step_both_losses(config_path, train_paths[cp], tp, cp, want_grads=rank == 0,
+                                         overrides=tuple(overrides[0]) if overrides else ()))
         dist.barrier()
     return results
 
@@ -211,7 +218,7 @@ def test_reference_step_is_sane(reference):
 
 def test_cp2_tp2_dp2_equal_single_process(setup, reference):
     config, paths = setup
-    layouts = [(1, 2), (2, 1), (1, 1), (2, 1, "sp")]          # cp=2, tp=2, dp=2 (tp=cp=1 on 2 ranks), tp=2 + SP
+    layouts = [(1, 2), (2, 1), (1, 1), (2, 1, SP)]             # cp=2, tp=2, dp=2 (tp=cp=1 on 2 ranks), tp=2 + SP
     per_layout = run_distributed(_layouts_worker, 2, config, paths, layouts, timeout_s=500)
     for i, (tp, cp, *sp) in enumerate(layouts):
         per_rank = [per_layout[rank][i] for rank in range(2)]
@@ -226,7 +233,7 @@ def test_cp2_tp2_dp2_equal_single_process(setup, reference):
 
 def test_cp4_and_tp2_cp2_equal_single_process(setup, reference):
     config, paths = setup
-    layouts = [(1, 4), (2, 2), (2, 2, "sp")]
+    layouts = [(1, 4), (2, 2), (2, 2, SP)]
     per_layout = run_distributed(_layouts_worker, 4, config, paths, layouts, timeout_s=700)
     for i, (tp, cp, *sp) in enumerate(layouts):
         per_rank = [per_layout[rank][i] for rank in range(4)]
@@ -235,3 +242,20 @@ def test_cp4_and_tp2_cp2_equal_single_process(setup, reference):
         print(name, maxima)
         if sp:
             assert maxima["loss"] < 1e-6 and maxima["grad"] < 1e-6, (name, maxima)
+
+
+SELECTIVE = ("model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]")
+FULL_BLOCK = ("model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1")
+FULL_UNIFORM = ("model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1")
+
+
+def test_recompute_under_cp2_tp2_dp2_equals_single_process_without(setup, reference):
+    """Activation recompute under each 2-rank layout (recomputed CP all-gather, TP collectives, DDP hooks)."""
+    config, paths = setup
+    layouts = [(1, 2, SELECTIVE), (2, 1, FULL_BLOCK), (1, 1, FULL_UNIFORM)]
+    per_layout = run_distributed(_layouts_worker, 2, config, paths, layouts, timeout_s=400)
+    for i, (tp, cp, overrides) in enumerate(layouts):
+        per_rank = [per_layout[rank][i] for rank in range(2)]
+        name = f"tp={tp} cp={cp} dp={2 // (tp * cp)} {overrides[0].split('=')[1]}"
+        assert [r["recompute"] for r in per_rank] == [overrides[0].split("=")[1]] * 2, name
+        print(name, _check_layout(name, per_rank, reference))

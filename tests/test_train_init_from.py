@@ -124,6 +124,8 @@ def test_model_section_comes_from_the_checkpoint_and_must_agree(setup):
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (64, 2, 49152)
     assert cfg.model.rotary_base == 50000.0 and cfg.model.tie_word_embeddings
     assert load_config(write_config(setup, "free", max_position_embeddings=4096)).model.max_position_embeddings == 4096
+    recompute = load_config(write_config(setup, "recompute", recompute_granularity="selective")).model
+    assert recompute.recompute_granularity == "selective"       # recompute shapes no weight: free to differ
     with pytest.raises(ValueError, match=r"model.hidden_size \(128\) differs .*model_config.json \(64\)"):
         load_config(write_config(setup, "bad", hidden_size=128))
 

@@ -26,6 +26,11 @@ backward all-reduces and keeps this rank's slice, because gloo has no reduce-sca
 global order, and each conversation's local queries attend to that conversation's keys under a
 causal mask in GLOBAL positions (a ``[2 * chunk, conversation length]`` mask per conversation).
 
+Selective recompute (``model.recompute_granularity: selective`` with ``core_attn``, Megatron's default module):
+``SelfAttention`` then calls this module through ``Attention._checkpointed_attention_forward``, i.e. inside
+``tensor_parallel.checkpoint`` with the same arguments (``attn_mask_type`` as a keyword); only q/k/v are kept and
+everything built here (gathered K/V under CP, masks, SDPA outputs) is rebuilt in backward, CP all-gather included.
+
 Memory cost of CP here: every rank materialises the FULL K and V of the row, ``2 * T * ng * hn``
 elements per layer (plus their gradients), so CP divides activations and attention-score work but
 not K/V memory. That is fine for CPU tests and moderate rows; for very long rows use the ``te``

@@ -15,6 +15,12 @@ import torch
 import torch.nn.functional as F
 
 ATTENTION_BACKENDS = ("torch", "te")
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+"""Megatron ``recompute_modules`` packsft accepts: the MoE / MLA ones do not apply to a dense Llama layer, and
+``layernorm`` goes through ``tensor_parallel.CheckpointWithoutOutput``, whose constructor in megatron-core 0.16.1
+always takes its fp8 path (``FP8GlobalStateManager``) and so fails without TransformerEngine."""
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODEL_CONFIG_FILE = "model_config.json"
 """The ``ModelConfig`` fields (``dataclasses.asdict``) in a model-only Megatron checkpoint folder."""
@@ -46,6 +52,15 @@ class ModelConfig:
             ``torch`` backend the linear and embedding weights take it, while the local spec's RMSNorm
             weights stay fp32 (``WrappedTorchNorm`` ignores ``params_dtype``).
         init_method_std: standard deviation of the normal weight init.
+        recompute_granularity: activation recompute (Megatron's names): ``None`` (keep every activation),
+            ``"selective"`` (recompute the ``recompute_modules`` of every layer in backward) or ``"full"``
+            (keep only each recomputed layer's input; rerun the layer in backward). Training mode only.
+        recompute_method: with ``"full"`` only, required: ``"uniform"`` (checkpoint chunks of
+            ``recompute_num_layers`` layers, all layers recomputed) or ``"block"`` (recompute the first
+            ``recompute_num_layers`` layers, keep the rest's activations).
+        recompute_num_layers: with ``"full"`` only, required: 1 to ``num_layers``.
+        recompute_modules: with ``"selective"`` only: a non-empty subset of :data:`RECOMPUTE_MODULES`;
+            ``None`` means Megatron's default ``["core_attn"]``.
     """
 
     num_layers: int
@@ -64,6 +79,10 @@ class ModelConfig:
     attention_backend: str = "torch"
     params_dtype: str = "float32"
     init_method_std: float = 0.02
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
 
     def __post_init__(self) -> None:
         """Validate the fields.
@@ -102,6 +121,44 @@ class ModelConfig:
         for name in ("rotary_base", "norm_epsilon", "init_method_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)!r}")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        """Megatron-LM's argument checks for activation recompute, plus no key that would be ignored.
+
+        Raises:
+            ValueError: naming the ``model.recompute_*`` key and its value.
+        """
+        granularity, method, layers, modules = (self.recompute_granularity, self.recompute_method,
+                                                self.recompute_num_layers, self.recompute_modules)
+        if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"model.recompute_granularity must be null or one of {RECOMPUTE_GRANULARITIES}, "
+                             f"got {granularity!r}")
+        if method is not None and method not in RECOMPUTE_METHODS:
+            raise ValueError(f"model.recompute_method must be null or one of {RECOMPUTE_METHODS}, got {method!r}")
+        if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool)
+                                   or not 1 <= layers <= self.num_layers):
+            raise ValueError(f"model.recompute_num_layers must be an integer from 1 to model.num_layers "
+                             f"({self.num_layers}), got {layers!r}")
+        if granularity == "full":
+            if method is None:
+                raise ValueError("model.recompute_method must be set ('uniform' or 'block') with "
+                                 "model.recompute_granularity 'full'")
+            if layers is None:
+                raise ValueError("model.recompute_num_layers must be set with model.recompute_granularity 'full'")
+        else:
+            for name, value in (("recompute_method", method), ("recompute_num_layers", layers)):
+                if value is not None:
+                    raise ValueError(f"model.{name} ({value!r}) applies to model.recompute_granularity 'full' "
+                                     f"only, got {granularity!r}; set it to null")
+        if modules is not None:
+            if granularity != "selective":
+                raise ValueError(f"model.recompute_modules ({modules!r}) applies to model.recompute_granularity "
+                                 f"'selective' only, got {granularity!r}; set it to null")
+            bad = [m for m in modules if m not in RECOMPUTE_MODULES]
+            if not modules or bad or len(set(modules)) != len(modules):
+                raise ValueError(f"model.recompute_modules must be a non-empty list of distinct names from "
+                                 f"{RECOMPUTE_MODULES}, got {list(modules)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -113,7 +170,9 @@ class ModelConfig:
     def to_transformer_config(self, tp: int = 1, cp: int = 1, sequence_parallel: bool = False):
         """Build Megatron-Core's ``TransformerConfig`` for tensor-parallel ``tp`` and context-parallel ``cp``.
 
-        Dropout is 0 (``attention_dropout``, ``hidden_dropout``), biases are off (``add_bias_linear``;
+        The ``recompute_*`` fields are passed as Megatron's of the same names (``recompute_modules`` None:
+        Megatron's default ``["core_attn"]``). Dropout is 0 (``attention_dropout``, ``hidden_dropout``), biases
+        are off (``add_bias_linear``;
         ``add_qkv_bias`` follows the field of that name), and every CUDA-only fusion is off. On a machine
         without CUDA the weights are created on CPU (``use_cpu_initialization``), which also makes TP
         shards exact slices of the TP=1 weights for the same seed.
@@ -162,6 +221,10 @@ class ModelConfig:
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
             cross_entropy_loss_fusion=False,
+            recompute_granularity=self.recompute_granularity,
+            recompute_method=self.recompute_method,
+            recompute_num_layers=self.recompute_num_layers,
+            recompute_modules=None if self.recompute_modules is None else list(self.recompute_modules),
         )
 
 

@@ -19,9 +19,17 @@ megatron-core 0.16; ``docs/model.md`` has the measured facts):
    (stock ``DotProductAttention`` through ``transformer.utils.get_default_causal_mask``, the Megatron
    optimizer), which is why
    packsft has its own core attention and uses ``torch.optim.AdamW`` on CPU.
+4. Activation recompute: ``tensor_parallel.random.CheckpointFunction`` (what ``tensor_parallel.checkpoint`` runs for
+   full recompute and for selective ``core_attn`` / ``mlp``) saves every RNG before the forward with
+   ``_get_all_rng_states`` and restores it for the recompute with ``_set_all_rng_states``; both read and write the
+   CUDA generator through ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``. Without CUDA
+   those two become :func:`_no_cuda_rng_state` (an empty uint8 tensor) and :func:`_set_no_cuda_rng_state` (a
+   no-op). The CPU generator, the only one in use, is still saved and replayed by Megatron's own code
+   (``torch.get_rng_state`` / ``set_rng_state``), and ``get_cuda_rng_tracker()`` stays empty (no
+   ``model_parallel_cuda_manual_seed``), so CPU runs take the same recompute path as GPU runs.
 
-Not patched (keep them off on CPU): sequence parallelism, activation recompute
-(``tensor_parallel.random.CheckpointFunction``), ``model_parallel_cuda_manual_seed``.
+Not patched (keep them off on CPU): sequence parallelism, ``model_parallel_cuda_manual_seed`` and
+``CudaRNGStatesTracker.add`` / ``fork`` (they need a CUDA generator).
 """
 
 from __future__ import annotations
@@ -65,6 +73,18 @@ def _get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group) -> Ten
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
+_NO_CUDA_RNG_STATE = torch.empty(0, dtype=torch.uint8)
+
+
+def _no_cuda_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> Tensor:
+    """``tensor_parallel.random._get_cuda_rng_state`` without CUDA: an empty uint8 ``[0]`` tensor (no generator)."""
+    return _NO_CUDA_RNG_STATE
+
+
+def _set_no_cuda_rng_state(new_state: Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    """``tensor_parallel.random._set_cuda_rng_state`` without CUDA: nothing to restore (the CPU RNG is separate)."""
+
+
 def _apply_cuda_shim() -> None:
     """Make ``torch.cuda.current_device()`` return ``"cpu"`` and ``torch.cuda.synchronize()`` a no-op."""
     torch.cuda.current_device = lambda: "cpu"
@@ -72,7 +92,7 @@ def _apply_cuda_shim() -> None:
 
 
 def apply_cpu_workarounds() -> bool:
-    """Apply the three CPU workarounds of this module once per process; no-op when CUDA is available.
+    """Apply the four CPU workarounds of this module once per process; no-op when CUDA is available.
 
     Idempotent: a second call changes nothing. Call it before building a model (``init_distributed``
     does).
@@ -86,10 +106,13 @@ def apply_cpu_workarounds() -> bool:
     if _APPLIED:
         return True
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    from megatron.core.tensor_parallel import random as tp_random
 
     rotary_pos_embedding.RotaryEmbedding.get_emb = _get_emb_on_own_device
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
     rope_utils.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
+    tp_random._get_cuda_rng_state = _no_cuda_rng_state
+    tp_random._set_cuda_rng_state = _set_no_cuda_rng_state
     _apply_cuda_shim()
     _APPLIED = True
     return True

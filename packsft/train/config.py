@@ -28,7 +28,8 @@ from packsft.layout import row_granularity
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
-INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std")
+INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std", "recompute_granularity",
+                             "recompute_method", "recompute_num_layers", "recompute_modules")
 """``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight)."""
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 RENAMED_KEYS = {

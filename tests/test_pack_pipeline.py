@@ -237,3 +237,17 @@ def test_outputs_are_written_with_report_and_histogram(tmp_path, tokenizer_dir):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert oct(os.stat(cfg.output).st_mode & 0o777) != oct(0o600)
     assert "efficiency" in report.summary() and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_sequence_parallel_rows_are_checked_and_recorded(tmp_path, tokenizer_dir):
+    src = _write_lines(tmp_path / "a.jsonl", EDGE_LINES[:1])
+    out = tmp_path / "sp.jsonl.packed"
+    r = _cli(["--input", str(src), "--output", str(out), "--tokenizer", str(tokenizer_dir("qwen2.5")),
+              "--max-seq-length", "132", "--context-parallel-size", "2", "--tensor-model-parallel-size", "8",
+              "--sequence-parallel", "--no-progress", "--histogram", ""], {})
+    assert r.returncode == 2 and "lcm(2 * context_parallel_size, context_parallel_size * tensor" in r.stderr
+    r = _cli(["--input", str(src), "--output", str(out), "--tokenizer", str(tokenizer_dir("qwen2.5")),
+              "--max-seq-length", "128", "--context-parallel-size", "2", "--tensor-model-parallel-size", "8",
+              "--sequence-parallel", "--no-progress", "--histogram", ""], {})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(Path(str(out) + ".meta.json").read_text())["sequence_parallel_size"] == 8

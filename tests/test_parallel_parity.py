@@ -138,7 +138,15 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
     out["rows"] = sorted(int(b["tokens"].sum()) for b in batches)
     out["layout"] = trainer.layout()
     out["recompute"] = trainer.gpt.config.recompute_granularity
+    out["sequence_parallel"] = trainer.gpt.config.sequence_parallel
+    out["local_hidden_tokens"] = _local_hidden_tokens(trainer.gpt, batches[0])
     return out
+
+
+def _local_hidden_tokens(gpt, batch) -> int:
+    """Tokens of this rank's residual stream after the embedding (``t / tp`` under sequence parallelism)."""
+    with torch.no_grad():
+        return gpt.embedding(input_ids=batch["tokens"], position_ids=batch["position_ids"]).shape[0]
 
 
 def _layouts_worker(rank, world_size, config_path, train_paths, layouts):
@@ -228,6 +236,8 @@ def test_cp2_tp2_dp2_equal_single_process(setup, reference):
         maxima = _check_layout(name, per_rank, reference)
         print(name, maxima)
         if sp:
+            assert all(r["sequence_parallel"] for r in per_rank), name
+            assert per_rank[0]["local_hidden_tokens"] == SEQ // (cp * tp), name     # the stream is really split
             assert maxima["loss"] < 1e-6 and maxima["grad"] < 1e-6, (name, maxima)
 
 
@@ -241,6 +251,8 @@ def test_cp4_and_tp2_cp2_equal_single_process(setup, reference):
         maxima = _check_layout(name, per_rank, reference)
         print(name, maxima)
         if sp:
+            assert all(r["sequence_parallel"] for r in per_rank), name
+            assert per_rank[0]["local_hidden_tokens"] == SEQ // (cp * tp), name     # the stream is really split
             assert maxima["loss"] < 1e-6 and maxima["grad"] < 1e-6, (name, maxima)
 
 

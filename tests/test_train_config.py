@@ -97,3 +97,13 @@ def test_old_key_names_still_load_with_a_warning(tmp_path, old, new, value):
         assert getattr(getattr(load_config(tmp_path / "old.yaml"), section), new_key) == value
     with pytest.raises(ValueError, match="sets both"):
         load_config(TINY, [f"{old}={value}", f"{new}={value}"])
+
+
+def test_sequence_parallel_needs_tp_and_a_row_that_splits():
+    with pytest.warns(UserWarning, match="sequence_parallel needs tensor_model_parallel_size > 1"):
+        assert not load_config(TINY, ["parallel.sequence_parallel=true"]).parallel.sequence_parallel
+    cfg = load_config(TINY, ["parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=2"])
+    assert cfg.parallel.sequence_parallel and cfg.parallel.sequence_parallel_size == 2
+    with pytest.raises(ValueError, match="lcm"):
+        load_config(TINY, ["parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=8",
+                           "data.max_seq_len=1028", "model.max_position_embeddings=2048"])

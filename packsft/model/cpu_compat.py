@@ -25,11 +25,11 @@ megatron-core 0.16; ``docs/model.md`` has the measured facts):
    CUDA generator through ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``. Without CUDA
    those two become :func:`_no_cuda_rng_state` (an empty uint8 tensor) and :func:`_set_no_cuda_rng_state` (a
    no-op). The CPU generator, the only one in use, is still saved and replayed by Megatron's own code
-   (``torch.get_rng_state`` / ``set_rng_state``), and ``get_cuda_rng_tracker()`` stays empty (no
-   ``model_parallel_cuda_manual_seed``), so CPU runs take the same recompute path as GPU runs.
-
-Not patched (keep them off on CPU): sequence parallelism, ``model_parallel_cuda_manual_seed`` and
-``CudaRNGStatesTracker.add`` / ``fork`` (they need a CUDA generator).
+   (``torch.get_rng_state`` / ``set_rng_state``), so CPU runs take the same recompute path as GPU runs.
+5. The model-parallel RNG tracker: ``CudaRNGStatesTracker.add`` reads ``torch.cuda.get_rng_state()``; without CUDA
+   :func:`_add_without_cuda` records the empty state instead, so Megatron's own ``model_parallel_cuda_manual_seed``
+   runs on CPU and ``get_cuda_rng_tracker().fork()`` (entered by sequence parallelism's embedding dropout and by
+   the TP linears' initialisation) works; with the CPU generator left untouched inside it, as on GPU.
 """
 
 from __future__ import annotations
@@ -85,6 +85,17 @@ def _set_no_cuda_rng_state(new_state: Tensor, device: int = -1, graph_safe: bool
     """``tensor_parallel.random._set_cuda_rng_state`` without CUDA: nothing to restore (the CPU RNG is separate)."""
 
 
+def _add_without_cuda(self, name: str, seed: int) -> None:
+    """``CudaRNGStatesTracker.add`` without CUDA: register ``name`` with the empty (no generator) state.
+
+    Raises:
+        Exception: ``name`` is already registered, as Megatron's ``add`` does.
+    """
+    if name in self.states_:
+        raise Exception(f"cuda rng state {name} already exists")
+    self.states_[name] = _NO_CUDA_RNG_STATE
+
+
 def _apply_cuda_shim() -> None:
     """Make ``torch.cuda.current_device()`` return ``"cpu"`` and ``torch.cuda.synchronize()`` a no-op."""
     torch.cuda.current_device = lambda: "cpu"
@@ -92,7 +103,7 @@ def _apply_cuda_shim() -> None:
 
 
 def apply_cpu_workarounds() -> bool:
-    """Apply the four CPU workarounds of this module once per process; no-op when CUDA is available.
+    """Apply the five CPU workarounds of this module once per process; no-op when CUDA is available.
 
     Idempotent: a second call changes nothing. Call it before building a model (``init_distributed``
     does).
@@ -113,6 +124,7 @@ def apply_cpu_workarounds() -> bool:
     rope_utils.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
     tp_random._get_cuda_rng_state = _no_cuda_rng_state
     tp_random._set_cuda_rng_state = _set_no_cuda_rng_state
+    tp_random.CudaRNGStatesTracker.add = _add_without_cuda
     _apply_cuda_shim()
     _APPLIED = True
     return True

@@ -67,9 +67,8 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
         context_parallel_size: CP degree.
         backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, else gloo.
         seed: seeds ``random`` and ``torch.manual_seed`` identically on every rank (so
-            ``use_cpu_initialization`` builds identical full weights before TP slicing); on CUDA also
-            Megatron's ``model_parallel_cuda_manual_seed`` (which fails on CPU,
-            ``tensor_parallel.random.model_parallel_cuda_manual_seed``).
+            ``use_cpu_initialization`` builds identical full weights before TP slicing), and Megatron's
+            ``model_parallel_cuda_manual_seed`` (its RNG tracker; CPU-shimmed without CUDA).
 
     Returns:
         :class:`DistributedContext`.
@@ -101,10 +100,9 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
                                                  context_parallel_size=context_parallel_size)
     random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)   # on CPU through packsft.model.cpu_compat (no CUDA generator)
     return DistributedContext(
         rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
         device=torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"),

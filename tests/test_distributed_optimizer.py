@@ -62,7 +62,7 @@ def test_distributed_optimizer_step_equals_single_process_and_shards_the_state(t
                                               [(), MEGATRON])[0]
     two = run_distributed(_one_step, 2, str(config), str(tmp_path / "two"), [DIST_OPT, MEGATRON])
     worst = {}
-    for rank, (dist_opt, replicated) in enumerate(two):
+    for dist_opt, replicated in two:
         for name, ref in ref_torch["params"].items():
             for label, run in (("dist_opt", dist_opt), ("megatron_dp2", replicated), ("megatron_dp1", ref_megatron)):
                 diff = float((run["params"][name] - ref).abs().max())

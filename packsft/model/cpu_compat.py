@@ -32,9 +32,10 @@ megatron-core 0.16; ``docs/model.md`` has the measured facts):
    (``torch.cuda.FloatTensor`` / ``HalfTensor`` / ``BFloat16Tensor``; anything else is a ``TypeError``) in
    ``DistributedOptimizer.__init__`` (and its ``_build_model_and_main_param_groups``),
    ``Float16OptimizerWithFloat16Params.__init__`` and ``clip_grad_by_total_norm_fp32``; while those run,
-   :func:`_cuda_type_names` makes ``Tensor.type()`` of a CPU tensor answer the CUDA name. Together with 3 (``param_and_grad_buffer`` allocates on
-   ``torch.cuda.current_device()``) this runs Megatron's ``DistributedDataParallel`` and
-   ``get_megatron_optimizer`` (also ``use_distributed_optimizer=True``, fp32 or bf16) on gloo.
+   :func:`_cuda_type_names` makes ``Tensor.type()`` of a CPU tensor answer the CUDA name.
+   Together with 3 (``param_and_grad_buffer`` allocates on ``torch.cuda.current_device()``) this runs
+   Megatron's ``DistributedDataParallel`` and ``get_megatron_optimizer`` (also ``use_distributed_optimizer``,
+   fp32 or bf16) on gloo.
 
 Not patched (keep them off on CPU): sequence parallelism, activation recompute
 (``tensor_parallel.random.CheckpointFunction``), ``model_parallel_cuda_manual_seed``.

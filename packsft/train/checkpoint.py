@@ -21,7 +21,8 @@ sizes may change between save and resume. With ``optimizer.backend: megatron`` t
 ``MegatronOptimizer.sharded_state_dict(model_sharded_state_dict)`` (as Megatron-LM saves it); the distributed
 optimizer uses its ``dp_reshardable`` format (:data:`DIST_OPTIM_METADATA`: each DP rank writes its own shard, no
 gather), so the DP size may change but not TP (a TP change needs the torch backend or Megatron's
-``fully_reshardable`` format). The two backends' optimizer formats are not interchangeable. ``torch.distributed.checkpoint`` on a plain ``state_dict`` is not used: it
+``fully_reshardable`` format). The two backends' optimizer formats are not interchangeable.
+``torch.distributed.checkpoint`` on a plain ``state_dict`` is not used: it
 is silently wrong under TP>1 (a TP shard has the same key on each rank and is deduplicated as if replicated).
 The data order (``dataloader_dp*.pt``) only continues with the same DP size and data; the RNG files are restored
 when one exists for this rank.

@@ -75,6 +75,36 @@ def _fill_missing_adam_state(optimizer: torch.optim.Optimizer) -> None:
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
+def _fill_missing_megatron_adam_state(optimizer) -> None:
+    """Give the torch Adam(W) inside a fresh Megatron optimizer zero state (``step`` 0 and moments).
+
+    Without TransformerEngine/Apex, Megatron wraps ``torch.optim.AdamW``, whose state (and ``step``) appears at the
+    first step; ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` asserts one common ``step`` in it. TE's
+    FusedAdam keeps ``step`` in its param groups and is left alone.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            _fill_missing_adam_state(inner)
+
+
+def _restore_megatron_adam_step(optimizer) -> None:
+    """Put each param group's saved ``step`` back into the per-parameter state of a torch Adam(W) inside Megatron.
+
+    Megatron stores the (common) Adam step in ``param_groups[i]["step"]``; its torch-Adam load path (no TE/Apex)
+    leaves the per-parameter ``step`` tensors at the template's 0, which would restart Adam's bias correction.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    if "step" in inner.state[p]:
+                        inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
 def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool = False) -> dict[str, Any]:
     """``{"model": sharded model state, "optimizer": optimizer state with sharding metadata}`` for dist_checkpointing.
 
@@ -85,6 +115,8 @@ def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool =
         ValueError: (from Megatron) an optimizer parameter without a matching model sharded tensor.
     """
     if _is_megatron_optimizer(optimizer):
+        if is_loading:
+            _fill_missing_megatron_adam_state(optimizer)
         model_state = unwrap_model(model).sharded_state_dict()
         return {"model": model_state, "optimizer": optimizer.sharded_state_dict(
             model_state, is_loading=is_loading, metadata=DIST_OPTIM_METADATA)}
@@ -195,7 +227,9 @@ def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
     loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True), str(path))
     unwrap_model(model).load_state_dict(loaded["model"])
     if _is_megatron_optimizer(optimizer):
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_megatron_adam_step(optimizer)
         return
     optim_state = loaded["optimizer"]
     step = optim_state["state"].pop(COMMON_STEP)

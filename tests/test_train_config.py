@@ -71,7 +71,7 @@ def test_missing_file():
 
 def test_parallel_layout_against_world_size():
     assert check_parallel_layout(load_config(TINY, ["train.global_batch_size=8"]), 4) == 4
-    big = load_config(CONFIGS[0])                                  # llama3_8b_multigpu: TP=4, CP=2
+    big = load_config(CONFIGS[0].parent / "llama3_8b_multigpu.yaml")  # TP=4, CP=2
     assert check_parallel_layout(big, 16) == 2
     tiny = load_config(TINY, ["train.global_batch_size=3"])
     with pytest.raises(ValueError, match=r"train.global_batch_size \(3\) must be a multiple of .* data-parallel size"):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
-from test_train_loop import REPO, assert_same_run, packed, train, write_config  # noqa: F401 - fixture
+from test_train_loop import OPTIMIZERS, REPO, assert_same_run, packed, train, write_config  # noqa: F401 - fixture
 
 COMMON = {"train": {"global_batch_size": 2, "train_steps": 8}, "checkpoint": {"save_interval": 3},
           "scheduler": {"warmup_steps": 2, "decay_style": "cosine"}, "optimizer": {"weight_decay": 0.1}}
@@ -21,8 +21,10 @@ def _start(config):
 
 
 @pytest.mark.slow
-def test_sigkilled_run_resumes_bit_exact(tmp_path, packed, parallel_state_1proc):  # noqa: F811
-    common = {**COMMON, "data": {"train_path": str(packed["many"])}}
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_sigkilled_run_resumes_bit_exact(tmp_path, packed, parallel_state_1proc, optimizer):  # noqa: F811
+    common = {**COMMON, "data": {"train_path": str(packed["many"])},
+              "optimizer": {**COMMON["optimizer"], **OPTIMIZERS[optimizer]}}
     full, killed = tmp_path / "full", tmp_path / "killed"
     train(write_config(tmp_path / "full.yaml", packed, full, **common))
     cfg = write_config(tmp_path / "killed.yaml", packed, killed, **common)

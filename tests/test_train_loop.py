@@ -81,11 +81,17 @@ def test_tiny_model_overfits_a_few_real_rows(tmp_path, packed):
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_0000030"
 
 
+OPTIMIZERS = {"torch": {}, "megatron_dist_opt": {"backend": "megatron", "use_distributed_optimizer": True}}
+"""``optimizer`` sections the exact-resume tests run with: torch AdamW, and Megatron's distributed optimizer."""
+
+
 @pytest.mark.slow
-def test_stopped_and_resumed_run_is_bit_exact(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_stopped_and_resumed_run_is_bit_exact(tmp_path, packed, parallel_state_1proc, optimizer):  # noqa: F811
     common = {"train": {"global_batch_size": 2, "train_steps": 8}, "data": {"train_path": str(packed["many"]),
               "split_validation_size": 0.2}, "scheduler": {"warmup_steps": 2, "decay_style": "cosine"},
-              "validation": {"val_period": 4, "max_batches": 2}, "optimizer": {"weight_decay": 0.1}}
+              "validation": {"val_period": 4, "max_batches": 2},
+              "optimizer": {"weight_decay": 0.1, **OPTIMIZERS[optimizer]}}
     full, parts = tmp_path / "full", tmp_path / "parts"
     train(write_config(tmp_path / "full.yaml", packed, full, **common))
     parts_cfg = write_config(tmp_path / "parts.yaml", packed, parts, **common)
@@ -96,7 +102,7 @@ def test_stopped_and_resumed_run_is_bit_exact(tmp_path, packed, parallel_state_1
 
 
 def assert_same_run(a_dir: Path, b_dir: Path, steps: int) -> None:
-    """Two runs logged the same metrics at every step and wrote bit-identical final checkpoints (model + AdamW)."""
+    """Two runs logged the same metrics at every step and wrote bit-identical final checkpoints (model + Adam state)."""
     a, b = train_records(a_dir), train_records(b_dir)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     for step in a:

@@ -17,8 +17,7 @@ megatron-core 0.16; ``docs/model.md`` has the measured facts):
    current device), Megatron DDP's ``param_and_grad_buffer`` and the global memory buffer
    (``megatron.core.utils.GlobalMemoryBuffer``). It does **not** fix code with a literal ``device="cuda"``
    (stock ``DotProductAttention`` through ``transformer.utils.get_default_causal_mask``, the Megatron
-   optimizer), which is why
-   packsft has its own core attention and uses ``torch.optim.AdamW`` on CPU.
+   optimizer), which is why packsft has its own core attention and needs 6.
 4. Activation recompute: ``tensor_parallel.random.CheckpointFunction`` (what ``tensor_parallel.checkpoint`` runs for
    full recompute and for selective ``core_attn`` / ``mlp``) saves every RNG before the forward with
    ``_get_all_rng_states`` and restores it for the recompute with ``_set_all_rng_states``; both read and write the
@@ -30,9 +29,30 @@ megatron-core 0.16; ``docs/model.md`` has the measured facts):
    :func:`_add_without_cuda` records the empty state instead, so Megatron's own ``model_parallel_cuda_manual_seed``
    runs on CPU and ``get_cuda_rng_tracker().fork()`` (entered by sequence parallelism's embedding dropout and by
    the TP linears' initialisation) works; with the CPU generator left untouched inside it, as on GPU.
+6. Literal ``device="cuda"`` tensors of the Megatron optimizer (``megatron.core.optimizer``): the
+   ``found_inf`` / ``_dummy_overflow_buf`` / ``_scale_one`` buffers of ``MixedPrecisionOptimizer``
+   (``Float16OptimizerWithFloat16Params`` and ``DistributedOptimizer``), ``FP32Optimizer._scale``,
+   ``ChainedOptimizer.get_loss_scale``, ``get_grad_norm_fp32`` / ``clip_grad_by_total_norm_fp32`` /
+   ``count_zeros_fp32`` (``optimizer.clip_grads``), the grad scalers, and ``DistributedOptimizer``'s
+   state-dict shard buffers. The modules ``optimizer.optimizer``, ``optimizer.clip_grads``,
+   ``optimizer.distrib_optimizer`` and ``optimizer.grad_scaler`` get :class:`_CpuTensorTorch` as their
+   ``torch`` global: the same module, except that ``torch.tensor/zeros/ones/empty/full`` called with a
+   CUDA ``device`` allocate on the CPU. ``clip_grads.l2_norm_impl`` (``megatron.core.utils``'
+   ``local_multi_tensor_l2_norm`` fallback, which also returns a ``"cuda"`` tensor) is replaced by
+   :func:`_l2_norm_on_own_device`. The optimizer also sorts parameters by ``Tensor.type()`` names
+   (``torch.cuda.FloatTensor`` / ``HalfTensor`` / ``BFloat16Tensor``; anything else is a ``TypeError``) in
+   ``DistributedOptimizer.__init__`` (and its ``_build_model_and_main_param_groups``),
+   ``Float16OptimizerWithFloat16Params.__init__`` and ``clip_grad_by_total_norm_fp32``; while those run,
+   :func:`_cuda_type_names` makes ``Tensor.type()`` of a CPU tensor answer the CUDA name.
+   Together with 3 (``param_and_grad_buffer`` allocates on ``torch.cuda.current_device()``) this runs
+   Megatron's ``DistributedDataParallel`` and ``get_megatron_optimizer`` (also ``use_distributed_optimizer``,
+   fp32 or bf16) on gloo.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 from torch import Tensor
@@ -96,6 +116,93 @@ def _add_without_cuda(self, name: str, seed: int) -> None:
     self.states_[name] = _NO_CUDA_RNG_STATE
 
 
+def _is_cuda(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda")
+
+
+class _CpuTensorTorch:
+    """The ``torch`` module as seen by a patched Megatron module: CUDA tensor factories allocate on the CPU.
+
+    ``tensor``, ``zeros``, ``ones``, ``empty`` and ``full`` called with ``device="cuda"`` (or ``cuda:N``) get
+    ``device="cpu"``; every other attribute is ``torch``'s own.
+    """
+
+    _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full"})
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str):
+        value = getattr(self._module, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def on_cpu(*args, **kwargs):
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return on_cpu
+
+
+def _l2_norm_on_own_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``local_multi_tensor_l2_norm`` returning its result on the tensors' device.
+
+    Returns:
+        ``(fp32 [1] tensor: the L2 norm over every tensor of ``tensor_lists``, None)``.
+    """
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=device), None
+    norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """While active, ``Tensor.type()`` without arguments names a CPU tensor as CUDA (``torch.cuda.FloatTensor``)."""
+    original = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or not name.startswith("torch.") or self.is_cuda:
+            return name
+        return "torch.cuda." + name[len("torch."):]
+
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    """``fn`` run under :func:`_cuda_type_names`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _apply_optimizer_shim() -> None:
+    """Give the Megatron optimizer modules :class:`_CpuTensorTorch` and a CPU ``l2_norm_impl`` (item 4)."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    for module in (optimizer_module, clip_grads, distrib_optimizer, grad_scaler):
+        module.torch = _CpuTensorTorch(torch)
+    if clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm":
+        clip_grads.l2_norm_impl = _l2_norm_on_own_device
+    for cls in (distrib_optimizer.DistributedOptimizer, optimizer_module.Float16OptimizerWithFloat16Params):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    clipped = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer_module.clip_grad_by_total_norm_fp32 = clipped
+
+
 def _apply_cuda_shim() -> None:
     """Make ``torch.cuda.current_device()`` return ``"cpu"`` and ``torch.cuda.synchronize()`` a no-op."""
     torch.cuda.current_device = lambda: "cpu"
@@ -103,7 +210,7 @@ def _apply_cuda_shim() -> None:
 
 
 def apply_cpu_workarounds() -> bool:
-    """Apply the five CPU workarounds of this module once per process; no-op when CUDA is available.
+    """Apply the six CPU workarounds of this module once per process; no-op when CUDA is available.
 
     Idempotent: a second call changes nothing. Call it before building a model (``init_distributed``
     does).
@@ -126,5 +233,6 @@ def apply_cpu_workarounds() -> bool:
     tp_random._set_cuda_rng_state = _set_no_cuda_rng_state
     tp_random.CudaRNGStatesTracker.add = _add_without_cuda
     _apply_cuda_shim()
+    _apply_optimizer_shim()
     _APPLIED = True
     return True

@@ -17,7 +17,12 @@ complete checkpoint.
 
 Resharding: model and optimizer tensors are stored with their global shapes (``GPTModel.sharded_state_dict`` and
 ``get_param_id_to_sharded_param_map`` + ``optim_state_to_sharding_state``), so TP and DP
-sizes may change between save and resume. ``torch.distributed.checkpoint`` on a plain ``state_dict`` is not used: it
+sizes may change between save and resume. With ``optimizer.backend: megatron`` the optimizer part is Megatron's own
+``MegatronOptimizer.sharded_state_dict(model_sharded_state_dict)`` (as Megatron-LM saves it); the distributed
+optimizer uses its ``dp_reshardable`` format (:data:`DIST_OPTIM_METADATA`: each DP rank writes its own shard, no
+gather), so the DP size may change but not TP (a TP change needs the torch backend or Megatron's
+``fully_reshardable`` format). The two backends' optimizer formats are not interchangeable.
+``torch.distributed.checkpoint`` on a plain ``state_dict`` is not used: it
 is silently wrong under TP>1 (a TP shard has the same key on each rank and is deduplicated as if replicated).
 The data order (``dataloader_dp*.pt``) only continues with the same DP size and data; the RNG files are restored
 when one exists for this rank.
@@ -46,6 +51,14 @@ from packsft.train.optim import optimizer_params
 LATEST = "latest"
 TRAIN_STATE = "train_state.pt"
 COMMON_STEP = "common_step"
+DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+"""``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
+
+
+def _is_megatron_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer import MegatronOptimizer
+
+    return isinstance(optimizer, MegatronOptimizer)
 
 
 def checkpoint_name(step: int) -> str:
@@ -62,14 +75,51 @@ def _fill_missing_adam_state(optimizer: torch.optim.Optimizer) -> None:
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
-def sharded_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"model": sharded model state, "optimizer": AdamW state with sharding metadata}`` for dist_checkpointing.
+def _fill_missing_megatron_adam_state(optimizer) -> None:
+    """Give the torch Adam(W) inside a fresh Megatron optimizer zero state (``step`` 0 and moments).
 
-    AdamW's per-parameter ``step`` tensors are equal, so they are stored once as ``state["common_step"]`` (float).
+    Without TransformerEngine/Apex, Megatron wraps ``torch.optim.AdamW``, whose state (and ``step``) appears at the
+    first step; ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` asserts one common ``step`` in it. TE's
+    FusedAdam keeps ``step`` in its param groups and is left alone.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            _fill_missing_adam_state(inner)
+
+
+def _restore_megatron_adam_step(optimizer) -> None:
+    """Put each param group's saved ``step`` back into the per-parameter state of a torch Adam(W) inside Megatron.
+
+    Megatron stores the (common) Adam step in ``param_groups[i]["step"]``; its torch-Adam load path (no TE/Apex)
+    leaves the per-parameter ``step`` tensors at the template's 0, which would restart Adam's bias correction.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    if "step" in inner.state[p]:
+                        inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool = False) -> dict[str, Any]:
+    """``{"model": sharded model state, "optimizer": optimizer state with sharding metadata}`` for dist_checkpointing.
+
+    torch AdamW: its per-parameter ``step`` tensors are equal, so they are stored once as ``state["common_step"]``
+    (float). Megatron optimizer: ``optimizer.sharded_state_dict(model_state, is_loading, metadata=...)``.
 
     Raises:
         ValueError: (from Megatron) an optimizer parameter without a matching model sharded tensor.
     """
+    if _is_megatron_optimizer(optimizer):
+        if is_loading:
+            _fill_missing_megatron_adam_state(optimizer)
+        model_state = unwrap_model(model).sharded_state_dict()
+        return {"model": model_state, "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=DIST_OPTIM_METADATA)}
     _fill_missing_adam_state(optimizer)
     model_state = unwrap_model(model).sharded_state_dict()
     optim_state = optimizer.state_dict()
@@ -108,7 +158,8 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
     Args:
         ckpt_dir: checkpoint folder (created if missing; must be shared by all ranks).
         step: optimizer steps done.
-        model: ``GPTModel`` or its DDP wrapper. optimizer: the AdamW of :func:`packsft.train.optim.build_optimizer`.
+        model: ``GPTModel`` or its DDP wrapper. optimizer: the AdamW of :func:`packsft.train.optim.build_optimizer`
+            or the Megatron optimizer of :func:`packsft.train.optim.build_megatron_optimizer`.
         train_state: rank 0's ``train_state.pt`` content (step, counters, scheduler, config, layout).
         loader_state: ``packsft.data.loader.loader_state_dict`` of this rank's training loader.
         dp_rank: this rank's data-parallel index. write_loader_state: True on the one rank per DP index (TP=CP=0).
@@ -165,14 +216,21 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
 
 
 def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
-    """Load model weights and AdamW state from ``path`` into this rank's shards (any saved TP/DP layout).
+    """Load model weights and optimizer state from ``path`` into this rank's shards.
+
+    Any saved TP/DP layout for the torch backend; any DP size for the Megatron optimizer (same TP/CP).
 
     Raises:
         megatron ``CheckpointingException``: a tensor of the model is missing from the checkpoint or has another
             global shape (a different architecture).
     """
-    loaded = dist_checkpointing.load(sharded_train_state(model, optimizer), str(path))
+    loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True), str(path))
     unwrap_model(model).load_state_dict(loaded["model"])
+    if _is_megatron_optimizer(optimizer):
+        with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_megatron_adam_step(optimizer)
+        return
     optim_state = loaded["optimizer"]
     step = optim_state["state"].pop(COMMON_STEP)
     for param_state in optim_state["state"].values():

@@ -32,6 +32,7 @@ INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std", "reco
                              "recompute_method", "recompute_num_layers", "recompute_modules")
 """``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight)."""
 AUTOCAST_DTYPES = ("bfloat16", "float16")
+OPTIMIZER_BACKENDS = ("torch", "megatron")
 RENAMED_KEYS = {
     "loader.dataloader_num_workers": "loader.num_workers",
     "loader.dataloader_persistent_workers": "loader.persistent_workers",
@@ -105,8 +106,15 @@ class LossConfig:
 
 @dataclass
 class OptimizerConfig:
-    """``torch.optim.AdamW`` with two parameter groups (decay / no decay) and global-norm clipping."""
+    """AdamW with two parameter groups (decay / no decay) and global-norm clipping, from torch or Megatron-Core."""
 
+    backend: str = "torch"
+    """``torch``: ``torch.optim.AdamW`` replicated on every rank, torch ``DistributedDataParallel``. ``megatron``:
+    Megatron-Core's ``DistributedDataParallel`` + ``get_megatron_optimizer`` (needed for
+    ``use_distributed_optimizer`` and ``train.bf16``)."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (ZeRO-1): fp32 master weights and Adam moments sharded over the
+    data-parallel(-with-context-parallel) group; needs ``backend: megatron``."""
     lr: float = 3e-4
     """Peak learning rate (reached at the end of warmup)."""
     weight_decay: float = 0.1
@@ -119,6 +127,11 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
+        if self.backend not in OPTIMIZER_BACKENDS:
+            raise ValueError(f"optimizer.backend must be one of {OPTIMIZER_BACKENDS}, got {self.backend!r}")
+        if self.use_distributed_optimizer and self.backend != "megatron":
+            raise ValueError("optimizer.use_distributed_optimizer=true needs optimizer.backend=megatron, "
+                             f"got {self.backend!r}")
         _positive("optimizer", self, "lr", "adam_eps")
         _positive("optimizer", self, "weight_decay", "clip_grad", allow_zero=True)
         for name in ("adam_beta1", "adam_beta2"):
@@ -188,6 +201,10 @@ class TrainConfig:
     autocast_dtype: str | None = None
     """``bfloat16``/``float16``: ``torch.autocast`` on CUDA with fp32 master weights; null = no autocast (fp32).
     CPU autocast is refused (Megatron's backward fails in ``LinearWithGradAccumulationAndAsyncCommunication``)."""
+    bf16: bool = False
+    """Megatron mixed precision: bf16 parameters and activations (``Float16Module``), fp32 gradient accumulation
+    and reduction (``main_grad``), fp32 master weights in the optimizer. Needs ``optimizer.backend: megatron``;
+    exclusive with ``autocast_dtype``. Runs on CPU too."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
@@ -305,6 +322,11 @@ class Config:
         if self.scheduler.warmup_steps > self.train.train_steps:
             raise ValueError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be <= "
                              f"train.train_steps ({self.train.train_steps})")
+        if self.train.bf16 and self.optimizer.backend != "megatron":
+            raise ValueError(f"train.bf16=true needs optimizer.backend=megatron (fp32 master weights in Megatron's "
+                             f"optimizer), got {self.optimizer.backend!r}")
+        if self.train.bf16 and self.train.autocast_dtype is not None:
+            raise ValueError(f"set either train.bf16 or train.autocast_dtype ({self.train.autocast_dtype!r}), not both")
         if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.train_steps:
             raise ValueError(f"train.stop_at_step ({self.train.stop_at_step}) must be <= train.train_steps "
                              f"({self.train.train_steps})")

@@ -3,9 +3,11 @@
 Flow of ``Trainer(cfg).run()``:
 
 1. ``init_distributed`` (torchrun variables; gloo on CPU, NCCL on GPU) with the TP/CP sizes; DP = world / (TP*CP).
-2. Datasets (``packsft.train.data``), model (``build_gpt_model`` + the hidden-state seam for the fused loss), torch
-   ``DistributedDataParallel`` over the data-parallel-with-context-parallel group when it has more than one rank,
-   AdamW + warmup/decay schedule (``packsft.train.optim``), the stateful training loader of this DP rank.
+2. Datasets (``packsft.train.data``), model (``build_gpt_model`` + the hidden-state seam for the fused loss), then by
+   ``optimizer.backend``: ``torch``: torch ``DistributedDataParallel`` over the data-parallel-with-context-parallel
+   group when it has more than one rank, and ``torch.optim.AdamW``; ``megatron``: ``Float16Module`` when
+   ``train.bf16``, Megatron ``DistributedDataParallel`` (always; fp32 ``main_grad`` buffers) and
+   ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training loader.
 3. Resume (``checkpoint.resume``), before the loader's first ``iter()``; with nothing to resume, the model weights of
    ``checkpoint.init_from`` (an imported HF model) when set.
 4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
@@ -13,12 +15,19 @@ Flow of ``Trainer(cfg).run()``:
    gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
 5. Logging, validation and checkpoints on their periods; a final validation and checkpoint.
 
-Loss scaling under DDP: DDP *averages* gradients over its group (size ``dp * cp``), while the loss
+Loss scaling, torch backend: DDP *averages* gradients over its group (size ``dp * cp``), while the loss
 (``docs/loss.md``) is a *sum* over ranks of ``token-loss sum / global count``. Each rank therefore back-propagates its
 share multiplied by ``dp * cp`` (``normalize_loss(..., gradient_average_size=dp * cp)``), so the averaged gradient is
 exactly the gradient of the global mean. CP ranks hold different tokens of the same rows, so summing their gradients
 (not averaging) is what the factor restores. The logged loss is the unscaled share summed over micro-batches and
 all-reduced.
+
+Loss scaling, megatron backend: the model's ``TransformerConfig.calculate_per_token_loss`` is set, so Megatron DDP
+reduces ``main_grad`` with a plain SUM (``gradient_scaling_factor`` 1, no ``average_in_collective``): each rank
+back-propagates ``sum(token loss) / global count`` unscaled and the summed gradient is exactly the gradient of the
+global mean. Per step: ``zero_grad_buffer``, forward/backward of every micro-batch (gradients accumulate in
+``main_grad``), ``finish_grad_sync`` (all-reduce, or reduce-scatter with the distributed optimizer), then
+``optimizer.step()`` (TP-aware norm, clipping, Adam on fp32 master weights, copy / all-gather back to the model).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
 from torch.nn.parallel import DistributedDataParallel
 
 from packsft.data.loader import build_eval_dataloader, build_train_dataloader, load_loader_state_dict, loader_state_dict
@@ -45,7 +55,10 @@ from packsft.train.distributed import init_distributed
 from packsft.train.metrics import MetricsLogger, format_summary, peak_memory_gib
 from packsft.train.model_checkpoint import load_megatron_checkpoint
 from packsft.train.optim import (
+    ParamGroupSchedule,
     allreduce_sequence_parallel_grads,
+    apply_weight_decay,
+    build_megatron_optimizer,
     build_optimizer,
     build_scheduler,
     clip_grads,
@@ -93,9 +106,16 @@ class Trainer:
                              "Megatron's backward); use null on CPU")
         self.train_set, self.val_set = build_datasets(cfg)
         self._check_vocab()
+        self.megatron = cfg.optimizer.backend == "megatron"
         self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.optimizer.lr, cfg.train.train_steps)
+        if self.megatron:
+            self.optimizer = build_megatron_optimizer(self.model, cfg.optimizer, bf16=cfg.train.bf16)
+            self.scheduler = ParamGroupSchedule(self.optimizer, cfg.scheduler, cfg.optimizer.lr,
+                                                cfg.train.train_steps)
+        else:
+            self.optimizer = build_optimizer(self.model, cfg.optimizer)
+            self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.optimizer.lr,
+                                             cfg.train.train_steps)
         self.train_loader = build_train_dataloader(self.train_set, cfg.loader, dp_rank=self.ctx.dp_rank,
                                                    dp_size=dp)
         self.state = TrainState()
@@ -112,10 +132,28 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         gpt = build_gpt_model(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel).to(self.ctx.device)
         use_hidden_state_output(gpt)
+        if self.megatron:
+            return self._wrap_megatron(gpt)
         if self.ctx.data_parallel_size * self.ctx.context_parallel_size == 1:
             return gpt
         ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
         return DistributedDataParallel(gpt, device_ids=ids, process_group=self.ctx.dp_cp_group)
+
+    def _wrap_megatron(self, gpt: torch.nn.Module) -> torch.nn.Module:
+        """``DistributedDataParallel(Float16Module(gpt))`` (bf16) or ``DistributedDataParallel(gpt)``, Megatron's."""
+        from megatron.core.distributed import DistributedDataParallel as MegatronDDP
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
+
+        gpt.config.calculate_per_token_loss = True        # SUM over DP x CP: the loss is globally normalised
+        module = gpt
+        if self.cfg.train.bf16:
+            gpt.config.bf16 = True
+            module = Float16Module(gpt.config, gpt)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            average_in_collective=False, use_distributed_optimizer=self.cfg.optimizer.use_distributed_optimizer)
+        return MegatronDDP(gpt.config, ddp_config, module)
 
     @property
     def gpt(self) -> torch.nn.Module:
@@ -128,14 +166,15 @@ class Trainer:
         if path is None:
             if self.cfg.checkpoint.init_from:   # fresh optimizer; the model fields were checked by load_config
                 load_megatron_checkpoint(self.gpt, self.cfg.checkpoint.init_from)
+                if self.megatron:                # fp32 master weights are copies made before the load
+                    self.optimizer.reload_model_params()
                 self.initialized_from = self.cfg.checkpoint.init_from
             return None
         ckpt.load_model_and_optimizer(path, self.model, self.optimizer)
         saved = ckpt.load_train_state(path)
         self.state = TrainState.from_dict(saved["state"])
         set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
-        for group in self.optimizer.param_groups:
-            group["weight_decay"] = self.cfg.optimizer.weight_decay if group["name"] == "decay" else 0.0
+        apply_weight_decay(self.optimizer, self.cfg.optimizer.weight_decay)
         if self.cfg.checkpoint.restore_data_order:
             load_loader_state_dict(self.train_loader, ckpt.load_loader_state(path, self.ctx.dp_rank))
         ckpt.load_rng_state(path, self.ctx.rank)
@@ -184,6 +223,8 @@ class Trainer:
         """
         count = global_num_trained_tokens([b["loss_mask"] for b in batches], (self.ctx.dp_cp_group,),
                                           labels=[b["labels"] for b in batches])
+        if self.megatron:
+            return self._megatron_step(batches, count)
         wrapped = isinstance(self.model, DistributedDataParallel)
         scale = self.ctx.data_parallel_size * self.ctx.context_parallel_size if wrapped else 1
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
@@ -200,6 +241,23 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": float(loss_sum / count.clamp(min=1)), "grad_norm": float(norm), "lr": lr,
+                "trained_tokens": int(count)}
+
+    def _megatron_step(self, batches: list[dict[str, Any]], count: torch.Tensor) -> dict[str, float]:
+        """:meth:`train_step` with Megatron DDP and optimizer (module docstring); the unscaled loss is summed."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for batch in batches:
+            token_loss_sum = self._token_loss(batch)
+            normalize_loss(token_loss_sum, count, 1).backward()
+            loss_sum += token_loss_sum.detach().float()
+        finalize_model_grads([self.model])   # DP x CP reduction, and the TP sum of sequence-parallel norm grads
+        dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
+        lr = self.optimizer.param_groups[0]["lr"]
+        _, norm, _ = self.optimizer.step()
+        self.scheduler.step()
         return {"loss": float(loss_sum / count.clamp(min=1)), "grad_norm": float(norm), "lr": lr,
                 "trained_tokens": int(count)}
 

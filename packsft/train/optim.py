@@ -1,8 +1,15 @@
 """AdamW with weight-decay groups, the warmup + decay learning-rate schedule, and TP-aware gradient clipping.
 
-``torch.optim.AdamW`` is used on CPU and GPU alike: Megatron's optimizer hard-codes ``device="cuda"``
-(``megatron.core.optimizer``'s ``Float16OptimizerWithFloat16Params`` and ``clip_grads``; ``docs/model.md``).
-Its state is checkpointed through ``dist_checkpointing`` with the model's sharding (``packsft.train.checkpoint``).
+Two backends (``optimizer.backend``):
+
+* ``torch``: ``torch.optim.AdamW`` (:func:`build_optimizer`), fp32 state replicated on every rank, clipped by
+  :func:`clip_grads`, scheduled by ``LambdaLR`` (:func:`build_scheduler`).
+* ``megatron``: ``megatron.core.optimizer.get_megatron_optimizer`` over a Megatron ``DistributedDataParallel``
+  model (:func:`build_megatron_optimizer`): Adam(W) on fp32 master weights, optionally sharded over data parallelism
+  (``use_distributed_optimizer``), with its own TP-aware clipping; scheduled by :class:`ParamGroupSchedule`. On
+  CPU it runs through ``packsft.model.cpu_compat``'s optimizer shim.
+
+Both are checkpointed through ``dist_checkpointing`` (``packsft.train.checkpoint``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,65 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim
     """``torch.optim.AdamW`` over :func:`param_groups` with ``cfg``'s lr, betas and eps (``foreach`` default)."""
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def build_megatron_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, bf16: bool):
+    """Megatron-Core's optimizer for a Megatron ``DistributedDataParallel`` ``model``.
+
+    ``OptimizerConfig(optimizer="adam")`` with ``cfg``'s lr, betas, eps, weight decay (decoupled: AdamW) and
+    ``clip_grad``; ``bf16`` keeps fp32 master weights of bf16 parameters; ``use_distributed_optimizer`` as in
+    ``cfg`` (must match the DDP config). Megatron groups parameters by ``wd_mult`` (0 for 1-D parameters and biases,
+    as :func:`param_groups`); :func:`apply_weight_decay` sets each group's ``weight_decay`` from it.
+
+    Returns:
+        A ``megatron.core.optimizer.MegatronOptimizer`` (a ``ChainedOptimizer``); ``step()`` returns
+        ``(update_successful, grad_norm, num_zeros_in_grad)``.
+    """
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config = MegatronOptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=cfg.use_distributed_optimizer,
+        decoupled_weight_decay=True)
+    optimizer = get_megatron_optimizer(config, [model])
+    apply_weight_decay(optimizer, cfg.weight_decay)
+    return optimizer
+
+
+def apply_weight_decay(optimizer, weight_decay: float) -> None:
+    """Set each group's ``weight_decay``: ``weight_decay`` for matrices, 0 for 1-D parameters.
+
+    torch groups (:func:`param_groups`) are told apart by ``name``; Megatron groups by ``wd_mult``.
+    """
+    for group in optimizer.param_groups:
+        mult = group["wd_mult"] if "wd_mult" in group else float(group["name"] == "decay")
+        group["weight_decay"] = weight_decay * mult
+
+
+class ParamGroupSchedule:
+    """:class:`WarmupDecay` applied to the ``param_groups`` of any optimizer (Megatron's are not a torch Optimizer).
+
+    The same attributes and calls as ``LambdaLR`` that the trainer uses (``optimizer``, ``base_lrs``,
+    ``lr_lambdas``, ``last_epoch``, ``step()``, ``state_dict()``), so :func:`set_schedule_step` and checkpoints treat
+    both alike; the lr of 0-based step ``n`` is ``lr * WarmupDecay(n)`` bit-identically to ``LambdaLR``.
+    """
+
+    def __init__(self, optimizer, cfg: SchedulerConfig, lr: float, train_steps: int) -> None:
+        self.optimizer = optimizer
+        groups = optimizer.param_groups
+        self.base_lrs = [lr] * len(groups)
+        self.lr_lambdas = [WarmupDecay(cfg, lr, train_steps)] * len(groups)
+        set_schedule_step(self, 0)
+
+    def step(self) -> None:
+        """Advance one optimizer step and set every group's lr."""
+        set_schedule_step(self, self.last_epoch + 1)
+
+    def state_dict(self) -> dict:
+        """``{"last_epoch": optimizer steps done}``."""
+        return {"last_epoch": self.last_epoch}
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:

@@ -53,8 +53,10 @@ def gpt_token_loss(model, batch: dict, *, fused: bool, chunk_size: int) -> tuple
         return per_token * loss_mask, loss_mask
     hidden = final_hidden_states(model, tokens, batch["position_ids"], psp)     # [1, t, h], after the final norm
     gpt = unwrap_model(model)
+    weight = output_weight(gpt)
+    hidden = hidden.to(weight.dtype)     # Megatron's Float16Module returns bf16 outputs upcast to fp32: exact
     per_token = fused_linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), output_weight(gpt), labels.reshape(-1), loss_mask,
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), loss_mask,
         chunk_size=chunk_size, reduction="none", tp_group=gpt.pg_collection.tp,
         # under SP the hidden states' all-gather reduce-scatters (sums) their gradient over TP itself
         reduce_hidden_grad=not gpt.config.sequence_parallel,

@@ -8,7 +8,10 @@ attention derive the local layout from them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from packsft.layout import TOKEN_KEYS, check_cu_seqlens, cp_partition_indices
@@ -47,26 +50,42 @@ def slice_batch_for_cp(batch: dict, cp_size: int, cp_rank: int) -> dict:
     return out
 
 
-def make_packed_seq_params(cu_seqlens: Tensor, max_seqlen: int | Tensor, cp_group=None):
+@dataclass
+class PackedRowParams(PackedSeqParams):
+    """Megatron's ``PackedSeqParams`` plus the row's padded segment offsets as host integers.
+
+    ``cu_seqlens_padded_host`` lets packsft's ``torch`` attention backend loop over conversations without
+    reading ``cu_seqlens`` back from the device in every layer (a host sync per layer on CUDA).
+    """
+
+    cu_seqlens_padded_host: tuple[int, ...] | None = None
+
+
+def make_packed_seq_params(cu_seqlens: Tensor, max_seqlen: int | Tensor, cp_group=None,
+                           device: torch.device | str | None = None) -> PackedRowParams:
     """Megatron ``PackedSeqParams`` for one packed THD row.
 
     Args:
         cu_seqlens: integer ``[num_segments + 1]`` (or ``[1, num_segments + 1]``), global offsets
-            0..``L``; converted to int32 as TE and Megatron expect.
+            0..``L``; converted to int32 as TE and Megatron expect. Pass it on the host (as the loader gives
+            it) with ``device`` set, so it is checked and read without a device sync.
         max_seqlen: longest segment in tokens (int or 0-d tensor). Use the true longest segment:
             Megatron's THD RoPE switches to pack-offset positions when it equals ``cu_seqlens[-1]``
             (``rope_utils``' THD path), harmless for the loss but not what packsft means.
         cp_group: the context-parallel process group, or None for cp=1.
+        device: where the offsets go (default: where ``cu_seqlens`` is).
 
     Returns:
-        ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_kv=cu_seqlens_q_padded=
-        cu_seqlens_kv_padded=cu_seqlens, max_seqlen_q=max_seqlen_kv=max_seqlen, cp_group=cp_group)``.
+        :class:`PackedRowParams` with ``qkv_format="thd"``, ``cu_seqlens_q = cu_seqlens_kv =
+        cu_seqlens_q_padded = cu_seqlens_kv_padded = cu_seqlens`` (int32, on ``device``), ``max_seqlen_q =
+        max_seqlen_kv = max_seqlen``, ``cp_group`` and ``cu_seqlens_padded_host`` (a tuple of ints).
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cu_seqlens = check_cu_seqlens(cu_seqlens).to(torch.int32)
+    host = tuple(cu_seqlens.tolist())
+    if device is not None:
+        cu_seqlens = cu_seqlens.to(device, non_blocking=True)
     max_seqlen = int(max_seqlen)
-    return PackedSeqParams(
+    return PackedRowParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
         cu_seqlens_kv=cu_seqlens,
@@ -75,4 +94,5 @@ def make_packed_seq_params(cu_seqlens: Tensor, max_seqlen: int | Tensor, cp_grou
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
         cp_group=cp_group,
+        cu_seqlens_padded_host=host,
     )

@@ -183,14 +183,21 @@ def _validate(hidden, weight, labels, loss_mask, chunk_size, vocab_chunk_size, r
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
 
 
-def _trained_tokens(labels_1d, loss_mask, ignore_index, v_total):
-    """Return ``idx [n]`` (positions of trained tokens), their labels ``[n]`` and ``loss_mask`` values ``[n]``."""
-    trained = labels_1d != ignore_index
-    if loss_mask is not None:
-        trained &= loss_mask.reshape(-1) != 0
-    idx = trained.nonzero().squeeze(1)
-    labels_n = labels_1d.index_select(0, idx)
-    if idx.numel() and not bool(((labels_n >= 0) & (labels_n < v_total)).all()):
+def _trained_tokens(labels_1d, loss_mask, ignore_index, v_total, trained_index=None):
+    """Return ``idx [n]`` (positions of trained tokens), their labels ``[n]`` and ``loss_mask`` values ``[n]``.
+
+    With ``trained_index`` given, it is ``idx`` and the labels are not range-checked (both would be host syncs).
+    """
+    if trained_index is not None:
+        idx = trained_index
+        labels_n = labels_1d.index_select(0, idx)
+    else:
+        trained = labels_1d != ignore_index
+        if loss_mask is not None:
+            trained &= loss_mask.reshape(-1) != 0
+        idx = trained.nonzero().squeeze(1)
+        labels_n = labels_1d.index_select(0, idx)
+    if trained_index is None and idx.numel() and not bool(((labels_n >= 0) & (labels_n < v_total)).all()):
         bad = labels_n[(labels_n < 0) | (labels_n >= v_total)][:5].tolist()
         raise ValueError(f"labels {bad} are outside the vocabulary [0, {v_total}) and not ignore_index")
     if loss_mask is None:
@@ -211,6 +218,7 @@ def fused_linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     reduce_hidden_grad: bool = True,
     vocab_chunk_size: int = 32768,
+    trained_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels``, computed chunk by chunk over tokens.
 
@@ -274,6 +282,10 @@ def fused_linear_cross_entropy(
         ignore_index: label value of untrained positions (-100 as in Megatron and torch).
         reduce_hidden_grad: all-reduce the hidden-state gradient over ``tp_group`` (see above).
         vocab_chunk_size: vocab rows per logits block; the block is ``[chunk_size, vocab_chunk_size]``.
+        trained_index: optional int64 ``[n]`` positions (into the flattened ``labels``) of the trained tokens,
+            already on the device: exactly ``(labels != ignore_index) & (loss_mask != 0)``. The data path knows it
+            on the host (``packsft.train.data.model_input``), which spares this call the ``nonzero()`` and the
+            label-range check, two device-to-host syncs; labels are then trusted to be in the vocabulary.
 
     Returns:
         fp32 loss: ``[...]`` for ``"none"``, a scalar otherwise.
@@ -285,7 +297,7 @@ def fused_linear_cross_entropy(
     """
     _validate(hidden, weight, labels, loss_mask, chunk_size, vocab_chunk_size, reduction)
     v_total = weight.shape[0] * rank_and_size(tp_group)[1]
-    idx, labels_n, scale_n = _trained_tokens(labels.reshape(-1), loss_mask, ignore_index, v_total)
+    idx, labels_n, scale_n = _trained_tokens(labels.reshape(-1), loss_mask, ignore_index, v_total, trained_index)
     loss = FusedLinearCrossEntropyFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, idx, labels_n, scale_n, chunk_size, vocab_chunk_size,
         tp_group, reduce_hidden_grad,

@@ -118,11 +118,12 @@ def normalize_loss(
         fp32 scalar with the autograd graph of ``loss_sum``.
 
     Raises:
-        ValueError: ``gradient_average_size`` below 1 or a negative ``num_trained_tokens``.
+        ValueError: ``gradient_average_size`` below 1 or a negative ``num_trained_tokens`` given as an int (a tensor
+            count, from :func:`global_num_trained_tokens`, is a sum of counts and is not checked: no host sync).
     """
     if gradient_average_size < 1:
         raise ValueError(f"gradient_average_size must be >= 1, got {gradient_average_size}")
+    if isinstance(num_trained_tokens, int) and num_trained_tokens < 0:   # a tensor is not checked: no host sync
+        raise ValueError(f"num_trained_tokens must be >= 0, got {num_trained_tokens}")
     count = torch.as_tensor(num_trained_tokens, device=loss_sum.device)
-    if bool(count < 0):
-        raise ValueError(f"num_trained_tokens must be >= 0, got {int(count)}")
     return loss_sum * gradient_average_size / count.clamp(min=1).to(loss_sum.dtype)

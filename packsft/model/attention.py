@@ -144,16 +144,17 @@ class TorchCoreAttention(MegatronModule):
         cp_size = group.size() if group is not None else 1
         if not thd:
             cu = torch.tensor([0, query.shape[0] * cp_size], device=query.device)
+        # host offsets when the data path gave them (no device read per layer), else read them back
+        bounds = list(getattr(packed_seq_params, "cu_seqlens_padded_host", None) or ()) or cu.tolist()
         if cp_size == 1:
-            out = self._attend_local(query, key, value, cu)
+            out = self._attend_local(query, key, value, bounds)
         else:
-            out = self._attend_context_parallel(query, key, value, cu, group)
+            out = self._attend_context_parallel(query, key, value, cu, bounds, group)
         out = out.flatten(2)                                    # [s, b, np*hn]
         return out.squeeze(1) if thd else out
 
-    def _attend_local(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor) -> Tensor:
-        """cp=1: one causal SDPA per segment ``cu[i]:cu[i+1]`` of dim 0; returns ``[s, b, np, hn]``."""
-        bounds = cu.tolist()
+    def _attend_local(self, q: Tensor, k: Tensor, v: Tensor, bounds: list[int]) -> Tensor:
+        """cp=1: one causal SDPA per segment ``bounds[i]:bounds[i+1]`` of dim 0; returns ``[s, b, np, hn]``."""
         if bounds[-1] != q.shape[0]:
             raise ValueError(f"cu_seqlens[-1] ({bounds[-1]}) != number of tokens ({q.shape[0]})")
         if len(bounds) == 2:
@@ -161,14 +162,14 @@ class TorchCoreAttention(MegatronModule):
         return torch.cat([_sdpa(q[s:e], k[s:e], v[s:e], self.softmax_scale, None)
                           for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
 
-    def _attend_context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, group) -> Tensor:
+    def _attend_context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, bounds: list[int],
+                                 group) -> Tensor:
         """cp>1: gather K/V, restore global order, mask causally in global positions per segment."""
         cp_size, cp_rank = group.size(), group.rank()
         gathered_pos = torch.cat([cp_partition_indices(cu, cp_size, r) for r in range(cp_size)])
         order = torch.argsort(gathered_pos.to(q.device))       # gathered row -> global order
         k_all = all_gather_with_grad(k, group).index_select(0, order)   # [T, b, ng, hn]
         v_all = all_gather_with_grad(v, group).index_select(0, order)
-        bounds = cu.tolist()
         if bounds[-1] != q.shape[0] * cp_size:
             raise ValueError(f"cu_seqlens[-1] ({bounds[-1]}) != context_parallel_size * local tokens "
                              f"({cp_size} * {q.shape[0]})")

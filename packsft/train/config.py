@@ -206,9 +206,14 @@ class TrainConfig:
     and reduction (``main_grad``), fp32 master weights in the optimizer. Needs ``optimizer.backend: megatron``;
     exclusive with ``autocast_dtype``. Runs on CPU too."""
 
+    max_skipped_steps: int = 10
+    """Steps in a row whose loss or gradient norm is not finite that are skipped (no update, counted in
+    ``skipped_steps``) before the run stops with an error; 0 stops at the first."""
+
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
         _positive("train", self, "global_batch_size", "train_steps", "stop_at_step")
+        _positive("train", self, "max_skipped_steps", allow_zero=True)
         if self.autocast_dtype not in (None, *AUTOCAST_DTYPES):
             raise ValueError(f"train.autocast_dtype must be null or one of {AUTOCAST_DTYPES}, "
                              f"got {self.autocast_dtype!r}")

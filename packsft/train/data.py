@@ -15,7 +15,7 @@ import torch
 
 from packsft.data.context_parallel import make_packed_seq_params, slice_batch_for_cp
 from packsft.data.dataset import PackedSFTDataset
-from packsft.layout import TOKEN_KEYS
+from packsft.layout import IGNORE_INDEX, TOKEN_KEYS
 from packsft.train.config import Config
 
 
@@ -92,11 +92,14 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
         cp_size, cp_rank, cp_group: context parallelism (``cp_group`` is ignored when ``cp_size == 1``).
 
     Returns:
-        ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[1, L / cp_size]`` on ``device`` and
-        ``packed_seq_params`` (THD, global ``cu_seqlens``).
+        ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[1, L / cp_size]`` on ``device``,
+        ``trained_index`` (int64 ``[n]``, the trained positions, computed on the host so the fused loss needs no
+        device sync) and ``packed_seq_params`` (THD, global ``cu_seqlens``).
     """
     local = slice_batch_for_cp(batch, cp_size, cp_rank)
     out = {key: local[key].to(device, non_blocking=True) for key in TOKEN_KEYS}
-    out["packed_seq_params"] = make_packed_seq_params(batch["cu_seqlens"].to(device), batch["max_seqlen"],
-                                                      cp_group if cp_size > 1 else None)
+    trained = (local["labels"] != IGNORE_INDEX) & (local["loss_mask"] != 0)        # on the host: no device sync
+    out["trained_index"] = trained.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)
+    out["packed_seq_params"] = make_packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"],
+                                                      cp_group if cp_size > 1 else None, device=device)
     return out

@@ -78,6 +78,7 @@ class TrainState:
     step: int = 0
     consumed_samples: int = 0
     trained_tokens: int = 0
+    skipped_steps: int = 0
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> TrainState:
@@ -122,6 +123,9 @@ class Trainer:
         self.initialized_from: str | None = None
         self.resumed_from = self._resume()
         self._batches = None
+        self._trained_tokens = torch.zeros((), dtype=torch.int64, device=self.ctx.device)  # since the last sync
+        self._consecutive_skips = 0
+        self._logged_step, self._logged_at, self._last_step = self.state.step, time.perf_counter(), 0
 
     def _check_vocab(self) -> None:
         tokenizer = getattr(self.train_set, "tokenizer", None) or self.train_set.base.tokenizer
@@ -182,6 +186,7 @@ class Trainer:
 
     def save(self) -> None:
         """Write the checkpoint of the current step (collective)."""
+        self._sync_counters()
         train_state = {"state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
                        "config": config_to_yaml(self.cfg), "layout": self.layout()}
         first_of_dp = (dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0)
@@ -216,10 +221,20 @@ class Trainer:
                                           chunk_size=self.cfg.loss.chunk_size)
         return per_token.sum()
 
-    def train_step(self, batches: list[dict[str, Any]]) -> dict[str, float]:
-        """Forward/backward over ``batches``, clip, AdamW step, LR step; return ``loss``, ``grad_norm``, ``lr``, counts.
+    def train_step(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
+        """:meth:`step_tensors`, as Python numbers (``loss``, ``grad_norm``, ``lr``, ``trained_tokens``, ``skipped``).
 
         ``loss`` is the global-batch mean token loss (nats) before the update; identical on every rank.
+        """
+        return _as_python(self.step_tensors(batches))
+
+    def step_tensors(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
+        """Forward/backward over ``batches``, clip, optimizer and LR step, without a host sync but the skip check.
+
+        Returns ``loss`` (fp32 scalar), ``grad_norm`` (fp32 scalar), ``trained_tokens`` (int64 scalar), all on the
+        device, ``lr`` (float) and ``skipped`` (bool). The one host sync is the decision to skip a step whose loss
+        or gradient norm is not finite (Megatron's optimizer decides the same way on the host): the parameters,
+        optimizer state and LR schedule are then left as they were.
         """
         count = global_num_trained_tokens([b["loss_mask"] for b in batches], (self.ctx.dp_cp_group,),
                                           labels=[b["labels"] for b in batches])
@@ -229,23 +244,26 @@ class Trainer:
         scale = self.ctx.data_parallel_size * self.ctx.context_parallel_size if wrapped else 1
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for i, batch in enumerate(batches):
-            sync = i == len(batches) - 1 or not isinstance(self.model, DistributedDataParallel)
+            sync = i == len(batches) - 1 or not wrapped
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 token_loss_sum = self._token_loss(batch)
                 normalize_loss(token_loss_sum, count, scale).backward()
             loss_sum += token_loss_sum.detach().float()
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
-        allreduce_sequence_parallel_grads(optimizer_params(self.optimizer), self.ctx.tp_group)
-        norm = clip_grads(optimizer_params(self.optimizer), self.cfg.optimizer.clip_grad, self.ctx.tp_group)
+        params = optimizer_params(self.optimizer)
+        allreduce_sequence_parallel_grads(params, self.ctx.tp_group)
+        norm = clip_grads(params, self.cfg.optimizer.clip_grad, self.ctx.tp_group)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        skipped = not bool(torch.isfinite(loss_sum + norm))
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(loss_sum / count.clamp(min=1)), "grad_norm": float(norm), "lr": lr,
-                "trained_tokens": int(count)}
+        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
+                "skipped": skipped}
 
-    def _megatron_step(self, batches: list[dict[str, Any]], count: torch.Tensor) -> dict[str, float]:
-        """:meth:`train_step` with Megatron DDP and optimizer (module docstring); the unscaled loss is summed."""
+    def _megatron_step(self, batches: list[dict[str, Any]], count: torch.Tensor) -> dict[str, Any]:
+        """:meth:`step_tensors` with Megatron DDP and optimizer (module docstring); the unscaled loss is summed."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
@@ -256,10 +274,13 @@ class Trainer:
         finalize_model_grads([self.model])   # DP x CP reduction, and the TP sum of sequence-parallel norm grads
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
         lr = self.optimizer.param_groups[0]["lr"]
-        _, norm, _ = self.optimizer.step()
-        self.scheduler.step()
-        return {"loss": float(loss_sum / count.clamp(min=1)), "grad_norm": float(norm), "lr": lr,
-                "trained_tokens": int(count)}
+        norm = torch.as_tensor(self.optimizer.get_grad_norm(), dtype=torch.float32, device=self.ctx.device)
+        skipped = not bool(torch.isfinite(loss_sum + norm))
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
+                "skipped": skipped}
 
     # -- validation -------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -300,6 +321,7 @@ class Trainer:
         """Train until ``train.stop_at_step`` or ``train.train_steps``; validate and checkpoint on their periods."""
         cfg, ctx = self.cfg, self.ctx
         last = cfg.train.stop_at_step or cfg.train.train_steps
+        self._last_step, self._logged_step, self._logged_at = last, self.state.step, time.perf_counter()
         logger = MetricsLogger(cfg.logging.output_dir, enabled=ctx.rank == 0, tensorboard=cfg.logging.tensorboard,
                                progress=cfg.logging.progress, initial_step=self.state.step, total_steps=last)
         summary = self.summary()
@@ -321,23 +343,46 @@ class Trainer:
             logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
         if cfg.checkpoint.save_at_end and saved_at != self.state.step:
             self.save()
+        self._sync_counters()
         logger.close()
         return self.state
 
     def _one_step(self, logger: MetricsLogger) -> None:
-        start = time.perf_counter()
-        result = self.train_step(self.next_micro_batches())
+        """One step; Python numbers (and, on CUDA, a synchronize) only on logging steps."""
+        result = self.step_tensors(self.next_micro_batches())
+        rows, seq, st = self.cfg.train.global_batch_size, self.cfg.data.max_seq_len, self.state
+        st.step, st.consumed_samples = st.step + 1, st.consumed_samples + rows
+        self._trained_tokens = self._trained_tokens + result["trained_tokens"]
+        self._consecutive_skips = self._consecutive_skips + 1 if result["skipped"] else 0
+        st.skipped_steps += int(result["skipped"])
+        if self._consecutive_skips > self.cfg.train.max_skipped_steps:
+            raise FloatingPointError(
+                f"step {st.step}: the loss or gradient norm was not finite for {self._consecutive_skips} steps in a "
+                f"row (train.max_skipped_steps={self.cfg.train.max_skipped_steps}); the last checkpoint is intact. "
+                "Lower optimizer.lr, check the data (docs/troubleshooting.md), or resume from an earlier checkpoint")
+        if st.step % self.cfg.logging.log_interval and st.step < self._last_step and not result["skipped"]:
+            return
+        self._sync_counters()
+        now = time.perf_counter()
+        steps, seconds = st.step - self._logged_step, now - self._logged_at
+        self._logged_step, self._logged_at = st.step, now
+        record = {"kind": "train", "step": st.step, **_as_python(result),
+                  "tokens_per_s": steps * rows * seq / seconds, "consumed_samples": st.consumed_samples,
+                  "consumed_tokens": st.consumed_samples * seq, "step_time_s": seconds / steps,
+                  "skipped_steps": st.skipped_steps, "mem_gib": peak_memory_gib()}
+        logger.log(record)
+        logger.progress(record)
+
+    def _sync_counters(self) -> None:
+        """Move the device-side counters into :attr:`state` (a host sync; on CUDA after a synchronize)."""
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        rows = self.cfg.train.global_batch_size
-        seq = self.cfg.data.max_seq_len
-        st = self.state
-        st.step, st.consumed_samples = st.step + 1, st.consumed_samples + rows
-        st.trained_tokens += result["trained_tokens"]
-        record = {"kind": "train", "step": st.step, **result, "tokens_per_s": rows * seq / seconds,
-                  "consumed_samples": st.consumed_samples, "consumed_tokens": st.consumed_samples * seq,
-                  "step_time_s": seconds, "mem_gib": peak_memory_gib()}
-        if st.step % self.cfg.logging.log_interval == 0:
-            logger.log(record)
-        logger.progress(record)
+        self.state.trained_tokens += int(self._trained_tokens)
+        self._trained_tokens = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
+
+
+def _as_python(result: dict[str, Any]) -> dict[str, Any]:
+    """A step result with its 0-d tensors as Python numbers (a host sync)."""
+    out = {k: (v.item() if torch.is_tensor(v) else v) for k, v in result.items()}
+    out["trained_tokens"] = int(out["trained_tokens"])
+    return out

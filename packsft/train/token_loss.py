@@ -59,6 +59,6 @@ def gpt_token_loss(model, batch: dict, *, fused: bool, chunk_size: int) -> tuple
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), loss_mask,
         chunk_size=chunk_size, reduction="none", tp_group=gpt.pg_collection.tp,
         # under SP the hidden states' all-gather reduce-scatters (sums) their gradient over TP itself
-        reduce_hidden_grad=not gpt.config.sequence_parallel,
+        reduce_hidden_grad=not gpt.config.sequence_parallel, trained_index=batch.get("trained_index"),
     )
     return per_token, loss_mask

@@ -13,6 +13,14 @@ the timing), alternating in rounds so that machine noise hits both:
 
 Prints steps/s, tokens/s (all row tokens) and ratio packsft/plain (target >= 99 %); with CUDA also MFU
 (``6 * parameters * tokens/s / --peak-tflops``, attention FLOPs ignored). Timings on a shared CPU are noisy.
+
+``--recompute`` instead compares activation recompute settings (``model.recompute_*``): none, selective
+(``core_attn``), selective (``core_attn`` + ``mlp``) and full (uniform, 1 layer per chunk), one ``Trainer`` each
+(same seed, same rows), steps alternating in rounds. Per setting it prints the median step time and the peak
+memory of one ``train_step`` above what was live before it (activations, transient gradients, loss buffers):
+on CUDA ``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS (``VmHWM``, reset through
+``/proc/self/clear_refs``) with glibc's mmap threshold lowered to 64 KiB so that freed tensors leave the RSS. Both
+as ratios against the no-recompute setting of the same run.
 """
 
 from __future__ import annotations
@@ -49,6 +57,79 @@ def timed(fn, sync) -> float:
     return time.perf_counter() - start
 
 
+RECOMPUTE_SETTINGS = {
+    "none": [],
+    "selective core_attn": ["model.recompute_granularity=selective"],
+    "selective core_attn+mlp": ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]"],
+    "full uniform 1": ["model.recompute_granularity=full", "model.recompute_method=uniform",
+                       "model.recompute_num_layers=1"],
+}
+
+
+def _rss_kib(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` of this process from ``/proc/self/status``, KiB."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def peak_step_bytes(fn) -> int:
+    """Peak bytes one call of ``fn`` held above what was live before it (CUDA allocator, or RSS on CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")                                         # reset VmHWM to the current RSS
+    before = _rss_kib("VmRSS")
+    fn()
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
+def recompute_sweep(args, base_overrides: list[str]) -> None:
+    """Time and measure ``Trainer.train_step`` for each of :data:`RECOMPUTE_SETTINGS`; print ratios against none."""
+    import ctypes
+
+    import torch
+
+    from packsft.train.config import load_config
+    from packsft.train.loop import Trainer
+
+    if not torch.cuda.is_available():
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)        # M_MMAP_THRESHOLD: big frees return to the OS
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    trainers, rows = {}, None
+    for name, overrides in RECOMPUTE_SETTINGS.items():
+        trainers[name] = Trainer(load_config(None, base_overrides + overrides))
+        rows = rows or [trainers[name].next_micro_batches() for _ in range(args.steps)]
+        trainers[name].train_step(rows[0])                      # warm-up: optimizer state, lazy inits
+    seconds = {name: [] for name in trainers}
+    peak = {name: [] for name in trainers}
+    for _ in range(args.rounds):
+        for name, trainer in trainers.items():
+            peak[name].append(peak_step_bytes(lambda t=trainer: t.train_step(rows[0])))
+            for b in rows:
+                seconds[name].append(timed(lambda t=trainer, b=b: t.train_step(b), sync))
+    gpt = trainers["none"].gpt
+    params = sum(p.numel() for p in gpt.parameters())
+    cfg = trainers["none"].cfg
+    print(f"recompute: model {params / 1e6:.2f} M parameters ({cfg.model.num_layers} layers, "
+          f"h {cfg.model.hidden_size}, ffn {cfg.model.ffn_hidden_size}), {args.max_seq_len}-token rows, "
+          f"{args.global_batch_size} per step, "
+          f"loss {args.loss}, device {trainers['none'].ctx.device}; {args.rounds} rounds x {args.steps} steps; "
+          f"fp32 gradients alone: {4 * params / 2**20:.1f} MiB")
+    base_peak = statistics.median(peak["none"])
+    base_time = statistics.median(seconds["none"])
+    for name in trainers:
+        p, t = statistics.median(peak[name]), statistics.median(seconds[name])
+        print(f"  {name:<24} peak {p / 2**20:8.1f} MiB ({p / base_peak:5.2f}x)   "
+              f"step {t:7.3f} s ({t / base_time:5.2f}x)   peaks MiB {[round(x / 2**20) for x in peak[name]]}")
+
+
 def main() -> None:
     """Parse arguments, build the trainer, time both loops, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -63,6 +144,8 @@ def main() -> None:
                                                           "model.num_query_groups=2"])
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="GPU peak (H100 bf16 dense: 989)")
     parser.add_argument("--loss", choices=["fused", "stock"], default="fused", help="packsft loss path")
+    parser.add_argument("--recompute", action="store_true",
+                        help="compare activation recompute settings (peak memory, step time) instead")
     args = parser.parse_args()
 
     import torch
@@ -70,14 +153,18 @@ def main() -> None:
     from packsft.train.config import load_config
     from packsft.train.loop import Trainer
 
-    cfg = load_config(None, [
+    overrides = [
         f"data.train_path={args.packed}", f"data.tokenizer={args.tokenizer}", f"data.max_seq_len={args.max_seq_len}",
         "model.vocab_size=49152", f"model.max_position_embeddings={args.max_seq_len}",
         f"train.global_batch_size={args.global_batch_size}", f"train.train_steps={10 * args.steps * args.rounds}",
         "checkpoint.resume=none", "logging.progress=false", "logging.tensorboard=false",
         f"loss.fused_linear_cross_entropy={args.loss == 'fused'}",
         *(["train.autocast_dtype=bfloat16", "model.attention_backend=te"] if torch.cuda.is_available() else []),
-        *args.model])
+        *args.model]
+    if args.recompute:
+        recompute_sweep(args, overrides)
+        return
+    cfg = load_config(None, overrides)
     trainer = Trainer(cfg)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rows = [trainer.next_micro_batches() for _ in range(args.steps)]

@@ -1,0 +1,74 @@
+"""Summarise the training runs of ``bench/gpu_check.sh``: tokens/s, MFU, peak memory and loss, and the sync ratio.
+
+Reads two run folders of ``tools/train.py`` over the same rows and settings except ``logging.log_interval``: ``every``
+(1: Python numbers and a ``torch.cuda.synchronize()`` every step, what the step did before it kept its numbers on the
+device) and ``sparse`` (10: numbers only every 10 steps). Steps after the first ``--warmup`` are averaged. MFU is
+``6 * parameters * tokens/s / peak`` (attention FLOPs ignored, as in ``bench/train.py``), with the bf16 dense peak of
+the GPU named on the command line (H100/H200 SXM: 989 TFLOP/s); without a known peak it is left out.
+
+    python bench/gpu_check_train.py --every out/every --sparse out/sparse --gpu "NVIDIA H200"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def peak_tflops(gpu_name: str) -> float | None:
+    """bf16 dense peak of a GPU from its name (``torch.cuda.get_device_name``), or None when unknown."""
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu_name), None)
+
+
+def summarise(run: Path, warmup: int) -> dict:
+    """Mean tokens/s over the steps after ``warmup`` (weighted by the steps each record covers), last memory, losses.
+
+    Raises:
+        ValueError: no train record after the warm-up.
+    """
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    params = next(r["parameters"] for r in records if r.get("kind") == "summary")
+    train = [r for r in records if r.get("kind") == "train"]
+    timed = [r for r in train if r["step"] > warmup]
+    if not timed:
+        raise ValueError(f"{run}: no train record after step {warmup}")
+    steps = [r["step"] - prev for r, prev in zip(timed, [warmup] + [r["step"] for r in timed[:-1]])]
+    seconds = sum(s * r["step_time_s"] for s, r in zip(steps, timed))
+    tokens = sum(s * r["tokens_per_s"] * r["step_time_s"] for s, r in zip(steps, timed))
+    return {"parameters": params, "tokens_per_s": tokens / seconds, "mem_gib": train[-1]["mem_gib"],
+            "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"], "steps": train[-1]["step"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table rows and write ``--json``; exit 1 when a run is incomplete or its loss did not fall."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=Path, required=True, help="run folder with logging.log_interval=1")
+    parser.add_argument("--sparse", type=Path, required=True, help="run folder with logging.log_interval=10")
+    parser.add_argument("--gpu", default="", help="GPU name, for the MFU peak")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the averages")
+    parser.add_argument("--steps", type=int, default=20, help="steps each run must reach")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    every, sparse = summarise(args.every, args.warmup), summarise(args.sparse, args.warmup)
+    peak = peak_tflops(args.gpu)
+    mfu = 6 * sparse["parameters"] * sparse["tokens_per_s"] / (peak * 1e12) if peak else None
+    ok = all(r["steps"] == args.steps and r["last_loss"] < r["first_loss"] for r in (every, sparse))
+    result = {"gpu": args.gpu, "every_step_sync": every, "sync_every_10": sparse, "mfu": mfu,
+              "sync_ratio": sparse["tokens_per_s"] / every["tokens_per_s"], "ok": ok}
+    mfu_text = f", MFU {mfu:.1%}" if mfu is not None else ""
+    print(f"{'train-1b-bf16-distopt':<30} {'ok' if ok else 'FAIL':<8} {sparse['parameters'] / 1e9:.2f} B params, "
+          f"{sparse['tokens_per_s']:.0f} tokens/s{mfu_text}, peak {sparse['mem_gib']:.1f} GiB, "
+          f"loss {sparse['first_loss']:.3f} -> {sparse['last_loss']:.3f}")
+    print(f"{'step-without-syncs':<30} {'ok' if ok else 'FAIL':<8} tokens/s logging every 10 steps / every step: "
+          f"{result['sync_ratio']:.3f} ({sparse['tokens_per_s']:.0f} / {every['tokens_per_s']:.0f})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

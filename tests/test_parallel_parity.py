@@ -214,6 +214,16 @@ def _check_global_batch(name: str, per_rank: list[dict], ref: dict) -> None:
     assert dp_rows == ref["rows"], (name, dp_rows, ref["rows"])
 
 
+def _check_layout_and_sp(name: str, per_rank: list[dict], ref: dict, tp: int, cp: int, sp: bool) -> None:
+    """:func:`_check_layout`; with sequence parallelism also that the stream is split and equal within 1e-6."""
+    maxima = _check_layout(name, per_rank, ref)
+    print(name, maxima)
+    if sp:
+        assert all(r["sequence_parallel"] for r in per_rank), name
+        assert per_rank[0]["local_hidden_tokens"] == SEQ // (cp * tp), name     # the stream is really split
+        assert maxima["loss"] < 1e-6 and maxima["grad"] < 1e-6, (name, maxima)
+
+
 def test_reference_step_is_sane(reference):
     for fused in (True, False):
         assert 10.0 < reference[fused]["loss"] < 11.5                  # about log(49152) = 10.8 at init
@@ -233,12 +243,7 @@ def test_cp2_tp2_dp2_equal_single_process(setup, reference):
         name = f"tp={tp} cp={cp} dp={2 // (tp * cp)}{' sequence-parallel' if sp else ''}"
         if tp * cp == 1:
             _check_global_batch(name, per_rank, reference)
-        maxima = _check_layout(name, per_rank, reference)
-        print(name, maxima)
-        if sp:
-            assert all(r["sequence_parallel"] for r in per_rank), name
-            assert per_rank[0]["local_hidden_tokens"] == SEQ // (cp * tp), name     # the stream is really split
-            assert maxima["loss"] < 1e-6 and maxima["grad"] < 1e-6, (name, maxima)
+        _check_layout_and_sp(name, per_rank, reference, tp, cp, bool(sp))
 
 
 def test_cp4_and_tp2_cp2_equal_single_process(setup, reference):
@@ -248,12 +253,7 @@ def test_cp4_and_tp2_cp2_equal_single_process(setup, reference):
     for i, (tp, cp, *sp) in enumerate(layouts):
         per_rank = [per_layout[rank][i] for rank in range(4)]
         name = f"tp={tp} cp={cp}{' sequence-parallel' if sp else ''}"
-        maxima = _check_layout(name, per_rank, reference)
-        print(name, maxima)
-        if sp:
-            assert all(r["sequence_parallel"] for r in per_rank), name
-            assert per_rank[0]["local_hidden_tokens"] == SEQ // (cp * tp), name     # the stream is really split
-            assert maxima["loss"] < 1e-6 and maxima["grad"] < 1e-6, (name, maxima)
+        _check_layout_and_sp(name, per_rank, reference, tp, cp, bool(sp))
 
 
 SELECTIVE = ("model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]")

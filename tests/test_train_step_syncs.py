@@ -53,8 +53,12 @@ def test_a_step_reads_back_only_the_skip_decision(tmp_path, packed, parallel_sta
     assert all(torch.is_tensor(result[k]) for k in ("loss", "grad_norm", "trained_tokens"))
 
 
-def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, packed, parallel_state_1proc):  # noqa: F811
-    trainer = trainer_for(tmp_path, packed, train={"global_batch_size": 2, "train_steps": 4, "max_skipped_steps": 1})
+@pytest.mark.parametrize("optimizer", [{}, {"backend": "megatron", "use_distributed_optimizer": True}],
+                         ids=["torch", "megatron_dist_opt"])
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, packed, parallel_state_1proc,  # noqa: F811
+                                                               optimizer):
+    trainer = trainer_for(tmp_path, packed, train={"global_batch_size": 2, "train_steps": 4, "max_skipped_steps": 1},
+                          optimizer={"lr": 3e-3, "weight_decay": 0.0, **optimizer})
     before = {n: p.detach().clone() for n, p in trainer.gpt.named_parameters()}
     original = trainer._token_loss
     trainer._token_loss = lambda batch: original(batch) * float("nan")

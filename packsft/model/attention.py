@@ -4,37 +4,19 @@ Shape legend (Megatron notation): ``t`` packed tokens on this rank, ``s`` sequen
 ``np``/``ng`` query heads / key-value groups on this TP rank, ``hn`` head dim, ``cp`` context-parallel
 size, ``T = cp * t`` tokens of the whole row.
 
-It replaces ``core_attention`` in Megatron's local layer spec and keeps ``DotProductAttention``'s
-constructor and forward signature (megatron-core 0.16.1, ``transformer/dot_product_attention.py``),
-so ``SelfAttention`` calls it unchanged (call contract: ``Attention.forward`` in ``transformer.attention``):
+It replaces ``core_attention`` in Megatron's local layer spec with ``DotProductAttention``'s constructor and
+forward signature, so ``SelfAttention`` calls it unchanged:
 
-* ``qkv_format="thd"`` (``packed_seq_params`` given): q ``[t, np, hn]``, k/v ``[t, ng, hn]``
-  -> ``[t, np*hn]``.
-  Tokens attend causally within their own conversation only; conversations come from
-  ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), int32 ``[n + 1]``, global offsets.
+* ``qkv_format="thd"`` (``packed_seq_params`` given): q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``;
+  tokens attend causally within their own conversation (offsets ``cu_seqlens_q_padded``, else ``cu_seqlens_q``,
+  global; read from ``cu_seqlens_padded_host`` when the data path gives them, so no layer reads the device).
 * sbhd: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``, plain causal.
 
-GQA is not expanded in memory: SDPA's ``enable_gqa`` broadcasts the ``ng`` groups.
-
-Without context parallelism no ``T x T`` mask is built: one ``SDPA(is_causal=True)`` call per
-conversation (also the fastest CPU variant measured, ``docs/model.md``).
-
-With context parallelism (the CP group comes from ``packed_seq_params.cp_group``, else the model's
-``pg_collection.cp``), each rank holds the load-balanced chunks of every conversation
-(``packsft.data.context_parallel``). K and V are all-gathered over the CP group (autograd-aware;
-backward all-reduces and keeps this rank's slice, because gloo has no reduce-scatter), put back in
-global order, and each conversation's local queries attend to that conversation's keys under a
-causal mask in GLOBAL positions (a ``[2 * chunk, conversation length]`` mask per conversation).
-
-Selective recompute (``model.recompute_granularity: selective`` with ``core_attn``, Megatron's default module):
-``SelfAttention`` then calls this module through ``Attention._checkpointed_attention_forward``, i.e. inside
-``tensor_parallel.checkpoint`` with the same arguments (``attn_mask_type`` as a keyword); only q/k/v are kept and
-everything built here (gathered K/V under CP, masks, SDPA outputs) is rebuilt in backward, CP all-gather included.
-
-Memory cost of CP here: every rank materialises the FULL K and V of the row, ``2 * T * ng * hn``
-elements per layer (plus their gradients), so CP divides activations and attention-score work but
-not K/V memory. That is fine for CPU tests and moderate rows; for very long rows use the ``te``
-backend (TransformerEngine's ring/P2P context parallelism), the production choice on GPU.
+Without CP: one ``SDPA(is_causal=True)`` per conversation, no ``T x T`` mask. With CP: K/V are all-gathered over
+the CP group (autograd-aware) and each conversation's local queries attend under a causal mask in global
+positions, so every rank holds the full K/V of the row: CP divides activations and attention work but not K/V
+memory; for very long rows use the ``te`` backend (ring context parallelism). Details and measurements:
+``docs/model.md`` and ``docs/parallelism.md``.
 """
 
 from __future__ import annotations

@@ -196,6 +196,34 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_g
         grad.copy_(synced)
 
 
+def megatron_step_unless_non_finite(optimizer, loss_sum: torch.Tensor) -> tuple[bool, float]:
+    """``MegatronOptimizer.step()`` split as Megatron splits it, skipping the update when anything is not finite.
+
+    ``prepare_grads`` (main grads into the fp32 master grads; ``found_inf`` under a loss scaler), the TP/DP-aware
+    ``get_grad_norm`` (Megatron reads it back to the host, as its own ``step`` does), then, only when that norm and
+    ``loss_sum`` are finite: clipping to each optimizer's ``clip_grad`` (``clip_grad_by_total_norm_fp32``) and
+    ``step_with_ready_grads`` (Adam, then the copy or all-gather back into the model weights).
+
+    Returns:
+        ``(skipped, grad_norm)``; the grad norm is a float (NaN or inf when skipped for it).
+    """
+    import math
+
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()
+    norm = float(optimizer.get_grad_norm())
+    if found_inf or not math.isfinite(norm) or not bool(torch.isfinite(loss_sum)):
+        return True, norm
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    optimizer.step_with_ready_grads()
+    return False, norm
+
+
 def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float,
                tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Scale gradients so their global norm (:func:`grad_norm`) is at most ``max_norm``; 0 disables clipping.

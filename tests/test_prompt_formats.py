@@ -128,14 +128,34 @@ def test_chat_template_that_moves_the_system_prompt_is_handled(tokenizer_dir):
     assert _trained_text(tok, tokens, targets) == " Hello! </s>4</s>"
 
 
-def test_turn_crossing_a_token_boundary_is_an_error(tokenizer_dir):
+def test_chat_template_text_that_merges_across_turns_is_encoded_per_part(tokenizer_dir):
+    """A template that glues turns together: each part is encoded alone, no rejection (was an error)."""
     tok = load_tokenizer(tokenizer_dir("gpt2"))
     fmt = get_prompt_format("chat-template", tok, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
                             pad_token="!")
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
             {"role": "assistant", "content": "lo world"}]
-    with pytest.raises(PromptFormatError, match=r"messages\[1\]: turn tokenized alone"):
+    tokens, targets = tokenize_conversation(msgs, tok, fmt)
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert fmt.append_eos  # the template writes nothing after the reply: EOS is the stop signal
+    assert tokens == enc("hel") + enc("lo world") + [tok.eos_token_id] != enc("hello world")
+    assert _trained_text(tok, tokens, targets) == "lo world<|endoftext|>"
+
+
+def test_preset_token_crossing_a_boundary_names_the_message_and_both_sides(monkeypatch, tokenizer_dir):
+    import packsft.prompt_formats as pf
+
+    tok = load_tokenizer(tokenizer_dir("gpt2"))
+    fmt = get_prompt_format("nemotron-h-aligned", tok, pad_token="!")
+    monkeypatch.setattr(pf, "_nemotron_segments", lambda messages, name: [
+        pf.Segment("A: hel", 1, False), pf.Segment("lo world", 2, True), pf.Segment(" bye", 3, False)])
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
+            {"role": "assistant", "content": "lo world"}, {"role": "user", "content": "bye"}]
+    with pytest.raises(PromptFormatError) as err:
         tokenize_conversation(msgs, tok, fmt)
+    text = str(err.value)
+    assert text.startswith("messages[2]: a token crosses the boundary between 'A: hel' and 'lo world'")
+    assert "token ' hello'" in text
 
 
 def test_template_failure_is_a_clear_error(tokenizer_dir):
@@ -181,8 +201,8 @@ def test_fingerprint_differs_between_tokenizers(tokenizer_dir, nemo, qwen):
 
 
 @pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo"])
-def test_marker_fast_path_equals_prefix_rendering(monkeypatch, tokenizer_dir, shared_data, name):
-    """The one-render marker path gives exactly the spans of the per-turn prefix rendering."""
+def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_dir, shared_data, name):
+    """The one-render marker path gives exactly the spans of the per-turn generation-prompt rendering."""
     import packsft.prompt_formats as pf
 
     tok = load_tokenizer(tokenizer_dir(name))
@@ -191,15 +211,11 @@ def test_marker_fast_path_equals_prefix_rendering(monkeypatch, tokenizer_dir, sh
     for ds in ("chat/chitchat", "chat/hh_rlhf_harmless_base_test"):
         with open(shared_data / f"{ds}.messages.jsonl") as f:
             convs += [parse_record(json.loads(line)) for _, line in zip(range(15), f)]
-    fast = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
     calls = []
-    real_fast = pf._fast_spans
-
-    def no_fast_path(msgs, tools, tokenizer, f, turns):
-        calls.append(real_fast(msgs, tools, tokenizer, f, turns)[1] is not None)
-        return pf._render_many(tokenizer, f, [msgs], tools)[0], None
-
-    monkeypatch.setattr(pf, "_fast_spans", no_fast_path)
+    real_turn_spans = pf._turn_spans
+    monkeypatch.setattr(pf, "_turn_spans", lambda *a: calls.append(1) or real_turn_spans(*a))
+    fast = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
+    assert not calls  # the fast path was taken for every one of these conversations
+    monkeypatch.setattr(pf, "_marked_spans", lambda *a: None)
     slow = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
-    assert fast == slow
-    assert all(calls)  # the fast path was taken for every one of these conversations
+    assert fast == slow and len(calls) == len(convs)

@@ -73,7 +73,7 @@ def test_items_are_the_row_builder_applied_to_the_packers_tokenization(tmp_path,
         assert set(item) == set(expected)
         for key, value in expected.items():
             assert torch.equal(item[key], value) if isinstance(value, torch.Tensor) else item[key] == value, key
-        assert len(item["cu_seqlens"]) == len(row) + 1
+        assert len(item["cu_seqlens_padded"]) == len(row) + 1
     assert torch.equal(ds[-1]["tokens"], ds[2]["tokens"])
     with pytest.raises(IndexError, match="row 3 out of range .* 3 rows"):
         ds[3]
@@ -129,7 +129,7 @@ def test_truncated_row_warns_once_naming_line_lengths_and_what_was_cut(tmp_path,
     assert "t.jsonl.packed:2 (row 1) right-truncated" in message
     assert f"need {n1 + n2} tokens but max_seq_len is 32" in message
     assert f"conversation 1 ({n2} tokens) was cut after {32 - n1} tokens" in message
-    assert item["tokens"].shape == (32,) and item["cu_seqlens"].tolist() == [0, n1, 32]
+    assert item["tokens"].shape == (32,) and item["cu_seqlens_padded"].tolist() == [0, n1, 32]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ds[1]                                                                      # reported once per row
@@ -292,7 +292,7 @@ def test_packer_length_equals_loader_length_on_real_data(tmp_path, shared_data, 
             pieces = ds.tokenize_row(i)
             assert [len(t) for t, _ in pieces] == [counts[j] for j in row], f"{name} row {i}"
             built, truncation = build_row(pieces, fmt.pad_token_id, max_seq_len, cp)
-            lengths = (built["cu_seqlens"][1:] - built["cu_seqlens"][:-1]).tolist()
+            lengths = (built["cu_seqlens_padded"][1:] - built["cu_seqlens_padded"][:-1]).tolist()
             assert truncation is None
             assert lengths[:-1] == [costs[j] for j in row[:-1]] and lengths[-1] >= costs[row[-1]]
             checked += len(row)
@@ -316,7 +316,7 @@ def test_files_written_by_the_packer_load_without_truncation(tmp_path, shared_da
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rows = [ds[i] for i in range(len(ds))]
-    assert sum(len(r["cu_seqlens"]) - 1 for r in rows) == 120
-    assert all(((r["cu_seqlens"][1:] - r["cu_seqlens"][:-1]) % 4 == 0).all() for r in rows)
+    assert sum(len(r["cu_seqlens_padded"]) - 1 for r in rows) == 120
+    assert all(((r["cu_seqlens_padded"][1:] - r["cu_seqlens_padded"][:-1]) % 4 == 0).all() for r in rows)
     with pytest.raises(SidecarError, match="context_parallel_size: packed for 2, loader has 4"):
         PackedSFTDataset(out, tok, "chat-template", 1024, 4)

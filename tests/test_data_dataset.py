@@ -237,18 +237,34 @@ def test_train_loader_yields_collated_rows(tmp_path, tekken):
     assert batch["cu_seqlens"].tolist() == ds[0]["cu_seqlens"].tolist() + (ds[1]["cu_seqlens"][1:] + 64).tolist()
 
 
-# Every conversation of every shared file is checked (about 2.5 minutes on 2 CPU cores for both pairs);
+# Every conversation of every shared file is checked (about 5 minutes on 2 CPU cores for the four pairs);
 # PACKSFT_QUICK_REAL_DATA=1 reads only the first N conversations of each file, for a quick local run.
 REAL_FILES = {"chat/gpteacher.messages.jsonl": 400, "chat/gsm8k_train.messages.jsonl": 200,
               "chat/gsm8k_test.messages.jsonl": 200, "chat/hh_rlhf_harmless_base_test.messages.jsonl": 200,
               "chat/chitchat.messages.jsonl": 40, "tools/glaive_toolcall_en_demo.messages.jsonl": 100,
               "tools/bfcl_v4_ast.messages.jsonl": 200}
-REAL_PAIRS = [(TEKKEN, "nemotron-nano-v2"), ("qwen2.5", "chat-template")]
+REAL_PAIRS = [(TEKKEN, "nemotron-nano-v2"), ("qwen2.5", "chat-template"),
+              ("smollm2-135m-instruct", "chat-template"), ("mistral-nemo", "chat-template")]
+NO_TOOLS = {"smollm2-135m-instruct"}  # its template cannot render tool calls (fails on content: null)
 
 
-def _read_and_count(path, tok, fmt, limit, max_seq_len, cp):
-    """Parse and count conversations the way the packer does; skip the ones it would refuse or set apart."""
-    from packsft.conversation import iter_jsonl_lines, parse_record
+def variants(messages):
+    """Edge-case copies of a conversation: whitespace around replies and prompts, CRLF, CJK, emoji, empty system."""
+    def edit(fn, roles=("assistant",)):
+        return [dict(m, content=fn(m["content"])) if m["role"] in roles and isinstance(m.get("content"), str)
+                else dict(m) for m in messages]
+    out = [edit(lambda c: "\n\n" + c), edit(lambda c: " " + c + " \n"), edit(lambda c: c + " ", ("user",)),
+           edit(lambda c: c.replace("\n", "\r\n"), ("user", "assistant")),
+           edit(lambda c: "東京は晴れ。" + c + "🙂👍🏽"), edit(lambda c: "\t" + c + "\n\n", ("user",))]
+    return out + [[dict(messages[0], content="")] + [dict(m) for m in messages[1:]]]
+
+
+def _read_and_count(path, tok, fmt, limit, max_seq_len, cp, every_variant=0):
+    """Parse and count conversations the way the packer does; skip the ones it sets apart (oversize).
+
+    ``chat-template`` must reject nothing; ``every_variant > 0`` adds :func:`variants` of every such conversation.
+    """
+    from packsft.conversation import Conversation, iter_jsonl_lines, parse_record
     from packsft.layout import conversation_cost
     from packsft.prompt_formats import PromptFormatError, count_conversation_tokens
 
@@ -257,14 +273,18 @@ def _read_and_count(path, tok, fmt, limit, max_seq_len, cp):
         if limit is not None and k >= limit:
             break
         c = parse_record(json.loads(text), path, line)
-        try:
-            n = count_conversation_tokens(c.messages, tok, fmt, c.tools)
-        except Exception as e:  # PromptFormatError, or a template refusing this conversation
-            assert isinstance(e, PromptFormatError), e
-            continue
-        if conversation_cost(n, cp) <= max_seq_len:
-            convs.append(c)
-            counts.append(n)
+        extra = [Conversation(v, c.tools, c.path, line) for v in variants(c.messages)] \
+            if every_variant and k % every_variant == 0 else []
+        for conv in [c, *extra]:
+            try:
+                n = count_conversation_tokens(conv.messages, tok, fmt, conv.tools)
+            except Exception as e:  # PromptFormatError, or a template refusing this conversation
+                assert isinstance(e, PromptFormatError), e
+                assert fmt.name != "chat-template", f"{path}:{line}: rejected: {e}"
+                continue
+            if conversation_cost(n, cp) <= max_seq_len:
+                convs.append(conv)
+                counts.append(n)
     return convs, counts
 
 
@@ -272,6 +292,8 @@ def _read_and_count(path, tok, fmt, limit, max_seq_len, cp):
 @pytest.mark.parametrize(("tokenizer_name", "preset"), REAL_PAIRS)
 def test_packer_length_equals_loader_length_on_real_data(tmp_path, shared_data, tokenizer_dir, tokenizer_name,
                                                          preset):
+    """Every conversation (and, for chat-template, edge-case variants of every 20th) packs, none is rejected,
+    and the loader tokenizes each to exactly the packer's count."""
     from packsft.layout import conversation_cost
     from packsft.packing.algorithms import next_fit
 
@@ -281,7 +303,10 @@ def test_packer_length_equals_loader_length_on_real_data(tmp_path, shared_data, 
     full = os.environ.get("PACKSFT_QUICK_REAL_DATA") != "1"
     checked = 0
     for name, limit in REAL_FILES.items():
-        convs, counts = _read_and_count(shared_data / name, tok, fmt, None if full else limit, max_seq_len, cp)
+        if tokenizer_name in NO_TOOLS and name.startswith("tools/"):
+            continue
+        convs, counts = _read_and_count(shared_data / name, tok, fmt, None if full else limit, max_seq_len, cp,
+                                        every_variant=20 if preset == "chat-template" else 0)
         costs = [conversation_cost(n, cp) for n in counts]
         rows = next_fit(costs, max_seq_len)
         path = tmp_path / (name.split("/")[1] + ".packed")
@@ -295,6 +320,7 @@ def test_packer_length_equals_loader_length_on_real_data(tmp_path, shared_data, 
             lengths = (built["cu_seqlens_padded"][1:] - built["cu_seqlens_padded"][:-1]).tolist()
             assert truncation is None
             assert lengths[:-1] == [costs[j] for j in row[:-1]] and lengths[-1] >= costs[row[-1]]
+            assert (built["cu_seqlens"][1:] - built["cu_seqlens"][:-1]).tolist() == [counts[j] for j in row]
             checked += len(row)
     assert checked > (25000 if full else 1000)
 

@@ -31,7 +31,7 @@ def conv(user, assistant, system="", tools=None):
 
 def sidecar_dict(tok, fmt, max_seq_len, cp, **overrides):
     """The checked sidecar fields for ``tok``/``fmt`` plus the packer's descriptive ones."""
-    meta = {"format_version": 1, "tokenizer_fingerprint": tokenizer_fingerprint(tok), "prompt_format": fmt.spec(),
+    meta = {"format_version": 2, "tokenizer_fingerprint": tokenizer_fingerprint(tok), "prompt_format": fmt.spec(),
             "max_seq_len": max_seq_len, "context_parallel_size": cp, "algorithm": "next-fit", "seed": 0,
             "counts": {"rows": 0}, "efficiency": 0.0, "input": "data/in.jsonl"}
     meta.update(overrides)
@@ -346,3 +346,15 @@ def test_files_written_by_the_packer_load_without_truncation(tmp_path, shared_da
     assert all(((r["cu_seqlens_padded"][1:] - r["cu_seqlens_padded"][:-1]) % 4 == 0).all() for r in rows)
     with pytest.raises(SidecarError, match="context_parallel_size: packed for 2, loader has 4"):
         PackedSFTDataset(out, tok, "chat-template", 1024, 4)
+
+
+def test_a_file_packed_with_a_version_1_sidecar_still_loads(tmp_path, tokenizer_dir):
+    """Version 1 sidecars lack train_on/chat_template_kwargs/append_eos; they load as all, {} and false."""
+    tok = load_cached(tokenizer_dir("qwen2.5"))
+    fmt = get_prompt_format("chat-template", tok)
+    v1 = {k: v for k, v in fmt.spec().items() if k not in ("train_on", "chat_template_kwargs", "append_eos")}
+    rows = [[conv("Hi", "Hello!"), conv("2+2?", "4")]]
+    path = write_packed(tmp_path / "v1.jsonl.packed", rows, tok, fmt, 64, format_version=1, prompt_format=v1)
+    ds = PackedSFTDataset(path, tok, "chat-template", 64, require_sidecar=True)
+    assert ds.prompt_format.train_on == "all" and ds.prompt_format.chat_template_kwargs is None
+    assert ds[0]["num_trained_tokens"] == len(tok("Hello!<|im_end|>4<|im_end|>", add_special_tokens=False)["input_ids"])

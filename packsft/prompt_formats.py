@@ -55,7 +55,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +100,7 @@ class PromptFormat:
         chat_template_kwargs: keyword arguments of ``apply_chat_template`` (``{"enable_thinking": False}``).
         append_eos: the tokenizer's EOS id is appended to every trained assistant turn (the template writes
             no end of turn after it).
-        template_name: a name for messages (the tokenizer's path and the template hash).
+        template_name: a name for messages (the tokenizer's path and the template hash); not compared.
     """
 
     name: str
@@ -110,7 +110,7 @@ class PromptFormat:
     train_on: str = "all"
     chat_template_kwargs: dict[str, Any] | None = None
     append_eos: bool = False
-    template_name: str = ""
+    template_name: str = field(default="", compare=False)
 
     @property
     def template_sha256(self) -> str | None:

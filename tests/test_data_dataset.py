@@ -234,7 +234,8 @@ def test_train_loader_yields_collated_rows(tmp_path, tekken):
     ds = PackedSFTDataset(write_packed(tmp_path / "l.jsonl.packed", ROWS, tok, fmt), tok, fmt, 64)
     batch = next(iter(build_train_dataloader(ds, DataLoaderConfig(sampler="sequential", micro_batch_size=2))))
     assert batch["tokens"].shape == (1, 128)
-    assert batch["cu_seqlens"].tolist() == ds[0]["cu_seqlens"].tolist() + (ds[1]["cu_seqlens"][1:] + 64).tolist()
+    first, second = ds[0]["cu_seqlens_padded"], ds[1]["cu_seqlens_padded"]
+    assert batch["cu_seqlens_padded"].tolist() == first.tolist() + (second[1:] + 64).tolist()
 
 
 # Every conversation of every shared file is checked (about 5 minutes on 2 CPU cores for the four pairs);

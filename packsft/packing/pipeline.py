@@ -273,9 +273,12 @@ class PackReport:
         return ", ".join(f"{k}: {n}" for k, n in sorted(self.warning_counts().items())) or "none"
 
     def warn(self, kind: str, message: str, input: str | None = None, line: int | None = None) -> None:
-        """Record a warning (and issue it as a Python warning)."""
+        """Record a warning; the first 5 of each kind are also issued as :class:`PackWarning`."""
         self.warnings.append({"kind": kind, "input": input, "line": line, "message": message})
-        warnings.warn(f"{input}:{line}: {message}" if input else message, PackWarning, stacklevel=3)
+        seen = sum(w["kind"] == kind for w in self.warnings)
+        if seen <= 5:
+            more = " (further ones of this kind are only listed in the report)" if seen == 5 else ""
+            warnings.warn((f"{input}:{line}: {message}" if input else message) + more, PackWarning, stacklevel=3)
 
     def summary(self) -> str:
         """Human-readable multi-line summary."""

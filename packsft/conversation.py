@@ -5,9 +5,11 @@ An input record is one JSON object per line (``docs/formats.md``)::
     {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str | null, ...}, ...],
      "tools": [{"type": "function", "function": {"name": str, "description": str, "parameters": {...}}}]}
 
-``content`` may be null only on an assistant turn that carries ``tool_calls``. A ``system`` message may
-only come first. A packed row (``.jsonl.packed``) holds several conversations one after another, each
-starting with a ``system`` message that carries the conversation's ``tools``; :func:`split_row` cuts it
+``content`` may be null only on an assistant turn that carries ``tool_calls``. An assistant turn may
+carry ``"weight": 0`` (context only, not trained) or ``1``. A ``system`` message may only come first. A
+record may carry ``chat_template_kwargs`` (an object passed to ``apply_chat_template`` for it). A packed
+row (``.jsonl.packed``) holds several conversations one after another, each starting with a ``system``
+message that carries the conversation's ``tools`` and ``chat_template_kwargs``; :func:`split_row` cuts it
 back into conversations.
 
 Every error is a :class:`ConversationError` that names the file, the 1-based line and the field, e.g.
@@ -51,6 +53,8 @@ class Conversation:
         tools: OpenAI function schemas for this conversation, or ``None``.
         path: input file it came from.
         line: 1-based line number in ``path``.
+        meta: the record's other keys.
+        chat_template_kwargs: this conversation's ``apply_chat_template`` keyword arguments, or ``None``.
     """
 
     messages: list[dict[str, Any]]
@@ -58,9 +62,10 @@ class Conversation:
     path: str = ""
     line: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_row_messages(self) -> list[dict[str, Any]]:
-        """Messages as written into a packed row: the conversation's ``tools`` ride on its system message.
+        """Messages as written into a packed row: ``tools`` and ``chat_template_kwargs`` ride on the system message.
 
         Returns:
             A new list of message dicts; the first is the system message.
@@ -68,6 +73,8 @@ class Conversation:
         msgs = [dict(m) for m in self.messages]
         if self.tools:
             msgs[0]["tools"] = self.tools
+        if self.chat_template_kwargs:
+            msgs[0]["chat_template_kwargs"] = self.chat_template_kwargs
         return msgs
 
 
@@ -127,6 +134,12 @@ def _check_tools(tools: Any, path: str | Path, line: int, prefix: str = "tools")
             raise _fail(path, line, f"{where}.function.parameters", "must be a JSON-schema object")
 
 
+def _check_kwargs(kwargs: Any, path: str | Path, line: int, where: str) -> None:
+    if not isinstance(kwargs, dict):
+        raise _fail(path, line, where, f"must be an object of apply_chat_template keyword arguments, got "
+                                       f"{_json_type(kwargs)}")
+
+
 def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> None:
     if not isinstance(calls, list) or not calls:
         raise _fail(path, line, where, "must be a non-empty list")
@@ -152,9 +165,9 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
     """Check roles, contents, tool calls and ordering of one conversation's messages.
 
     Rules: roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string,
-    or null only on an assistant turn with ``tool_calls``; ``system`` only as the first message; a
-    ``tool`` message follows an assistant turn with ``tool_calls`` (or another ``tool`` message); at
-    least one non-system message.
+    or null only on an assistant turn with ``tool_calls``; ``weight`` is 0 or 1, on assistant turns only;
+    ``system`` only as the first message; a ``tool`` message follows an assistant turn with ``tool_calls``
+    (or another ``tool`` message); at least one non-system message.
 
     Raises:
         ConversationError: naming ``path``, ``line`` and the field (``messages[i].role`` ...).
@@ -183,6 +196,11 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
             parts = isinstance(content, list)
             why = " (lists of content parts are not supported; join the text parts)" if parts else ""
             raise _fail(path, line, f"{where}.content", f"must be a string, got {_json_type(content)}{why}")
+        if "weight" in m:
+            if role != "assistant":
+                raise _fail(path, line, f"{where}.weight", f"only assistant turns may carry a weight, not {role}")
+            if m["weight"] not in (0, 1) or isinstance(m["weight"], bool):
+                raise _fail(path, line, f"{where}.weight", f"must be 0 or 1, got {m['weight']!r}")
         if has_calls:
             _check_tool_calls(m["tool_calls"], path, line, f"{where}.tool_calls")
         elif "tool_calls" in m and m["tool_calls"] not in (None, []):
@@ -194,6 +212,8 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
             raise _fail(path, line, f"{where}.role", "a tool message must follow an assistant turn with tool_calls")
         if "tools" in m and i == 0 and role == "system":
             _check_tools(m["tools"], path, line, f"{where}.tools")
+        if "chat_template_kwargs" in m and i == 0 and role == "system":
+            _check_kwargs(m["chat_template_kwargs"], path, line, f"{where}.chat_template_kwargs")
         previous = "tool_call" if has_calls else role
 
 
@@ -218,8 +238,8 @@ def parse_record(
             (every conversation in a packed row starts with a system message, so rows split back into them).
 
     Returns:
-        The conversation; its first message is ``system``. Keys other than ``messages``/``tools`` are kept
-        in ``meta``.
+        The conversation; its first message is ``system``. ``chat_template_kwargs`` (an object) becomes
+        :attr:`Conversation.chat_template_kwargs`; keys other than ``messages``/``tools`` are kept in ``meta``.
 
     Raises:
         ConversationError: on any invalid field, naming ``path``, ``line`` and the field.
@@ -244,14 +264,21 @@ def parse_record(
     tools = record.get("tools")
     if tools is not None:
         _check_tools(tools, path, line)
+    kwargs = record.get("chat_template_kwargs")
+    if kwargs is not None:
+        _check_kwargs(kwargs, path, line, "chat_template_kwargs")
     messages = [dict(m) for m in messages]
     if messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": default_system_prompt})
-    elif "tools" in messages[0]:
-        tools = tools or messages[0]["tools"]
-        del messages[0]["tools"]
+    else:
+        if "tools" in messages[0]:
+            tools = tools or messages[0]["tools"]
+            del messages[0]["tools"]
+        if "chat_template_kwargs" in messages[0]:
+            kwargs = {**messages[0].pop("chat_template_kwargs"), **(kwargs or {})}
     meta = {k: v for k, v in record.items() if k not in ("messages", "tools")}
-    return Conversation(messages=messages, tools=tools or None, path=str(path), line=line, meta=meta)
+    return Conversation(messages=messages, tools=tools or None, path=str(path), line=line, meta=meta,
+                        chat_template_kwargs=kwargs or None)
 
 
 def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: int = 0, *,
@@ -265,7 +292,8 @@ def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: 
             (the loader checks each row once, when it indexes the file).
 
     Returns:
-        One :class:`Conversation` per system message, with its ``tools`` taken from that system message.
+        One :class:`Conversation` per system message, with its ``tools`` and ``chat_template_kwargs`` taken
+        from that system message.
 
     Raises:
         ConversationError: when the row does not start with a system message or a conversation is invalid.
@@ -279,12 +307,16 @@ def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: 
     for k, (s, e) in enumerate(zip(starts, starts[1:] + [len(messages)])):
         msgs = [dict(m) for m in messages[s:e]]
         tools = msgs[0].pop("tools", None)
+        kwargs = msgs[0].pop("chat_template_kwargs", None)
         if validate:
             try:
                 validate_messages(msgs, path, line)
                 if tools is not None:
                     _check_tools(tools, path, line, f"messages[{s}].tools")
+                if kwargs is not None:
+                    _check_kwargs(kwargs, path, line, f"messages[{s}].chat_template_kwargs")
             except ConversationError as err:
                 raise _fail(path, line, f"conversation {k}: {err.field}", err.reason) from err
-        conversations.append(Conversation(messages=msgs, tools=tools, path=str(path), line=line))
+        conversations.append(Conversation(messages=msgs, tools=tools, path=str(path), line=line,
+                                          chat_template_kwargs=kwargs))
     return conversations

@@ -22,7 +22,7 @@ IGNORE_INDEX = -100
 TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 """Per-token tensors of a row, ``[L]`` each: stacked by collate, sliced per CP rank, moved to the model."""
 
-ROW_KEYS = (*TOKEN_KEYS, "cu_seqlens", "max_seqlen", "num_trained_tokens")
+ROW_KEYS = (*TOKEN_KEYS, "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "num_trained_tokens")
 """Every entry of a row built by :func:`packsft.data.row.build_row`."""
 
 

@@ -17,37 +17,45 @@ nemotron-nano-v2     ``<SPECIAL_10>System\\n{s}\\n``,               system, user
 nemotron-h-aligned   ``<SPECIAL_10>System\\n{s}\\n``,               system, user, tool turns (pad
                      ``<SPECIAL_11>User\\n{u}\\n<SPECIAL_11>Assistant\\n``, ``<SPECIAL_233>``)
                      ``{a}\\n``
-chat-template        the tokenizer's Jinja chat template (or a    everything but the assistant turns (pad:
-(alias ``default``)  custom one), tools passed through            tokenizer pad, else ``unk``)
+chat-template        the tokenizer's Jinja chat template (or a    everything but the trained assistant turns
+(alias ``default``)  custom one), tools and kwargs passed through (pad: tokenizer pad, else ``unk``)
+passthrough          every content verbatim (NeMo RL's            everything but the trained assistant
+                     ``chat_template: null``)                     contents (pad: as chat-template)
 ==================== ============================================ ==========================================
 
 ``{s}``/``{u}``/``{a}`` are the stripped contents; ``nemotron-nano-v2`` also deletes ``/think`` and
 ``/no_think`` from system and user text. In the Nemotron presets a ``tool`` turn renders to nothing and an
-assistant turn that only carries ``tool_calls`` is an error (they do not render tool calls).
+assistant turn that only carries ``tool_calls`` is an error (they do not render tool calls). The presets
+tokenize the whole rendering, as Megatron-LM does, and check that every turn's own tokens equal its slice.
 
-Masking is verified: every turn is re-tokenized alone and must equal its slice of the whole conversation's
-tokens; otherwise :class:`PromptFormatError` names the turn. For ``chat-template`` the assistant turns are
-located in the rendered text in one of two ways, which give identical results (tested):
+``chat-template`` and ``passthrough`` build the ids as the model sees them when it generates: the prompt
+part of each trained turn (rendered up to and including the assistant header that
+``add_generation_prompt=True`` appends) is encoded on its own, then the assistant turn with its end-of-turn
+text on its own, and so on; the pieces are concatenated. No token can straddle a header and a reply. An
+assistant turn is trained unless it is empty, has ``"weight": 0``, or ``train_on="last"`` and it is not the
+last assistant turn. When the template writes nothing after an assistant turn (``passthrough`` included),
+``append_eos`` adds the tokenizer's EOS to each trained turn.
 
-* fast path (one extra render): every assistant content is wrapped in private-use markers; removing the
-  markers must give exactly the plain rendering, and the template's end-of-turn text (learned once per
-  template from a probe conversation, e.g. ``<|im_end|>``) must follow each content;
-* otherwise (tool-call turns, templates that transform contents): assistant turn ``i`` ends where rendering
-  ``messages[:i+1]`` ends (that rendering must be a prefix of the whole one) and starts where it first
-  differs from a rendering whose turn ``i`` is replaced by a sentinel, i.e. right after the template's
-  assistant header. Templates that move the system prompt, as Mistral's does, are handled.
+For ``chat-template`` the assistant turns are located in the rendered text in one of two ways, which give
+identical results (tested):
 
-A turn is trained up to and including its end-of-turn token; trailing whitespace after it (Qwen's ``\n``
-after ``<|im_end|>``) is not trained.
+* fast path (one extra render): every trained assistant content is wrapped in private-use markers; removing
+  the markers must give exactly the plain rendering, the template's end-of-turn text (learned once per
+  template, e.g. ``<|im_end|>``) must follow each content, and its generation header must precede it;
+* otherwise (tool-call turns, templates that transform contents): turn ``i`` starts after
+  ``render(messages[:i], add_generation_prompt=True)`` and ends where ``render(messages[:i+1])`` ends,
+  trailing whitespace removed; templates that place the system prompt or the tools before the last user
+  turn, as Mistral's, are handled by finding that text in the whole rendering.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +64,13 @@ from transformers import PreTrainedTokenizerBase
 from packsft.layout import IGNORE_INDEX
 from packsft.tokenizer import token_id
 
-PRESETS = ("identity", "nemotron-nano-v2", "nemotron-h-aligned", "chat-template")
+PRESETS = ("identity", "nemotron-nano-v2", "nemotron-h-aligned", "chat-template", "passthrough")
 ALIASES = {"default": "chat-template"}
-_SENTINEL = "\ue000"  # private-use character: never the first character of a real assistant turn
+TRAIN_ON = ("all", "last")
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use markers around assistant contents (fast path)
-_END_OF_TURN: dict[tuple, str | None] = {}  # (template, eos, bos) -> text a template emits after assistant content
+_SHAPES: dict[tuple, Any] = {}  # (template, eos, bos, kwargs) -> TemplateShape
 _PRESET_PAD = {"identity": "<unk>", "nemotron-nano-v2": "<unk>", "nemotron-h-aligned": "<SPECIAL_233>"}
+_MASKABLE = ("chat-template", "passthrough")
 
 
 class PromptFormatError(ValueError):
@@ -86,12 +95,22 @@ class PromptFormat:
         pad_token: pad token string; its id fills CP and tail padding and is never trained.
         pad_token_id: id of ``pad_token``.
         chat_template: the Jinja template (``chat-template`` only).
+        train_on: ``all`` assistant turns, or only the ``last`` of each conversation (``chat-template``,
+            ``passthrough``).
+        chat_template_kwargs: keyword arguments of ``apply_chat_template`` (``{"enable_thinking": False}``).
+        append_eos: the tokenizer's EOS id is appended to every trained assistant turn (the template writes
+            no end of turn after it).
+        template_name: a name for messages (the tokenizer's path and the template hash); not compared.
     """
 
     name: str
     pad_token: str
     pad_token_id: int
     chat_template: str | None = None
+    train_on: str = "all"
+    chat_template_kwargs: dict[str, Any] | None = None
+    append_eos: bool = False
+    template_name: str = field(default="", compare=False)
 
     @property
     def template_sha256(self) -> str | None:
@@ -103,7 +122,16 @@ class PromptFormat:
     def spec(self) -> dict[str, Any]:
         """JSON-able description recorded in the packed file's sidecar."""
         return {"name": self.name, "pad_token": self.pad_token, "pad_token_id": self.pad_token_id,
-                "chat_template_sha256": self.template_sha256}
+                "chat_template_sha256": self.template_sha256, "train_on": self.train_on,
+                "chat_template_kwargs": dict(self.chat_template_kwargs or {}), "append_eos": self.append_eos}
+
+    def missing_stop_signal(self, tokenizer: PreTrainedTokenizerBase) -> bool:
+        """True when trained assistant turns end without any stop signal (no end-of-turn text, no EOS)."""
+        if self.name == "passthrough":
+            return not self.append_eos
+        if self.name != "chat-template":
+            return False
+        return template_shape(tokenizer, self).end_of_turn == "" and not self.append_eos
 
 
 def _resolve_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | Path | None) -> str:
@@ -130,25 +158,42 @@ def get_prompt_format(
     *,
     pad_token: str | None = None,
     chat_template: str | Path | None = None,
+    train_on: str = "all",
+    chat_template_kwargs: dict[str, Any] | None = None,
+    append_eos: bool | None = None,
 ) -> PromptFormat:
     """Bind a prompt format to a tokenizer and resolve its pad token.
 
     Args:
-        name: ``identity``, ``nemotron-nano-v2``, ``nemotron-h-aligned``, ``chat-template`` (or ``default``).
+        name: one of :data:`PRESETS` (or ``default``).
         tokenizer: a fast Hugging Face tokenizer.
         pad_token: replaces the preset's pad token (Megatron-LM's ``override_pad_token``).
         chat_template: for ``chat-template``: a Jinja string or a file; default: the tokenizer's own.
+        train_on: ``all`` or ``last`` (``chat-template`` and ``passthrough`` only).
+        chat_template_kwargs: keyword arguments of ``apply_chat_template`` (``chat-template`` only).
+        append_eos: append EOS to every trained assistant turn; ``None``: when the template writes nothing
+            after an assistant turn's content (always for ``passthrough``) and the tokenizer has an EOS.
 
     Returns:
         The :class:`PromptFormat`.
 
     Raises:
         ValueError: unknown name; pad token not in the vocabulary; pad equal to EOS (the loss mask is 0
-            wherever the label is the pad, so EOS would never be learned); no chat template available.
+            wherever the label is the pad, so EOS would never be learned); no chat template available;
+            ``train_on``, ``chat_template_kwargs`` or ``append_eos`` given to a format that ignores them.
     """
     canonical = ALIASES.get(name, name)
     if canonical not in PRESETS:
         raise ValueError(f"unknown prompt format {name!r} (choose one of {', '.join(PRESETS)}, or 'default')")
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"train_on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")
+    if canonical not in _MASKABLE and (train_on != "all" or append_eos):
+        raise ValueError(f"--train-on and --append-eos need prompt format chat-template or passthrough; "
+                         f"{canonical} masks as Megatron-LM does")
+    if chat_template_kwargs and canonical != "chat-template":
+        raise ValueError(f"--chat-template-kwargs needs prompt format chat-template, not {canonical}")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a JSON object, got {type(chat_template_kwargs).__name__}")
     template = _resolve_template(tokenizer, chat_template) if canonical == "chat-template" else None
     if pad_token is not None:
         pad = pad_token
@@ -159,13 +204,28 @@ def get_prompt_format(
         if pad is None or pad == tokenizer.eos_token:
             pad = tokenizer.unk_token
         if pad is None or pad == tokenizer.eos_token:
-            raise ValueError("prompt format 'chat-template': the tokenizer's pad token is missing or equals EOS "
+            raise ValueError(f"prompt format {canonical!r}: the tokenizer's pad token is missing or equals EOS "
                              "and it has no other unk token; choose one with --pad-token")
     pad_id = token_id(tokenizer, pad)
     if tokenizer.eos_token_id is not None and pad_id == tokenizer.eos_token_id:
         raise ValueError(f"pad token {pad!r} (id {pad_id}) equals the EOS token: padding is never trained, so "
                          "EOS would never be learned; choose another --pad-token")
-    return PromptFormat(name=canonical, pad_token=pad, pad_token_id=pad_id, chat_template=template)
+    label = f"{getattr(tokenizer, 'name_or_path', '') or 'tokenizer'}"
+    fmt = PromptFormat(name=canonical, pad_token=pad, pad_token_id=pad_id, chat_template=template,
+                       train_on=train_on, chat_template_kwargs=dict(chat_template_kwargs or {}) or None,
+                       template_name=f"{label} chat template {_sha(template)}" if template else label)
+    if canonical in _MASKABLE:
+        if append_eos is None:
+            append_eos = tokenizer.eos_token_id is not None and (
+                canonical == "passthrough" or template_shape(tokenizer, fmt).end_of_turn == "")
+        if append_eos and tokenizer.eos_token_id is None:
+            raise ValueError("--append-eos: the tokenizer has no EOS token")
+        fmt = dataclasses.replace(fmt, append_eos=bool(append_eos))
+    return fmt
+
+
+def _sha(text: str | None) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16] if text else ""
 
 
 @dataclass(frozen=True)
@@ -225,11 +285,18 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _render_many(tokenizer, fmt: PromptFormat, conversations: list[list[dict]], tools) -> list[str]:
+def _kwargs(fmt: PromptFormat, chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments of ``apply_chat_template``: the format's, overridden by the conversation's."""
+    return {**(fmt.chat_template_kwargs or {}), **(chat_template_kwargs or {})}
+
+
+def _render_many(tokenizer, fmt: PromptFormat, conversations: list[list[dict]], tools,
+                 kwargs: dict[str, Any] | None = None, generation_prompt: bool = False) -> list[str]:
     """Render several conversations with the chat template in one ``apply_chat_template`` call."""
     try:
         texts = tokenizer.apply_chat_template(conversations, tools=tools, chat_template=fmt.chat_template,
-                                              tokenize=False, add_generation_prompt=False)
+                                              tokenize=False, add_generation_prompt=generation_prompt,
+                                              **(kwargs or {}))
     except Exception as e:  # jinja2 errors and template `raise_exception` calls
         calls = any(m.get("tool_calls") or m.get("role") == "tool" for conv in conversations for m in conv)
         hint = " (the conversation has tool calls: this template may not support them)" if calls else ""
@@ -239,28 +306,44 @@ def _render_many(tokenizer, fmt: PromptFormat, conversations: list[list[dict]], 
     return texts
 
 
-def _end_of_turn(tokenizer, fmt: PromptFormat) -> str | None:
-    """What the template writes after an assistant turn's content, trailing whitespace removed (cached).
+@dataclass(frozen=True)
+class TemplateShape:
+    """What a chat template writes around an assistant turn, learned once from a probe conversation.
 
-    E.g. ``<|im_end|>`` for ChatML, ``</s>`` for Mistral; ``None`` when the probe conversation cannot be rendered.
+    Attributes:
+        end_of_turn: text after an assistant content, trailing whitespace removed (``<|im_end|>``,
+            ``</s>``; ``""`` when the template writes nothing after it); ``None`` when the probe fails.
+        header: text ``add_generation_prompt=True`` appends to a conversation that ends with a user turn
+            (``<|im_start|>assistant\\n``; ``""`` for Mistral's ``[INST]...[/INST]``); ``None`` when unknown.
     """
-    key = (fmt.chat_template, tokenizer.eos_token, tokenizer.bos_token)
-    if key not in _END_OF_TURN:
-        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                 {"role": "assistant", "content": f"{_OPEN}a{_CLOSE}"}]
+
+    end_of_turn: str | None
+    header: str | None
+
+
+def template_shape(tokenizer, fmt: PromptFormat, kwargs: dict[str, Any] | None = None) -> TemplateShape:
+    """The :class:`TemplateShape` of ``fmt``'s chat template (cached per template, kwargs and specials)."""
+    kwargs = _kwargs(fmt, kwargs)
+    key = (fmt.chat_template, tokenizer.eos_token, tokenizer.bos_token, json.dumps(kwargs, sort_keys=True))
+    if key not in _SHAPES:
+        prompt = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        probe = prompt + [{"role": "assistant", "content": f"{_OPEN}a{_CLOSE}"}]
         try:
-            text = _render_many(tokenizer, fmt, [probe], None)[0]
-            _END_OF_TURN[key] = text[text.index(_CLOSE) + 1 :].rstrip() if text.count(_CLOSE) == 1 else None
+            text, bare = _render_many(tokenizer, fmt, [probe, prompt], None, kwargs)
+            gen = _render_many(tokenizer, fmt, [prompt], None, kwargs, generation_prompt=True)[0]
+            eot = text[text.index(_CLOSE) + 1 :].rstrip() if text.count(_CLOSE) == 1 else None
+            header = gen[len(bare):] if gen.startswith(bare) else None
         except PromptFormatError:
-            _END_OF_TURN[key] = None
-    return _END_OF_TURN[key]
+            eot = header = None
+        _SHAPES[key] = TemplateShape(eot, header)
+    return _SHAPES[key]
 
 
-def _marked_spans(msgs, turns, full: str, marked: str, eot: str) -> list[tuple[int, int]] | None:
+def _marked_spans(turns, full: str, marked: str, eot: str) -> list[tuple[int, int]] | None:
     """Assistant spans ``[start, end)`` in ``full`` from a rendering whose assistant contents carry markers.
 
-    Returns ``None`` (use the slow path) unless removing the markers gives exactly ``full``, every turn has
-    exactly one pair of markers, and the end-of-turn text follows each content.
+    Returns ``None`` (use the per-turn path) unless removing the markers gives exactly ``full``, every turn
+    has exactly one pair of markers, and the end-of-turn text follows each content.
     """
     if marked.replace(_OPEN, "").replace(_CLOSE, "") != full or marked.count(_OPEN) != len(turns):
         return None
@@ -279,76 +362,152 @@ def _marked_spans(msgs, turns, full: str, marked: str, eot: str) -> list[tuple[i
     return spans
 
 
-def _fast_spans(msgs, tools, tokenizer, fmt: PromptFormat, turns) -> tuple[str, list[tuple[int, int]] | None]:
-    """Render the conversation and, when the template allows, locate all assistant turns in one more render."""
-    eot = _end_of_turn(tokenizer, fmt)
-    plain = all(isinstance(msgs[i].get("content"), str) and not msgs[i].get("tool_calls") for i in turns)
-    clean = not any(_OPEN in str(m.get("content")) or _CLOSE in str(m.get("content")) for m in msgs)
-    if eot is None or not (plain and clean):
-        return _render_many(tokenizer, fmt, [msgs], tools)[0], None
-    marked = [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") if i in turns else m for i, m in enumerate(msgs)]
-    full, marked_text = _render_many(tokenizer, fmt, [msgs, marked], tools)
-    return full, _marked_spans(msgs, turns, full, marked_text, eot)
+def _turn_spans(msgs, tools, tokenizer, fmt: PromptFormat, kwargs, turns, full: str,
+                shape: TemplateShape) -> list[tuple[int, int]]:
+    """Assistant spans ``[start, end)`` in ``full``, each located from renderings of its own prefix.
 
+    Turn ``i`` ends where ``render(messages[:i + 1])`` ends (trailing whitespace removed) and starts where
+    ``render(messages[:i], add_generation_prompt=True)`` ends; when the template renders the prompt
+    differently once the turn follows (Mistral's moves the system prompt to the last user turn), it starts
+    where that rendering first differs from one whose turn ``i`` is a sentinel character. When the rendering
+    is a prefix of ``full`` the span is taken as is; otherwise (templates that place tools before the *last*
+    user turn) the trained text is searched in ``full`` after the previous span and must follow the same
+    prompt ending.
 
-def _prefix_spans(msgs, tools, tokenizer, fmt: PromptFormat, turns, full: str) -> list[tuple[int, int]]:
-    """Assistant spans by rendering each prefix that ends with an assistant turn and a sentinel probe of it."""
-    prefixes = [msgs[: i + 1] for i in turns if i != len(msgs) - 1]
-    probes = [msgs[:i] + [{"role": "assistant", "content": _SENTINEL}] for i in turns]
-    texts = _render_many(tokenizer, fmt, prefixes + probes, tools)
-    ends, starts = iter(texts[: len(prefixes)]), texts[len(prefixes) :]
+    Raises:
+        PromptFormatError: a turn that does not start after the template's generation header, or whose
+            trained text cannot be found in the whole rendering.
+    """
+    n = len(turns)
+    probes = [msgs[:i] + [{"role": "assistant", "content": _OPEN}] for i in turns]
+    texts = _render_many(tokenizer, fmt, [msgs[: i + 1] for i in turns] + probes, tools, kwargs)
+    gens = _render_many(tokenizer, fmt, [msgs[:i] for i in turns], tools, kwargs, generation_prompt=True)
     spans, done = [], 0
-    for i, probe in zip(turns, starts):
-        end_text = full if i == len(msgs) - 1 else next(ends)
-        start = len(os.path.commonprefix([end_text, probe]))
-        if not full.startswith(end_text) or start < done:
-            raise PromptFormatError("chat template is not prefix-stable here: rendering the conversation up to "
-                                    "this turn is not a prefix of the whole rendering, so the turn cannot be "
-                                    "located for masking", i)
-        done = len(end_text.rstrip())
-        spans.append((start, done))
+    for k, i in enumerate(turns):
+        end_text, probe, gen = texts[k], texts[n + k], gens[k]
+        own = len(gen) if end_text.startswith(gen) else len(os.path.commonprefix([end_text, probe]))
+        if shape.header and not end_text.endswith(shape.header, 0, own):
+            raise PromptFormatError(
+                f"assistant turn does not follow the template's generation header {shape.header!r} (it is rendered "
+                f"after {end_text[max(0, own - 40):own]!r}), so the prompt the model sees when it generates this "
+                "turn is not the one it would be trained on", i)
+        trained = end_text[own:].rstrip()
+        if full.startswith(end_text.rstrip()) and own >= done:
+            start = own
+        else:
+            start = full.find(trained, done) if trained else -1
+            tail = end_text[max(0, own - 8):own]
+            if start < 0 or not full.endswith(tail, 0, start):
+                raise PromptFormatError(
+                    f"assistant turn {trained[:40]!r} rendered after its own prefix is not found in the whole "
+                    f"conversation after {tail!r}; the template renders it differently in context", i)
+        spans.append((start, start + len(trained)))
+        done = start + len(trained)
     return spans
 
 
-def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat) -> list[Segment]:
-    msgs = _template_messages(messages)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for i in turns:
-        if not (messages[i].get("content") or "").strip() and not messages[i].get("tool_calls"):
-            raise PromptFormatError("empty assistant turn", i)
-    full, spans = _fast_spans(msgs, tools, tokenizer, fmt, turns)
-    if spans is None:
-        spans = _prefix_spans(msgs, tools, tokenizer, fmt, turns, full)
+def trained_turns(messages: list[dict[str, Any]], train_on: str = "all") -> list[int]:
+    """Indices of the assistant turns a conversation trains (``chat-template`` and ``passthrough``).
+
+    An assistant turn is trained unless it has ``"weight": 0``, it is empty (no content but whitespace
+    and no ``tool_calls``), or ``train_on == "last"`` and it is not the conversation's last assistant turn.
+    """
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if train_on == "last":
+        assistants = assistants[-1:]
+    return [i for i in assistants if messages[i].get("weight", 1) != 0
+            and ((messages[i].get("content") or "").strip() or messages[i].get("tool_calls"))]
+
+
+def _check_masks(messages, fmt: PromptFormat) -> None:
+    """Raise when every assistant turn is empty, or when a preset meets ``weight: 0``."""
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if assistants and all(not (messages[i].get("content") or "").strip() and not messages[i].get("tool_calls")
+                          for i in assistants):
+        raise PromptFormatError("empty assistant turn (no assistant turn has content, nothing to train)",
+                                assistants[0])
+
+
+def _segments_from_spans(full: str, turns, spans, last: int) -> list[Segment]:
     segments: list[Segment] = []
     done = 0  # characters of `full` already assigned to segments
     for i, (start, end) in zip(turns, spans):
-        if start > done:
-            segments.append(Segment(full[done:start], i - 1, False))
+        if start < done:
+            raise PromptFormatError("assistant turns overlap in the rendering", i)
+        segments.append(Segment(full[done:start], i, False))
         segments.append(Segment(full[start:end], i, True))
         done = end
-    if done < len(full):
-        segments.append(Segment(full[done:], len(messages) - 1, False))
+    segments.append(Segment(full[done:], last, False))
     return segments
 
 
-def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat) -> list[Segment]:
+def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat, kwargs=None) -> list[Segment]:
+    _check_masks(messages, fmt)
+    kwargs = _kwargs(fmt, kwargs)
+    msgs = _template_messages(messages)
+    turns = trained_turns(messages, fmt.train_on)
+    shape = template_shape(tokenizer, fmt, kwargs)
+    plain = all(isinstance(msgs[i].get("content"), str) and not msgs[i].get("tool_calls") for i in turns)
+    clean = not any(_OPEN in str(m.get("content")) or _CLOSE in str(m.get("content")) for m in msgs)
+    spans = None
+    if turns and shape.end_of_turn is not None and plain and clean:
+        marked = [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") if i in turns else m
+                  for i, m in enumerate(msgs)]
+        full, marked_text = _render_many(tokenizer, fmt, [msgs, marked], tools, kwargs)
+        spans = _marked_spans(turns, full, marked_text, shape.end_of_turn)
+        if spans is not None and shape.header and not all(full.endswith(shape.header, 0, s) for s, _ in spans):
+            spans = None  # the turn is not rendered after the generation prompt: locate it turn by turn
+    else:
+        full = _render_many(tokenizer, fmt, [msgs], tools, kwargs)[0]
+    if spans is None and turns:
+        spans = _turn_spans(msgs, tools, tokenizer, fmt, kwargs, turns, full, shape)
+    return _segments_from_spans(full, turns, spans or [], len(messages) - 1)
+
+
+def _passthrough_segments(messages, fmt: PromptFormat) -> list[Segment]:
+    turns = set(trained_turns(messages, fmt.train_on))
+    segments: list[Segment] = []
+    prompt, first = "", 0
+    for i, m in enumerate(messages):
+        if i in turns:
+            segments.append(Segment(prompt, first, False))
+            segments.append(Segment(m.get("content") or "", i, True))
+            prompt, first = "", i + 1
+        else:
+            prompt += m.get("content") or ""
+    segments.append(Segment(prompt, first, False))
+    return segments
+
+
+def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[Segment]:
     """Render a conversation into text segments with their training flags (no tokenization).
 
     Args:
         messages: the conversation's messages (first one ``system``).
         tools: its OpenAI function schemas or ``None`` (used by ``chat-template`` only).
         tokenizer, fmt: the tokenizer and the prompt format bound to it.
+        chat_template_kwargs: this conversation's ``apply_chat_template`` keyword arguments (over the
+            format's own).
 
     Returns:
-        Segments whose texts concatenate to the whole rendering.
+        Segments whose texts concatenate to the whole rendering. For ``chat-template`` and ``passthrough``
+        they alternate prompt, trained, prompt, ..., prompt (possibly empty texts); each is tokenized alone.
 
     Raises:
-        PromptFormatError: empty assistant turn, template failure, or a template that is not prefix-stable.
+        PromptFormatError: every assistant turn empty, template failure, or a turn that cannot be located.
     """
     if fmt.name == "identity":
         return [Segment("".join(m.get("content") or "" for m in messages), -1, True)]
     if fmt.name == "chat-template":
-        return _chat_template_segments(messages, tools, tokenizer, fmt)
+        return _chat_template_segments(messages, tools, tokenizer, fmt, chat_template_kwargs)
+    if fmt.name == "passthrough":
+        _check_masks(messages, fmt)
+        return _passthrough_segments(messages, fmt)
+    for i, m in enumerate(messages):
+        if m.get("weight", 1) == 0:
+            raise PromptFormatError(f"'weight: 0' needs prompt format chat-template or passthrough; {fmt.name} "
+                                    "masks as Megatron-LM does", i)
     return _nemotron_segments(messages, fmt.name)
 
 
@@ -356,52 +515,101 @@ def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[i
     return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
+def _boundary_error(tokenizer, segments: list[Segment], pieces, tokens, k: int, pos: int) -> PromptFormatError:
+    """The error for segment ``k`` whose own tokens differ from its slice ``tokens[pos:...]``."""
+    piece, got = pieces[k], tokens[pos : pos + len(pieces[k])]
+    first = next((j for j, (a, b) in enumerate(zip(piece, got)) if a != b), min(len(piece), len(got)))
+    at_start = first == 0 and k > 0
+    left = segments[k - 1] if at_start else segments[k]
+    right = segments[k] if at_start else (segments[k + 1] if k + 1 < len(segments) else None)
+    straddling = tokenizer.decode(got[first : first + 1]) if first < len(got) else ""
+    message_index = right.turn if right is not None and right.turn >= 0 else left.turn
+    right_text = right.text[:40] if right is not None else ""
+    return PromptFormatError(
+        f"a token crosses the boundary between {left.text[-40:]!r} and {right_text!r} (token {straddling!r} of "
+        f"the whole conversation spans both sides); the prompt format cannot mask this turn exactly",
+        message_index)
+
+
+def tokenize_segments(
+    messages: list[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: PromptFormat,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[tuple[Segment, list[int]]]:
+    """Each rendered segment with its token ids, in order (their concatenation is the conversation).
+
+    ``chat-template`` and ``passthrough`` encode every segment on its own (prompt parts through the
+    assistant header, then each trained assistant turn, plus EOS when ``fmt.append_eos``): no token crosses
+    a header and a reply. The presets encode the whole rendering and check that every segment's own tokens
+    equal its slice (Megatron-LM tokenizes the whole string).
+
+    Raises:
+        PromptFormatError: as :func:`render_segments`; for a preset, a token that crosses a turn boundary
+            (names the message and the text on both sides).
+    """
+    segments = render_segments(messages, tools, tokenizer, fmt, chat_template_kwargs)
+    if fmt.name in ("chat-template", "passthrough"):
+        pieces = _encode(tokenizer, [s.text for s in segments])
+        eos = tokenizer.eos_token
+        out = []
+        for seg, piece in zip(segments, pieces):
+            if seg.trained and fmt.append_eos and not seg.text.rstrip().endswith(eos):
+                piece = piece + [tokenizer.eos_token_id]
+            if seg.text or piece:
+                out.append((seg, piece))
+        return out
+    segments = [s for s in segments if s.text]
+    full_text = "".join(s.text for s in segments)
+    if fmt.name == "identity":
+        return [(segments[0], _encode(tokenizer, [full_text])[0])] if segments else []
+    encoded = _encode(tokenizer, [full_text] + [s.text for s in segments])
+    tokens, pieces = encoded[0], encoded[1:]
+    pos = 0
+    for k, piece in enumerate(pieces):
+        if tokens[pos : pos + len(piece)] != piece:
+            raise _boundary_error(tokenizer, segments, pieces, tokens, k, pos)
+        pos += len(piece)
+    if pos != len(tokens):
+        raise PromptFormatError(f"turns cover {pos} tokens but the conversation has {len(tokens)}")
+    return list(zip(segments, pieces))
+
+
 def tokenize_conversation(
     messages: list[dict[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
     fmt: PromptFormat,
     tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Tokenize one conversation and build its targets (Megatron-LM ``SFTTokenizer.tokenize_conversation``).
 
     Args:
-        messages: the conversation (first message ``system``).
+        messages: the conversation (first message ``system``); assistant turns may carry ``"weight": 0|1``.
         tokenizer: fast Hugging Face tokenizer.
         fmt: prompt format bound to ``tokenizer`` (:func:`get_prompt_format`).
         tools: the conversation's tool schemas (``chat-template`` renders them).
+        chat_template_kwargs: this conversation's ``apply_chat_template`` keyword arguments.
 
     Returns:
         ``(tokens, targets)``: two equally long lists of int token ids; ``targets[i]`` is ``tokens[i]`` where
-        trained, else :data:`IGNORE_INDEX`. No BOS/EOS is added beyond what the format renders.
+        trained, else :data:`IGNORE_INDEX`. No BOS/EOS is added beyond what the format renders, except the
+        EOS of ``fmt.append_eos``.
 
     Raises:
-        PromptFormatError: the conversation cannot be rendered, renders to no token, or a turn's own
-            tokenization differs from its slice of the whole (the error names the turn and both token lists).
+        PromptFormatError: the conversation cannot be rendered, renders to no token, or (presets) a token
+            crosses a turn boundary (the error names the message and the text on both sides).
     """
-    segments = [s for s in render_segments(messages, tools, tokenizer, fmt) if s.text]
-    full_text = "".join(s.text for s in segments)
-    if fmt.name == "identity":
-        tokens = _encode(tokenizer, [full_text])[0]
-        if not tokens:
-            raise PromptFormatError("the conversation renders to no tokens")
-        return tokens, list(tokens)
-    encoded = _encode(tokenizer, [full_text] + [s.text for s in segments])
-    tokens, pieces = encoded[0], encoded[1:]
+    tokens: list[int] = []
     targets: list[int] = []
-    pos = 0
-    for seg, piece in zip(segments, pieces):
-        if tokens[pos : pos + len(piece)] != piece:
-            got = tokens[pos : pos + len(piece)]
-            raise PromptFormatError(f"turn tokenized alone ({piece[:8]}...) differs from its slice of the "
-                                    f"conversation ({got[:8]}...): a token crosses the turn boundary", seg.turn)
-        if seg.trained:
+    for seg, piece in tokenize_segments(messages, tokenizer, fmt, tools, chat_template_kwargs):
+        tokens += piece
+        if not seg.trained:
+            targets += [IGNORE_INDEX] * len(piece)
+        else:
             k = min(seg.masked_prefix, len(piece))
             targets += [IGNORE_INDEX] * k + piece[k:]
-        else:
-            targets += [IGNORE_INDEX] * len(piece)
-        pos += len(piece)
-    if pos != len(tokens):
-        raise PromptFormatError(f"turns cover {pos} tokens but the conversation has {len(tokens)}")
     if not tokens:
         raise PromptFormatError("the conversation renders to no tokens")
     return tokens, targets
@@ -412,13 +620,14 @@ def count_conversation_tokens(
     tokenizer: PreTrainedTokenizerBase,
     fmt: PromptFormat,
     tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> int:
     """Number of tokens of a conversation: ``len(tokenize_conversation(...)[0])``.
 
-    The packer's only token counter; it runs the loader's own tokenization (including the masking checks),
+    The packer's token counter; it runs the loader's own tokenization (including the masking checks),
     so a conversation that would fail in the loader fails here, at packing time.
 
     Raises:
         PromptFormatError: as :func:`tokenize_conversation`.
     """
-    return len(tokenize_conversation(messages, tokenizer, fmt, tools)[0])
+    return len(tokenize_conversation(messages, tokenizer, fmt, tools, chat_template_kwargs)[0])

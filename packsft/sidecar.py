@@ -5,16 +5,19 @@ A packed row only makes sense with the tokenizer, prompt format, pad, ``max_seq_
 size other padding. The packer records them with :func:`write_sidecar`; the loader compares them with its own
 configuration through :func:`check_sidecar` and refuses the file on any difference.
 
-Sidecar fields (JSON object, ``format_version`` 1)::
+Sidecar fields (JSON object, ``format_version`` 2)::
 
-    {"format_version": 1,
+    {"format_version": 2,
      "tokenizer_fingerprint": str,        # packsft.tokenizer.tokenizer_fingerprint
      "prompt_format": {"name": str, "pad_token": str, "pad_token_id": int,
-                       "chat_template_sha256": str | null},   # PromptFormat.spec()
+                       "chat_template_sha256": str | null, "train_on": "all" | "last",
+                       "chat_template_kwargs": {...}, "append_eos": bool},   # PromptFormat.spec()
      "max_seq_len": int, "context_parallel_size": int,
      "algorithm": str, "seed": int, "counts": {...}, "efficiency": float, ...}
 
-Only the first five are checked (:data:`CHECKED_FIELDS`); the rest describe the packing run.
+Only the tokenizer, prompt format, ``max_seq_len`` and CP size are checked (:data:`CHECKED_FIELDS`); the
+rest describe the packing run. A version 1 sidecar (before ``train_on``, ``chat_template_kwargs`` and
+``append_eos``) is read with their defaults, ``all``, ``{}`` and ``false``: what version 1 packed.
 """
 
 from __future__ import annotations
@@ -27,16 +30,22 @@ from packsft.io import atomic_open
 from packsft.prompt_formats import PromptFormat
 
 SIDECAR_SUFFIX = ".meta.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 CHECKED_FIELDS = (
     "tokenizer_fingerprint",
     "prompt_format.name",
     "prompt_format.pad_token",
     "prompt_format.pad_token_id",
     "prompt_format.chat_template_sha256",
+    "prompt_format.train_on",
+    "prompt_format.chat_template_kwargs",
+    "prompt_format.append_eos",
     "max_seq_len",
     "context_parallel_size",
 )
+V1_DEFAULTS = {"train_on": "all", "chat_template_kwargs": {}, "append_eos": False}
+"""``prompt_format`` fields a version 1 sidecar lacks, with what version 1 packed."""
 PACK_TOOL = "tools/pack_megatron_sft_jsonl.py"
 
 
@@ -91,7 +100,8 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
         path: the packed file or its sidecar path.
 
     Returns:
-        The sidecar dict, or ``None`` when there is no sidecar.
+        The sidecar dict (a version 1 one with :data:`V1_DEFAULTS` filled in), or ``None`` when there is no
+        sidecar.
 
     Raises:
         SidecarError: not valid JSON, not an object, an unknown ``format_version``, or a checked field missing.
@@ -105,9 +115,12 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
         raise SidecarError(f"{target}: not valid JSON ({e})") from e
     if not isinstance(meta, dict):
         raise SidecarError(f"{target}: must be a JSON object, got {type(meta).__name__}")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise SidecarError(f"{target}: format_version {meta.get('format_version')!r} is not supported "
-                           f"(this packsft reads version {FORMAT_VERSION}); re-pack the file with {PACK_TOOL}")
+                           f"(this packsft reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-pack the "
+                           f"file with {PACK_TOOL}")
+    if meta["format_version"] == 1 and isinstance(meta.get("prompt_format"), dict):
+        meta["prompt_format"] = {**V1_DEFAULTS, **meta["prompt_format"]}
     missing = [f for f in CHECKED_FIELDS if _get(meta, f) is _MISSING]
     if missing:
         raise SidecarError(f"{target}: missing field(s) {missing}; re-pack the file with {PACK_TOOL}")
@@ -148,6 +161,12 @@ def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat
             f"--context-parallel-size {context_parallel_size} --pad-token '{fmt.pad_token}'")
     if custom_template:
         hint += " --chat-template <the same template>"
+    if fmt.train_on != "all":
+        hint += f" --train-on {fmt.train_on}"
+    if fmt.chat_template_kwargs:
+        hint += f" --chat-template-kwargs '{json.dumps(fmt.chat_template_kwargs, sort_keys=True)}'"
+    if fmt.name in ("chat-template", "passthrough"):
+        hint += " --append-eos" if fmt.append_eos else " --no-append-eos"
     if "algorithm" in meta:
         hint += f" --algorithm {meta['algorithm']} --seed {meta.get('seed', 1234)}"
     return hint

@@ -117,3 +117,24 @@ def test_matches_transformer_engine(cp):
     for rank in range(cp):
         te_idx = tex.thd_get_partitioned_indices(cu, int(cu[-1]), cp, rank)
         assert cp_partition_indices(cu, cp, rank).tolist() == te_idx.tolist()
+
+
+def test_make_packed_seq_params_passes_real_and_padded_offsets_te_style():
+    """cu_seqlens_q/kv = real lengths, *_padded = the row's offsets; max_seqlen covers the padded segments."""
+    psp = make_packed_seq_params(torch.tensor([0, 3, 8]), 5, cu_seqlens_padded=torch.tensor([0, 4, 12]))
+    assert psp.cu_seqlens_q.tolist() == psp.cu_seqlens_kv.tolist() == [0, 3, 8]
+    assert psp.cu_seqlens_q_padded.tolist() == psp.cu_seqlens_kv_padded.tolist() == [0, 4, 12]
+    assert psp.max_seqlen_q == psp.max_seqlen_kv == 8   # Megatron's THD RoPE needs a position per padded token
+    with pytest.raises(ValueError, match="same shape"):
+        make_packed_seq_params(torch.tensor([0, 3]), 3, cu_seqlens_padded=torch.tensor([0, 4, 8]))
+
+
+def test_cp_slicing_follows_the_padded_offsets_of_a_built_row():
+    from packsft.data.row import build_row
+
+    row, _ = build_row([([1, 2, 3], [-100, 2, 3]), ([4, 5, 6, 7, 8], [-100, -100, 6, 7, 8])], pad_id=0,
+                       max_seq_len=12, context_parallel_size=2)
+    assert row["cu_seqlens"].tolist() == [0, 3, 8] and row["cu_seqlens_padded"].tolist() == [0, 4, 12]
+    local = slice_batch_for_cp(row, 2, 1)
+    assert local["tokens"].tolist() == row["tokens"][[1, 2, 6, 7, 8, 9]].tolist()   # docs/loader.md example
+    assert local["cu_seqlens"] is row["cu_seqlens"]

@@ -49,6 +49,14 @@ def test_missing_system_gets_default_and_tools_ride_on_it():
         ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {}}]},
          "tools[0].function.name", "non-empty"),
         ({"messages": [{"role": "user", "content": "a"}], "tools": {"f": 1}}, "tools", "must be a list"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]},
+         "messages[1].content", "null content is allowed only on an assistant turn with tool_calls"),
+        ({"messages": [{"role": "user", "content": "a", "weight": 0}]}, "messages[0].weight",
+         "only assistant turns may carry a weight"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0.5}]},
+         "messages[1].weight", "must be 0 or 1"),
+        ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": [1]}, "chat_template_kwargs",
+         "must be an object"),
     ],
 )
 def test_invalid_records_name_file_line_and_field(record, field, words):
@@ -92,3 +100,18 @@ def test_split_row_errors_name_the_conversation():
     with pytest.raises(ConversationError, match="conversation 1: messages"):
         split_row([{"role": "system", "content": ""}, {"role": "user", "content": "a"},
                    {"role": "system", "content": ""}], "rows.packed", 3)
+
+
+def test_weight_and_chat_template_kwargs_ride_in_the_row():
+    from packsft.conversation import split_row
+
+    record = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0},
+                           {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "weight": 1}],
+              "chat_template_kwargs": {"enable_thinking": False}}
+    conv = parse_record(record, "in.jsonl", 3)
+    assert conv.chat_template_kwargs == {"enable_thinking": False}
+    row = conv.to_row_messages()
+    assert row[0]["chat_template_kwargs"] == {"enable_thinking": False} and row[2]["weight"] == 0
+    back = split_row(row + row)
+    assert [c.chat_template_kwargs for c in back] == [{"enable_thinking": False}] * 2
+    assert back[0].messages == conv.messages and "chat_template_kwargs" not in back[0].messages[0]

@@ -36,7 +36,8 @@ def test_cli_shows_roles_trained_tokens_positions_and_statistics(tmp_path, tekke
     assert "row 0 of 3 (" in out and "r.jsonl.packed:1)" in out
     assert "max_seq_len 96, context_parallel_size 2" in out                  # both taken from the sidecar
     assert f"trained tokens {row['num_trained_tokens']}, max_seqlen {row['max_seqlen']}" in out
-    assert f"cu_seqlens {row['cu_seqlens'].tolist()}" in out
+    real, padded = row["cu_seqlens"].tolist(), row["cu_seqlens_padded"].tolist()
+    assert f"cu_seqlens {real} (real), cu_seqlens_padded {padded}" in out
     assert "[system] position 0: <SPECIAL_10>System↵" in out
     assert "[user] position 3: <SPECIAL_11>User↵" in out
     assert "[assistant] position 10: <SPECIAL_11>Assistant↵\n    «Paris.↵\n    <SPECIAL_12>↵»" in out

@@ -14,14 +14,17 @@ from packsft.tokenizer import load_tokenizer
 X = IGNORE_INDEX
 
 
-def _check(row, tokens, labels, loss_mask, position_ids, cu_seqlens, max_seqlen):
+def _check(row, tokens, labels, loss_mask, position_ids, cu_seqlens, max_seqlen, real=None):
+    """``cu_seqlens``: the padded offsets; ``real``: the expected real ``cu_seqlens`` (default: the same)."""
     assert row["tokens"].dtype == row["labels"].dtype == row["position_ids"].dtype == torch.int64
-    assert row["loss_mask"].dtype == torch.float32 and row["cu_seqlens"].dtype == torch.int32
+    assert row["loss_mask"].dtype == torch.float32 and row["cu_seqlens_padded"].dtype == torch.int32
     assert row["tokens"].tolist() == tokens
     assert row["labels"].tolist() == labels
     assert row["loss_mask"].tolist() == loss_mask
     assert row["position_ids"].tolist() == position_ids
-    assert row["cu_seqlens"].tolist() == cu_seqlens
+    assert row["cu_seqlens_padded"].tolist() == cu_seqlens
+    assert row["cu_seqlens"].tolist() == (cu_seqlens if real is None else real)
+    assert row["cu_seqlens"].dtype == torch.int32
     assert row["max_seqlen"] == max_seqlen and isinstance(row["max_seqlen"], int)
     assert row["num_trained_tokens"] == sum(loss_mask)
 
@@ -30,7 +33,7 @@ def test_cp1_docstring_example_masks_the_label_crossing_into_the_next_conversati
     row, trunc = build_row([([5, 6, 7], [X, 6, 7]), ([8, 9], [8, 9])], pad_id=0, max_seq_len=6)
     assert trunc is None
     _check(row, tokens=[5, 6, 7, 8, 9, 0], labels=[6, 7, X, 9, X, X], loss_mask=[1, 1, 0, 1, 0, 0],
-           position_ids=[0, 1, 2, 0, 1, 2], cu_seqlens=[0, 3, 6], max_seqlen=3)
+           position_ids=[0, 1, 2, 0, 1, 2], cu_seqlens=[0, 3, 6], max_seqlen=3, real=[0, 3, 5])
 
 
 def test_cp2_pads_each_conversation_to_a_multiple_of_4_and_stops_at_exactly_L():
@@ -39,10 +42,10 @@ def test_cp2_pads_each_conversation_to_a_multiple_of_4_and_stops_at_exactly_L():
     assert trunc is None
     _check(row, tokens=[1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0], labels=[2, 3, X, X, X, 6, 7, 8, X, X, X, X],
            loss_mask=[1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0], position_ids=[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7],
-           cu_seqlens=[0, 4, 12], max_seqlen=8)
+           cu_seqlens=[0, 4, 12], max_seqlen=5, real=[0, 3, 8])
     from packsft.layout import cp_partition_indices
 
-    assert cp_partition_indices(row["cu_seqlens"], 2, 1).tolist() == [1, 2, 6, 7, 8, 9]  # docs/loader.md example
+    assert cp_partition_indices(row["cu_seqlens_padded"], 2, 1).tolist() == [1, 2, 6, 7, 8, 9]  # docs/loader.md example
 
 
 def test_cp4_boundary_label_on_a_pad_position_is_masked():
@@ -50,14 +53,14 @@ def test_cp4_boundary_label_on_a_pad_position_is_masked():
     row, _ = build_row([([1, 2, 3], [1, 2, 3]), ([4, 5], [4, 5])], pad_id=0, max_seq_len=16, context_parallel_size=4)
     _check(row, tokens=[1, 2, 3, 0, 0, 0, 0, 0, 4, 5, 0, 0, 0, 0, 0, 0], labels=[2, 3] + [X] * 6 + [5] + [X] * 7,
            loss_mask=[1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0], position_ids=list(range(8)) * 2,
-           cu_seqlens=[0, 8, 16], max_seqlen=8)
+           cu_seqlens=[0, 8, 16], max_seqlen=3, real=[0, 3, 5])
 
 
 def test_tail_padding_belongs_to_the_last_segment_and_continues_its_positions():
     row, _ = build_row([([1, 2], [1, 2]), ([3, 4, 5], [3, 4, 5])], pad_id=9, max_seq_len=10)
     _check(row, tokens=[1, 2, 3, 4, 5, 9, 9, 9, 9, 9], labels=[2, X, 4, 5, X, X, X, X, X, X],
            loss_mask=[1, 0, 1, 1, 0, 0, 0, 0, 0, 0], position_ids=[0, 1, 0, 1, 2, 3, 4, 5, 6, 7],
-           cu_seqlens=[0, 2, 10], max_seqlen=8)
+           cu_seqlens=[0, 2, 10], max_seqlen=3, real=[0, 2, 5])
 
 
 def test_a_trained_token_equal_to_the_pad_id_is_not_trained_as_in_megatron():
@@ -80,7 +83,7 @@ def test_right_truncation_cuts_the_crossing_conversation_and_drops_later_ones():
 
 def test_a_full_row_drops_the_conversations_after_it_without_cutting():
     row, trunc = build_row([([1] * 8, [1] * 8), ([2, 3], [2, 3])], pad_id=0, max_seq_len=8)
-    assert row["cu_seqlens"].tolist() == [0, 8] and row["tokens"].tolist() == [1] * 8
+    assert row["cu_seqlens_padded"].tolist() == [0, 8] and row["tokens"].tolist() == [1] * 8
     assert trunc.cut_conversation is None and trunc.dropped_conversations == (1,)
     assert "was cut" not in trunc.describe()
 
@@ -159,9 +162,14 @@ def test_matches_megatron_except_the_documented_differences(cp, identity):
         if sum(costs[:-1]) >= length:  # Megatron's empty last segment after an exactly full row
             continue
         ref, (row, _) = megatron_reference(convs, pad, length, cp), build_row(convs, pad, length, cp)
-        for key in ("tokens", "position_ids", "cu_seqlens"):
+        for key in ("tokens", "position_ids"):
             assert torch.equal(row[key], ref[key]), key
-        boundary = row["cu_seqlens"][1:-1].long() - 1
+        assert torch.equal(row["cu_seqlens_padded"], ref["cu_seqlens"])   # Megatron's offsets are the padded ones
+        kept = len(row["cu_seqlens"]) - 1
+        real = [min(len(t), length - int(row["cu_seqlens_padded"][k])) for k, (t, _) in enumerate(convs[:kept])]
+        assert (row["cu_seqlens"][1:] - row["cu_seqlens"][:-1]).tolist() == real
+        assert row["max_seqlen"] == max(real)
+        boundary = row["cu_seqlens_padded"][1:-1].long() - 1
         same = torch.ones(length, dtype=torch.bool)
         same[boundary] = False
         assert torch.equal(row["loss_mask"][same], ref["loss_mask"][same])
@@ -206,7 +214,8 @@ def test_presets_hand_computed(tokenizer_dir, tokenizer_name, preset, cp):
     row, trunc = build_row(convs, fmt.pad_token_id, max_seq_len=48, context_parallel_size=cp)
     c1 = FIRST_COST[cp][n1]
     assert trunc is None
-    assert row["cu_seqlens"].tolist() == [0, c1, 48] and row["max_seqlen"] == 48 - c1
+    assert row["cu_seqlens_padded"].tolist() == [0, c1, 48] and row["max_seqlen"] == max(n1, n2)
+    assert row["cu_seqlens"].tolist() == [0, n1, n1 + n2]
     assert row["position_ids"].tolist() == list(range(c1)) + list(range(48 - c1))
     tokens = row["tokens"].tolist()
     assert tokens[:n1] == convs[0][0] and tokens[c1:c1 + n2] == convs[1][0]
@@ -226,7 +235,7 @@ def test_build_row_allots_exactly_the_packers_cost(cp):
         n = rng.randint(1, 40)
         cost = conversation_cost(n, cp)
         row, trunc = build_row([([1] * n, [1] * n)], pad_id=0, max_seq_len=cost, context_parallel_size=cp)
-        assert trunc is None and row["cu_seqlens"].tolist() == [0, cost]
+        assert trunc is None and row["cu_seqlens_padded"].tolist() == [0, cost]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -238,7 +247,7 @@ def test_cp_slices_of_a_built_row_reassemble_it(cp):
     convs = [([rng.randint(1, 9) for _ in range(n)], [X] + [1] * (n - 1)) for n in (5, 1, 12, 7)]
     row, _ = build_row(convs, pad_id=0, max_seq_len=64, context_parallel_size=cp)
     parts = [slice_batch_for_cp(row, cp, r) for r in range(cp)]
-    index = torch.cat([cp_partition_indices(row["cu_seqlens"], cp, r) for r in range(cp)])
+    index = torch.cat([cp_partition_indices(row["cu_seqlens_padded"], cp, r) for r in range(cp)])
     assert torch.equal(index.sort().values, torch.arange(64))
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         whole = torch.empty_like(row[key])

@@ -134,6 +134,8 @@ def test_edge_cases_get_their_documented_result(tmp_path, tokenizer_dir):
     assert "messages[2]: empty assistant turn" in reasons[6]
     assert set(reasons) == {2, 3, 4, 6}
     assert [(o["line"], o["action"]) for o in report.oversize] == [(10, "own row, truncated by the loader")]
+    # its only assistant turn lies beyond the cut: warned at pack time
+    assert [(w["line"], w["kind"]) for w in report.warnings] == [(10, "truncation_removes_training")]
     assert report.input_conversations == 9  # the blank line is not a conversation
     _check_invariants(cfg, report)
 
@@ -251,3 +253,77 @@ def test_sequence_parallel_rows_are_checked_and_recorded(tmp_path, tokenizer_dir
               "--sequence-parallel", "--no-progress", "--histogram", ""], {})
     assert r.returncode == 0, r.stderr
     assert json.loads(Path(str(out) + ".meta.json").read_text())["sequence_parallel_size"] == 8
+
+
+MASK_LINES = [
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "One.", "weight": 0},
+                  {"role": "user", "content": "b"}, {"role": "assistant", "content": "Two."}]},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "Only.", "weight": 0}]},
+    {"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": ""},
+                  {"role": "user", "content": "d"}, {"role": "assistant", "content": "Kept."}],
+     "chat_template_kwargs": {"enable_thinking": True}},
+    {"messages": [{"role": "user", "content": "e"}, {"role": "assistant", "content": "Three."},
+                  {"role": "user", "content": "f"}, {"role": "assistant", "content": "Four."}]},
+]
+
+
+@pytest.mark.parametrize("train_on", ["all", "last"])
+def test_masks_and_kwargs_are_recorded_and_honoured_by_the_loader(tmp_path, tokenizer_dir, train_on):
+    from packsft.data.dataset import PackedSFTDataset
+    from packsft.sidecar import SidecarError, read_sidecar
+
+    tok_dir = str(tokenizer_dir("qwen2.5"))
+    src = _write_lines(tmp_path / "m.jsonl", MASK_LINES)
+    out = tmp_path / "m.jsonl.packed"
+    report = run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=tok_dir, max_seq_len=512,
+                                 train_on=train_on, chat_template_kwargs={"enable_thinking": False},
+                                 progress=False, histogram=""))
+    assert not report.rejected and report.packed_conversations == 4
+    assert [(w["line"], w["kind"]) for w in report.warnings] == [(2, "no_trained_token")]
+    meta = read_sidecar(out)
+    assert meta["format_version"] == 2 and meta["counts"]["warnings"] == {"no_trained_token": 1}
+    assert meta["prompt_format"]["train_on"] == train_on and meta["prompt_format"]["append_eos"] is False
+    assert meta["prompt_format"]["chat_template_kwargs"] == {"enable_thinking": False}
+    rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert any(m.get("weight") == 0 for r in rows for m in r)               # the row keeps the field
+    assert any(m.get("chat_template_kwargs") == {"enable_thinking": True} for r in rows for m in r)
+    ds = PackedSFTDataset(out, tok_dir, "chat-template", 512, require_sidecar=True)   # options from the sidecar
+    assert ds.prompt_format.train_on == train_on
+    tok = ds.tokenizer
+    trained = tok.decode([int(t) for r in range(len(ds)) for t in ds[r]["labels"] if t != -100])
+    want = {"all": ["Two.", "Kept.", "Three.", "Four."], "last": ["Two.", "Kept.", "Four."]}[train_on]
+    assert sorted(trained.split("<|im_end|>")[:-1]) == sorted(want)
+    other = "last" if train_on == "all" else "all"
+    with pytest.raises(SidecarError, match=f"prompt_format.train_on: packed for '{train_on}', loader has '{other}'"):
+        PackedSFTDataset(out, tok_dir, "chat-template", 512, train_on=other)
+    with pytest.raises(SidecarError, match="prompt_format.chat_template_kwargs"):
+        PackedSFTDataset(out, tok_dir, "chat-template", 512, chat_template_kwargs={"enable_thinking": True})
+
+
+def test_template_without_stop_signal_warns_once_with_its_name(tmp_path, tokenizer_dir):
+    from packsft.packing.pipeline import PackWarning
+
+    glm = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    src = _write_lines(tmp_path / "g.jsonl", MASK_LINES[3:] * 3)
+    base = dict(inputs=[str(src)], tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=256, chat_template=glm,
+                progress=False, histogram="")
+    report = run_pack(PackConfig(output=str(tmp_path / "on.jsonl.packed"), **base))
+    assert not report.warnings                                   # EOS appended by default: nothing to warn about
+    with pytest.warns(PackWarning, match="writes nothing after an assistant turn's content") as caught:
+        report = run_pack(PackConfig(output=str(tmp_path / "off.jsonl.packed"), append_eos=False, **base))
+    assert [w["kind"] for w in report.warnings] == ["no_stop_signal"] and len(caught) == 1
+    assert "qwen2.5 chat template" in report.warnings[0]["message"]
+
+
+def test_cli_parses_masks_kwargs_and_append_eos():
+    from packsft.packing.cli import parse_args
+
+    base = ["--input", "x.jsonl", "--output", "o.jsonl.packed", "--tokenizer", "t", "--max-seq-length", "64"]
+    cfg = parse_args(base + ["--train-on", "last", "--chat-template-kwargs", '{"enable_thinking": false}',
+                             "--no-append-eos", "--prompt-format", "passthrough"])
+    assert (cfg.train_on, cfg.chat_template_kwargs, cfg.append_eos, cfg.prompt_format) == \
+        ("last", {"enable_thinking": False}, False, "passthrough")
+    assert parse_args(base).append_eos is None
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--chat-template-kwargs", "[1]"])

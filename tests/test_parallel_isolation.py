@@ -32,7 +32,7 @@ def row(tmp_path_factory, shared_data, tokenizer_dir) -> dict:
                         algorithm="next-fit", context_parallel_size=CP, tokenizer=tokenizer, histogram="",
                         progress=False))
     batch = collate_rows([PackedSFTDataset(out / "rows.jsonl.packed", tokenizer, "chat-template", SEQ, CP)[0]])
-    cu = batch["cu_seqlens"].tolist()
+    cu = batch["cu_seqlens_padded"].tolist()
     assert len(cu) >= 4, cu                                   # >= 3 conversations
     changed = (cu[1] + cu[2]) // 2                            # middle of the second conversation
     return {"batch": batch, "changed": changed}
@@ -63,7 +63,7 @@ def _logits_pair(row, cp_size, cp_rank, cp_group):
 
 def _check(row, index, original, edited):
     """Assert logits of other conversations are unchanged and the edited conversation's later ones changed."""
-    cu = row["batch"]["cu_seqlens"].tolist()
+    cu = row["batch"]["cu_seqlens_padded"].tolist()
     changed = row["changed"]
     other = (index < cu[1]) | (index >= cu[2])
     before = (index >= cu[1]) & (index < changed)
@@ -94,6 +94,6 @@ def _cp_worker(rank, world_size, row):
 @pytest.mark.slow
 def test_cp2_other_conversations_unchanged(row):
     for cp_rank, (original, edited) in run_distributed(_cp_worker, CP, row):
-        index = cp_partition_indices(row["batch"]["cu_seqlens"], CP, cp_rank)
+        index = cp_partition_indices(row["batch"]["cu_seqlens_padded"], CP, cp_rank)
         assert original.shape == (SEQ // CP, VOCAB)
         print(f"cp=2 rank {cp_rank} max |logit diff| of other conversations:", _check(row, index, original, edited))

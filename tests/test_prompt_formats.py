@@ -128,14 +128,34 @@ def test_chat_template_that_moves_the_system_prompt_is_handled(tokenizer_dir):
     assert _trained_text(tok, tokens, targets) == " Hello! </s>4</s>"
 
 
-def test_turn_crossing_a_token_boundary_is_an_error(tokenizer_dir):
+def test_chat_template_text_that_merges_across_turns_is_encoded_per_part(tokenizer_dir):
+    """A template that glues turns together: each part is encoded alone, no rejection (was an error)."""
     tok = load_tokenizer(tokenizer_dir("gpt2"))
     fmt = get_prompt_format("chat-template", tok, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
                             pad_token="!")
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
             {"role": "assistant", "content": "lo world"}]
-    with pytest.raises(PromptFormatError, match=r"messages\[1\]: turn tokenized alone"):
+    tokens, targets = tokenize_conversation(msgs, tok, fmt)
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert fmt.append_eos  # the template writes nothing after the reply: EOS is the stop signal
+    assert tokens == enc("hel") + enc("lo world") + [tok.eos_token_id] != enc("hello world")
+    assert _trained_text(tok, tokens, targets) == "lo world<|endoftext|>"
+
+
+def test_preset_token_crossing_a_boundary_names_the_message_and_both_sides(monkeypatch, tokenizer_dir):
+    import packsft.prompt_formats as pf
+
+    tok = load_tokenizer(tokenizer_dir("gpt2"))
+    fmt = get_prompt_format("nemotron-h-aligned", tok, pad_token="!")
+    monkeypatch.setattr(pf, "_nemotron_segments", lambda messages, name: [
+        pf.Segment("A: hel", 1, False), pf.Segment("lo world", 2, True), pf.Segment(" bye", 3, False)])
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
+            {"role": "assistant", "content": "lo world"}, {"role": "user", "content": "bye"}]
+    with pytest.raises(PromptFormatError) as err:
         tokenize_conversation(msgs, tok, fmt)
+    text = str(err.value)
+    assert text.startswith("messages[2]: a token crosses the boundary between 'A: hel' and 'lo world'")
+    assert "token ' hello'" in text
 
 
 def test_template_failure_is_a_clear_error(tokenizer_dir):
@@ -181,8 +201,8 @@ def test_fingerprint_differs_between_tokenizers(tokenizer_dir, nemo, qwen):
 
 
 @pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo"])
-def test_marker_fast_path_equals_prefix_rendering(monkeypatch, tokenizer_dir, shared_data, name):
-    """The one-render marker path gives exactly the spans of the per-turn prefix rendering."""
+def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_dir, shared_data, name):
+    """The one-render marker path gives exactly the spans of the per-turn generation-prompt rendering."""
     import packsft.prompt_formats as pf
 
     tok = load_tokenizer(tokenizer_dir(name))
@@ -191,15 +211,149 @@ def test_marker_fast_path_equals_prefix_rendering(monkeypatch, tokenizer_dir, sh
     for ds in ("chat/chitchat", "chat/hh_rlhf_harmless_base_test"):
         with open(shared_data / f"{ds}.messages.jsonl") as f:
             convs += [parse_record(json.loads(line)) for _, line in zip(range(15), f)]
-    fast = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
     calls = []
-    real_fast = pf._fast_spans
-
-    def no_fast_path(msgs, tools, tokenizer, f, turns):
-        calls.append(real_fast(msgs, tools, tokenizer, f, turns)[1] is not None)
-        return pf._render_many(tokenizer, f, [msgs], tools)[0], None
-
-    monkeypatch.setattr(pf, "_fast_spans", no_fast_path)
+    real_turn_spans = pf._turn_spans
+    monkeypatch.setattr(pf, "_turn_spans", lambda *a: calls.append(1) or real_turn_spans(*a))
+    fast = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
+    assert not calls  # the fast path was taken for every one of these conversations
+    monkeypatch.setattr(pf, "_marked_spans", lambda *a: None)
     slow = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
-    assert fast == slow
-    assert all(calls)  # the fast path was taken for every one of these conversations
+    assert fast == slow and len(calls) == len(convs)
+
+
+# ---------------------------------------------------------------- per-part rule, masks, kwargs, stop signal
+def _enc(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "smollm2-135m-instruct"])
+def test_reply_starting_with_newlines_trains_exactly_what_follows_the_generation_prompt(tokenizer_dir, name):
+    """The header and "\n\n" merge into one BPE token in the whole string; per part they never do."""
+    tok = load_tokenizer(tokenizer_dir(name))
+    fmt = get_prompt_format("chat-template", tok)
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "Hi "},
+            {"role": "assistant", "content": "\n\nHello there."}]
+    prompt = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
+    whole = tok.apply_chat_template(msgs, tokenize=False)
+    tokens, targets = tokenize_conversation(msgs, tok, fmt)
+    assert _enc(tok, whole) != tokens                            # the whole string merges across the header
+    reply = "\n\nHello there.<|im_end|>"
+    assert whole.startswith(prompt + reply)
+    assert tokens == _enc(tok, prompt) + _enc(tok, reply) + _enc(tok, whole[len(prompt + reply):])
+    assert [t for t in targets if t != IGNORE_INDEX] == _enc(tok, reply)
+
+
+def test_prompt_response_records_whose_prompt_ends_in_a_space(qwen):
+    fmt = get_prompt_format("chat-template", qwen)
+    conv = parse_record({"prompt": "Translate: ", "response": " Bonjour"}, input_key="prompt", output_key="response")
+    tokens, targets = tokenize_conversation(conv.messages, qwen, fmt)
+    assert _trained_text(qwen, tokens, targets) == " Bonjour<|im_end|>"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "smollm2-135m-instruct", "mistral-nemo"])
+def test_empty_assistant_turn_in_a_multi_turn_conversation_trains_nothing_and_keeps_the_others(tokenizer_dir,
+                                                                                                name):
+    tok = load_tokenizer(tokenizer_dir(name))
+    fmt = get_prompt_format("chat-template", tok)
+    eot = "</s>" if name == "mistral-nemo" else "<|im_end|>"
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "Yes."}]
+    tokens, targets = tokenize_conversation(msgs, tok, fmt)
+    assert _trained_text(tok, tokens, targets) == f"Yes.{eot}"
+    assert tok.decode(tokens) == tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_weight_zero_and_train_on_last(qwen):
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "One.", "weight": 0}, {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "Two."}, {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "Three."}]
+    fmt = get_prompt_format("chat-template", qwen)
+    assert _trained_text(qwen, *tokenize_conversation(msgs, qwen, fmt)) == "Two.<|im_end|>Three.<|im_end|>"
+    last = get_prompt_format("chat-template", qwen, train_on="last")
+    tokens, targets = tokenize_conversation(msgs, qwen, last)
+    assert _trained_text(qwen, tokens, targets) == "Three.<|im_end|>"
+    assert qwen.decode(tokens) == qwen.apply_chat_template(msgs, tokenize=False)
+    assert last.spec()["train_on"] == "last" and fmt.spec()["train_on"] == "all"
+    with pytest.raises(ValueError, match="need prompt format chat-template or passthrough"):
+        get_prompt_format("nemotron-h-aligned", qwen, train_on="last", pad_token="<|endoftext|>")
+    with pytest.raises(ValueError, match="train_on 'first'"):
+        get_prompt_format("chat-template", qwen, train_on="first")
+
+
+def test_weight_zero_is_refused_by_the_megatron_presets(nemo):
+    fmt = get_prompt_format("nemotron-h-aligned", nemo)
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b", "weight": 0}]
+    with pytest.raises(PromptFormatError, match=r"messages\[2\]: 'weight: 0' needs prompt format chat-template"):
+        tokenize_conversation(msgs, nemo, fmt)
+    assert tokenize_conversation([dict(m, weight=1) if m["role"] == "assistant" else m for m in msgs], nemo, fmt)
+
+
+THINK = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not "
+         "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_per_format_and_per_record(qwen):
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    plain = get_prompt_format("chat-template", qwen, chat_template=THINK)
+    off = get_prompt_format("chat-template", qwen, chat_template=THINK, chat_template_kwargs={"enable_thinking": False})
+    assert off.spec()["chat_template_kwargs"] == {"enable_thinking": False}
+    assert plain.spec()["chat_template_kwargs"] == {}
+    # the kwargs change what the generation prompt is; this template then does not render the turn after it
+    assert tokenize_conversation(msgs, qwen, plain)
+    with pytest.raises(PromptFormatError, match="generation header"):
+        tokenize_conversation(msgs, qwen, off)
+    with pytest.raises(PromptFormatError, match="generation header"):
+        tokenize_conversation(msgs, qwen, plain, chat_template_kwargs={"enable_thinking": False})
+    assert tokenize_conversation(msgs, qwen, off, chat_template_kwargs={"enable_thinking": True})
+    with pytest.raises(ValueError, match="needs prompt format chat-template"):
+        get_prompt_format("passthrough", qwen, chat_template_kwargs={"x": 1})
+
+
+GLM = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+       "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_template_without_end_of_turn_trains_eos_by_default_or_reports_it(qwen):
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "Hi"},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "Bye"}]
+    fmt = get_prompt_format("chat-template", qwen, chat_template=GLM)
+    assert fmt.append_eos and fmt.spec()["append_eos"] and not fmt.missing_stop_signal(qwen)
+    tokens, targets = tokenize_conversation(msgs, qwen, fmt)
+    assert _trained_text(qwen, tokens, targets) == "Hi<|im_end|>Bye<|im_end|>"
+    off = get_prompt_format("chat-template", qwen, chat_template=GLM, append_eos=False)
+    assert off.missing_stop_signal(qwen) and _trained_text(qwen, *tokenize_conversation(msgs, qwen, off)) == "HiBye"
+    chatml = get_prompt_format("chat-template", qwen)
+    assert not chatml.append_eos and not chatml.missing_stop_signal(qwen)
+
+
+def test_passthrough_concatenates_contents_and_trains_the_assistant_contents(qwen):
+    fmt = get_prompt_format("passthrough", qwen)
+    msgs = [{"role": "system", "content": "<|im_start|>system\nS<|im_end|>\n"},
+            {"role": "user", "content": "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"},
+            {"role": "assistant", "content": "A<|im_end|>"}, {"role": "user", "content": "\nmore"},
+            {"role": "assistant", "content": " B"}]
+    tokens, targets = tokenize_conversation(msgs, qwen, fmt)
+    assert qwen.decode(tokens) == "".join(m["content"] for m in msgs) + "<|im_end|>"  # EOS after " B" only
+    assert _trained_text(qwen, tokens, targets) == "A<|im_end|> B<|im_end|>"
+    assert fmt.append_eos and fmt.chat_template is None and fmt.pad_token == "<|endoftext|>"
+    assert _trained_text(qwen, *tokenize_conversation(msgs, qwen, get_prompt_format(
+        "passthrough", qwen, append_eos=False))) == "A<|im_end|> B"
+
+
+def test_mistral_multi_turn_tool_conversation_is_located_without_prefix_stability(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir("mistral-nemo"))
+    fmt = get_prompt_format("chat-template", tok)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call00001", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "q"}, call,
+            {"role": "tool", "tool_call_id": "call00001", "content": "2"}, {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]
+    tokens, targets = tokenize_conversation(msgs, tok, fmt, tools)
+    assert _trained_text(tok, tokens, targets) == \
+        '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}, "id": "call00001"}]</s>two</s>ok</s>'
+    assert tok.decode(tokens) == tok.apply_chat_template(json.loads(json.dumps(msgs).replace(
+        '"{\\"x\\": 1}"', '{"x": 1}')), tools=tools, tokenize=False)

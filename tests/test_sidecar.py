@@ -35,7 +35,7 @@ def test_write_then_read_round_trips_and_leaves_no_temporary_file(tmp_path):
     packed = tmp_path / "x.jsonl.packed"
     written = write_sidecar(packed, meta())
     assert written == tmp_path / "x.jsonl.packed.meta.json"
-    assert read_sidecar(packed) == {"format_version": 1, **meta()}
+    assert read_sidecar(packed) == {"format_version": 2, **meta()}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl.packed.meta.json"]
 
 
@@ -56,8 +56,8 @@ def test_missing_sidecar_reads_as_none(tmp_path):
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
-        (json.dumps({**meta(), "format_version": 2}), "format_version 2 is not supported"),
-        (json.dumps({"format_version": 1, **meta(max_seq_len=None) | {"prompt_format": {"name": "x"}}}),
+        (json.dumps({**meta(), "format_version": 3}), "format_version 3 is not supported"),
+        (json.dumps({"format_version": 2, **meta(max_seq_len=None) | {"prompt_format": {"name": "x"}}}),
          "missing field.*prompt_format.pad_token"),
     ],
 )
@@ -96,3 +96,16 @@ def test_repack_hint_gives_the_loader_configuration():
                     "--context-parallel-size 4 --pad-token '<SPECIAL_233>' --algorithm next-fit --seed 7")
     assert repack_hint("x", {}, FMT, "t", 8, 1).startswith("python tools/pack_megatron_sft_jsonl.py --input "
                                                            "<your input .jsonl> --output x")
+
+
+def test_version_1_sidecars_read_with_the_defaults_version_1_packed(tmp_path):
+    """A format_version 1 sidecar has no train_on/chat_template_kwargs/append_eos: all, {} and false."""
+    v1_spec = {k: v for k, v in FMT.spec().items() if k not in ("train_on", "chat_template_kwargs", "append_eos")}
+    (tmp_path / "x.jsonl.packed.meta.json").write_text(json.dumps({**meta(), "format_version": 1,
+                                                                   "prompt_format": v1_spec}))
+    read = read_sidecar(tmp_path / "x.jsonl.packed")
+    assert read["prompt_format"] == FMT.spec()
+    check_sidecar(read, loader_expectation("abc", FMT, 4096, 2), tmp_path / "x.jsonl.packed", "hint")
+    last = PromptFormat(name="chat-template", pad_token="<p>", pad_token_id=1, chat_template="t", train_on="last")
+    with pytest.raises(SidecarError, match="prompt_format.train_on: packed for 'all', loader has 'last'"):
+        check_sidecar(read, loader_expectation("abc", last, 4096, 2), tmp_path / "x.jsonl.packed", "hint")

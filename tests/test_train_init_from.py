@@ -83,7 +83,7 @@ def records(output_dir: Path, kind: str) -> list[dict]:
 
 def hf_row_loss(model, row: dict) -> float:
     """Mean token loss of packed ``row`` under a transformers model, each conversation run alone from position 0."""
-    cu = row["cu_seqlens"].tolist()
+    cu = row["cu_seqlens_padded"].tolist()
     total, count = 0.0, 0.0
     with torch.no_grad():
         for s, e in zip(cu[:-1], cu[1:]):

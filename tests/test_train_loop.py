@@ -140,13 +140,14 @@ def test_packed_loss_equals_mean_over_conversations_unpacked(tmp_path, packed, p
     cfg = load_config(write_config(tmp_path / "c.yaml", packed, tmp_path / "o", checkpoint={"resume": "none"}))
     trainer = Trainer(cfg)
     trainer.optimizer.step = lambda: None                       # compare losses of the same weights
-    row = next(r for r in (trainer.train_set[i] for i in range(len(trainer.train_set))) if len(r["cu_seqlens"]) > 2)
+    row = next(r for r in (trainer.train_set[i] for i in range(len(trainer.train_set)))
+               if len(r["cu_seqlens_padded"]) > 2)
     from packsft.data.collate import collate_rows
 
     collated = collate_rows([row])
     batch = model_input(collated, 1, 0, None, torch.device("cpu"))
     packed_loss = trainer.train_step([batch])["loss"]
-    cu = collated["cu_seqlens"].tolist()
+    cu = collated["cu_seqlens_padded"].tolist()
     pieces = [_unpacked(batch, s, e) for s, e in zip(cu[:-1], cu[1:])]
     unpacked_loss = trainer.train_step(pieces)["loss"]
     assert len(pieces) >= 2

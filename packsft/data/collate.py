@@ -4,9 +4,10 @@ Shape legend: ``b`` = rows in the micro-batch (``loader.micro_batch_size``), ``L
 segments of row ``i``.
 
 Every row is already exactly ``L`` long (:func:`packsft.data.row.build_row`), so ``b`` rows concatenate into
-one packed sequence: ``cu_seqlens`` is the concatenation of each row's segment offsets shifted by ``i * L``, so
-no attention crosses a row (nor a conversation), and the model sees batch dimension 1 as THD needs. With
-``b == 1`` this is the row itself.
+one packed sequence: ``cu_seqlens_padded`` is the concatenation of each row's segment offsets shifted by
+``i * L``, so no attention crosses a row (nor a conversation), and ``cu_seqlens`` the cumulative real lengths of
+all conversations in order (TransformerEngine's THD convention); the model sees batch dimension 1 as THD needs.
+With ``b == 1`` this is the row itself.
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     Args:
         rows: ``b >= 1`` row dicts, each with ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``),
-            ``loss_mask`` (float32 ``[L]``), ``cu_seqlens`` (int32 ``[n_i + 1]``, 0 to ``L``), ``max_seqlen``
-            (int) and ``num_trained_tokens`` (int), all with the same ``L``.
+            ``loss_mask`` (float32 ``[L]``), ``cu_seqlens`` (int32 ``[n_i + 1]``, real lengths),
+            ``cu_seqlens_padded`` (int32 ``[n_i + 1]``, 0 to ``L``), ``max_seqlen`` (int) and
+            ``num_trained_tokens`` (int), all with the same ``L``.
 
     Returns:
         ``tokens``, ``labels``, ``position_ids`` int64 ``[1, b * L]``; ``loss_mask`` float32 ``[1, b * L]``;
-        ``cu_seqlens`` int32 ``[sum(n_i) + 1]`` over the flattened ``b * L`` tokens (row ``i``'s offsets
-        ``+ i * L``); ``max_seqlen`` int, the longest segment of any row; ``num_trained_tokens`` int, the sum.
-        Example: two rows of ``L = 8`` with ``cu_seqlens`` ``[0, 3, 8]`` and ``[0, 8]`` give
-        ``[0, 3, 8, 16]``.
+        ``cu_seqlens_padded`` int32 ``[sum(n_i) + 1]`` over the flattened ``b * L`` tokens (row ``i``'s offsets
+        ``+ i * L``); ``cu_seqlens`` int32 ``[sum(n_i) + 1]``, the cumulative real lengths of every
+        conversation; ``max_seqlen`` int, the longest real conversation of any row; ``num_trained_tokens``
+        int, the sum. Example: two rows of ``L = 8`` with ``cu_seqlens_padded`` ``[0, 3, 8]`` and ``[0, 8]``
+        and ``cu_seqlens`` ``[0, 3, 7]`` and ``[0, 6]`` give ``[0, 3, 8, 16]`` and ``[0, 3, 7, 13]``.
 
     Raises:
-        ValueError: no rows, a missing key, rows of different lengths, or a ``cu_seqlens`` that does not end
-            at ``L``.
+        ValueError: no rows, a missing key, rows of different lengths, or a ``cu_seqlens_padded`` that does
+            not end at ``L``.
     """
     if not rows:
         raise ValueError("collate_rows needs at least one row")
@@ -44,15 +47,18 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"row 0 lacks {missing}; rows must come from PackedSFTDataset")
     length = rows[0]["tokens"].shape[-1]
-    offsets = []
+    offsets, lengths = [], []
     for i, row in enumerate(rows):
-        cu = row["cu_seqlens"]
+        cu = row["cu_seqlens_padded"]
         if row["tokens"].shape != (length,) or int(cu[-1]) != length:
-            raise ValueError(f"row {i}: tokens shape {tuple(row['tokens'].shape)} and cu_seqlens[-1] "
+            raise ValueError(f"row {i}: tokens shape {tuple(row['tokens'].shape)} and cu_seqlens_padded[-1] "
                              f"{int(cu[-1])} must both match row 0's length {length}")
         offsets.append(cu[1:].to(torch.int32) + i * length)
+        lengths.append(row["cu_seqlens"][1:] - row["cu_seqlens"][:-1])
     batch = {key: torch.cat([row[key] for row in rows]).unsqueeze(0) for key in TOKEN_KEYS}
-    batch["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int32), *offsets])
+    zero = torch.zeros(1, dtype=torch.int32)
+    batch["cu_seqlens_padded"] = torch.cat([zero, *offsets])
+    batch["cu_seqlens"] = torch.cat([zero, torch.cumsum(torch.cat(lengths), 0).to(torch.int32)])
     batch["max_seqlen"] = max(int(row["max_seqlen"]) for row in rows)
     batch["num_trained_tokens"] = sum(int(row["num_trained_tokens"]) for row in rows)
     return batch

@@ -34,7 +34,13 @@ from packsft.conversation import ConversationError, split_row
 from packsft.data.row import build_row
 from packsft.io import atomic_open
 from packsft.layout import check_max_seq_len
-from packsft.prompt_formats import PromptFormat, PromptFormatError, get_prompt_format, tokenize_conversation
+from packsft.prompt_formats import (
+    ALIASES,
+    PromptFormat,
+    PromptFormatError,
+    get_prompt_format,
+    tokenize_conversation,
+)
 from packsft.sidecar import (
     SidecarError,
     check_sidecar,
@@ -161,6 +167,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         context_parallel_size: CP size the rows are padded for (each conversation to a multiple of ``2 * cp``).
         pad_token, chat_template: passed to :func:`~packsft.prompt_formats.get_prompt_format` when
             ``prompt_format`` is a name.
+        train_on, chat_template_kwargs, append_eos: likewise; ``None`` (default): the sidecar's values
+            (``all``, no kwargs and the template's default without a sidecar), so the loader masks exactly as
+            the packer counted. Given values are checked against the sidecar.
         index_path: where the row index is cached; default ``<path>.idx``.
         require_sidecar: refuse (rather than warn about) a file without ``<path>.meta.json``.
         sequence_parallel_size: the TP size under sequence parallelism (1 without); ``max_seq_len`` must be a
@@ -168,7 +177,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             packed without ``--sequence-parallel`` serves an SP run whenever its ``max_seq_len`` divides.
 
     Items: ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``), ``loss_mask`` (float32 ``[L]``),
-    ``cu_seqlens`` (int32 ``[segments + 1]``), ``max_seqlen`` (int), ``num_trained_tokens`` (int); see
+    ``cu_seqlens`` (int32 ``[segments + 1]``, real lengths), ``cu_seqlens_padded`` (int32 ``[segments + 1]``,
+    padded offsets 0..``L``), ``max_seqlen`` (int), ``num_trained_tokens`` (int); see
     :func:`packsft.data.row.build_row`.
 
     Raises:
@@ -190,6 +200,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         *,
         pad_token: str | None = None,
         chat_template: str | Path | None = None,
+        train_on: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        append_eos: bool | None = None,
         index_path: str | Path | None = None,
         require_sidecar: bool = False,
         sequence_parallel_size: int = 1,
@@ -200,8 +213,15 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             raise FileNotFoundError(f"packed file not found: {self.path}")
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         if isinstance(prompt_format, str):
-            prompt_format = get_prompt_format(prompt_format, self.tokenizer, pad_token=pad_token,
-                                              chat_template=chat_template)
+            packed = ((read_sidecar(self.path) or {}).get("prompt_format") or {})
+            if packed.get("name") not in (None, ALIASES.get(prompt_format, prompt_format)):
+                packed = {}  # another format: its options do not apply (the sidecar check names the format)
+            prompt_format = get_prompt_format(
+                prompt_format, self.tokenizer, pad_token=pad_token, chat_template=chat_template,
+                train_on=train_on or packed.get("train_on", "all"),
+                chat_template_kwargs=chat_template_kwargs if chat_template_kwargs is not None
+                else packed.get("chat_template_kwargs"),
+                append_eos=append_eos if append_eos is not None else packed.get("append_eos"))
         self.prompt_format = prompt_format
         self.max_seq_len = max_seq_len
         self.context_parallel_size = context_parallel_size
@@ -279,7 +299,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         pieces = []
         for k, conv in enumerate(conversations):
             try:
-                pieces.append(tokenize_conversation(conv.messages, self.tokenizer, self.prompt_format, conv.tools))
+                pieces.append(tokenize_conversation(conv.messages, self.tokenizer, self.prompt_format, conv.tools,
+                                                    conv.chat_template_kwargs))
             except PromptFormatError as e:
                 raise ConversationError(self.path, self.line_number(pos), f"conversation {k}", str(e)) from e
         return pieces

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from packsft.conversation import split_row
 from packsft.data.dataset import PackedSFTDataset
 from packsft.data.row import build_row
-from packsft.prompt_formats import render_segments
+from packsft.prompt_formats import tokenize_segments
 
 GREEN, DIM, CYAN, BOLD, RESET = "\033[32m", "\033[2m", "\033[36m", "\033[1m", "\033[0m"
 
@@ -37,17 +37,17 @@ class _Style:
 def _segment_spans(conversation, dataset: PackedSFTDataset) -> list[tuple[str, int]]:
     """``(label, number of tokens)`` of each rendered piece of a conversation, in order."""
     fmt, tok = dataset.prompt_format, dataset.tokenizer
-    segments = [s for s in render_segments(conversation.messages, conversation.tools, tok, fmt) if s.text]
     if fmt.name == "identity":
         return [("text", -1)]
-    encoded = tok.backend_tokenizer.encode_batch([s.text for s in segments], add_special_tokens=False)
     spans = []
-    for seg, enc in zip(segments, encoded):
-        if fmt.name == "chat-template":
+    for seg, ids in tokenize_segments(conversation.messages, tok, fmt, conversation.tools,
+                                      conversation.chat_template_kwargs):
+        if fmt.name in ("chat-template", "passthrough"):
             label = "assistant" if seg.trained else "prompt"
         else:
             label = conversation.messages[seg.turn]["role"]
-        spans.append((label, len(enc.ids)))
+        if ids:
+            spans.append((label, len(ids)))
     return spans
 
 
@@ -82,7 +82,7 @@ def describe_row(dataset: PackedSFTDataset, i: int, color: bool = False) -> str:
     conversations = split_row(dataset.read_messages(i), dataset.path, dataset.line_number(i))
     pieces = dataset.tokenize_row(i)
     row, truncation = build_row(pieces, pad_id, dataset.max_seq_len, dataset.context_parallel_size)
-    tokens, mask, cu = row["tokens"].tolist(), row["loss_mask"], row["cu_seqlens"].tolist()
+    tokens, mask, cu = row["tokens"].tolist(), row["loss_mask"], row["cu_seqlens_padded"].tolist()
     trained = [False] + (mask[:-1] > 0).tolist()   # token p is trained when the label at p - 1 is it
     length = dataset.max_seq_len
     real = sum(min(len(pieces[k][0]), cu[k + 1] - cu[k]) for k in range(len(cu) - 1))
@@ -91,7 +91,7 @@ def describe_row(dataset: PackedSFTDataset, i: int, color: bool = False) -> str:
              f"{dataset.context_parallel_size}, prompt format {dataset.prompt_format.name}",
              f"  real tokens {real} ({real / length:.1%} of the row), padding {length - real}, "
              f"trained tokens {row['num_trained_tokens']}, max_seqlen {row['max_seqlen']}",
-             f"  cu_seqlens {cu}"]
+             f"  cu_seqlens {row['cu_seqlens'].tolist()} (real), cu_seqlens_padded {cu}"]
     if truncation is not None:
         lines.append(f"  TRUNCATED: {truncation.describe()}")
     if row["num_trained_tokens"] == 0:

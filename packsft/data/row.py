@@ -85,7 +85,9 @@ def _layout(conversations, pad_id: int, max_seq_len: int, context_parallel_size:
             cut_conversation_tokens=len(conversations[cut][0]) if cut is not None else 0,
             kept_tokens=min(max_seq_len - start, len(conversations[cut][0])) if cut is not None else 0,
             dropped_conversations=tuple(range(kept, len(conversations))))
+    real = [len(t) for t, _ in conversations[:kept]]
     if len(toks) > max_seq_len:
+        real[-1] = min(real[-1], max_seq_len - cu[-2])
         del toks[max_seq_len:], tgts[max_seq_len:], pos[max_seq_len + 1:]
         toks.append(pad_id)
         tgts.append(pad_id)
@@ -96,7 +98,7 @@ def _layout(conversations, pad_id: int, max_seq_len: int, context_parallel_size:
         tgts += [pad_id] * fill
         pos += range(pos[-1] + 1, pos[-1] + 1 + fill)
         cu[-1] = max_seq_len
-    return toks, tgts, pos, cu, truncation
+    return toks, tgts, pos, cu, real, truncation
 
 
 def build_row(
@@ -117,9 +119,12 @@ def build_row(
 
     Returns:
         ``(row, truncation)``. ``row`` holds ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``),
-        ``loss_mask`` (float32 ``[L]``, 1.0 = trained), ``cu_seqlens`` (int32 ``[n + 1]``, segment offsets
-        from 0 to ``L``), ``max_seqlen`` (int, longest segment in tokens) and ``num_trained_tokens`` (int,
-        ``loss_mask.sum()``). ``truncation`` is ``None`` when every conversation fit whole, else a
+        ``loss_mask`` (float32 ``[L]``, 1.0 = trained), ``cu_seqlens`` (int32 ``[n + 1]``, cumulative *real*
+        conversation lengths, CP and tail padding excluded), ``cu_seqlens_padded`` (int32 ``[n + 1]``,
+        segment offsets in the row from 0 to ``L``, padding included: TransformerEngine's THD convention),
+        ``max_seqlen`` (int, longest real conversation in tokens) and ``num_trained_tokens`` (int,
+        ``loss_mask.sum()``). At cp=1 the two offsets differ only in the last entry (the tail padding).
+        ``truncation`` is ``None`` when every conversation fit whole, else a
         :class:`RowTruncation`.
 
     Raises:
@@ -130,17 +135,19 @@ def build_row(
     ``toks = [5, 6, 7, 8, 9, 0, 0]``, ``tgts = [-100, 6, 7, 8, 9, 0, 0]`` ->
     ``tokens = [5, 6, 7, 8, 9, 0]``, ``labels = [6, 7, -100, 9, -100, -100]`` (the 8 at position 2 is the
     next conversation's first token: masked by the boundary policy; Megatron-LM would train it),
-    ``loss_mask = [1, 1, 0, 1, 0, 0]``, ``position_ids = [0, 1, 2, 0, 1, 2]``, ``cu_seqlens = [0, 3, 6]``,
-    ``max_seqlen = 3``.
+    ``loss_mask = [1, 1, 0, 1, 0, 0]``, ``position_ids = [0, 1, 2, 0, 1, 2]``, ``cu_seqlens = [0, 3, 5]``,
+    ``cu_seqlens_padded = [0, 3, 6]``, ``max_seqlen = 3``.
     """
     if not conversations:
         raise ValueError("a row needs at least one conversation")
-    toks, tgts, pos, cu, truncation = _layout(conversations, pad_id, max_seq_len, context_parallel_size)
+    toks, tgts, pos, cu, real, truncation = _layout(conversations, pad_id, max_seq_len, context_parallel_size)
     tokens = torch.tensor(toks[:-1], dtype=torch.int64)
     labels = torch.tensor(tgts[1:], dtype=torch.int64)
     position_ids = torch.tensor(pos[:-1], dtype=torch.int64)
-    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
-    labels[cu_seqlens[1:-1].long() - 1] = IGNORE_INDEX  # boundary policy: no label crosses a conversation
+    cu_seqlens_padded = torch.tensor(cu, dtype=torch.int32)
+    cu_seqlens = torch.zeros(len(real) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(real, dtype=torch.int32), 0)
+    labels[cu_seqlens_padded[1:-1].long() - 1] = IGNORE_INDEX  # boundary policy: no label crosses a conversation
     trained = (labels != IGNORE_INDEX) & (labels != pad_id)
     labels[~trained] = IGNORE_INDEX
     loss_mask = trained.to(torch.float32)
@@ -150,7 +157,8 @@ def build_row(
         "loss_mask": loss_mask,
         "position_ids": position_ids,
         "cu_seqlens": cu_seqlens,
-        "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+        "cu_seqlens_padded": cu_seqlens_padded,
+        "max_seqlen": max(real),
         "num_trained_tokens": int(trained.sum()),
     }
     return row, truncation

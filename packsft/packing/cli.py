@@ -6,11 +6,22 @@ See ``tools/pack_megatron_sft_jsonl.py`` for examples.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from packsft.packing.algorithms import ALGORITHMS
 from packsft.packing.pipeline import OVERSIZE_POLICIES, PackConfig, PackError, run_pack
-from packsft.prompt_formats import PRESETS
+from packsft.prompt_formats import PRESETS, TRAIN_ON
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {text!r}")
+    return value
 
 
 def parse_args(argv=None) -> PackConfig:
@@ -22,6 +33,13 @@ def parse_args(argv=None) -> PackConfig:
     p.add_argument("--max-seq-length", type=int, required=True, help="row length in tokens")
     p.add_argument("--prompt-format", default="chat-template", choices=PRESETS + ("default",))
     p.add_argument("--chat-template", default=None, help="Jinja template string or file (chat-template only)")
+    p.add_argument("--chat-template-kwargs", type=_json_object, default=None,
+                   help="JSON object passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'")
+    p.add_argument("--train-on", default="all", choices=TRAIN_ON,
+                   help="train all assistant turns, or only the last of each conversation")
+    p.add_argument("--append-eos", default=None, action=argparse.BooleanOptionalAction,
+                   help="append EOS to every trained assistant turn (default: when the template writes no end of "
+                        "turn after it, and for passthrough)")
     p.add_argument("--pad-token", default=None, help="override the prompt format's pad token")
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -44,6 +62,7 @@ def parse_args(argv=None) -> PackConfig:
     a = p.parse_args(argv)
     return PackConfig(inputs=a.input, output=a.output, tokenizer=a.tokenizer, max_seq_len=a.max_seq_length,
                       prompt_format=a.prompt_format, chat_template=a.chat_template, pad_token=a.pad_token,
+                      chat_template_kwargs=a.chat_template_kwargs, train_on=a.train_on, append_eos=a.append_eos,
                       context_parallel_size=a.context_parallel_size,
                       sequence_parallel_size=a.tensor_model_parallel_size if a.sequence_parallel else 1,
                       algorithm=a.algorithm, oversize=a.oversize,

@@ -10,6 +10,8 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
    only ``(cost, spool offset)`` stays in memory.
 3. Conversations longer than ``max_seq_len`` follow the oversize policy: ``own-row`` (a row of their own,
    truncated by the loader, with a warning), ``drop`` (reported) or ``error`` (abort).
+   Conversations with no trained token, own-row conversations whose truncation removes every trained token,
+   and a template that trains no stop signal are *warned* about and counted in the report.
 4. The packing algorithm (:mod:`packsft.packing.algorithms`) assigns conversations to rows using costs
    ``ceil(n / 2cp) * 2cp``; rows are written atomically as ``{"messages": [...]}`` lines, then the sidecar
    ``<output>.meta.json`` and the report.
@@ -25,6 +27,7 @@ import multiprocessing as mp
 import os
 import random
 import tempfile
+import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,9 +38,9 @@ from tqdm import tqdm
 from packsft import __version__
 from packsft.conversation import ConversationError, iter_jsonl_lines, parse_record
 from packsft.io import atomic_open, write_json_atomic
-from packsft.layout import check_max_seq_len, conversation_cost
+from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
-from packsft.prompt_formats import PromptFormatError, count_conversation_tokens, get_prompt_format
+from packsft.prompt_formats import TRAIN_ON, PromptFormatError, get_prompt_format, tokenize_conversation
 from packsft.sidecar import efficiency, sidecar_path, write_sidecar
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -56,6 +59,10 @@ class PackConfig:
         max_seq_len: row length in tokens; a multiple of ``2 * context_parallel_size``.
         prompt_format: ``identity``, ``nemotron-nano-v2``, ``nemotron-h-aligned`` or ``chat-template``.
         chat_template: Jinja string or file for ``chat-template`` (default: the tokenizer's).
+        chat_template_kwargs: ``apply_chat_template`` keyword arguments (a record's own override them).
+        train_on: ``all`` assistant turns or only the ``last`` of each conversation.
+        append_eos: append EOS to every trained assistant turn; ``None``: when the template writes no
+            end of turn (see :func:`packsft.prompt_formats.get_prompt_format`).
         pad_token: overrides the prompt format's pad token.
         context_parallel_size: CP size the rows are padded for.
         sequence_parallel_size: the TP size of a run with sequence parallelism (1 without): ``max_seq_len``
@@ -79,6 +86,9 @@ class PackConfig:
     max_seq_len: int
     prompt_format: str = "chat-template"
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    train_on: str = "all"
+    append_eos: bool | None = None
     pad_token: str | None = None
     context_parallel_size: int = 1
     sequence_parallel_size: int = 1
@@ -109,10 +119,18 @@ class PackConfig:
             raise ValueError(f"--oversize {self.oversize!r}: choose one of {', '.join(OVERSIZE_POLICIES)}")
         if bool(self.input_key) != bool(self.output_key):
             raise ValueError("--input-key and --output-key must be given together")
+        if self.train_on not in TRAIN_ON:
+            raise ValueError(f"--train-on {self.train_on!r}: choose one of {', '.join(TRAIN_ON)}")
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         if Path(self.output).is_dir():
             raise ValueError(f"--output {self.output} is a directory; give the .jsonl.packed file to write")
+
+
+class PackWarning(UserWarning):
+    """A conversation or setting that packs but may not train as intended (also listed in the report)."""
 
 
 class PackError(RuntimeError):
@@ -123,19 +141,26 @@ class PackError(RuntimeError):
 _W: dict[str, Any] = {}
 
 
+def _prompt_format(cfg: PackConfig, tok):
+    return get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token, chat_template=cfg.chat_template,
+                             train_on=cfg.train_on, chat_template_kwargs=cfg.chat_template_kwargs,
+                             append_eos=cfg.append_eos)
+
+
 def _init_worker(cfg: PackConfig) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(cfg.tokenizer)
-    _W.update(cfg=cfg, tok=tok, fmt=get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token,
-                                                      chat_template=cfg.chat_template))
+    _W.update(cfg=cfg, tok=tok, fmt=_prompt_format(cfg, tok))
 
 
 def _process_batch(batch: list[tuple[int, int, str | None, str | None]]) -> list[tuple]:
     """Parse, validate and count one batch of lines: ``(file_idx, line, text, decode_error)`` each.
 
     Returns:
-        ``(file_idx, line, num_tokens, row_messages_json, None)`` for a good line, or
-        ``(file_idx, line, None, None, reason)`` for a rejected one.
+        ``(file_idx, line, (num_tokens, trained, trained_in_row), row_messages_json, None)`` for a good line
+        (``trained``: tokens the model is trained to predict; ``trained_in_row``: those of them within the
+        first ``max_seq_len`` tokens, what an own-row truncation keeps), or ``(file_idx, line, None, None,
+        reason)`` for a rejected one.
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
     out = []
@@ -150,8 +175,10 @@ def _process_batch(batch: list[tuple[int, int, str | None, str | None]]) -> list
                 raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
             conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
                                 default_system_prompt=cfg.default_system_prompt)
-            n = count_conversation_tokens(conv.messages, tok, fmt, conv.tools)
-            out.append((file_idx, line, n, json.dumps(conv.to_row_messages(), ensure_ascii=False), None))
+            tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+            trained = [t != IGNORE_INDEX for t in targets[1:]]
+            counts = (len(tokens), sum(trained), sum(trained[: cfg.max_seq_len - 1]))
+            out.append((file_idx, line, counts, json.dumps(conv.to_row_messages(), ensure_ascii=False), None))
         except ConversationError as e:
             out.append((file_idx, line, None, None, f"{e.field + ': ' if e.field else ''}{e.reason}"))
         except PromptFormatError as e:
@@ -199,6 +226,7 @@ class _Counted:
     num_tokens: int
     offset: int  # byte offset of its messages JSON in the spool file
     size: int
+    trained_in_row: int = 1  # trained tokens within the first max_seq_len tokens
 
 
 @dataclass
@@ -216,6 +244,7 @@ class PackReport:
     lower_bound_rows: int = 0
     oversize: list[dict[str, Any]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
     per_input: dict[str, dict[str, int]] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
@@ -232,7 +261,27 @@ class PackReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as written to JSON: the fields plus ``efficiency`` and ``pack_factor``."""
-        return {**asdict(self), "efficiency": self.efficiency, "pack_factor": self.pack_factor}
+        return {**asdict(self), "efficiency": self.efficiency, "pack_factor": self.pack_factor,
+                "warning_counts": self.warning_counts()}
+
+    def warning_counts(self) -> dict[str, int]:
+        """Number of warnings of each kind (``no_trained_token``, ``truncation_removes_training``, ...)."""
+        counts: dict[str, int] = {}
+        for w in self.warnings:
+            counts[w["kind"]] = counts.get(w["kind"], 0) + 1
+        return counts
+
+    def warning_counts_text(self) -> str:
+        """``kind: n, ...`` or ``none``."""
+        return ", ".join(f"{k}: {n}" for k, n in sorted(self.warning_counts().items())) or "none"
+
+    def warn(self, kind: str, message: str, input: str | None = None, line: int | None = None) -> None:
+        """Record a warning; the first 5 of each kind are also issued as :class:`PackWarning`."""
+        self.warnings.append({"kind": kind, "input": input, "line": line, "message": message})
+        seen = sum(w["kind"] == kind for w in self.warnings)
+        if seen <= 5:
+            more = " (further ones of this kind are only listed in the report)" if seen == 5 else ""
+            warnings.warn((f"{input}:{line}: {message}" if input else message) + more, PackWarning, stacklevel=3)
 
     def summary(self) -> str:
         """Human-readable multi-line summary."""
@@ -240,6 +289,7 @@ class PackReport:
             f"input conversations : {self.input_conversations}",
             f"packed conversations: {self.packed_conversations}",
             f"rejected            : {len(self.rejected)}",
+            f"warnings            : {len(self.warnings)} ({self.warning_counts_text()})",
             f"oversize            : {len(self.oversize)} "
             f"({sum(o['action'] == 'dropped' for o in self.oversize)} dropped)",
             f"rows                : {self.rows} (lower bound {self.lower_bound_rows})",
@@ -248,6 +298,11 @@ class PackReport:
             f"efficiency          : {100 * self.efficiency:.2f} %",
             f"pack factor         : {self.pack_factor:.2f} conversations/row",
         ]
+        for w in self.warnings[:5]:
+            where = f"{w['input']}:{w['line']}: " if w.get("input") else ""
+            lines.append(f"  warning {where}{w['message']}")
+        if len(self.warnings) > 5:
+            lines.append(f"  ... {len(self.warnings) - 5} more warnings in the report")
         for r in self.rejected[:5]:
             lines.append(f"  rejected {r['input']}:{r['line']}: {r['reason']}")
         if len(self.rejected) > 5:
@@ -259,7 +314,7 @@ class PackReport:
 def _count_all(cfg: PackConfig, spool, report: PackReport) -> list[_Counted]:
     counted: list[_Counted] = []
     bar = tqdm(desc="tokenizing", unit="conv", disable=not cfg.progress, mininterval=1.0)
-    for file_idx, line, n, msgs_json, reason in _ordered_results(cfg):
+    for file_idx, line, counts, msgs_json, reason in _ordered_results(cfg):
         bar.update(1)
         report.input_conversations += 1
         stats = report.per_input.setdefault(cfg.inputs[file_idx], {"conversations": 0, "rejected": 0})
@@ -270,8 +325,13 @@ def _count_all(cfg: PackConfig, spool, report: PackReport) -> list[_Counted]:
                 raise PackError(f"{cfg.inputs[file_idx]}:{line}: {reason} (strict mode)")
             report.rejected.append({"input": cfg.inputs[file_idx], "line": line, "reason": reason})
             continue
+        n, trained, trained_in_row = counts
+        if trained == 0:
+            report.warn("no_trained_token", "conversation has no trained token (no assistant turn to train: "
+                        "empty, weight 0, or not the last with --train-on last); it is packed as context only",
+                        cfg.inputs[file_idx], line)
         data = msgs_json.encode("utf-8")
-        counted.append(_Counted(file_idx, line, n, spool.tell(), len(data)))
+        counted.append(_Counted(file_idx, line, n, spool.tell(), len(data), trained_in_row if trained else 1))
         spool.write(data)
     bar.close()
     return counted
@@ -293,6 +353,12 @@ def _apply_oversize(cfg: PackConfig, counted: list[_Counted], report: PackReport
                                 "action": action})
         if cfg.oversize == "own-row":
             kept.append(c)
+            if c.trained_in_row == 0:
+                report.warn("truncation_removes_training",
+                            f"conversation has {c.num_tokens} tokens; truncated to max_seq_len {cfg.max_seq_len} "
+                            "in its own row it keeps no trained token (its assistant turns all lie beyond the "
+                            "cut); use --oversize drop or a larger --max-seq-length", cfg.inputs[c.file_idx],
+                            c.line)
     return kept
 
 
@@ -318,8 +384,12 @@ def run_pack(cfg: PackConfig) -> PackReport:
     """
     cfg.validate()
     tok = load_tokenizer(cfg.tokenizer)
-    fmt = get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token, chat_template=cfg.chat_template)
+    fmt = _prompt_format(cfg, tok)
     report = PackReport(settings={k: v for k, v in asdict(cfg).items() if k not in ("progress",)})
+    if fmt.missing_stop_signal(tok):
+        report.warn("no_stop_signal", f"{fmt.template_name} writes nothing after an assistant turn's content and "
+                    "--no-append-eos is set: no end-of-turn or EOS token is trained, so the model will not learn "
+                    "to stop")
     out_dir = Path(cfg.output).resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=out_dir) as spool:
@@ -368,7 +438,8 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs) -> N
         "shuffle_rows": cfg.shuffle_rows,
         "default_system_prompt": cfg.default_system_prompt,
         "counts": {"input_conversations": report.input_conversations, "packed_conversations": len(lengths),
-                   "rejected": len(report.rejected), "oversize": len(report.oversize), "rows": report.rows,
+                   "rejected": len(report.rejected), "oversize": len(report.oversize),
+                   "warnings": report.warning_counts(), "rows": report.rows,
                    "real_tokens": report.real_tokens, "padding_tokens": report.padding_tokens},
     }
     write_sidecar(cfg.output, sidecar)

@@ -88,18 +88,20 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
 
     Args:
         batch: ``packsft.data.collate.collate_rows`` output of one row: ``tokens``/``labels``/``position_ids`` int64
-            ``[1, L]``, ``loss_mask`` float32 ``[1, L]``, ``cu_seqlens`` int32 ``[n + 1]``, ``max_seqlen`` int.
+            ``[1, L]``, ``loss_mask`` float32 ``[1, L]``, ``cu_seqlens`` and ``cu_seqlens_padded`` int32 ``[n + 1]``
+            (real lengths, padded offsets), ``max_seqlen`` int.
         cp_size, cp_rank, cp_group: context parallelism (``cp_group`` is ignored when ``cp_size == 1``).
 
     Returns:
         ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[1, L / cp_size]`` on ``device``,
         ``trained_index`` (int64 ``[n]``, the trained positions, computed on the host so the fused loss needs no
-        device sync) and ``packed_seq_params`` (THD, global ``cu_seqlens``).
+        device sync) and ``packed_seq_params`` (THD, global ``cu_seqlens`` and ``cu_seqlens_padded``).
     """
     local = slice_batch_for_cp(batch, cp_size, cp_rank)
     out = {key: local[key].to(device, non_blocking=True) for key in TOKEN_KEYS}
     trained = (local["labels"] != IGNORE_INDEX) & (local["loss_mask"] != 0)        # on the host: no device sync
     out["trained_index"] = trained.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)
     out["packed_seq_params"] = make_packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"],
-                                                      cp_group if cp_size > 1 else None, device=device)
+                                                      cp_group if cp_size > 1 else None,
+                                                      batch.get("cu_seqlens_padded"), device=device)
     return out

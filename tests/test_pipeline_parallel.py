@@ -169,3 +169,52 @@ def test_pp4_pp2tp2_pp2cp2_equal_single_process(setup, reference):  # noqa: F811
             assert [r["stages"] for r in per_rank] == [[(True, False, [0])], [(False, False, [1])],
                                                        [(False, False, [2])], [(False, True, [3])]]
         print(overrides, _compare(str(overrides), per_rank, reference))
+
+
+def _isolation_worker(rank, world_size, config_path, train_path):
+    """Logits at PP=4 of a row and of the row with one token of its second conversation changed (last stage)."""
+    from packsft.train.loop import Trainer
+
+    trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}",
+                                                "parallel.pipeline_model_parallel_size=4"]))
+    batch = trainer.next_micro_batches()[0]
+    cu = batch["packed_seq_params"].cu_seqlens_q.tolist()
+    changed = (cu[1] + cu[2]) // 2
+    edited = dict(batch, tokens=batch["tokens"].clone())
+    edited["tokens"][0, changed] = (edited["tokens"][0, changed] + 1000) % 49152
+    with torch.no_grad():
+        logits = [out["logits"][0] for out in trainer.run_pipeline([batch, edited], forward_only=True, logits=True)]
+        # the Megatron-Bridge bug: middle stages without cu_seqlens attend over the whole row
+        forward = trainer._stage_forward
+
+        def without_cu_seqlens(model, b, logits=False):
+            gpt = model.module
+            if not (gpt.pre_process or gpt.post_process):
+                b = dict(b, packed_seq_params=None)
+            return forward(model, b, logits=logits)
+
+        trainer._stage_forward = without_cu_seqlens
+        broken = [out["logits"][0] for out in trainer.run_pipeline([batch, edited], forward_only=True, logits=True)]
+    return {"stage": trainer.ctx.pp_rank, "cu": cu, "changed": changed, "logits": logits, "broken": broken}
+
+
+def test_pp4_middle_stages_keep_conversations_apart(setup):  # noqa: F811
+    """PP=4 (two middle stages): changing one token of one conversation changes no logit of another conversation;
+    the same check fails when the middle stages are run without the packed-sequence parameters."""
+    config, paths = setup
+    per_rank = run_distributed(_isolation_worker, 4, config, paths[1], timeout_s=400)
+    assert [r["logits"] == [] for r in per_rank] == [True, True, True, False]      # logits on the last stage only
+    last = per_rank[3]
+    cu, changed = last["cu"], last["changed"]
+    assert len(cu) >= 4, cu                                                        # >= 3 conversations
+    index = torch.arange(cu[-1])
+    other = (index < cu[1]) | (index >= cu[2])
+    after = (index >= changed) & (index < cu[2])
+    before = (index >= cu[1]) & (index < changed)
+    diff = (last["logits"][0] - last["logits"][1]).abs().amax(dim=-1)
+    broken = (last["broken"][0] - last["broken"][1]).abs().amax(dim=-1)
+    print("pp=4 max |logit diff| of other conversations:", diff[other].max().item(),
+          "| later conversations with middle stages lacking cu_seqlens:", broken[index >= cu[2]].max().item())
+    assert diff[other].max().item() <= 1e-6 and diff[before].max().item() <= 1e-6
+    assert diff[after].max().item() > 1e-3
+    assert broken[index >= cu[2]].max().item() > 1e-3              # the check would catch the cross-attention

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401
+from test_parallel_checkpoint import _train, config  # noqa: F401 - fixture
 from test_parallel_parity import packed, setup  # noqa: F401 - fixtures
 
 from packsft.train.config import load_config
@@ -115,8 +116,8 @@ def _layouts_worker(rank, world_size, config_path, train_paths, layouts, full):
 @pytest.fixture(scope="module")
 def reference(setup, parallel_state_1proc):  # noqa: F811
     """The one-process megatron-backend step (no pipeline) and its initial weights."""
-    config, paths = setup
-    ref = _step(config, paths[1], (), None)
+    config_path, paths = setup
+    ref = _step(config_path, paths[1], (), None)
     assert ref["layout"]["pipeline_model_parallel_size"] == 1
     return ref
 
@@ -145,9 +146,9 @@ def test_reference_is_sane(reference):
 
 
 def test_pp2_equals_single_process(setup, reference):  # noqa: F811
-    config, paths = setup
+    config_path, paths = setup
     layouts = [(1, (PP2,)), (1, (PP2, "loss.fused_linear_cross_entropy=false")), (1, (PP2, VP2))]
-    per_layout = run_distributed(_layouts_worker, 2, config, paths, layouts, reference["weights"], timeout_s=400)
+    per_layout = run_distributed(_layouts_worker, 2, config_path, paths, layouts, reference["weights"], timeout_s=400)
     stages = [[[(True, False, [0, 1])], [(False, True, [2, 3])]]] * 2 + [
         [[(True, False, [0]), (False, False, [2])], [(False, False, [1]), (False, True, [3])]]]   # interleaved
     for i, (_, overrides) in enumerate(layouts):
@@ -158,11 +159,11 @@ def test_pp2_equals_single_process(setup, reference):  # noqa: F811
 
 
 def test_pp4_pp2tp2_pp2cp2_equal_single_process(setup, reference):  # noqa: F811
-    config, paths = setup
+    config_path, paths = setup
     layouts = [(1, ("parallel.pipeline_model_parallel_size=4",)),
                (1, (PP2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")),
                (2, (PP2, "parallel.context_parallel_size=2"))]
-    per_layout = run_distributed(_layouts_worker, 4, config, paths, layouts, reference["weights"], timeout_s=700)
+    per_layout = run_distributed(_layouts_worker, 4, config_path, paths, layouts, reference["weights"], timeout_s=700)
     for i, (_, overrides) in enumerate(layouts):
         per_rank = [per_layout[r][i] for r in range(4)]
         if i == 0:      # one layer per stage; the middle stages have neither embedding nor output layer
@@ -201,8 +202,8 @@ def _isolation_worker(rank, world_size, config_path, train_path):
 def test_pp4_middle_stages_keep_conversations_apart(setup):  # noqa: F811
     """PP=4 (two middle stages): changing one token of one conversation changes no logit of another conversation;
     the same check fails when the middle stages are run without the packed-sequence parameters."""
-    config, paths = setup
-    per_rank = run_distributed(_isolation_worker, 4, config, paths[1], timeout_s=400)
+    config_path, paths = setup
+    per_rank = run_distributed(_isolation_worker, 4, config_path, paths[1], timeout_s=400)
     assert [r["logits"] == [] for r in per_rank] == [True, True, True, False]      # logits on the last stage only
     last = per_rank[3]
     cu, changed = last["cu"], last["changed"]
@@ -218,3 +219,51 @@ def test_pp4_middle_stages_keep_conversations_apart(setup):  # noqa: F811
     assert diff[other].max().item() <= 1e-6 and diff[before].max().item() <= 1e-6
     assert diff[after].max().item() > 1e-3
     assert broken[index >= cu[2]].max().item() > 1e-3              # the check would catch the cross-attention
+
+
+def _records(output_dir) -> dict[str, dict[int, float]]:
+    import json
+
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"train": {r["step"]: r["loss"] for r in records if r["kind"] == "train"},
+            "val": {r["step"]: r["val_loss"] for r in records if r["kind"] == "validation"},
+            "summary": [r for r in records if r["kind"] == "summary"]}
+
+
+def test_pp2_checkpoint_resumes_bit_exact_at_pp2_and_at_pp1(tmp_path, config):  # noqa: F811
+    """``tools/train.py`` at PP=2 (megatron optimizer, validation every step), saved after each step; resumed from
+    step 1 at PP=2 (bit-exact) and at PP=1 (resharded over stages); the distributed optimizer at PP=2 likewise."""
+    pp2 = ("optimizer.backend=megatron", "parallel.pipeline_model_parallel_size=2", "train.train_steps=3",
+           f"data.validation_path={yaml_train_path(config)}", "validation.val_period=1")
+    _train(config, tmp_path / "full", 2, *pp2)
+    full = _records(tmp_path / "full")
+    assert sorted(full["train"]) == sorted(full["val"]) == [1, 2, 3] and abs(full["train"][2] - full["train"][1]) > 1e-2
+    assert full["summary"][0]["pipeline_model_parallel_size"] == 2 and full["summary"][0]["data_parallel_size"] == 1
+    saved = tmp_path / "full" / "checkpoints" / "iter_0000001"
+    _train(config, tmp_path / "pp2", 2, *pp2, f"checkpoint.resume={saved}")
+    pp1 = tuple(o for o in pp2 if "pipeline" not in o)
+    _train(config, tmp_path / "pp1", 1, *pp1, f"checkpoint.resume={saved}")
+    again, resharded = _records(tmp_path / "pp2"), _records(tmp_path / "pp1")
+    print("uninterrupted", full["train"], full["val"], "| resumed pp=2", again["train"], again["val"],
+          "| resumed pp=1", resharded["train"], resharded["val"])
+    assert again["train"] == {s: full["train"][s] for s in (2, 3)}                  # bit-exact
+    assert again["val"] == {s: full["val"][s] for s in (2, 3)}
+    for kind in ("train", "val"):
+        assert sorted(resharded[kind]) == [2, 3]
+        assert all(abs(resharded[kind][s] - full[kind][s]) < 1e-5 for s in (2, 3)), (kind, resharded, full)
+
+    dist_opt = (*pp2[:3], "optimizer.use_distributed_optimizer=true")
+    _train(config, tmp_path / "dist", 2, *dist_opt)
+    _train(config, tmp_path / "dist_resumed", 2, *dist_opt,
+           f"checkpoint.resume={tmp_path / 'dist' / 'checkpoints' / 'iter_0000001'}")
+    dist_full, dist_again = _records(tmp_path / "dist")["train"], _records(tmp_path / "dist_resumed")["train"]
+    print("distributed optimizer pp=2", dist_full, "resumed", dist_again)
+    assert abs(dist_full[1] - full["train"][1]) < 1e-6 and abs(dist_full[3] - full["train"][3]) < 1e-5
+    assert dist_again == {s: dist_full[s] for s in (2, 3)}
+
+
+def yaml_train_path(config_path) -> str:
+    import yaml
+
+    return yaml.safe_load(config_path.read_text())["data"]["train_path"]
+

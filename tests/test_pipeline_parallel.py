@@ -24,8 +24,6 @@ from test_parallel_parity import packed, setup  # noqa: F401 - fixtures
 
 from packsft.train.config import load_config
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
 PP2, VP2 = "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"
 BASE = ("model.num_layers=4", "optimizer.backend=megatron", "optimizer.clip_grad=1e9")
 TOL = 1e-6
@@ -139,12 +137,16 @@ def _compare(name: str, per_rank: list[dict], ref: dict) -> dict[str, float]:
     return worst
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_reference_is_sane(reference):
     print("reference", reference["step"], max(float(g.abs().max()) for g in reference["grads"].values()))
     assert 10.0 < reference["step"]["loss"] < 11.5 and reference["step"]["trained_tokens"] > 0
     assert len([k for k in reference["grads"] if k.endswith("self_attention.linear_qkv.weight")]) == 4
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_pp2_equals_single_process(setup, reference):  # noqa: F811
     config_path, paths = setup
     layouts = [(1, (PP2,)), (1, (PP2, "loss.fused_linear_cross_entropy=false")), (1, (PP2, VP2))]
@@ -158,6 +160,8 @@ def test_pp2_equals_single_process(setup, reference):  # noqa: F811
         print(overrides, _compare(str(overrides), per_rank, reference))
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_pp4_pp2tp2_pp2cp2_equal_single_process(setup, reference):  # noqa: F811
     config_path, paths = setup
     layouts = [(1, ("parallel.pipeline_model_parallel_size=4",)),
@@ -199,6 +203,8 @@ def _isolation_worker(rank, world_size, config_path, train_path):
     return {"stage": trainer.ctx.pp_rank, "cu": cu, "changed": changed, "logits": logits, "broken": broken}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_pp4_middle_stages_keep_conversations_apart(setup):  # noqa: F811
     """PP=4 (two middle stages): changing one token of one conversation changes no logit of another conversation;
     the same check fails when the middle stages are run without the packed-sequence parameters."""
@@ -230,6 +236,8 @@ def _records(output_dir) -> dict[str, dict[int, float]]:
             "summary": [r for r in records if r["kind"] == "summary"]}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_pp2_checkpoint_resumes_bit_exact_at_pp2_and_at_pp1(tmp_path, config):  # noqa: F811
     """``tools/train.py`` at PP=2 (megatron optimizer, validation every step), saved after each step; resumed from
     step 1 at PP=2 (bit-exact) and at PP=1 (resharded over stages); the distributed optimizer at PP=2 likewise."""
@@ -267,3 +275,26 @@ def yaml_train_path(config_path) -> str:
 
     return yaml.safe_load(config_path.read_text())["data"]["train_path"]
 
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("parallel.pipeline_model_parallel_size=2",), "needs optimizer.backend=megatron"),
+    (("optimizer.backend=megatron", "parallel.pipeline_model_parallel_size=3"), "multiple of parallel.pipeline"),
+    (("parallel.virtual_pipeline_model_parallel_size=2",), "needs pipeline_model_parallel_size > 1"),
+])
+def test_pipeline_config_misfits_are_refused_by_name(tmp_path, config, overrides, message):  # noqa: F811
+    with pytest.raises(ValueError, match=message):
+        load_config(config, list(overrides))
+
+
+def test_layout_check_explains_world_and_interleaved_misfits(config):  # noqa: F811
+    from packsft.train.config import check_parallel_layout
+
+    pp2 = ["optimizer.backend=megatron", "parallel.pipeline_model_parallel_size=2"]
+    assert check_parallel_layout(load_config(config, pp2), 4) == 2
+    with pytest.raises(ValueError, match=r"TP x CP x PP x DP"):
+        check_parallel_layout(load_config(config, pp2), 3)
+    vp = load_config(config, [*pp2, "model.num_layers=4", "parallel.virtual_pipeline_model_parallel_size=2",
+                              "train.global_batch_size=6"])
+    with pytest.raises(ValueError, match=r"micro-batches per step .* = 3\) to be a multiple of"):
+        check_parallel_layout(vp, 4)                        # DP = 2: 3 micro-batches per rank

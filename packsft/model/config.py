@@ -167,8 +167,10 @@ class ModelConfig:
             return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
-    def to_transformer_config(self, tp: int = 1, cp: int = 1, sequence_parallel: bool = False):
-        """Build Megatron-Core's ``TransformerConfig`` for tensor-parallel ``tp`` and context-parallel ``cp``.
+    def to_transformer_config(self, tp: int = 1, cp: int = 1, sequence_parallel: bool = False, pp: int = 1,
+                              vp: int | None = None):
+        """Build Megatron-Core's ``TransformerConfig`` for tensor-parallel ``tp``, context-parallel ``cp`` and
+        pipeline-parallel ``pp`` (``vp`` virtual stages per pipeline rank, or None).
 
         The ``recompute_*`` fields are passed as Megatron's of the same names (``recompute_modules`` None:
         Megatron's default ``["core_attn"]``). Dropout is 0 (``attention_dropout``, ``hidden_dropout``), biases
@@ -179,7 +181,7 @@ class ModelConfig:
 
         Raises:
             ValueError: if ``num_attention_heads``/``num_query_groups`` are not divisible by ``tp``,
-                or ``tp``/``cp`` are not positive.
+                ``num_layers`` not by ``pp * vp``, or ``tp``/``cp``/``pp`` are not positive.
         """
         from megatron.core.transformer import TransformerConfig
 
@@ -190,6 +192,9 @@ class ModelConfig:
             if getattr(self, name) % tp:
                 raise ValueError(f"model.{name} ({getattr(self, name)}) must be a multiple of "
                                  f"tensor_model_parallel_size ({tp})")
+        if pp < 1 or self.num_layers % (pp * (vp or 1)):
+            raise ValueError(f"model.num_layers ({self.num_layers}) must be a multiple of "
+                             f"pipeline_model_parallel_size ({pp}) x virtual_pipeline_model_parallel_size ({vp})")
         dtype = PARAMS_DTYPES[self.params_dtype]
         return TransformerConfig(
             num_layers=self.num_layers,
@@ -212,6 +217,12 @@ class ModelConfig:
             pipeline_dtype=dtype,
             tensor_model_parallel_size=tp,
             context_parallel_size=cp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp,
+            # Megatron-LM's defaults: the interleaved schedule overlaps its p2p ops, unbatched (one process group
+            # per direction when P = 2, so an activation and a gradient between the same two ranks never cross)
+            overlap_p2p_comm=vp is not None,
+            batch_p2p_comm=vp is None,
             sequence_parallel=sequence_parallel and tp > 1,
             use_cpu_initialization=not torch.cuda.is_available(),
             bias_activation_fusion=False,

@@ -47,6 +47,16 @@ megatron-core 0.16; ``docs/model.md`` has the measured facts):
    Together with 3 (``param_and_grad_buffer`` allocates on ``torch.cuda.current_device()``) this runs
    Megatron's ``DistributedDataParallel`` and ``get_megatron_optimizer`` (also ``use_distributed_optimizer``,
    fp32 or bf16) on gloo.
+7. Pipeline parallelism: the schedules of ``pipeline_parallel.schedules``
+   (``forward_backward_pipelining_without_interleaving`` / ``_with_interleaving``, ``forward_backward_no_pipelining``)
+   allocate their ``total_num_tokens`` counter with a literal ``device="cuda"``; the module gets
+   :class:`_CpuTensorTorch` as its ``torch`` global, as in 6. ``pipeline_parallel.p2p_communication.P2PCommunicator``
+   allocates its receive buffers on ``torch.cuda.current_device()`` with ``config.pipeline_dtype`` and
+   synchronizes CUDA, both served by 3; its ``batch_isend_irecv`` runs on gloo unchanged.
+   ``LanguageModule.setup_embeddings_and_output_layer`` (``models.common.language_module.language_module``) moves
+   the tied word embedding of the first and last stage to CUDA (``weight.data.cuda()``) before all-reducing it over
+   the embedding group; :func:`_setup_embeddings_on_own_device` runs it with ``Tensor.cuda`` returning the tensor
+   itself.
 """
 
 from __future__ import annotations
@@ -203,6 +213,37 @@ def _apply_optimizer_shim() -> None:
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer_module.clip_grad_by_total_norm_fp32 = clipped
 
 
+@contextlib.contextmanager
+def _cuda_is_identity():
+    """While active, ``Tensor.cuda()`` returns the tensor itself (there is no CUDA device to move to)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _setup_embeddings_on_own_device(original):
+    """``LanguageModule.setup_embeddings_and_output_layer`` run under :func:`_cuda_is_identity` (item 7)."""
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        with _cuda_is_identity():
+            return original(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _apply_pipeline_shim() -> None:
+    """CPU allocation for the pipeline schedules' token counter and the tied-embedding setup (item 7)."""
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuTensorTorch(torch)
+    cls = language_module.LanguageModule
+    cls.setup_embeddings_and_output_layer = _setup_embeddings_on_own_device(cls.setup_embeddings_and_output_layer)
+
+
 def _apply_cuda_shim() -> None:
     """Make ``torch.cuda.current_device()`` return ``"cpu"`` and ``torch.cuda.synchronize()`` a no-op."""
     torch.cuda.current_device = lambda: "cpu"
@@ -210,7 +251,7 @@ def _apply_cuda_shim() -> None:
 
 
 def apply_cpu_workarounds() -> bool:
-    """Apply the six CPU workarounds of this module once per process; no-op when CUDA is available.
+    """Apply the seven CPU workarounds of this module once per process; no-op when CUDA is available.
 
     Idempotent: a second call changes nothing. Call it before building a model (``init_distributed``
     does).
@@ -234,5 +275,6 @@ def apply_cpu_workarounds() -> bool:
     tp_random.CudaRNGStatesTracker.add = _add_without_cuda
     _apply_cuda_shim()
     _apply_optimizer_shim()
+    _apply_pipeline_shim()
     _APPLIED = True
     return True

@@ -58,9 +58,9 @@ def layer_spec(attention_backend: str):
     raise ValueError(f"unknown attention_backend {attention_backend!r}; expected 'torch' or 'te'")
 
 
-def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
-                    sequence_parallel: bool = False) -> GPTModel:
-    """Build the GPT model for ``cfg`` on this rank's tensor/context-parallel shard.
+def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_process: bool | None = None,
+                    sequence_parallel: bool = False, vp_stage: int | None = None) -> GPTModel:
+    """Build the GPT model for ``cfg`` on this rank's tensor/context/pipeline-parallel shard.
 
     Requires ``megatron.core.parallel_state`` to be initialised
     (``packsft.train.distributed.init_distributed`` does it, also for a single process); TP and CP
@@ -73,6 +73,13 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process:
     no biases except an optional QKV bias (``cfg.add_qkv_bias``), ``share_embeddings_and_output_weights =
     cfg.tie_word_embeddings``, ``parallel_output=True`` (logits stay vocab-sharded). ``sequence_parallel``:
     Megatron's sequence parallelism over the TP group (norms and residual stream on ``t / tp`` tokens).
+
+    Pipeline parallelism (sizes read from ``parallel_state``): the model holds this rank's layers (of virtual
+    stage ``vp_stage`` when virtual stages are set); ``pre_process`` (embedding) and ``post_process`` (final norm
+    and output layer) default to whether this is the first / last pipeline stage. With tied embeddings the last
+    stage holds a copy of the word embedding (Megatron's ``setup_embeddings_and_output_layer``: copied from the
+    first stage at construction, gradients all-reduced by ``finalize_model_grads``). A stage without
+    ``post_process`` returns its hidden states ``[t, 1, h]``.
 
     Returns:
         ``GPTModel`` in fp32 or bf16 (``cfg.params_dtype``). ``model(tokens [1, t], position_ids [1, t],
@@ -89,13 +96,20 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process:
     apply_cpu_workarounds()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if cfg.vocab_size % tp:
         raise ValueError(f"model.vocab_size ({cfg.vocab_size}) must be a multiple of "
                          f"tensor_model_parallel_size ({tp}); pad the vocabulary")
-    config = cfg.to_transformer_config(tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    config = cfg.to_transformer_config(tp=tp, cp=cp, sequence_parallel=sequence_parallel, pp=pp, vp=vp)
     spec = layer_spec(cfg.attention_backend)
     if cfg.attention_backend == "torch":   # the final norm too (Megatron's block default refuses SP)
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+        layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -109,7 +123,23 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool = True, post_process:
         rotary_base=cfg.rotary_base,
         rope_scaling=cfg.rope_scaling_factor is not None,
         rope_scaling_factor=cfg.rope_scaling_factor if cfg.rope_scaling_factor is not None else 8.0,
+        vp_stage=vp_stage,
     )
+
+
+def build_gpt_stages(cfg: ModelConfig, *, sequence_parallel: bool = False) -> list[GPTModel]:
+    """This pipeline rank's model chunks: one ``GPTModel`` per virtual stage (one without virtual stages).
+
+    Chunk ``i`` holds virtual stage ``i`` (Megatron's interleaved layout: with ``P`` ranks and ``V`` virtual
+    stages, rank ``p``'s chunk ``i`` holds layers ``(i * P + p) * n .. + n - 1``, ``n = num_layers / (P V)``).
+
+    Raises:
+        RuntimeError, ValueError: as :func:`build_gpt_model`.
+    """
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vp is None:
+        return [build_gpt_model(cfg, sequence_parallel=sequence_parallel)]
+    return [build_gpt_model(cfg, sequence_parallel=sequence_parallel, vp_stage=i) for i in range(vp)]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

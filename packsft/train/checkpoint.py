@@ -105,6 +105,23 @@ def _restore_megatron_adam_step(optimizer) -> None:
                         inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
+def _model_sharded_state_dict(model) -> dict[str, Any]:
+    """``GPTModel.sharded_state_dict()`` of ``model``, or ``{"chunk<i>": ...}`` for a list of model chunks (virtual
+    pipeline stages; their tensors carry global layer names, so any pipeline layout reads them)."""
+    if isinstance(model, list):
+        return {f"chunk{i}": unwrap_model(m).sharded_state_dict() for i, m in enumerate(model)}
+    return unwrap_model(model).sharded_state_dict()
+
+
+def _load_model_state(model, state: dict[str, Any]) -> None:
+    """``load_state_dict`` of what :func:`_model_sharded_state_dict` described, chunk by chunk for a list."""
+    if isinstance(model, list):
+        for i, m in enumerate(model):
+            unwrap_model(m).load_state_dict(state[f"chunk{i}"])
+        return
+    unwrap_model(model).load_state_dict(state)
+
+
 def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool = False) -> dict[str, Any]:
     """``{"model": sharded model state, "optimizer": optimizer state with sharding metadata}`` for dist_checkpointing.
 
@@ -117,11 +134,11 @@ def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool =
     if _is_megatron_optimizer(optimizer):
         if is_loading:
             _fill_missing_megatron_adam_state(optimizer)
-        model_state = unwrap_model(model).sharded_state_dict()
+        model_state = _model_sharded_state_dict(model)
         return {"model": model_state, "optimizer": optimizer.sharded_state_dict(
             model_state, is_loading=is_loading, metadata=DIST_OPTIM_METADATA)}
     _fill_missing_adam_state(optimizer)
-    model_state = unwrap_model(model).sharded_state_dict()
+    model_state = _model_sharded_state_dict(model)
     optim_state = optimizer.state_dict()
     id_map = get_param_id_to_sharded_param_map(model_state, optimizer_params(optimizer))
     step = float(next(iter(optim_state["state"].values()))["step"]) if optim_state["state"] else 0.0
@@ -225,7 +242,7 @@ def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
             global shape (a different architecture).
     """
     loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True), str(path))
-    unwrap_model(model).load_state_dict(loaded["model"])
+    _load_model_state(model, loaded["model"])
     if _is_megatron_optimizer(optimizer):
         with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters
             optimizer.load_state_dict(loaded["optimizer"])

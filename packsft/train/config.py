@@ -162,10 +162,17 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout; the data-parallel size is ``WORLD_SIZE / (tensor * context)``."""
+    """Parallel layout; the data-parallel size is ``WORLD_SIZE / (tensor * context * pipeline)``."""
 
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages ``P``: the layers are split over ``P`` ranks and each step runs Megatron-Core's 1F1B schedule
+    (``get_forward_backward_func``) over the micro-batches; needs ``optimizer.backend: megatron`` and
+    ``model.num_layers`` a multiple of ``P`` (times the virtual stages)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (Megatron's interleaved 1F1B schedule); null: not interleaved. Needs ``P > 1``
+    and micro-batches per step a multiple of ``P``."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (norms and residual stream split over the TP group); needs TP > 1 and
     ``data.max_seq_len`` a multiple of ``lcm(2 * cp, cp * tp)`` (pack with ``--tensor-model-parallel-size TP
@@ -180,7 +187,11 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
-        _positive("parallel", self, "tensor_model_parallel_size", "context_parallel_size")
+        _positive("parallel", self, "tensor_model_parallel_size", "context_parallel_size",
+                  "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+        if self.virtual_pipeline_model_parallel_size is not None and self.pipeline_model_parallel_size == 1:
+            raise ValueError("parallel.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1, "
+                             f"got {self.virtual_pipeline_model_parallel_size} with 1")
         if self.backend not in (None, "nccl", "gloo"):
             raise ValueError(f"parallel.backend must be 'nccl', 'gloo' or null, got {self.backend!r}")
 
@@ -335,6 +346,15 @@ class Config:
         if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.train_steps:
             raise ValueError(f"train.stop_at_step ({self.train.stop_at_step}) must be <= train.train_steps "
                              f"({self.train.train_steps})")
+        pp, vp = self.parallel.pipeline_model_parallel_size, self.parallel.virtual_pipeline_model_parallel_size
+        if pp > 1 and self.optimizer.backend != "megatron":
+            raise ValueError(f"parallel.pipeline_model_parallel_size={pp} needs optimizer.backend=megatron (Megatron "
+                             "DDP reduces the tied embedding over the first and last stage), got "
+                             f"{self.optimizer.backend!r}")
+        if self.model.num_layers % (pp * (vp or 1)):
+            raise ValueError(f"model.num_layers ({self.model.num_layers}) must be a multiple of "
+                             f"parallel.pipeline_model_parallel_size ({pp})"
+                             + (f" x parallel.virtual_pipeline_model_parallel_size ({vp})" if vp else ""))
         has_val_data = bool(self.data.validation_path) or self.data.split_validation_size > 0
         if self.validation.enabled and not has_val_data:
             raise ValueError("validation is enabled (validation.val_period / val_at_start / val_at_end) but there is "
@@ -448,17 +468,29 @@ def config_to_yaml(cfg: Config) -> str:
 def check_parallel_layout(cfg: Config, world_size: int) -> int:
     """Check the configuration against the job's world size and return the data-parallel size.
 
+    ``world_size = TP x CP x PP x DP``.
+
     Raises:
-        ValueError: ``world_size`` not a multiple of ``tp * cp``, or ``train.global_batch_size`` not a multiple of
-            ``loader.micro_batch_size * data_parallel_size``; the message names the keys and values.
+        ValueError: ``world_size`` not a multiple of ``tp * cp * pp``, ``train.global_batch_size`` not a multiple
+            of ``loader.micro_batch_size * data_parallel_size``, or (interleaved pipeline) micro-batches per step
+            not a multiple of ``pp``; the message names the keys and values.
     """
-    tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
-    if world_size % (tp * cp):
+    par = cfg.parallel
+    tp, cp, pp = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
+    if world_size % (tp * cp * pp):
         raise ValueError(f"WORLD_SIZE ({world_size}) must be a multiple of parallel.tensor_model_parallel_size "
-                         f"({tp}) * parallel.context_parallel_size ({cp})")
-    dp = world_size // (tp * cp)
+                         f"({tp}) * parallel.context_parallel_size ({cp}) * "
+                         f"parallel.pipeline_model_parallel_size ({pp}) (world = TP x CP x PP x DP)")
+    dp = world_size // (tp * cp * pp)
     per_step = cfg.loader.micro_batch_size * dp
     if cfg.train.global_batch_size % per_step:
         raise ValueError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
                          f"loader.micro_batch_size ({cfg.loader.micro_batch_size}) * data-parallel size ({dp})")
+    micro_batches = cfg.train.global_batch_size // per_step
+    if par.virtual_pipeline_model_parallel_size is not None and micro_batches % pp:
+        raise ValueError(f"the interleaved pipeline schedule (parallel.virtual_pipeline_model_parallel_size="
+                         f"{par.virtual_pipeline_model_parallel_size}) needs the micro-batches per step "
+                         f"(train.global_batch_size {cfg.train.global_batch_size} / (loader.micro_batch_size "
+                         f"{cfg.loader.micro_batch_size} x DP {dp}) = {micro_batches}) to be a multiple of "
+                         f"parallel.pipeline_model_parallel_size ({pp})")
     return dp

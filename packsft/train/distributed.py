@@ -25,12 +25,15 @@ class DistributedContext:
     Attributes:
         rank / world_size / local_rank: global rank, number of processes, rank on this node.
         device: ``cuda:<local_rank>`` or ``cpu``.
-        tensor_model_parallel_size / context_parallel_size / data_parallel_size: the parallel
-            degrees (``world_size = tp * cp * dp``).
+        tensor_model_parallel_size / context_parallel_size / data_parallel_size /
+            pipeline_model_parallel_size: the parallel degrees (``world_size = tp * cp * pp * dp``).
+        virtual_pipeline_model_parallel_size: model chunks per pipeline rank (None: not interleaved).
         cp_rank: this process's index in its context-parallel group (for ``slice_batch_for_cp``).
-        dp_rank: index in the data-parallel group (which rows of the global batch it reads).
-        tp_group / cp_group / dp_group / dp_cp_group: process groups; ``dp_cp_group`` is the group
-            gradients and the trained-token count are reduced over.
+        dp_rank: index in the data-parallel group (which rows of the global batch it reads; the same on
+            every pipeline stage of a model replica).
+        pp_rank: this process's pipeline stage.
+        tp_group / cp_group / dp_group / dp_cp_group / pp_group: process groups; ``dp_cp_group`` is the
+            group gradients and the trained-token count are reduced over.
     """
 
     rank: int
@@ -46,6 +49,20 @@ class DistributedContext:
     cp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     dp_cp_group: dist.ProcessGroup
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the first pipeline stage (always without pipeline parallelism)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (always without pipeline parallelism)."""
+        return self.pp_rank == self.pipeline_model_parallel_size - 1
 
 
 def _init_process_group(backend: str) -> None:
@@ -59,12 +76,15 @@ def _init_process_group(backend: str) -> None:
 
 
 def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size: int = 1,
-                     backend: str | None = None, seed: int = 1234) -> DistributedContext:
+                     backend: str | None = None, seed: int = 1234, pipeline_model_parallel_size: int = 1,
+                     virtual_pipeline_model_parallel_size: int | None = None) -> DistributedContext:
     """Initialise torch.distributed and Megatron ``parallel_state``; seed the RNGs.
 
     Args:
         tensor_model_parallel_size: TP degree.
         context_parallel_size: CP degree.
+        pipeline_model_parallel_size, virtual_pipeline_model_parallel_size: PP degree and model chunks per
+            pipeline rank (None: not interleaved), Megatron's names.
         backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, else gloo.
         seed: seeds ``random`` and ``torch.manual_seed`` identically on every rank (so
             ``use_cpu_initialization`` builds identical full weights before TP slicing), and Megatron's
@@ -74,7 +94,7 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
         :class:`DistributedContext`.
 
     Raises:
-        ValueError: if ``WORLD_SIZE`` is not a multiple of ``tp * cp``, or ``parallel_state`` is
+        ValueError: if ``WORLD_SIZE`` is not a multiple of ``tp * cp * pp``, or ``parallel_state`` is
             already initialised with other sizes.
     """
     if backend is None:
@@ -83,21 +103,28 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     _init_process_group(backend)
+    want = (tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_context_parallel_world_size())
-        if have != (tensor_model_parallel_size, context_parallel_size):
-            raise ValueError(f"parallel_state is already initialised with (tp, cp) = {have}, "
-                             f"not ({tensor_model_parallel_size}, {context_parallel_size}); "
-                             "call destroy_distributed() first")
+                parallel_state.get_context_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_virtual_pipeline_model_parallel_world_size())
+        if have != want:
+            raise ValueError(f"parallel_state is already initialised with (tp, cp, pp, vp) = {have}, "
+                             f"not {want}; call destroy_distributed() first")
     world_size = dist.get_world_size()
-    if world_size % (tensor_model_parallel_size * context_parallel_size):
+    model_parallel = tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
+    if world_size % model_parallel:
         raise ValueError(f"WORLD_SIZE ({world_size}) must be a multiple of tensor_model_parallel_size "
-                         f"({tensor_model_parallel_size}) * context_parallel_size ({context_parallel_size})")
+                         f"({tensor_model_parallel_size}) * context_parallel_size ({context_parallel_size}) * "
+                         f"pipeline_model_parallel_size ({pipeline_model_parallel_size})")
     apply_cpu_workarounds()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
-                                                 context_parallel_size=context_parallel_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size, context_parallel_size=context_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
     random.seed(seed)
     torch.manual_seed(seed)
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -115,6 +142,10 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
         cp_group=parallel_state.get_context_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
     )
 
 

@@ -2,7 +2,8 @@
 
 Flow of ``Trainer(cfg).run()``:
 
-1. ``init_distributed`` (torchrun variables; gloo on CPU, NCCL on GPU) with the TP/CP sizes; DP = world / (TP*CP).
+1. ``init_distributed`` (torchrun variables; gloo on CPU, NCCL on GPU) with the TP/CP/PP sizes;
+   DP = world / (TP*CP*PP).
 2. Datasets (``packsft.train.data``), model (``build_gpt_model`` + the hidden-state seam for the fused loss), then by
    ``optimizer.backend``: ``torch``: torch ``DistributedDataParallel`` over the data-parallel-with-context-parallel
    group when it has more than one rank, and ``torch.optim.AdamW``; ``megatron``: ``Float16Module`` when
@@ -14,6 +15,17 @@ Flow of ``Trainer(cfg).run()``:
    all-reduced over DP x CP, then each micro-batch runs forward + backward on ``sum(token loss) * dp * cp / count``;
    gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
 5. Logging, validation and checkpoints on their periods; a final validation and checkpoint.
+
+Pipeline parallelism (``parallel.pipeline_model_parallel_size`` P > 1, megatron backend only): the model is this
+rank's stage (``build_gpt_stages``: one chunk, or one per virtual stage), each wrapped in Megatron DDP. Every stage
+reads the same micro-batches from its own loader (the DP rank is shared by the stages of a replica), so every stage
+has the packed-sequence parameters (``cu_seqlens``, ``max_seqlen``) of every micro-batch and its attention stays
+inside each conversation. The micro-batches run through Megatron-Core's schedule (``get_forward_backward_func``:
+1F1B, interleaved with virtual stages) with a fixed activation shape ``[mbs * L / CP (/ TP with SP), 1, h]``
+(every packed row is exactly ``L`` tokens); the last stage computes the loss, the first stage's input is the
+embedding, the others receive their input from the previous stage. ``finalize_model_grads`` then reduces over
+DP x CP, sums sequence-parallel norms over TP and all-reduces the tied embedding over the first and last stage.
+The loss is broadcast from the last stage so every rank logs and decides a skip alike.
 
 Loss scaling, torch backend: DDP *averages* gradients over its group (size ``dp * cp``), while the loss
 (``docs/loss.md``) is a *sum* over ranks of ``token-loss sum / global count``. Each rank therefore back-propagates its
@@ -39,13 +51,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from torch.nn.parallel import DistributedDataParallel
 
 from packsft.data.loader import build_eval_dataloader, build_train_dataloader, load_loader_state_dict, loader_state_dict
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
-from packsft.model.gpt import build_gpt_model, unwrap_model
+from packsft.model.gpt import build_gpt_stages, unwrap_model
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
@@ -99,7 +112,8 @@ class Trainer:
         self.cfg = cfg
         par = cfg.parallel
         self.ctx = init_distributed(par.tensor_model_parallel_size, par.context_parallel_size, par.backend,
-                                    seed=cfg.train.seed)
+                                    seed=cfg.train.seed, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+                                    virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
         check_parallel_layout(cfg, self.ctx.world_size)
         dp = self.ctx.data_parallel_size
         self.micro_batches = cfg.train.global_batch_size // (cfg.loader.micro_batch_size * dp)
@@ -109,7 +123,9 @@ class Trainer:
         self.train_set, self.val_set = build_datasets(cfg)
         self._check_vocab()
         self.megatron = cfg.optimizer.backend == "megatron"
-        self.model = self._build_model()
+        self.pipeline = self.ctx.pipeline_model_parallel_size > 1
+        self.chunks = self._build_model()
+        self.model = self.chunks[0] if len(self.chunks) == 1 else self.chunks
         if self.megatron:
             self.optimizer = build_megatron_optimizer(self.model, cfg.optimizer, bf16=cfg.train.bf16)
             self.scheduler = ParamGroupSchedule(self.optimizer, cfg.scheduler, cfg.optimizer.lr,
@@ -134,17 +150,22 @@ class Trainer:
             raise ValueError(f"model.vocab_size ({self.cfg.model.vocab_size}) is smaller than the tokenizer "
                              f"{self.cfg.data.tokenizer} ({len(tokenizer)} tokens)")
 
-    def _build_model(self) -> torch.nn.Module:
-        gpt = build_gpt_model(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel).to(self.ctx.device)
-        use_hidden_state_output(gpt)
+    def _build_model(self) -> list[torch.nn.Module]:
+        """This rank's model chunks (one, or one per virtual pipeline stage), wrapped for the optimizer backend."""
+        chunks = build_gpt_stages(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel)
+        for gpt in chunks:
+            gpt.to(self.ctx.device)
+            if gpt.post_process:
+                use_hidden_state_output(gpt)
         if self.megatron:
-            return self._wrap_megatron(gpt)
+            return [self._wrap_megatron(gpt, i) for i, gpt in enumerate(chunks)]
+        (gpt,) = chunks                                    # the torch backend has no pipeline (Config refuses it)
         if self.ctx.data_parallel_size * self.ctx.context_parallel_size == 1:
-            return gpt
+            return [gpt]
         ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
-        return DistributedDataParallel(gpt, device_ids=ids, process_group=self.ctx.dp_cp_group)
+        return [DistributedDataParallel(gpt, device_ids=ids, process_group=self.ctx.dp_cp_group)]
 
-    def _wrap_megatron(self, gpt: torch.nn.Module) -> torch.nn.Module:
+    def _wrap_megatron(self, gpt: torch.nn.Module, chunk: int = 0) -> torch.nn.Module:
         """``DistributedDataParallel(Float16Module(gpt))`` (bf16) or ``DistributedDataParallel(gpt)``, Megatron's."""
         from megatron.core.distributed import DistributedDataParallel as MegatronDDP
         from megatron.core.distributed import DistributedDataParallelConfig
@@ -154,23 +175,30 @@ class Trainer:
         module = gpt
         if self.cfg.train.bf16:
             gpt.config.bf16 = True
+            gpt.config.pipeline_dtype = torch.bfloat16    # activations sent between stages
             module = Float16Module(gpt.config, gpt)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
             average_in_collective=False, use_distributed_optimizer=self.cfg.optimizer.use_distributed_optimizer)
-        return MegatronDDP(gpt.config, ddp_config, module)
+        return MegatronDDP(gpt.config, ddp_config, module, disable_bucketing=chunk > 0)
 
     @property
     def gpt(self) -> torch.nn.Module:
-        """The ``GPTModel`` (inside DDP when wrapped)."""
-        return unwrap_model(self.model)
+        """The ``GPTModel`` of the first chunk (inside DDP when wrapped); all chunks: :attr:`gpts`."""
+        return unwrap_model(self.chunks[0])
+
+    @property
+    def gpts(self) -> list[torch.nn.Module]:
+        """Every model chunk's ``GPTModel`` (one per virtual pipeline stage; one without)."""
+        return [unwrap_model(chunk) for chunk in self.chunks]
 
     # -- resume and checkpoint -------------------------------------------------------------------------------------
     def _resume(self) -> str | None:
         path = ckpt.find_resume_checkpoint(self.cfg.checkpoint_dir, self.cfg.checkpoint.resume)
         if path is None:
             if self.cfg.checkpoint.init_from:   # fresh optimizer; the model fields were checked by load_config
-                load_megatron_checkpoint(self.gpt, self.cfg.checkpoint.init_from)
+                for gpt in self.gpts:            # global layer names: each stage loads its own layers
+                    load_megatron_checkpoint(gpt, self.cfg.checkpoint.init_from)
                 if self.megatron:                # fp32 master weights are copies made before the load
                     self.optimizer.reload_model_params()
                 self.initialized_from = self.cfg.checkpoint.init_from
@@ -190,16 +218,19 @@ class Trainer:
         self._sync_counters()
         train_state = {"state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
                        "config": config_to_yaml(self.cfg), "layout": self.layout()}
-        first_of_dp = (dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0)
+        first_of_dp = dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0 and self.ctx.pp_rank == 0
         ckpt.save_checkpoint(self.cfg.checkpoint_dir, self.state.step, self.model, self.optimizer,
                              train_state=train_state, loader_state=loader_state_dict(self.train_loader),
                              dp_rank=self.ctx.dp_rank, write_loader_state=first_of_dp)
 
-    def layout(self) -> dict[str, int]:
-        """World size and TP/CP/DP sizes."""
+    def layout(self) -> dict[str, int | None]:
+        """World size and TP/CP/PP/DP sizes (and the virtual pipeline size, None when not interleaved)."""
         ctx = self.ctx
         return {"world_size": ctx.world_size, "tensor_model_parallel_size": ctx.tensor_model_parallel_size,
-                "context_parallel_size": ctx.context_parallel_size, "data_parallel_size": ctx.data_parallel_size}
+                "context_parallel_size": ctx.context_parallel_size,
+                "pipeline_model_parallel_size": ctx.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size": ctx.virtual_pipeline_model_parallel_size,
+                "data_parallel_size": ctx.data_parallel_size}
 
     # -- one step ---------------------------------------------------------------------------------------------------
     def next_micro_batches(self) -> list[dict[str, Any]]:
@@ -239,6 +270,8 @@ class Trainer:
         """
         count = global_num_trained_tokens([b["loss_mask"] for b in batches], (self.ctx.dp_cp_group,),
                                           labels=[b["labels"] for b in batches])
+        if self.pipeline:
+            return self._pipeline_step(batches, count)
         if self.megatron:
             return self._megatron_step(batches, count)
         wrapped = isinstance(self.model, DistributedDataParallel)
@@ -281,33 +314,136 @@ class Trainer:
         return {"loss": loss_sum / count.clamp(min=1), "grad_norm": torch.as_tensor(norm, dtype=torch.float32),
                 "lr": lr, "trained_tokens": count, "skipped": skipped}
 
+    # -- pipeline parallelism ---------------------------------------------------------------------------------------
+    def _stage_forward(self, model: torch.nn.Module, batch: dict[str, Any], logits: bool = False) -> torch.Tensor:
+        """One model chunk on one micro-batch, with the row's packed-sequence parameters on every stage.
+
+        Returns: before the last stage, the hidden states ``[t, 1, h]`` sent to the next stage; on the last stage
+        the per-token loss fp32 ``[t]`` (``gpt_token_loss``), or with ``logits`` the logits ``[1, t, v / tp]``.
+        """
+        psp = batch["packed_seq_params"]
+        with self._autocast():
+            if not unwrap_model(model).post_process or logits:
+                return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=psp)
+            per_token, _ = gpt_token_loss(model, batch, fused=self.cfg.loss.fused_linear_cross_entropy,
+                                          chunk_size=self.cfg.loss.chunk_size)
+        return per_token
+
+    def run_pipeline(self, batches: list[dict[str, Any]], count: torch.Tensor | None = None, *,
+                     forward_only: bool = False, logits: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Run ``batches`` (this rank's micro-batches, model inputs) through Megatron-Core's pipeline schedule.
+
+        Training (``forward_only`` False): each micro-batch back-propagates ``sum(token loss) / count`` (``count``:
+        the global trained-token count, int64 scalar); gradients accumulate in ``main_grad`` (no reduction).
+        Forward only: no backward (validation, or ``logits`` to read the last stage's logits).
+
+        Returns:
+            On the last stage one dict per micro-batch: ``loss_sum`` (fp32 scalar, the token-loss sum) and
+            ``trained_tokens`` (int64 scalar), or ``logits`` (``[1, t, v / tp]``); ``[]`` on other stages.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = self._stage_forward(model, batch, logits=logits)
+            if not unwrap_model(model).post_process:
+                return output, None
+            trained = torch.tensor(batch["trained_index"].numel(), dtype=torch.int, device=self.ctx.device)
+            if logits:
+                return output, lambda out: (out.sum(), trained, {"logits": out.detach()})
+            loss_sum = output.sum()
+            reduced = {"loss_sum": loss_sum.detach().float(), "trained_tokens": trained.long()}
+            loss = loss_sum if count is None else normalize_loss(loss_sum, count, 1)
+            return loss, lambda out: (out, trained, reduced)
+
+        seq_length = self.cfg.loader.micro_batch_size * self.cfg.data.max_seq_len
+        iterators = [iter(batches) for _ in self.chunks]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.chunks, num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1,
+            forward_only=forward_only)
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` of the last pipeline stage, broadcast to every stage of this pipeline (in place)."""
+        if self.pipeline:
+            dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=self.ctx.pp_group)
+        return tensor
+
+    def _pipeline_step(self, batches: list[dict[str, Any]], count: torch.Tensor) -> dict[str, Any]:
+        """:meth:`_megatron_step` through the pipeline schedule (module docstring)."""
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self.run_pipeline(batches, count)
+        finalize_model_grads(self.chunks)   # DP x CP, sequence-parallel norms over TP, tied embedding over stages
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for out in outputs:
+            loss_sum += out["loss_sum"]
+        dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
+        self._from_last_stage(loss_sum)
+        lr = self.optimizer.param_groups[0]["lr"]
+        norm = torch.as_tensor(self.optimizer.get_grad_norm(), dtype=torch.float32, device=self.ctx.device)
+        skipped = not bool(torch.isfinite(loss_sum + norm))
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
+                "skipped": skipped}
+
     # -- validation -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Mean token loss over the validation rows (all DP ranks; ``validation.max_batches`` per rank)."""
-        self.model.eval()
+        """Mean token loss over the validation rows (all DP ranks; ``validation.max_batches`` per rank).
+
+        Under pipeline parallelism the rows run through the forward-only schedule, ``micro_batches`` at a time.
+        """
+        for chunk in self.chunks:
+            chunk.eval()
         ctx, limit = self.ctx, self.cfg.validation.max_batches
         loader = build_eval_dataloader(self.val_set, self.cfg.loader, dp_rank=ctx.dp_rank,
                                        dp_size=ctx.data_parallel_size)
         totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)       # [loss sum, trained tokens]
+        pending: list[dict[str, Any]] = []
         for i, row in enumerate(loader):
             if limit is not None and i >= limit:
                 break
             batch = model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device)
+            if self.pipeline:
+                pending.append(batch)
+                if len(pending) == self.micro_batches:
+                    totals += self._pipeline_totals(pending)
+                    pending = []
+                continue
             mask = batch["loss_mask"] * (batch["labels"] != IGNORE_INDEX)
             totals += torch.stack([self._token_loss(batch).double(), mask.sum().double()])
+        if pending:
+            totals += self._pipeline_totals(pending)
         dist.all_reduce(totals, group=ctx.dp_cp_group)
-        self.model.train()
+        self._from_last_stage(totals)
+        for chunk in self.chunks:
+            chunk.train()
         return {"val_loss": float(totals[0] / totals[1].clamp(min=1)), "val_trained_tokens": int(totals[1])}
+
+    def _pipeline_totals(self, batches: list[dict[str, Any]]) -> torch.Tensor:
+        """``[loss sum, trained tokens]`` (fp64) of ``batches`` by the forward-only schedule (zeros before the last
+        stage)."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for out in self.run_pipeline(batches, forward_only=True):
+            totals += torch.stack([out["loss_sum"].double(), out["trained_tokens"].double()])
+        return totals
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """Parameters, parallel layout, batch geometry, data rows and packing efficiency (from the sidecar)."""
-        local = sum(p.numel() for p in self.gpt.parameters()
+        params = [p for gpt in self.gpts for p in gpt.parameters()
+                  if not getattr(p, "shared", False)]            # the last stage's copy of a tied embedding
+        local = sum(p.numel() for p in params
                     if not getattr(p, "tensor_model_parallel", False) and dist.get_rank(self.ctx.tp_group) == 0)
-        sharded = torch.tensor(sum(p.numel() for p in self.gpt.parameters()
-                                   if getattr(p, "tensor_model_parallel", False)) + local)
+        sharded = torch.tensor(sum(p.numel() for p in params if getattr(p, "tensor_model_parallel", False)) + local)
         dist.all_reduce(sharded, group=self.ctx.tp_group)
+        if self.pipeline:
+            dist.all_reduce(sharded, group=self.ctx.pp_group)
         sidecar = getattr(self.train_set, "sidecar", None) or {}
         return {"kind": "summary", "step": self.state.step, "parameters": int(sharded), **self.layout(),
                 "micro_batches_per_step": self.micro_batches, "global_batch_size": self.cfg.train.global_batch_size,

@@ -49,8 +49,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
-def build_megatron_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, bf16: bool):
-    """Megatron-Core's optimizer for a Megatron ``DistributedDataParallel`` ``model``.
+def build_megatron_optimizer(model: torch.nn.Module | list[torch.nn.Module], cfg: OptimizerConfig, *, bf16: bool):
+    """Megatron-Core's optimizer for a Megatron ``DistributedDataParallel`` ``model`` (or a list of model chunks,
+    one per virtual pipeline stage).
 
     ``OptimizerConfig(optimizer="adam")`` with ``cfg``'s lr, betas, eps, weight decay (decoupled: AdamW) and
     ``clip_grad``; ``bf16`` keeps fp32 master weights of bf16 parameters; ``use_distributed_optimizer`` as in
@@ -69,7 +70,7 @@ def build_megatron_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, bf
         adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=cfg.use_distributed_optimizer,
         decoupled_weight_decay=True)
-    optimizer = get_megatron_optimizer(config, [model])
+    optimizer = get_megatron_optimizer(config, model if isinstance(model, list) else [model])
     apply_weight_decay(optimizer, cfg.weight_decay)
     return optimizer
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -40,7 +41,9 @@ def _child(fn, rank, world_size, port, args, results):
         import torch
 
         torch.set_num_threads(1)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # plain pickle copies tensors into the message: the queue's own pickler would share them through this
+        # process's file descriptors, which vanish when it exits before the parent has read them
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -81,7 +84,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0) -> lis
                 continue
             if status == "error":
                 pytest.fail(f"rank {rank} of {world_size} failed:\n{value}", pytrace=False)
-            outputs[rank] = value
+            outputs[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -127,6 +127,8 @@ def _compare(name: str, per_rank: list[dict], ref: dict) -> dict[str, float]:
     for rank, result in enumerate(per_rank):
         step = result["step"]
         assert step["trained_tokens"] == ref["step"]["trained_tokens"], (name, rank, step)
+        assert ref["step"]["grad_norm"] > 0 and abs(step["grad_norm"] / ref["step"]["grad_norm"] - 1) < 1e-4, \
+            (name, rank, step["grad_norm"], ref["step"]["grad_norm"])
         worst["loss"] = max(worst["loss"], abs(step["loss"] - ref["step"]["loss"]))
         for key, grad in result["grads"].items():
             base = key.removesuffix("#output")
@@ -183,7 +185,7 @@ def _isolation_worker(rank, world_size, config_path, train_path):
     trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}",
                                                 "parallel.pipeline_model_parallel_size=4"]))
     batch = trainer.next_micro_batches()[0]
-    cu = batch["packed_seq_params"].cu_seqlens_q.tolist()
+    cu = batch["packed_seq_params"].cu_seqlens_q_padded.tolist()                 # row offsets
     changed = (cu[1] + cu[2]) // 2
     edited = dict(batch, tokens=batch["tokens"].clone())
     edited["tokens"][0, changed] = (edited["tokens"][0, changed] + 1000) % 49152

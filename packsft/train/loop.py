@@ -383,13 +383,11 @@ class Trainer:
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
         self._from_last_stage(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
-        norm = torch.as_tensor(self.optimizer.get_grad_norm(), dtype=torch.float32, device=self.ctx.device)
-        skipped = not bool(torch.isfinite(loss_sum + norm))
+        skipped, norm = megatron_step_unless_non_finite(self.optimizer, loss_sum)
         if not skipped:
-            self.optimizer.step()
             self.scheduler.step()
-        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
-                "skipped": skipped}
+        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": torch.as_tensor(norm, dtype=torch.float32),
+                "lr": lr, "trained_tokens": count, "skipped": skipped}
 
     # -- validation -------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -21,13 +21,15 @@ from pathlib import Path
 
 
 def read_curves(metrics: str | Path) -> dict[str, list]:
-    """``{"train": [(step, loss)], "validation": [(step, val_loss)], "restarts": [step]}`` from ``metrics.jsonl``.
+    """``{"train": [(step, loss)], "validation": [(step, val_loss)], "validation_sets": {name: [(step, loss)]},
+    "restarts": [step]}`` from ``metrics.jsonl`` (``validation_sets`` from the ``val_loss/<name>`` keys).
 
     Raises:
         FileNotFoundError: no such file. ValueError: a line that is not JSON (the message names the line).
     """
     train: dict[int, float] = {}
     val: dict[int, float] = {}
+    sets: dict[str, dict[int, float]] = {}
     starts: list[int] = []
     for number, line in enumerate(Path(metrics).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -41,9 +43,13 @@ def read_curves(metrics: str | Path) -> dict[str, list]:
             train[record["step"]] = record["loss"]
         elif kind == "validation":
             val[record["step"]] = record["val_loss"]
+            for key, value in record.items():
+                if key.startswith("val_loss/"):
+                    sets.setdefault(key.removeprefix("val_loss/"), {})[record["step"]] = value
         elif kind == "summary":
             starts.append(record["step"])
-    return {"train": sorted(train.items()), "validation": sorted(val.items()), "restarts": starts[1:]}
+    return {"train": sorted(train.items()), "validation": sorted(val.items()),
+            "validation_sets": {name: sorted(points.items()) for name, points in sets.items()}, "restarts": starts[1:]}
 
 
 def plot(curves: dict[str, list], out: str | Path, title: str = "packsft training loss") -> Path:
@@ -62,7 +68,12 @@ def plot(curves: dict[str, list], out: str | Path, title: str = "packsft trainin
     fig, ax = plt.subplots(figsize=(7, 4))
     steps, losses = zip(*curves["train"])
     ax.plot(steps, losses, marker=".", label="train loss (global batch)")
-    if curves["validation"]:
+    named = curves.get("validation_sets") or {}
+    if len(named) > 1:                                   # one curve per named validation set
+        for name, points in named.items():
+            vsteps, vlosses = zip(*points)
+            ax.plot(vsteps, vlosses, marker="o", linestyle="--", label=f"validation loss: {name}")
+    elif curves["validation"]:
         vsteps, vlosses = zip(*curves["validation"])
         ax.plot(vsteps, vlosses, marker="o", linestyle="--", label="validation loss")
     for i, step in enumerate(curves["restarts"]):

@@ -1,7 +1,5 @@
-"""The example custom samplers: curriculum and weighted mixing (examples/samplers/)."""
+"""The example custom sampler: curriculum (examples/samplers/)."""
 
-import pickle
-from collections import Counter
 from itertools import islice
 
 import pytest
@@ -9,7 +7,6 @@ import torch
 from torch.utils.data import default_collate
 
 from examples.samplers.curriculum import CurriculumSampler, read_difficulties, split_stages
-from examples.samplers.mixing import MixedDataset, WeightedMixingSampler, rows_per_source
 from packsft.data.loader import (
     DataLoaderConfig,
     build_train_dataloader,
@@ -125,96 +122,3 @@ def test_curriculum_through_the_loader_resumes():
     resumed = build_train_dataloader(ds, cfg, collate_fn=default_collate)
     load_loader_state_dict(resumed, loader_state_dict(first))
     assert batches(resumed, 7) == reference[5:]
-
-
-# ---------------------------------------------------------------- mixing
-
-
-def mixed(sizes=(300, 50, 150), tag="v1"):
-    return MixedDataset([MaskDataset([1] * n, fingerprint=f"{tag}-{i}") for i, n in enumerate(sizes)])
-
-
-def test_mixed_dataset_maps_global_index_to_source_row():
-    ds = mixed((3, 2, 4))
-    assert len(ds) == 9 and ds.offsets == [0, 3, 5]
-    assert [ds.locate(i) for i in (0, 2, 3, 4, 5, 8)] == [(0, 0), (0, 2), (1, 0), (1, 1), (2, 0), (2, 3)]
-    assert int(ds[6]["row"]) == 1
-    with pytest.raises(IndexError):
-        ds.locate(9)
-    assert pickle.loads(pickle.dumps(ds)).fingerprint == ds.fingerprint  # spawned workers unpickle it
-    assert mixed((3, 2, 4), tag="v2").fingerprint != ds.fingerprint
-    assert mixed((3, 2, 5)).fingerprint != ds.fingerprint
-    built = MixedDataset.from_files(["a", "bb"], dataset_factory=lambda p, k: MaskDataset([k] * len(p)), k=1)
-    assert built.source_sizes == [1, 2]
-
-
-def test_rows_per_source_normalises_and_refuses_zero_rows():
-    assert rows_per_source([2, 1], 10) == [7, 3]
-    assert rows_per_source([0.5, 0.25, 0.25], 7) == [3, 2, 2]  # remainders .5 < .75 = .75
-    with pytest.raises(ValueError, match=r"sources \[1\] \(weights \[0.001\]\) get 0 of 100"):
-        rows_per_source([1.0, 0.001], 100)
-    with pytest.raises(ValueError, match="positive"):
-        rows_per_source([1.0, 0.0], 100)
-    with pytest.raises(ValueError, match="get 0 of"):
-        WeightedMixingSampler(mixed(), weights=[1.0, 1e-4, 1.0])
-
-
-@pytest.mark.parametrize("dp_size", [1, 2])
-def test_mixing_meets_weights_per_epoch_with_fresh_plans(dp_size):
-    ds, weights, per_epoch = mixed(), [0.5, 0.3, 0.2], 1000
-    samplers = [
-        WeightedMixingSampler(ds, r, dp_size, seed=11, weights=weights, samples_per_epoch=per_epoch)
-        for r in range(dp_size)
-    ]
-    shares = [take(s, 3 * per_epoch // dp_size) for s in samplers]
-    epochs = []
-    for e in range(3):
-        lo, hi = e * per_epoch // dp_size, (e + 1) * per_epoch // dp_size
-        epoch = [i for share in shares for i in share[lo:hi]]
-        sources = Counter(ds.locate(i)[0] for i in epoch)
-        for s, w in enumerate(weights):
-            assert abs(sources[s] / len(epoch) - w) <= 0.03, (e, s, sources)
-        epochs.append(epoch)
-    assert Counter(epochs[0])[ds.offsets[1]] == 6  # 50 rows drawn 300 times: six whole passes
-    # a fresh plan: which 200 rows of source 0 come twice is redrawn every epoch
-    assert Counter(epochs[0]) != Counter(epochs[1])
-
-
-def test_mixing_weights_are_normalised():
-    a = WeightedMixingSampler(mixed(), seed=2, weights=[2, 1, 1])
-    b = WeightedMixingSampler(mixed(), seed=2, weights=[0.5, 0.25, 0.25])
-    assert a.counts == b.counts == [250, 125, 125] and take(a, 600) == take(b, 600)
-
-
-def test_mixing_resumes_exactly():
-    def make():
-        return WeightedMixingSampler(mixed((7, 3, 5)), 1, 2, seed=8, weights=[1, 2, 1], samples_per_epoch=20)
-
-    assert_resumes_exactly(make, ks=[1, 4, 10, 11, 23, 30], total=40)
-
-
-def test_mixing_through_the_loader_resumes_and_refuses_changed_sources():
-    cfg = DataLoaderConfig(
-        sampler="custom",
-        sampler_class_path="examples.samplers.mixing:WeightedMixingSampler",
-        sampler_kwargs={"weights": [3, 1], "samples_per_epoch": 16},
-        micro_batch_size=4,
-    )
-
-    def batches(loader, k):
-        it = iter(loader)
-        return [next(it)["row"].tolist() for _ in range(k)]
-
-    ds = mixed((10, 6))
-    reference = batches(build_train_dataloader(ds, cfg, collate_fn=default_collate), 9)
-    first = build_train_dataloader(ds, cfg, collate_fn=default_collate)
-    batches(first, 4)  # exactly one epoch of 16 samples
-    state = loader_state_dict(first)
-    resumed = build_train_dataloader(ds, cfg, collate_fn=default_collate)
-    load_loader_state_dict(resumed, state)
-    assert batches(resumed, 5) == reference[4:]
-    with pytest.raises(ValueError, match="dataset_fingerprint"):
-        load_loader_state_dict(build_train_dataloader(mixed((10, 6), tag="v2"), cfg, collate_fn=default_collate), state)
-    other = DataLoaderConfig(**{**vars(cfg), "sampler_kwargs": {"weights": [1, 1], "samples_per_epoch": 16}})
-    with pytest.raises(ValueError, match="sampler_kwargs_digest"):
-        load_loader_state_dict(build_train_dataloader(ds, other, collate_fn=default_collate), state)

@@ -1,6 +1,6 @@
-"""Example custom samplers, usable through ``sampler: custom`` (import from the repository root).
+"""Example custom sampler, usable through ``sampler: custom`` (import from the repository root).
 
 * ``examples.samplers.curriculum.CurriculumSampler``: easy -> medium -> hard stages, random within a stage.
-* ``examples.samplers.mixing.WeightedMixingSampler`` over ``examples.samplers.mixing.MixedDataset``:
-  weighted mixing of several packed files, a fresh plan every epoch.
+
+Weighted mixing of several packed files is library code (``packsft.data.mixing``), configured with ``data.train``.
 """

@@ -202,6 +202,7 @@ def build_train_dataloader(
         "dp_size": dp_size,
         "num_rows": len(dataset),
         "dataset_fingerprint": getattr(dataset, "fingerprint", None),
+        "sources": getattr(dataset, "source_fingerprints", None),        # a mixture's {name: fingerprint}
         "micro_batch_size": config.micro_batch_size,
         "sampler": class_path(cls),
         "seed": config.seed,
@@ -298,8 +299,19 @@ def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
     diffs = [
         f"{key}: checkpoint {state.get(key)!r}, now {value!r}"
         for key, value in expected.items()
-        if state.get(key) != value
+        if state.get(key) != value and key not in ("sources", "dataset_fingerprint")
     ]
+    saved, now = state.get("sources") or {}, expected.get("sources") or {}
+    if saved or now:
+        changed = [n for n in now if n in saved and saved[n] != now[n]]
+        diffs += [f"training source {n!r} changed (its packed file differs from the checkpoint's)" for n in changed]
+        diffs += [f"training source {n!r} is new" for n in now if n not in saved]
+        diffs += [f"training source {n!r} is gone" for n in saved if n not in now]
+        if not diffs and list(saved) != list(now):
+            diffs.append(f"training sources are in another order: checkpoint {list(saved)}, now {list(now)}")
+    elif state.get("dataset_fingerprint") != expected.get("dataset_fingerprint"):
+        diffs.append(f"dataset_fingerprint: checkpoint {state.get('dataset_fingerprint')!r}, "
+                     f"now {expected.get('dataset_fingerprint')!r}")
     if diffs:
         raise ValueError(
             "cannot resume the data loader exactly; the checkpoint was written for a different setup "

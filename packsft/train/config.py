@@ -56,37 +56,105 @@ def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
 
 
 @dataclass
+class TrainSourceConfig:
+    """One packed training file of ``data.train`` (a mixture when there are several)."""
+
+    path: str = MISSING
+    """The ``.jsonl.packed`` file (with its sidecar)."""
+    name: str | None = None
+    """Name in logs, checkpoints and errors; default: the file name without ``.jsonl.packed``."""
+    weight: float = 1.0
+    """Share of the training rows drawn from this source, normalised over the sources (``[7, 3]`` is ``[0.7, 0.3]``)."""
+    split_validation_size: float = 0.0
+    """Fraction in [0, 1) of this source's rows held out as the validation set ``<name>`` (seeded by
+    ``loader.seed``)."""
+
+
+@dataclass
+class ValidationSourceConfig:
+    """One named validation file of ``data.validation``."""
+
+    path: str = MISSING
+    name: str | None = None
+    """Logged as ``val_loss/<name>``; default: the file name without ``.jsonl.packed``."""
+
+
+def _source_name(name: str | None, path: str) -> str:
+    return name or Path(path).name.removesuffix(".packed").removesuffix(".jsonl")
+
+
+@dataclass
 class DataConfig:
     """Packed input files and how to tokenize them (must match the packer's settings, checked via the sidecar)."""
 
-    train_path: str = MISSING
-    """The ``.jsonl.packed`` training file."""
+    train: list[TrainSourceConfig] = field(default_factory=list)
+    """Training sources ``[{name, path, weight, split_validation_size}]``; several make a weighted mixture."""
+    train_path: str | None = None
+    """A single training file: the same as ``train: [{path: ...}]``."""
     tokenizer: str = MISSING
     """Local tokenizer folder or ``tokenizer.json`` (the one the file was packed with)."""
     max_seq_len: int = MISSING
     """Tokens per packed row ``L``; a multiple of ``2 * parallel.context_parallel_size`` when CP > 1."""
     prompt_format: str = "chat-template"
-    """``chat-template``, ``identity``, ``nemotron-nano-v2`` or ``nemotron-h-aligned``."""
+    """``chat-template``, ``identity``, ``nemotron-nano-v2``, ``nemotron-h-aligned`` or ``passthrough``."""
     chat_template: str | None = None
     """Jinja string or file for ``chat-template`` (default: the tokenizer's)."""
     pad_token: str | None = None
     """Pad token override, as given to the packer."""
     require_sidecar: bool = False
     """Refuse a packed file without ``<file>.meta.json`` instead of warning."""
+    validation: list[ValidationSourceConfig] = field(default_factory=list)
+    """Named validation files ``[{name, path}]``, each evaluated and logged on its own."""
     validation_path: str | None = None
-    """A separate packed file for validation (same tokenizer and ``max_seq_len``)."""
+    """A single validation file: the same as ``validation: [{name: validation, path: ...}]``."""
     split_validation_size: float = 0.0
-    """Fraction in [0, 1) of the training rows held out for validation (seeded by ``loader.seed``)."""
+    """With ``train_path``: fraction in [0, 1) of its rows held out for validation (seeded by ``loader.seed``)."""
+    samples_per_epoch: int | None = None
+    """Rows per epoch of a mixture (default: all rows of all sources); each source gets its weight's share."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
-        _positive("data", self, "max_seq_len")
+        _positive("data", self, "max_seq_len", "samples_per_epoch")
         if not 0.0 <= self.split_validation_size < 1.0:
             raise ValueError(f"data.split_validation_size must be in [0, 1), got {self.split_validation_size!r}")
         if self.validation_path and self.split_validation_size > 0:
             raise ValueError("set either data.validation_path or data.split_validation_size, not both "
                              f"(got {self.validation_path!r} and {self.split_validation_size})")
+        if self.train and self.train_path:
+            raise ValueError("set either data.train (a list of {name, path, weight}) or data.train_path, not both")
+        if self.train and self.split_validation_size > 0:
+            raise ValueError("data.split_validation_size goes with data.train_path; with data.train give each "
+                             "source its own split_validation_size")
+        if self.validation and self.validation_path:
+            raise ValueError("set either data.validation (a list of {name, path}) or data.validation_path, not both")
+        for i, source in enumerate(self.train):
+            if not source.weight > 0:
+                raise ValueError(f"data.train[{i}].weight must be > 0, got {source.weight!r}")
+            if not 0.0 <= source.split_validation_size < 1.0:
+                raise ValueError(f"data.train[{i}].split_validation_size must be in [0, 1), got "
+                                 f"{source.split_validation_size!r}")
+        for kind, names in (("data.train", [n for n, *_ in self.train_sources()]),
+                            ("data.validation", list(self.validation_sources()))):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"{kind}: names must be unique, {dupes} appear twice (set name: per entry)")
 
+    def train_sources(self) -> list[tuple[str, str, float, float]]:
+        """``(name, path, weight, split_validation_size)`` of every training source."""
+        if self.train_path:
+            return [(_source_name(None, self.train_path), self.train_path, 1.0, self.split_validation_size)]
+        return [(_source_name(s.name, s.path), s.path, float(s.weight), s.split_validation_size) for s in self.train]
+
+    def validation_sources(self) -> dict[str, str]:
+        """``{name: path}`` of the validation files."""
+        if self.validation_path:
+            return {"validation": self.validation_path}
+        return {_source_name(v.name, v.path): v.path for v in self.validation}
+
+    @property
+    def has_validation(self) -> bool:
+        """True when a validation file or a held-out split is configured."""
+        return bool(self.validation_sources()) or any(split > 0 for *_, split in self.train_sources())
 
 @dataclass
 class LossConfig:
@@ -355,10 +423,11 @@ class Config:
             raise ValueError(f"model.num_layers ({self.model.num_layers}) must be a multiple of "
                              f"parallel.pipeline_model_parallel_size ({pp})"
                              + (f" x parallel.virtual_pipeline_model_parallel_size ({vp})" if vp else ""))
-        has_val_data = bool(self.data.validation_path) or self.data.split_validation_size > 0
-        if self.validation.enabled and not has_val_data:
+        if not self.data.train and not self.data.train_path:
+            raise ValueError("data.train_path (one file) or data.train (a list of {name, path, weight}) is required")
+        if self.validation.enabled and not self.data.has_validation:
             raise ValueError("validation is enabled (validation.val_period / val_at_start / val_at_end) but there is "
-                             "no validation data: set data.validation_path or data.split_validation_size")
+                             "no validation data: set data.validation, data.validation_path or a split_validation_size")
 
     @property
     def checkpoint_dir(self) -> Path:

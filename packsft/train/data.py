@@ -1,8 +1,8 @@
 """Training and validation datasets from the config, and the per-rank micro-batch given to the model.
 
 The loaders themselves (sampling order, data-parallel split, resumable state) are ``packsft.data.loader``'s; this
-module only chooses the rows (a held-out ``split_validation_size`` share) and turns a collated row into the model
-input of this context-parallel rank.
+module only chooses the rows (the training sources or their mixture, the named validation sets and held-out
+``split_validation_size`` shares) and turns a collated row into the model input of this context-parallel rank.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from packsft.data.context_parallel import make_packed_seq_params, slice_batch_for_cp
 from packsft.data.dataset import PackedSFTDataset
+from packsft.data.mixing import MixedDataset
 from packsft.layout import IGNORE_INDEX, TOKEN_KEYS
 from packsft.train.config import Config
 
@@ -60,11 +61,18 @@ def split_rows(num_rows: int, fraction: float, seed: int) -> tuple[list[int], li
     return sorted(order[num_val:].tolist()), sorted(order[:num_val].tolist())
 
 
-def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
-    """``(train, validation or None)`` datasets of packed rows for ``cfg.data``.
+def build_datasets(cfg: Config) -> tuple[Any, dict[str, Any]]:
+    """``(train, {name: validation})`` datasets of packed rows for ``cfg.data``.
+
+    One training source is its ``PackedSFTDataset`` (or the training part of its split); several make a
+    :class:`~packsft.data.mixing.MixedDataset` whose rows the trainer draws by weight. Validation sets: the files of
+    ``data.validation`` (``data.validation_path`` is named ``validation``) and each source's held-out split (named
+    after the source; ``validation`` for ``data.train_path``). Every file's sidecar is checked against the loader's
+    configuration, so a file packed for another tokenizer, format, ``max_seq_len`` or CP size is refused by name.
 
     Raises:
-        FileNotFoundError, SidecarError, ValueError: from ``PackedSFTDataset`` or :func:`split_rows`.
+        FileNotFoundError, SidecarError, ValueError: from ``PackedSFTDataset``, :func:`split_rows` or
+            ``MixedDataset``.
     """
     data = cfg.data
 
@@ -74,13 +82,20 @@ def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
                                 chat_template=data.chat_template, require_sidecar=data.require_sidecar,
                                 sequence_parallel_size=cfg.parallel.sequence_parallel_size)
 
-    train = packed(data.train_path)
-    if data.validation_path:
-        return train, packed(data.validation_path)
-    if data.split_validation_size > 0:
-        train_rows, val_rows = split_rows(len(train), data.split_validation_size, cfg.loader.seed)
-        return RowSubset(train, train_rows, "train"), RowSubset(train, val_rows, "validation")
-    return train, None
+    train, validation = {}, {}
+    for name, path, _, split in data.train_sources():
+        dataset = packed(path)
+        if split > 0:
+            train_rows, val_rows = split_rows(len(dataset), split, cfg.loader.seed)
+            train[name] = RowSubset(dataset, train_rows, "train")
+            validation["validation" if data.train_path else name] = RowSubset(dataset, val_rows, "validation")
+        else:
+            train[name] = dataset
+    for name, path in data.validation_sources().items():
+        if name in validation:
+            raise ValueError(f"data.validation: the name {name!r} is also a training source's held-out split")
+        validation[name] = packed(path)
+    return (next(iter(train.values())) if len(train) == 1 else MixedDataset(train)), validation
 
 
 def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, device: torch.device) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -55,7 +55,15 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from torch.nn.parallel import DistributedDataParallel
 
-from packsft.data.loader import build_eval_dataloader, build_train_dataloader, load_loader_state_dict, loader_state_dict
+from packsft.data.loader import (
+    DataLoaderConfig,
+    build_eval_dataloader,
+    build_train_dataloader,
+    class_path,
+    load_loader_state_dict,
+    loader_state_dict,
+)
+from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.gpt import build_gpt_stages, unwrap_model
@@ -120,7 +128,7 @@ class Trainer:
         if cfg.train.autocast_dtype and not torch.cuda.is_available():
             raise ValueError(f"train.autocast_dtype={cfg.train.autocast_dtype!r} needs CUDA (CPU autocast fails in "
                              "Megatron's backward); use null on CPU")
-        self.train_set, self.val_set = build_datasets(cfg)
+        self.train_set, self.val_sets = build_datasets(cfg)
         self._check_vocab()
         self.megatron = cfg.optimizer.backend == "megatron"
         self.pipeline = self.ctx.pipeline_model_parallel_size > 1
@@ -134,8 +142,10 @@ class Trainer:
             self.optimizer = build_optimizer(self.model, cfg.optimizer)
             self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.optimizer.lr,
                                              cfg.train.train_steps)
-        self.train_loader = build_train_dataloader(self.train_set, cfg.loader, dp_rank=self.ctx.dp_rank,
-                                                   dp_size=dp)
+        self.train_loader = build_train_dataloader(self.train_set, self._train_loader_config(),
+                                                   dp_rank=self.ctx.dp_rank, dp_size=dp)
+        self.val_loaders = {name: build_eval_dataloader(ds, cfg.loader, dp_rank=self.ctx.dp_rank, dp_size=dp)
+                            for name, ds in self.val_sets.items()}   # built once; each pass is a new iter()
         self.state = TrainState()
         self.initialized_from: str | None = None
         self.resumed_from = self._resume()
@@ -143,6 +153,22 @@ class Trainer:
         self._trained_tokens = torch.zeros((), dtype=torch.int64, device=self.ctx.device)  # since the last sync
         self._consecutive_skips = 0
         self._logged_step, self._logged_at, self._last_step = self.state.step, time.perf_counter(), 0
+
+    def _train_loader_config(self) -> DataLoaderConfig:
+        """``loader`` as configured; for a mixture of several sources, the weighted mixing sampler.
+
+        Raises:
+            ValueError: a mixture with ``loader.sampler`` other than ``random`` (a mixture is sampled by weight).
+        """
+        if not isinstance(self.train_set, MixedDataset):
+            return self.cfg.loader
+        if self.cfg.loader.sampler != "random":
+            raise ValueError(f"loader.sampler={self.cfg.loader.sampler!r}: a mixture of data.train sources is "
+                             "sampled by their weights (packsft.data.mixing.WeightedMixingSampler); leave "
+                             "loader.sampler random")
+        weights = normalize_weights([w for _, _, w, _ in self.cfg.data.train_sources()], self.train_set.names)
+        return replace(self.cfg.loader, sampler="custom", sampler_class_path=class_path(WeightedMixingSampler),
+                       sampler_kwargs={"weights": weights, "samples_per_epoch": self.cfg.data.samples_per_epoch})
 
     def _check_vocab(self) -> None:
         tokenizer = getattr(self.train_set, "tokenizer", None) or self.train_set.base.tokenizer
@@ -392,15 +418,28 @@ class Trainer:
     # -- validation -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Mean token loss over the validation rows (all DP ranks; ``validation.max_batches`` per rank).
+        """Mean token loss of every validation set (all DP ranks; ``validation.max_batches`` per rank and set).
 
-        Under pipeline parallelism the rows run through the forward-only schedule, ``micro_batches`` at a time.
+        Returns ``val_loss`` and ``val_trained_tokens`` over all sets together (token-weighted) and, per set,
+        ``val_loss/<name>`` and ``val_trained_tokens/<name>``. Under pipeline parallelism the rows run through the
+        forward-only schedule, ``micro_batches`` at a time.
         """
         for chunk in self.chunks:
             chunk.eval()
+        out, overall = {}, torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for name, loader in self.val_loaders.items():
+            totals = self._validation_totals(loader)
+            overall += totals
+            out[f"val_loss/{name}"] = float(totals[0] / totals[1].clamp(min=1))
+            out[f"val_trained_tokens/{name}"] = int(totals[1])
+        for chunk in self.chunks:
+            chunk.train()
+        return {"val_loss": float(overall[0] / overall[1].clamp(min=1)), "val_trained_tokens": int(overall[1]),
+                **out}
+
+    def _validation_totals(self, loader) -> torch.Tensor:
+        """``[loss sum, trained tokens]`` (fp64, all-reduced over DP x CP) of one pass over ``loader``."""
         ctx, limit = self.ctx, self.cfg.validation.max_batches
-        loader = build_eval_dataloader(self.val_set, self.cfg.loader, dp_rank=ctx.dp_rank,
-                                       dp_size=ctx.data_parallel_size)
         totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)       # [loss sum, trained tokens]
         pending: list[dict[str, Any]] = []
         for i, row in enumerate(loader):
@@ -419,9 +458,7 @@ class Trainer:
             totals += self._pipeline_totals(pending)
         dist.all_reduce(totals, group=ctx.dp_cp_group)
         self._from_last_stage(totals)
-        for chunk in self.chunks:
-            chunk.train()
-        return {"val_loss": float(totals[0] / totals[1].clamp(min=1)), "val_trained_tokens": int(totals[1])}
+        return totals
 
     def _pipeline_totals(self, batches: list[dict[str, Any]]) -> torch.Tensor:
         """``[loss sum, trained tokens]`` (fp64) of ``batches`` by the forward-only schedule (zeros before the last
@@ -446,7 +483,8 @@ class Trainer:
         return {"kind": "summary", "step": self.state.step, "parameters": int(sharded), **self.layout(),
                 "micro_batches_per_step": self.micro_batches, "global_batch_size": self.cfg.train.global_batch_size,
                 "max_seq_len": self.cfg.data.max_seq_len, "train_rows": len(self.train_set),
-                "validation_rows": len(self.val_set) if self.val_set is not None else 0,
+                "validation_rows": {name: len(ds) for name, ds in self.val_sets.items()},
+                "train_sources": getattr(self.train_set, "names", None),
                 "packing_efficiency": packing_efficiency(sidecar), "device": str(self.ctx.device),
                 "resumed_from": self.resumed_from, "initialized_from": self.initialized_from}
 

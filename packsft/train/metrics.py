@@ -7,7 +7,8 @@
   ``grad_norm`` the TP-aware L2 norm before clipping; ``tokens_per_s`` all row tokens of the global batch (padding
   included) per second of the step; ``trained_tokens`` the global trained-token count of the step; ``mem_gib`` the peak
   CUDA memory allocated (GPU) or the process's peak RSS (CPU), GiB.
-* ``{"kind": "validation", "step", "val_loss", "val_trained_tokens"}``.
+* ``{"kind": "validation", "step", "val_loss", "val_trained_tokens", "val_loss/<name>", "val_trained_tokens/<name>"}``:
+  all validation sets together (token-weighted), then each named set.
 * ``{"kind": "summary", ...}``: the run summary, once per start.
 
 A resumed run appends records for the steps after the checkpoint; a step logged by a run that was killed before

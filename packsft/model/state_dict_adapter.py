@@ -12,6 +12,7 @@ Tensor layouts (Megatron-Core 0.16.1 local spec, what :func:`packsft.model.gpt.b
                                                           [ng/tp * (qpg + 2) * hn, h], per query group
                                                           [q_g (qpg*hn rows), k_g (hn), v_g (hn)], groups
                                                           r*ng/tp.. (Qwen2: .bias alike, [.. * hn])
+    self_attn.q_norm/k_norm.weight   [hn] (Qwen3)     self_attention.q_layernorm/k_layernorm.weight (replicated)
     self_attn.o_proj.weight          [h, np*hn]       self_attention.linear_proj.weight  [h, np*hn/tp] (cols)
     post_attention_layernorm.weight  [h]              decoder.layers.i.pre_mlp_layernorm.weight (replicated)
     mlp.gate_proj / up_proj.weight   [f, h] each      mlp.linear_fc1.weight [2f/tp, h] = cat(gate_r, up_r)
@@ -23,7 +24,7 @@ With ``attention_backend="te"`` the two per-layer norms are fused into the linea
 ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``.
 HF q/k weights are already in the "rotate half" RoPE layout that Megatron uses
 (``rotary_interleaved=False``), so no permutation is needed. Sources: transformers
-``modeling_llama.py`` / ``modeling_qwen2.py``; Megatron-Core ``transformer/attention.py``
+``modeling_llama.py`` / ``modeling_qwen2.py`` / ``modeling_qwen3.py``; Megatron-Core ``transformer/attention.py``
 (``get_query_key_value_tensors``) and ``transformer/mlp.py`` (``glu``: ``silu(x[:f]) * x[f:]``).
 """
 
@@ -105,6 +106,9 @@ def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_
         for kind in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
             q, k, v = (get(f"{hf}self_attn.{n}_proj.{kind}") for n in "qkv")
             out[f"{mg}self_attention.linear_qkv.{kind}"] = _pack_qkv(q, k, v, cfg, tp_rank, tp_size)
+        if cfg.qk_layernorm:
+            for n in "qk":
+                out[f"{mg}self_attention.{n}_layernorm.weight"] = get(f"{hf}self_attn.{n}_norm.weight").clone()
         out[mg + "self_attention.linear_proj.weight"] = _shard(get(hf + "self_attn.o_proj.weight"), 1, tp_rank,
                                                                tp_size)
         gate = _shard(get(hf + "mlp.gate_proj.weight"), 0, tp_rank, tp_size)
@@ -148,6 +152,9 @@ def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], cfg: ModelCon
             q, k, v = _unpack_qkv([s[name] for s in shards], cfg)
             for n, t in zip("qkv", (q, k, v)):
                 out[f"{hf}self_attn.{n}_proj.{kind}"] = t.contiguous()
+        if cfg.qk_layernorm:
+            for n in "qk":
+                out[f"{hf}self_attn.{n}_norm.weight"] = first[f"{mg}self_attention.{n}_layernorm.weight"].clone()
         out[hf + "self_attn.o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
         cat(mg + "mlp.linear_fc1.weight", 0)
         gate_up = [s[mg + "mlp.linear_fc1.weight"].chunk(2, 0) for s in shards]

@@ -162,3 +162,52 @@ def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], cfg: ModelCon
         out[hf + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up], 0).contiguous()
         out[hf + "mlp.down_proj.weight"] = cat(mg + "mlp.linear_fc2.weight", 1)
     return out
+
+
+LORA_HF_MODULES = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+                   "linear_proj": ("self_attn", ("o_proj",)),
+                   "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
+"""Megatron LoRA target -> (HF submodule, the HF linears it fuses): the PEFT adapter's ``target_modules``."""
+
+
+def megatron_lora_to_peft_state_dict(shards: Sequence[dict[str, Tensor]], cfg: ModelConfig,
+                                     target_modules: Sequence[str]) -> dict[str, Tensor]:
+    """A PEFT ``adapter_model.safetensors`` state dict from every TP rank's LoRA Megatron state dict.
+
+    Fused Megatron targets become one LoRA per HF linear with the same ``A`` (``[r, h]``): ``linear_qkv``'s
+    ``B`` ``[ng/tp * (qpg+2) * hn, r]`` per rank is un-interleaved into q/k/v (as the weight), ``linear_fc1``'s
+    ``[2f/tp, r]`` split into gate/up; ``linear_proj`` / ``linear_fc2``'s ``A`` ``[r, in/tp]`` are concatenated
+    along columns. ``B_hf @ A_hf`` is then exactly the matching rows/columns of the Megatron delta.
+
+    Returns:
+        ``base_model.model.model.layers.{i}.<submodule>.<linear>.lora_{A,B}.weight`` -> tensors.
+
+    Raises:
+        KeyError: naming an adapter tensor missing from a shard.
+    """
+    def get(shard, name):
+        if name not in shard:
+            raise KeyError(f"Megatron state has no LoRA tensor {name!r}")
+        return shard[name]
+
+    out = {}
+    for i in range(cfg.num_layers):
+        for target in target_modules:
+            sub, linears = LORA_HF_MODULES[target]
+            mg = f"decoder.layers.{i}.{'self_attention' if sub == 'self_attn' else 'mlp'}.{target}."
+            a_name, b_name = mg + "lora_A.default.weight", mg + "lora_B.default.weight"
+            if target in ("linear_proj", "linear_fc2"):
+                a_parts = [torch.cat([get(s, a_name) for s in shards], 1)]
+                b_parts = [get(shards[0], b_name)]
+            elif target == "linear_qkv":
+                a_parts = [get(shards[0], a_name)] * 3
+                b_parts = list(_unpack_qkv([get(s, b_name) for s in shards], cfg))
+            else:
+                halves = [get(s, b_name).chunk(2, 0) for s in shards]
+                a_parts = [get(shards[0], a_name)] * 2
+                b_parts = [torch.cat([g for g, _ in halves], 0), torch.cat([u for _, u in halves], 0)]
+            for linear, a, b in zip(linears, a_parts, b_parts):
+                hf = f"base_model.model.model.layers.{i}.{sub}.{linear}."
+                out[hf + "lora_A.weight"] = a.contiguous().clone()
+                out[hf + "lora_B.weight"] = b.contiguous().clone()
+    return out

@@ -9,7 +9,8 @@ are in :func:`check_parallel_layout`, called by the trainer after ``init_distrib
 
 Sections (every field is documented in ``docs/training.md``): ``model`` (:class:`~packsft.model.config.ModelConfig`),
 ``data``, ``loader`` (:class:`~packsft.data.loader.DataLoaderConfig`), ``loss``, ``optimizer``, ``scheduler``,
-``parallel``, ``train``, ``checkpoint``, ``logging``, ``validation``.
+``parallel``, ``train``, ``checkpoint``, ``logging``, ``validation``, ``lora``
+(:class:`~packsft.model.lora.LoraConfig`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from packsft.data.loader import DataLoaderConfig
 from packsft.layout import row_granularity
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
+from packsft.model.lora import LoraConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std", "recompute_granularity",
@@ -299,6 +301,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         """Cross-section checks.
@@ -335,6 +338,9 @@ class Config:
         if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.train_steps:
             raise ValueError(f"train.stop_at_step ({self.train.stop_at_step}) must be <= train.train_steps "
                              f"({self.train.train_steps})")
+        if self.lora.enabled and self.model.attention_backend != "torch":
+            raise ValueError(f"lora.enabled=true needs model.attention_backend=torch (Megatron's parallel linears), "
+                             f"got {self.model.attention_backend!r}")
         has_val_data = bool(self.data.validation_path) or self.data.split_validation_size > 0
         if self.validation.enabled and not has_val_data:
             raise ValueError("validation is enabled (validation.val_period / val_at_start / val_at_end) but there is "

@@ -46,6 +46,7 @@ from packsft.data.loader import build_eval_dataloader, build_train_dataloader, l
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.gpt import build_gpt_model, unwrap_model
+from packsft.model.lora import apply_lora
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
@@ -135,7 +136,10 @@ class Trainer:
                              f"{self.cfg.data.tokenizer} ({len(tokenizer)} tokens)")
 
     def _build_model(self) -> torch.nn.Module:
-        gpt = build_gpt_model(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel).to(self.ctx.device)
+        gpt = build_gpt_model(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel)
+        if self.cfg.lora.enabled:   # before DDP and the optimizer: only the adapters are trainable
+            apply_lora(gpt, self.cfg.lora)
+        gpt = gpt.to(self.ctx.device)
         use_hidden_state_output(gpt)
         if self.megatron:
             return self._wrap_megatron(gpt)
@@ -170,7 +174,7 @@ class Trainer:
         path = ckpt.find_resume_checkpoint(self.cfg.checkpoint_dir, self.cfg.checkpoint.resume)
         if path is None:
             if self.cfg.checkpoint.init_from:   # fresh optimizer; the model fields were checked by load_config
-                load_megatron_checkpoint(self.gpt, self.cfg.checkpoint.init_from)
+                load_megatron_checkpoint(self.gpt, self.cfg.checkpoint.init_from, base_only=self.cfg.lora.enabled)
                 if self.megatron:                # fp32 master weights are copies made before the load
                     self.optimizer.reload_model_params()
                 self.initialized_from = self.cfg.checkpoint.init_from

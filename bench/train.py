@@ -21,6 +21,9 @@ memory of one ``train_step`` above what was live before it (activations, transie
 on CUDA ``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS (``VmHWM``, reset through
 ``/proc/self/clear_refs``) with glibc's mmap threshold lowered to 64 KiB so that freed tensors leave the RSS. Both
 as ratios against the no-recompute setting of the same run.
+
+``--lora`` measures the same way full fine-tuning against LoRA (``lora.enabled``, rank 16, all four targets): step
+time, peak step memory, and the trainable parameters and optimizer-state elements each keeps.
 """
 
 from __future__ import annotations
@@ -90,8 +93,14 @@ def peak_step_bytes(fn) -> int:
     return (_rss_kib("VmHWM") - before) * 1024
 
 
-def recompute_sweep(args, base_overrides: list[str]) -> None:
-    """Time and measure ``Trainer.train_step`` for each of :data:`RECOMPUTE_SETTINGS`; print ratios against none."""
+LORA_SETTINGS = {
+    "none": [],
+    "lora r16": ["lora.enabled=true", "lora.rank=16", "lora.alpha=32"],
+}
+
+
+def recompute_sweep(args, base_overrides: list[str], settings: dict | None = None, label: str = "recompute") -> None:
+    """Time and measure ``Trainer.train_step`` for each setting (default :data:`RECOMPUTE_SETTINGS`) against none."""
     import ctypes
 
     import torch
@@ -103,7 +112,7 @@ def recompute_sweep(args, base_overrides: list[str]) -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)        # M_MMAP_THRESHOLD: big frees return to the OS
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     trainers, rows = {}, None
-    for name, overrides in RECOMPUTE_SETTINGS.items():
+    for name, overrides in (settings or RECOMPUTE_SETTINGS).items():
         trainers[name] = Trainer(load_config(None, base_overrides + overrides))
         rows = rows or [trainers[name].next_micro_batches() for _ in range(args.steps)]
         trainers[name].train_step(rows[0])                      # warm-up: optimizer state, lazy inits
@@ -117,7 +126,7 @@ def recompute_sweep(args, base_overrides: list[str]) -> None:
     gpt = trainers["none"].gpt
     params = sum(p.numel() for p in gpt.parameters())
     cfg = trainers["none"].cfg
-    print(f"recompute: model {params / 1e6:.2f} M parameters ({cfg.model.num_layers} layers, "
+    print(f"{label}: model {params / 1e6:.2f} M parameters ({cfg.model.num_layers} layers, "
           f"h {cfg.model.hidden_size}, ffn {cfg.model.ffn_hidden_size}), {args.max_seq_len}-token rows, "
           f"{args.global_batch_size} per step, "
           f"loss {args.loss}, device {trainers['none'].ctx.device}; {args.rounds} rounds x {args.steps} steps; "
@@ -126,8 +135,12 @@ def recompute_sweep(args, base_overrides: list[str]) -> None:
     base_time = statistics.median(seconds["none"])
     for name in trainers:
         p, t = statistics.median(peak[name]), statistics.median(seconds[name])
+        trained = sum(q.numel() for q in trainers[name].gpt.parameters() if q.requires_grad)
+        state = sum(v.numel() for st in trainers[name].optimizer.state.values() for v in st.values()
+                    if torch.is_tensor(v) and v.dim() > 0)
         print(f"  {name:<24} peak {p / 2**20:8.1f} MiB ({p / base_peak:5.2f}x)   "
-              f"step {t:7.3f} s ({t / base_time:5.2f}x)   peaks MiB {[round(x / 2**20) for x in peak[name]]}")
+              f"step {t:7.3f} s ({t / base_time:5.2f}x)   peaks MiB {[round(x / 2**20) for x in peak[name]]}   "
+              f"trained {trained / 1e6:.2f} M, optimizer state {state / 1e6:.2f} M elements")
 
 
 def main() -> None:
@@ -146,6 +159,8 @@ def main() -> None:
     parser.add_argument("--loss", choices=["fused", "stock"], default="fused", help="packsft loss path")
     parser.add_argument("--recompute", action="store_true",
                         help="compare activation recompute settings (peak memory, step time) instead")
+    parser.add_argument("--lora", action="store_true",
+                        help="compare full fine-tuning with LoRA (peak memory, step time, optimizer state) instead")
     args = parser.parse_args()
 
     import torch
@@ -161,8 +176,8 @@ def main() -> None:
         f"loss.fused_linear_cross_entropy={args.loss == 'fused'}",
         *(["train.autocast_dtype=bfloat16", "model.attention_backend=te"] if torch.cuda.is_available() else []),
         *args.model]
-    if args.recompute:
-        recompute_sweep(args, overrides)
+    if args.recompute or args.lora:
+        recompute_sweep(args, overrides, LORA_SETTINGS if args.lora else None, "lora" if args.lora else "recompute")
         return
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg)

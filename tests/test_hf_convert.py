@@ -5,12 +5,20 @@ import json
 import pytest
 import torch
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from packsft.data.context_parallel import make_packed_seq_params
 from packsft.model.config import ModelConfig
 from packsft.model.gpt import build_gpt_model
-from packsft.model.hf_config import model_config_from_hf
+from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf
 from packsft.model.hf_io import load_hf_checkpoint, load_hf_state_into_model, save_hf_checkpoint, write_hf_checkpoint
 from packsft.model.state_dict_adapter import hf_to_megatron_state_dict, megatron_to_hf_state_dict
 
@@ -20,6 +28,7 @@ CONFIGS = {  # one tied, two untied; rope_theta and rms_norm_eps differ from eve
     "llama": (LlamaConfig, dict(tie_word_embeddings=True)),
     "qwen2": (Qwen2Config, dict(tie_word_embeddings=False)),
     "mistral": (MistralConfig, dict(tie_word_embeddings=False)),   # sliding_window 4096 >= 128: never reached
+    "qwen3": (Qwen3Config, dict(tie_word_embeddings=False, head_dim=32)),   # q/k norms; head_dim != 64 / 4
 }
 
 
@@ -95,6 +104,7 @@ def test_logits_equal_transformers_unpacked(parallel_state_1proc, family):  # no
     model = hf_model(family)
     megatron, cfg = megatron_from_hf(model)
     assert cfg.add_qkv_bias == (family == "qwen2") and cfg.rotary_base == 50000.0 and cfg.norm_epsilon == 1e-6
+    assert cfg.qk_layernorm == (family == "qwen3") and cfg.head_dim == (32 if family == "qwen3" else 16)
     tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(tokens).logits[0]
@@ -116,7 +126,7 @@ def test_packed_row_logits_equal_each_conversation_alone(parallel_state_1proc, f
         torch.testing.assert_close(packed[s:e], alone, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_export_loads_in_transformers_and_reimports_exactly(parallel_state_1proc, family, tmp_path,  # noqa: F811
                                                             tokenizer_dir):
     model = hf_model(family, seed=4)
@@ -183,7 +193,35 @@ def test_llama3_rope_scaling_matches_transformers(parallel_state_1proc):  # noqa
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_linear_rope_scaling_matches_transformers(parallel_state_1proc, family):  # noqa: F811
+    rope = {"rope_type": "linear", "rope_theta": 50000.0, "factor": 4.0}
+    model = hf_model(family, rope_parameters=rope)
+    megatron, cfg = megatron_from_hf(model)
+    assert cfg.rope_interpolation_factor == 4.0 and cfg.rope_scaling_factor is None
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = model(tokens).logits[0]
+    got = megatron_logits(megatron, tokens, torch.arange(24)[None])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    plain, _ = megatron_from_hf(hf_model(family))          # same weights (seed 0), unscaled RoPE: the test can fail
+    assert (megatron_logits(plain, tokens, torch.arange(24)[None]) - expected).abs().max() > 1e-3
+    exported = model_config_from_hf(hf_config_from_model_config(cfg, base=model.config))
+    assert exported == cfg
+
+
+def test_gemma3_is_refused_with_what_is_missing():
+    for model_type in ("gemma3_text", "gemma3"):
+        with pytest.raises(ValueError, match="Gemma 3.*GeGLU.*sqrt.*1 \\+ w.*soft-capping.*sliding-window"):
+            model_config_from_hf(AutoConfig.for_model(model_type))
+
+
 @pytest.mark.parametrize(("family", "overrides", "message"), [
+    ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                    "original_max_position_embeddings": 32768}), "rope_type 'yarn'"),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "'dynamic'"),
+    ("qwen3", dict(attention_bias=True), "attention_bias"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), "use_sliding_window"),
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("llama", dict(hidden_act="gelu"), "hidden_act"),
@@ -214,23 +252,34 @@ def _permute_for_gguf(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(model, path):
-    """An F32 llama GGUF of ``model`` written the way llama.cpp's converter does (metadata, names, q/k permute)."""
+def write_tiny_gguf(model, path, arch="llama"):
+    """An F32 GGUF of ``model`` written the way llama.cpp's converter does (metadata, names, q/k permute).
+
+    ``llama``: q/k rows permuted (``LlamaModel.permute``); ``qwen3``: not permuted, plus ``attn_q_norm`` /
+    ``attn_k_norm`` and ``output.weight`` (untied), as ``Qwen3Model`` writes them.
+    """
     gguf = pytest.importorskip("gguf")
     c, sd = model.config, {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     for add, value in [("context_length", c.max_position_embeddings), ("block_count", c.num_hidden_layers),
                        ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
                        ("head_count", c.num_attention_heads), ("head_count_kv", c.num_key_value_heads),
                        ("rope_freq_base", 50000.0), ("layer_norm_rms_eps", c.rms_norm_eps),
                        ("rope_dimension_count", c.head_dim), ("vocab_size", c.vocab_size)]:
         getattr(writer, f"add_{add}")(value)
+    if arch == "qwen3":
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
     writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    if "lm_head.weight" in sd and not c.tie_word_embeddings:
+        writer.add_tensor("output.weight", sd["lm_head.weight"])
     writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}
+    if arch == "qwen3":
+        names.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
+    heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads} if arch == "llama" else {}
     for i in range(c.num_hidden_layers):
         for hf_name, gguf_name in names.items():
             w = sd[f"model.layers.{i}.{hf_name}.weight"]
@@ -253,6 +302,25 @@ def test_gguf_import_matches_transformers(parallel_state_1proc, tmp_path):  # no
     megatron = build_gpt_model(cfg).eval()
     load_hf_state_into_model(megatron, hf_state, cfg)
     tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        expected = model(tokens).logits[0]
+    torch.testing.assert_close(megatron_logits(megatron, tokens, torch.arange(24)[None]), expected,
+                               atol=1e-4, rtol=0)
+
+
+def test_qwen3_gguf_import_matches_transformers(parallel_state_1proc, tmp_path):  # noqa: F811
+    # transformers' GGUF reader ignores qwen3.attention.key_length and keeps Qwen3Config's head_dim 128 (that of
+    # every released Qwen3 dense model), so the GGUF model must have head_dim 128
+    model = hf_model("qwen3", seed=15, head_dim=128)
+    write_tiny_gguf(model, tmp_path / "qwen3.gguf", arch="qwen3")
+    hf_cfg, hf_state = load_hf_checkpoint(tmp_path / "qwen3.gguf")
+    assert hf_cfg.model_type == "qwen3" and hf_cfg.head_dim == 128
+    assert all(torch.equal(hf_state[k], v) for k, v in model.state_dict().items())
+    cfg = model_config_from_hf(hf_cfg)
+    assert cfg.qk_layernorm and cfg.kv_channels == 128
+    megatron = build_gpt_model(cfg).eval()
+    load_hf_state_into_model(megatron, hf_state, cfg)
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(16))
     with torch.no_grad():
         expected = model(tokens).logits[0]
     torch.testing.assert_close(megatron_logits(megatron, tokens, torch.arange(24)[None]), expected,

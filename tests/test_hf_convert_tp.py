@@ -18,7 +18,7 @@ from packsft.model.hf_io import load_hf_state_into_model, save_hf_checkpoint
 from packsft.train.distributed import init_distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ("llama", "qwen2")                                # tied + untied with QKV bias
+FAMILIES = ("llama", "qwen2", "qwen3")                      # tied, untied with QKV bias, q/k norms + head_dim
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 

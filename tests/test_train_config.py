@@ -107,3 +107,12 @@ def test_sequence_parallel_needs_tp_and_a_row_that_splits():
     with pytest.raises(ValueError, match="lcm"):
         load_config(TINY, ["parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=8",
                            "data.max_seq_len=1028", "model.max_position_embeddings=2048"])
+
+
+def test_lora_demo_config_loads():
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "smollm2_135m_lora_cpu.yaml")
+    assert cfg.lora.enabled and cfg.lora.rank == 16 and cfg.lora.scaling == 2.0
+    assert cfg.lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert cfg.model.hidden_size == 576 and cfg.logging.output_dir == "out/demo/lora"
+    with pytest.raises(ValueError, match="lora.rank"):
+        load_config(Path(__file__).resolve().parents[1] / "configs" / "smollm2_135m_lora_cpu.yaml", ["lora.rank=0"])

@@ -195,3 +195,30 @@ def test_micro_batch_of_two_rows_equals_two_micro_batches(tmp_path, packed, para
     assert results[1]["trained_tokens"] == results[2]["trained_tokens"]
     assert abs(results[1]["loss"] - results[2]["loss"]) < 1e-6, results
     assert abs(results[1]["grad_norm"] - results[2]["grad_norm"]) < 1e-5, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_lora_run_keeps_adapter_state_only_and_resumes_exactly(tmp_path, packed, parallel_state_1proc,  # noqa: F811
+                                                               optimizer):
+    common = {"train": {"global_batch_size": 2, "train_steps": 4}, "data": {"train_path": str(packed["many"])},
+              "optimizer": {"lr": 1e-2, **OPTIMIZERS[optimizer]}, "lora": {"enabled": True, "rank": 4, "alpha": 8.0}}
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    train(write_config(tmp_path / "full.yaml", packed, full, **common))
+    parts_cfg = write_config(tmp_path / "parts.yaml", packed, parts, **common)
+    train(parts_cfg, "train.stop_at_step=2")
+    train(parts_cfg)
+    assert_same_run(full, parts, steps=4)
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    first = _flat(load_plain_tensors(str(parts / "checkpoints" / "iter_0000002")))
+    last = _flat(load_plain_tensors(str(full / "checkpoints" / "iter_0000004")))
+    adapter_numel = sum(v.numel() for k, v in last.items() if not k.startswith("optimizer.") and ".lora_" in k
+                        and torch.is_tensor(v))
+    moments = {k: v.numel() for k, v in last.items() if ".exp_avg." in k}
+    # optimizer state holds the adapters only: per parameter (torch) or Megatron's padded flat bucket (dist. opt.)
+    assert moments and adapter_numel <= sum(moments.values()) < adapter_numel + 1024, (moments, adapter_numel)
+    adapters = [k for k in last if not k.startswith("optimizer.") and ".lora_B" in k]
+    base = [k for k in last if not k.startswith("optimizer.") and k.endswith("linear_qkv.weight.")]
+    assert adapters and base and all(torch.equal(first[k], last[k]) for k in base)            # base frozen
+    assert any(not torch.equal(first[k], last[k]) for k in adapters)                          # adapters trained

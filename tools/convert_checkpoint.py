@@ -15,6 +15,13 @@ loads, with the tokenizer files and chat template of ``--tokenizer``::
     python tools/convert_checkpoint.py export --megatron ckpt/smollm2 --out hf/smollm2-sft \\
         --tokenizer ~/models/SmolLM2-135M-Instruct --dtype bfloat16
 
+A LoRA run (its ``--config`` YAML has ``lora.enabled: true``) is exported merged or as a PEFT adapter::
+
+    python tools/convert_checkpoint.py export --megatron out/train/checkpoints/iter_0000024 \
+        --config out/train/config.yaml --out hf/merged --merge-lora
+    python tools/convert_checkpoint.py export --megatron out/train/checkpoints/iter_0000024 \
+        --config out/train/config.yaml --out hf/base --lora-adapter hf/adapter   # base + PEFT adapter folder
+
 Layouts, supported families and refused options: docs/checkpoints.md.
 """
 
@@ -37,7 +44,9 @@ from packsft.model.hf_io import (  # noqa: E402
     load_hf_state_into_model,
     read_hf_config,
     save_hf_checkpoint,
+    save_peft_adapter,
 )
+from packsft.model.lora import apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
 from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint  # noqa: E402
 
@@ -65,6 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     exp.add_argument("--tokenizer", default=None, help="folder with tokenizer files and chat template to copy")
     exp.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                      help="dtype of the safetensors (default: the model's)")
+    lora = exp.add_mutually_exclusive_group()
+    lora.add_argument("--merge-lora", action="store_true",
+                      help="LoRA run: fold the adapters into the exported weights")
+    lora.add_argument("--lora-adapter", default=None, metavar="DIR",
+                      help="LoRA run: export the base weights to --out and the adapters as a PEFT folder DIR")
     return parser.parse_args(argv)
 
 
@@ -84,8 +98,20 @@ def main(argv=None) -> None:
         else:
             cfg = read_model_config(args.config or args.megatron)
             hf_config = read_hf_config(args.hf_config or args.megatron)
+            lora = read_lora_config(args.config) if args.config else None
+            if (args.merge_lora or args.lora_adapter) and lora is None:
+                raise SystemExit("--merge-lora / --lora-adapter need --config with lora.enabled: true")
+            if lora is not None and not (args.merge_lora or args.lora_adapter):
+                raise SystemExit("the checkpoint holds LoRA adapters: pass --merge-lora or --lora-adapter DIR")
             model = build_gpt_model(cfg)
+            if lora is not None:
+                apply_lora(model, lora)
             load_megatron_checkpoint(model, args.megatron)
+            if args.lora_adapter:
+                save_peft_adapter(model, cfg, lora, args.lora_adapter, base_model_name_or_path=args.out,
+                                  tp_group=ctx.tp_group)
+            if args.merge_lora:
+                merge_lora(model)
             dtype = getattr(torch, args.dtype) if args.dtype else None
             save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
                                tp_group=ctx.tp_group, dtype=dtype)

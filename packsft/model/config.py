@@ -1,8 +1,9 @@
 """Llama-style model configuration, its ``model_config.json`` file and its Megatron-Core ``TransformerConfig``.
 
-The architecture is fixed to what Llama, Qwen2, Mistral and SmolLM2 share: RMSNorm, SwiGLU MLP
+The architecture is fixed to what Llama, Qwen2, Qwen3, Mistral and SmolLM2 share: RMSNorm, SwiGLU MLP
 (``gated_linear_unit`` + SiLU), rotary position embeddings, grouped-query attention, no biases and
-optionally tied input/output embeddings. Everything that varies between those families is a field.
+optionally tied input/output embeddings. Everything that varies between those families is a field
+(QKV bias, per-head q/k RMSNorm, head dimension, RoPE scaling).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class ModelConfig:
         norm_epsilon: RMSNorm epsilon.
         tie_word_embeddings: share the input embedding with the output layer.
         add_qkv_bias: give the fused QKV projection a bias (Qwen2); every other linear stays bias-free.
+        qk_layernorm: RMSNorm over each query and key head (``[hn]`` weights) before RoPE (Qwen3; Megatron's
+            ``qk_layernorm``, the layer spec's ``q_layernorm`` / ``k_layernorm``).
+        rope_interpolation_factor: linear RoPE scaling (HF ``rope_type: linear``): positions divided by it
+            (Megatron ``seq_len_interpolation_factor``); ``None`` means none. Exclusive with
+            ``rope_scaling_factor``.
         rope_scaling_factor: Llama-3.1-style RoPE frequency scaling factor (Megatron ``rope_scaling``,
             with its fixed ``low_freq_factor=1``, ``high_freq_factor=4``,
             ``original_max_position_embeddings=8192``); ``None`` means no scaling.
@@ -75,6 +81,8 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    rope_interpolation_factor: float | None = None
     rope_scaling_factor: float | None = None
     attention_backend: str = "torch"
     params_dtype: str = "float32"
@@ -118,6 +126,12 @@ class ModelConfig:
                              f"got {self.params_dtype!r}")
         if self.rope_scaling_factor is not None and not self.rope_scaling_factor > 0:
             raise ValueError(f"model.rope_scaling_factor must be > 0 or None, got {self.rope_scaling_factor!r}")
+        if self.rope_interpolation_factor is not None:
+            if not self.rope_interpolation_factor > 0:
+                raise ValueError(f"model.rope_interpolation_factor must be > 0 or None, "
+                                 f"got {self.rope_interpolation_factor!r}")
+            if self.rope_scaling_factor is not None:
+                raise ValueError("model.rope_interpolation_factor and model.rope_scaling_factor are exclusive")
         for name in ("rotary_base", "norm_epsilon", "init_method_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)!r}")
@@ -209,6 +223,7 @@ class ModelConfig:
             activation_func=F.silu,
             add_bias_linear=False,
             add_qkv_bias=self.add_qkv_bias,
+            qk_layernorm=self.qk_layernorm,
             attention_dropout=0.0,
             hidden_dropout=0.0,
             init_method_std=self.init_method_std,

@@ -29,12 +29,29 @@ class RMSNorm:
         return norm
 
 
-def layer_spec(attention_backend: str):
+class QKNorm:
+    """The per-head q/k RMSNorm (``q_layernorm`` / ``k_layernorm``, Qwen3): ``torch.nn.RMSNorm(hn, eps)``.
+
+    Each TP rank normalises only its own heads with the replicated ``[hn]`` weight, so its gradient is partial
+    over the TP group at any TP size > 1. The weight is marked ``sequence_parallel`` then, which is what
+    packsft's torch path (``allreduce_sequence_parallel_grads``) sums over TP; Megatron's ``finalize_model_grads``
+    sums these weights by name (``qk_layernorm``), once. Same keys as Megatron's ``WrappedTorchNorm``.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        """``torch.nn.RMSNorm(hidden_size, eps)``; weight marked ``sequence_parallel`` when TP > 1."""
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.tensor_model_parallel_size > 1
+        return norm
+
+
+def layer_spec(attention_backend: str, qk_layernorm: bool = False):
     """Transformer-layer ``ModuleSpec`` for an attention backend.
 
-    ``"torch"``: Megatron's local spec (``get_gpt_layer_local_spec(normalization="RMSNorm")``) with
-    ``self_attention.submodules.core_attention`` replaced by :class:`TorchCoreAttention`.
-    ``"te"``: ``get_gpt_layer_with_transformer_engine_spec()`` unchanged (TE fused norm+linear,
+    ``"torch"``: Megatron's local spec (``get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=...)``)
+    with ``self_attention.submodules.core_attention`` replaced by :class:`TorchCoreAttention`, the layer norms by
+    :class:`RMSNorm` and, with ``qk_layernorm``, the spec's ``q_layernorm`` / ``k_layernorm`` by :class:`QKNorm`.
+    ``"te"``: ``get_gpt_layer_with_transformer_engine_spec(qk_layernorm=...)`` unchanged (TE fused norm+linear,
     ``TEDotProductAttention`` with THD and ring context parallelism).
 
     Raises:
@@ -42,8 +59,11 @@ def layer_spec(attention_backend: str):
         ValueError: for an unknown backend.
     """
     if attention_backend == "torch":
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        attention = spec.submodules.self_attention.submodules
+        attention.core_attention = TorchCoreAttention
+        if qk_layernorm:
+            attention.q_layernorm = attention.k_layernorm = QKNorm
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
         return spec
     if attention_backend == "te":
@@ -54,7 +74,7 @@ def layer_spec(attention_backend: str):
                               "(pip install 'packsft[te]' on a CUDA machine); use 'torch' on CPU") from err
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     raise ValueError(f"unknown attention_backend {attention_backend!r}; expected 'torch' or 'te'")
 
 
@@ -69,7 +89,8 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_p
     TP shards are slices of the TP=1 weights.
 
     The model is Llama-style: RMSNorm, SwiGLU, RoPE with ``cfg.rotary_base`` (and Llama-3.1 frequency
-    scaling when ``cfg.rope_scaling_factor`` is set; positions restart at 0 in every THD segment), GQA,
+    scaling when ``cfg.rope_scaling_factor`` is set, linear scaling with ``cfg.rope_interpolation_factor``;
+    positions restart at 0 in every THD segment), GQA, optional per-head q/k RMSNorm (``cfg.qk_layernorm``),
     no biases except an optional QKV bias (``cfg.add_qkv_bias``), ``share_embeddings_and_output_weights =
     cfg.tie_word_embeddings``, ``parallel_output=True`` (logits stay vocab-sharded). ``sequence_parallel``:
     Megatron's sequence parallelism over the TP group (norms and residual stream on ``t / tp`` tokens).
@@ -106,7 +127,7 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_p
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     config = cfg.to_transformer_config(tp=tp, cp=cp, sequence_parallel=sequence_parallel, pp=pp, vp=vp)
-    spec = layer_spec(cfg.attention_backend)
+    spec = layer_spec(cfg.attention_backend, cfg.qk_layernorm)
     if cfg.attention_backend == "torch":   # the final norm too (Megatron's block default refuses SP)
         layers = get_num_layers_to_build(config, vp_stage=vp_stage)
         spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
@@ -124,6 +145,7 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_p
         rope_scaling=cfg.rope_scaling_factor is not None,
         rope_scaling_factor=cfg.rope_scaling_factor if cfg.rope_scaling_factor is not None else 8.0,
         vp_stage=vp_stage,
+        seq_len_interpolation_factor=cfg.rope_interpolation_factor,
     )
 
 

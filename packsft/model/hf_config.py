@@ -1,19 +1,30 @@
-"""Hugging Face ``config.json`` <-> packsft ``ModelConfig`` (Llama, Qwen2, Mistral families).
+"""Hugging Face ``config.json`` <-> packsft ``ModelConfig`` (Llama, Qwen2, Qwen3, Mistral families).
 
 :func:`model_config_from_hf` translates a transformers ``PretrainedConfig`` and refuses, with a
 ``ValueError`` naming the option, anything packsft's Megatron ``GPTModel`` cannot reproduce;
 :func:`hf_config_from_model_config` builds the config written on export. RoPE: ``rope_theta`` ->
 ``rotary_base``; ``rope_type: llama3`` -> ``rope_scaling_factor``, only with the constants Megatron-Core
-fixes (``MEGATRON_LLAMA3_ROPE``). Sources: transformers ``LlamaConfig`` / ``Qwen2Config`` /
-``MistralConfig``; Megatron-Core ``RotaryEmbedding._apply_scaling``.
+fixes (``MEGATRON_LLAMA3_ROPE``); ``rope_type: linear`` -> ``rope_interpolation_factor`` (Megatron
+``seq_len_interpolation_factor``); ``yarn``, ``dynamic``, ``longrope`` and the rest are refused by name.
+Gemma 3 is refused with the list of what the Megatron model lacks (:data:`GEMMA3_MISSING`). Sources:
+transformers ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config`` / ``MistralConfig``; Megatron-Core
+``RotaryEmbedding._apply_scaling`` and ``RotaryEmbedding.__init__`` (``seq_len_interpolation_factor``).
 """
 
 from __future__ import annotations
 
 from packsft.model.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA3_MISSING = ("GeGLU MLP (gelu_pytorch_tanh)", "embeddings scaled by sqrt(hidden_size)",
+                  "(1 + w) RMSNorm weights", "post-attention and post-feedforward norms (sandwich norms)",
+                  "attention logit soft-capping", "final logit soft-capping",
+                  "alternating sliding-window / global attention layers",
+                  "separate RoPE bases for local and global layers", "query_pre_attn_scalar attention scale")
+"""What packsft's Megatron GPT model would need to reproduce Gemma 3 text models (``Gemma3ForCausalLM``)."""
 # Megatron's fixed Llama-3.1 scaling constants (megatron.core RotaryEmbedding._apply_scaling).
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -36,11 +47,11 @@ def _rope_scaling_factor(hf_config) -> float | None:
             Megatron cannot express (it fixes low 1, high 4, original 8192).
     """
     rope = _rope_parameters(hf_config)
-    if rope["rope_type"] == "default":
+    if rope["rope_type"] in ("default", "linear"):
         return None
     if rope["rope_type"] != "llama3":
         raise ValueError(f"unsupported rope_parameters.rope_type {rope['rope_type']!r}; packsft supports "
-                         "'default' and 'llama3'")
+                         f"{SUPPORTED_ROPE_TYPES} (Megatron-Core's GPT RoPE has no {rope['rope_type']!r} scaling)")
     for key, expected in MEGATRON_LLAMA3_ROPE.items():
         if float(rope.get(key, expected)) != expected:
             raise ValueError(f"unsupported llama3 RoPE scaling: rope_parameters.{key} = {rope.get(key)!r}, "
@@ -48,9 +59,18 @@ def _rope_scaling_factor(hf_config) -> float | None:
     return float(rope["factor"])
 
 
+def _rope_interpolation_factor(hf_config) -> float | None:
+    """``rope_type: linear``'s ``factor`` (positions divided by it), else ``None``."""
+    rope = _rope_parameters(hf_config)
+    return float(rope["factor"]) if rope["rope_type"] == "linear" else None
+
+
 def _refuse_unsupported(hf_config, max_seq_len: int | None) -> None:
     """Raise ``ValueError`` naming the first HF option packsft's Megatron model cannot reproduce."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in ("gemma3", "gemma3_text"):
+        raise ValueError(f"unsupported model_type {model_type!r} (Gemma 3): packsft's Megatron GPT model lacks "
+                         + "; ".join(GEMMA3_MISSING))
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -63,7 +83,8 @@ def _refuse_unsupported(hf_config, max_seq_len: int | None) -> None:
     if getattr(hf_config, "attention_dropout", 0.0):
         raise ValueError(f"unsupported attention_dropout={hf_config.attention_dropout}; packsft trains "
                          "without dropout, set it to 0.0")
-    if getattr(hf_config, "use_sliding_window", False):
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    if getattr(hf_config, "use_sliding_window", False) or "sliding_attention" in layer_types:
         raise ValueError("unsupported use_sliding_window=True; packsft attention is full causal")
     window = getattr(hf_config, "sliding_window", None) if model_type == "mistral" else None
     if window is not None and window < hf_config.max_position_embeddings:
@@ -77,7 +98,7 @@ def _refuse_unsupported(hf_config, max_seq_len: int | None) -> None:
 
 def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention_backend: str = "torch",
                          params_dtype: str = "float32") -> ModelConfig:
-    """Translate a transformers ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` into a ``ModelConfig``.
+    """Translate a transformers ``Llama/Qwen2/Qwen3/MistralConfig`` into a ``ModelConfig``.
 
     Args:
         hf_config: a transformers ``PretrainedConfig`` of a supported ``model_type``.
@@ -88,8 +109,9 @@ def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention
     Raises:
         ValueError: naming the option when the config uses something the Megatron model cannot
             reproduce: another ``model_type``, a ``hidden_act`` other than silu, ``attention_bias`` /
-            ``mlp_bias`` on Llama, ``pretraining_tp`` > 1, ``attention_dropout`` > 0, a sliding window
-            that can be reached, RoPE types other than default/llama3 (Megatron's constants).
+            ``mlp_bias`` on Llama / Qwen3, ``pretraining_tp`` > 1, ``attention_dropout`` > 0, a sliding window
+            that can be reached, RoPE types other than default/linear/llama3 (Megatron's constants), Gemma 3
+            (the message lists :data:`GEMMA3_MISSING`).
     """
     _refuse_unsupported(hf_config, max_seq_len)
     head_dim = getattr(hf_config, "head_dim", None)
@@ -107,7 +129,9 @@ def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention
         norm_epsilon=float(hf_config.rms_norm_eps),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         add_qkv_bias=hf_config.model_type == "qwen2",
+        qk_layernorm=hf_config.model_type == "qwen3",
         rope_scaling_factor=_rope_scaling_factor(hf_config),
+        rope_interpolation_factor=_rope_interpolation_factor(hf_config),
         attention_backend=attention_backend,
         params_dtype=params_dtype,
     )
@@ -120,33 +144,38 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None):
         cfg: the Megatron model's configuration.
         base: the original HF config (``PretrainedConfig`` or its ``to_dict()``) to keep model_type,
             token ids, sliding window and other metadata from; ``None`` builds a fresh ``Qwen2Config``
-            when ``cfg.add_qkv_bias`` else a ``LlamaConfig``.
+            when ``cfg.add_qkv_bias``, a ``Qwen3Config`` when ``cfg.qk_layernorm``, else a ``LlamaConfig``.
 
     Returns:
         ``PretrainedConfig`` with ``architectures`` set and the shape fields taken from ``cfg``.
 
     Raises:
-        ValueError: if ``cfg.add_qkv_bias`` disagrees with the base's ``model_type`` (only Qwen2 has it).
+        ValueError: if ``cfg.add_qkv_bias`` or ``cfg.qk_layernorm`` disagrees with the base's ``model_type``
+            (only Qwen2 has the bias, only Qwen3 the q/k norms).
     """
     from transformers import AutoConfig
 
     base = base.to_dict() if hasattr(base, "to_dict") else dict(base or {})
-    model_type = base.get("model_type") or ("qwen2" if cfg.add_qkv_bias else "llama")
+    model_type = base.get("model_type") or ("qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama")
     if cfg.add_qkv_bias != (model_type == "qwen2"):
         raise ValueError(f"model.add_qkv_bias={cfg.add_qkv_bias} cannot be exported as model_type {model_type!r}")
+    if cfg.qk_layernorm != (model_type == "qwen3"):
+        raise ValueError(f"model.qk_layernorm={cfg.qk_layernorm} cannot be exported as model_type {model_type!r}")
     for key in ("model_type", "transformers_version", "architectures", "rope_scaling", "rope_theta"):
         base.pop(key, None)
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling_factor is not None:
         rope = {**rope, "rope_type": "llama3", "factor": cfg.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}
+    if cfg.rope_interpolation_factor is not None:
+        rope = {**rope, "rope_type": "linear", "factor": cfg.rope_interpolation_factor}
     shape = dict(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                  intermediate_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
                  num_key_value_heads=cfg.num_query_groups, vocab_size=cfg.vocab_size,
                  max_position_embeddings=cfg.max_position_embeddings, head_dim=cfg.head_dim,
                  rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_word_embeddings,
                  rope_parameters=rope, hidden_act="silu", dtype=cfg.params_dtype)
-    if cfg.kv_channels is None and "head_dim" not in base:
-        del shape["head_dim"]   # Qwen2Config has no head_dim field; hidden_size // heads is the default
+    if cfg.kv_channels is None and "head_dim" not in base and model_type != "qwen3":
+        del shape["head_dim"]   # Qwen2Config has no head_dim field; Qwen3Config's default is 128, not h / np
     hf_config = AutoConfig.for_model(model_type, **{**base, **shape})
     hf_config.architectures = [ARCHITECTURES[model_type]]
     return hf_config

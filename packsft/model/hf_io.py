@@ -214,3 +214,41 @@ def read_hf_config(path: str | Path) -> dict | None:
     path = Path(path)
     path = path / HF_CONFIG_FILE if path.is_dir() else path
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+PEFT_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def save_peft_adapter(model, cfg: ModelConfig, lora, out_dir: str | Path, *, base_model_name_or_path: str | None = None,
+                      tp_group=None) -> Path | None:
+    """Export a LoRA model's adapters as a PEFT folder: ``adapter_config.json``, ``adapter_model.safetensors``.
+
+    Collective over ``tp_group``; global rank 0 writes (atomically). ``peft.PeftModel.from_pretrained(base, out_dir)``
+    on the model :func:`save_hf_checkpoint` exports from the same (unmerged) weights gives the LoRA model's logits.
+
+    Args:
+        lora: the ``packsft.model.lora.LoraConfig`` the model was trained with (rank, alpha, targets; the config
+            file names the HF linears of ``state_dict_adapter.LORA_HF_MODULES``).
+
+    Returns:
+        ``out_dir`` on global rank 0, ``None`` elsewhere.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from safetensors.torch import save_file
+
+    from packsft.model.state_dict_adapter import LORA_HF_MODULES, megatron_lora_to_peft_state_dict
+
+    shards = gather_model_shards(model, tp_group)
+    out = None
+    if global_rank() == 0:
+        state = megatron_lora_to_peft_state_dict(shards, cfg, lora.target_modules)
+        targets = [name for t in lora.target_modules for name in LORA_HF_MODULES[t][1]]
+        config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                                base_model_name_or_path=base_model_name_or_path)
+        with atomic_dir(Path(out_dir)) as tmp:
+            save_file(state, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+            config.save_pretrained(str(tmp))
+        out = Path(out_dir)
+    barrier()
+    return out

@@ -12,6 +12,7 @@ Tensor layouts (Megatron-Core 0.16.1 local spec, what :func:`packsft.model.gpt.b
                                                           [ng/tp * (qpg + 2) * hn, h], per query group
                                                           [q_g (qpg*hn rows), k_g (hn), v_g (hn)], groups
                                                           r*ng/tp.. (Qwen2: .bias alike, [.. * hn])
+    self_attn.q_norm/k_norm.weight   [hn] (Qwen3)     self_attention.q_layernorm/k_layernorm.weight (replicated)
     self_attn.o_proj.weight          [h, np*hn]       self_attention.linear_proj.weight  [h, np*hn/tp] (cols)
     post_attention_layernorm.weight  [h]              decoder.layers.i.pre_mlp_layernorm.weight (replicated)
     mlp.gate_proj / up_proj.weight   [f, h] each      mlp.linear_fc1.weight [2f/tp, h] = cat(gate_r, up_r)
@@ -23,7 +24,7 @@ With ``attention_backend="te"`` the two per-layer norms are fused into the linea
 ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``.
 HF q/k weights are already in the "rotate half" RoPE layout that Megatron uses
 (``rotary_interleaved=False``), so no permutation is needed. Sources: transformers
-``modeling_llama.py`` / ``modeling_qwen2.py``; Megatron-Core ``transformer/attention.py``
+``modeling_llama.py`` / ``modeling_qwen2.py`` / ``modeling_qwen3.py``; Megatron-Core ``transformer/attention.py``
 (``get_query_key_value_tensors``) and ``transformer/mlp.py`` (``glu``: ``silu(x[:f]) * x[f:]``).
 """
 
@@ -105,6 +106,9 @@ def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_
         for kind in ("weight", "bias") if cfg.add_qkv_bias else ("weight",):
             q, k, v = (get(f"{hf}self_attn.{n}_proj.{kind}") for n in "qkv")
             out[f"{mg}self_attention.linear_qkv.{kind}"] = _pack_qkv(q, k, v, cfg, tp_rank, tp_size)
+        if cfg.qk_layernorm:
+            for n in "qk":
+                out[f"{mg}self_attention.{n}_layernorm.weight"] = get(f"{hf}self_attn.{n}_norm.weight").clone()
         out[mg + "self_attention.linear_proj.weight"] = _shard(get(hf + "self_attn.o_proj.weight"), 1, tp_rank,
                                                                tp_size)
         gate = _shard(get(hf + "mlp.gate_proj.weight"), 0, tp_rank, tp_size)
@@ -148,10 +152,62 @@ def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], cfg: ModelCon
             q, k, v = _unpack_qkv([s[name] for s in shards], cfg)
             for n, t in zip("qkv", (q, k, v)):
                 out[f"{hf}self_attn.{n}_proj.{kind}"] = t.contiguous()
+        if cfg.qk_layernorm:
+            for n in "qk":
+                out[f"{hf}self_attn.{n}_norm.weight"] = first[f"{mg}self_attention.{n}_layernorm.weight"].clone()
         out[hf + "self_attn.o_proj.weight"] = cat(mg + "self_attention.linear_proj.weight", 1)
         cat(mg + "mlp.linear_fc1.weight", 0)
         gate_up = [s[mg + "mlp.linear_fc1.weight"].chunk(2, 0) for s in shards]
         out[hf + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up], 0).contiguous()
         out[hf + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up], 0).contiguous()
         out[hf + "mlp.down_proj.weight"] = cat(mg + "mlp.linear_fc2.weight", 1)
+    return out
+
+
+LORA_HF_MODULES = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+                   "linear_proj": ("self_attn", ("o_proj",)),
+                   "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
+"""Megatron LoRA target -> (HF submodule, the HF linears it fuses): the PEFT adapter's ``target_modules``."""
+
+
+def megatron_lora_to_peft_state_dict(shards: Sequence[dict[str, Tensor]], cfg: ModelConfig,
+                                     target_modules: Sequence[str]) -> dict[str, Tensor]:
+    """A PEFT ``adapter_model.safetensors`` state dict from every TP rank's LoRA Megatron state dict.
+
+    Fused Megatron targets become one LoRA per HF linear with the same ``A`` (``[r, h]``): ``linear_qkv``'s
+    ``B`` ``[ng/tp * (qpg+2) * hn, r]`` per rank is un-interleaved into q/k/v (as the weight), ``linear_fc1``'s
+    ``[2f/tp, r]`` split into gate/up; ``linear_proj`` / ``linear_fc2``'s ``A`` ``[r, in/tp]`` are concatenated
+    along columns. ``B_hf @ A_hf`` is then exactly the matching rows/columns of the Megatron delta.
+
+    Returns:
+        ``base_model.model.model.layers.{i}.<submodule>.<linear>.lora_{A,B}.weight`` -> tensors.
+
+    Raises:
+        KeyError: naming an adapter tensor missing from a shard.
+    """
+    def get(shard, name):
+        if name not in shard:
+            raise KeyError(f"Megatron state has no LoRA tensor {name!r}")
+        return shard[name]
+
+    out = {}
+    for i in range(cfg.num_layers):
+        for target in target_modules:
+            sub, linears = LORA_HF_MODULES[target]
+            mg = f"decoder.layers.{i}.{'self_attention' if sub == 'self_attn' else 'mlp'}.{target}."
+            a_name, b_name = mg + "lora_A.default.weight", mg + "lora_B.default.weight"
+            if target in ("linear_proj", "linear_fc2"):
+                a_parts = [torch.cat([get(s, a_name) for s in shards], 1)]
+                b_parts = [get(shards[0], b_name)]
+            elif target == "linear_qkv":
+                a_parts = [get(shards[0], a_name)] * 3
+                b_parts = list(_unpack_qkv([get(s, b_name) for s in shards], cfg))
+            else:
+                halves = [get(s, b_name).chunk(2, 0) for s in shards]
+                a_parts = [get(shards[0], a_name)] * 2
+                b_parts = [torch.cat([g for g, _ in halves], 0), torch.cat([u for _, u in halves], 0)]
+            for linear, a, b in zip(linears, a_parts, b_parts):
+                hf = f"base_model.model.model.layers.{i}.{sub}.{linear}."
+                out[hf + "lora_A.weight"] = a.contiguous().clone()
+                out[hf + "lora_B.weight"] = b.contiguous().clone()
     return out

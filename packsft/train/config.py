@@ -9,7 +9,8 @@ are in :func:`check_parallel_layout`, called by the trainer after ``init_distrib
 
 Sections (every field is documented in ``docs/training.md``): ``model`` (:class:`~packsft.model.config.ModelConfig`),
 ``data``, ``loader`` (:class:`~packsft.data.loader.DataLoaderConfig`), ``loss``, ``optimizer``, ``scheduler``,
-``parallel``, ``train``, ``checkpoint``, ``logging``, ``validation``.
+``parallel``, ``train``, ``checkpoint``, ``logging``, ``validation``, ``lora``
+(:class:`~packsft.model.lora.LoraConfig`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from packsft.data.loader import DataLoaderConfig
 from packsft.layout import row_granularity
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
+from packsft.model.lora import LoraConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std", "recompute_granularity",
@@ -378,6 +380,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         """Cross-section checks.
@@ -423,6 +426,9 @@ class Config:
             raise ValueError(f"model.num_layers ({self.model.num_layers}) must be a multiple of "
                              f"parallel.pipeline_model_parallel_size ({pp})"
                              + (f" x parallel.virtual_pipeline_model_parallel_size ({vp})" if vp else ""))
+        if self.lora.enabled and self.model.attention_backend != "torch":
+            raise ValueError(f"lora.enabled=true needs model.attention_backend=torch (Megatron's parallel linears), "
+                             f"got {self.model.attention_backend!r}")
         if not self.data.train and not self.data.train_path:
             raise ValueError("data.train_path (one file) or data.train (a list of {name, path, weight}) is required")
         if self.validation.enabled and not self.data.has_validation:

@@ -67,6 +67,7 @@ from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_w
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.gpt import build_gpt_stages, unwrap_model
+from packsft.model.lora import apply_lora
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
@@ -180,6 +181,8 @@ class Trainer:
         """This rank's model chunks (one, or one per virtual pipeline stage), wrapped for the optimizer backend."""
         chunks = build_gpt_stages(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel)
         for gpt in chunks:
+            if self.cfg.lora.enabled:   # before DDP and the optimizer: only the adapters are trainable
+                apply_lora(gpt, self.cfg.lora)
             gpt.to(self.ctx.device)
             if gpt.post_process:
                 use_hidden_state_output(gpt)
@@ -224,7 +227,7 @@ class Trainer:
         if path is None:
             if self.cfg.checkpoint.init_from:   # fresh optimizer; the model fields were checked by load_config
                 for gpt in self.gpts:            # global layer names: each stage loads its own layers
-                    load_megatron_checkpoint(gpt, self.cfg.checkpoint.init_from)
+                    load_megatron_checkpoint(gpt, self.cfg.checkpoint.init_from, base_only=self.cfg.lora.enabled)
                 if self.megatron:                # fp32 master weights are copies made before the load
                     self.optimizer.reload_model_params()
                 self.initialized_from = self.cfg.checkpoint.init_from

@@ -55,9 +55,23 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
     return ckpt_dir
 
 
-def load_megatron_checkpoint(model, ckpt_dir: str | Path) -> None:
-    """Load ``save_megatron_checkpoint``'s ``"model"`` entry into ``model`` (any TP size; strict)."""
+def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = False) -> None:
+    """Load ``save_megatron_checkpoint``'s ``"model"`` entry into ``model`` (any TP size; strict).
+
+    ``base_only``: ``model`` carries LoRA adapters (``packsft.model.lora``) that the checkpoint (an imported base
+    model) lacks; every other tensor is loaded strictly and the adapters keep their initial values.
+
+    Raises:
+        RuntimeError: (``load_state_dict``) a model tensor other than an adapter was not loaded.
+    """
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir))
-    model.load_state_dict(loaded["model"])
+    sharded = model.sharded_state_dict()
+    if base_only:
+        sharded = {k: v for k, v in sharded.items() if ".lora_" not in k}
+    loaded = dist_checkpointing.load({"model": sharded}, str(ckpt_dir))
+    result = model.load_state_dict(loaded["model"], strict=not base_only)
+    missing = [k for k in result.missing_keys if ".lora_" not in k] if base_only else []
+    if missing or (base_only and result.unexpected_keys):
+        raise RuntimeError(f"{ckpt_dir}: base checkpoint does not match the model: missing {missing}, "
+                           f"unexpected {list(result.unexpected_keys)}")

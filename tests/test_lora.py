@@ -1,0 +1,119 @@
+"""LoRA on Megatron's parallel linears (one process): zero init is the base model, merge, PEFT export, checkpoints."""
+
+import pytest
+import torch
+from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from test_hf_convert import VOCAB, hf_model, megatron_from_hf, megatron_logits
+from transformers import AutoModelForCausalLM
+
+from packsft.model.gpt import build_gpt_model
+from packsft.model.hf_io import save_hf_checkpoint, save_peft_adapter
+from packsft.model.lora import LoraConfig, apply_lora, lora_parameters, merge_lora, read_lora_config
+from packsft.train.config import OptimizerConfig
+from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+from packsft.train.optim import build_optimizer
+
+LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
+
+
+def _tokens(seed=1, n=20):
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _perturb_adapters(model, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_zero_initialised_lora_gives_the_base_logits_exactly(parallel_state_1proc, family):  # noqa: F811
+    megatron, _ = megatron_from_hf(hf_model(family))
+    tokens = _tokens()
+    before = megatron_logits(megatron, tokens, torch.arange(20)[None])
+    apply_lora(megatron, LORA)
+    assert torch.equal(megatron_logits(megatron, tokens, torch.arange(20)[None]), before)
+    trainable = [n for n, p in megatron.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 4 * 2 and all(".lora_" in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in lora_parameters(megatron))
+
+
+def test_optimizer_state_is_proportional_to_adapter_parameters(parallel_state_1proc):  # noqa: F811
+    megatron, _ = megatron_from_hf(hf_model("qwen3"))
+    apply_lora(megatron, LORA)
+    optimizer = build_optimizer(megatron, OptimizerConfig())
+    logits = megatron(_tokens(), torch.arange(20)[None], None)
+    logits.float().square().mean().backward()
+    optimizer.step()
+    state = sum(t.numel() for s in optimizer.state.values() for k, t in s.items() if k != "step")
+    adapters = sum(p.numel() for p in lora_parameters(megatron))
+    total = sum(p.numel() for p in megatron.parameters())
+    assert state == 2 * adapters and adapters < total / 10        # exp_avg + exp_avg_sq of the adapters only
+    print("adapter params", adapters, "of", total, "optimizer state elements", state)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_merged_export_and_peft_adapter_equal_the_lora_model(parallel_state_1proc, family, tmp_path):  # noqa: F811
+    from peft import PeftModel
+
+    model = hf_model(family, seed=5)
+    megatron, cfg = megatron_from_hf(model)
+    apply_lora(megatron, LORA)
+    _perturb_adapters(megatron)
+    tokens = _tokens(6, 16)
+    lora_logits = megatron_logits(megatron, tokens, torch.arange(16)[None])
+    base_logits = megatron_logits(megatron_from_hf(model)[0], tokens, torch.arange(16)[None])
+    assert (lora_logits - base_logits).abs().max() > 1e-2                      # the adapters matter
+
+    base_dir = save_hf_checkpoint(megatron, cfg, tmp_path / "base", hf_config=model.config)
+    adapter_dir = save_peft_adapter(megatron, cfg, LORA, tmp_path / "adapter", base_model_name_or_path=str(base_dir))
+    assert {p.name for p in adapter_dir.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    assert all(torch.equal(base.state_dict()[k], v) for k, v in model.state_dict().items())   # base unmerged
+    peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(tokens).logits[0], lora_logits, atol=1e-4, rtol=0)
+
+    merge_lora(megatron)
+    merged_dir = save_hf_checkpoint(megatron, cfg, tmp_path / "merged", hf_config=model.config)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits[0], lora_logits, atol=1e-4, rtol=0)
+
+
+def test_checkpoint_holds_adapters_and_a_base_checkpoint_loads_into_a_lora_model(parallel_state_1proc,  # noqa: F811
+                                                                                  tmp_path):
+    model = hf_model("qwen3", seed=7)
+    base, cfg = megatron_from_hf(model)
+    save_megatron_checkpoint(base, cfg, tmp_path / "base")           # what `convert_checkpoint.py import` writes
+    lora_model = build_gpt_model(cfg)
+    apply_lora(lora_model, LORA)
+    load_megatron_checkpoint(lora_model, tmp_path / "base", base_only=True)
+    tokens = _tokens(8)
+    assert torch.equal(megatron_logits(lora_model, tokens, torch.arange(20)[None]),
+                       megatron_logits(base, tokens, torch.arange(20)[None]))
+    _perturb_adapters(lora_model)
+    save_megatron_checkpoint(lora_model, cfg, tmp_path / "lora")
+    again = build_gpt_model(cfg)
+    apply_lora(again, LORA)
+    load_megatron_checkpoint(again, tmp_path / "lora")               # strict: adapters and base
+    before, after = lora_model.state_dict(), again.state_dict()
+    params = [k for k, v in before.items() if isinstance(v, torch.Tensor)]
+    assert any(".lora_" in k for k in params) and all(torch.equal(before[k], after[k]) for k in params)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException wrapping the KeyError
+
+    with pytest.raises(CheckpointException, match="lora_A"):
+        load_megatron_checkpoint(again, tmp_path / "base")          # strict load: the adapters are missing
+
+
+def test_lora_config_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="lora.rank"):
+        LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="lora.target_modules"):
+        LoraConfig(target_modules=["q_proj"])
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {}\nlora: {enabled: true, rank: 2, alpha: 4, target_modules: [linear_qkv]}\n")
+    assert read_lora_config(path) == LoraConfig(enabled=True, rank=2, alpha=4, target_modules=["linear_qkv"])
+    path.write_text("model: {}\n")
+    assert read_lora_config(path) is None

@@ -6,9 +6,9 @@ Layout of ``<checkpoint_dir>``::
     iter_0000020/
       .metadata, __*_*.distcp   # torch_dist shards of {"model": ..., "optimizer": ...} (dist_checkpointing)
       common.pt, metadata.json  # dist_checkpointing common state (optimizer param_groups, common_step)
-      train_state.pt            # rank 0: step, consumed_samples/tokens, trained_tokens, scheduler, config, layout
+      train_state.json          # rank 0: step and counters, scheduler, config, layout
       dataloader_dp{d}.pt       # one per data-parallel rank d (written by its TP=CP=0 rank): loader_state_dict
-      rng_rank{r}.pt            # one per global rank r: python, numpy, torch (and CUDA) RNG states
+      rng_rank{r}.pt            # one per global rank r: torch, numpy (as tensors), python (JSON text), CUDA RNG states
 
 Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames it to ``iter_XXXXXXX`` and
 then rewrites ``latest`` through a temp file + ``os.replace``. A process killed during a save leaves a ``.tmp``
@@ -26,10 +26,17 @@ gather), so the DP size may change but not TP (a TP change needs the torch backe
 is silently wrong under TP>1 (a TP shard has the same key on each rank and is deduplicated as if replicated).
 The data order (``dataloader_dp*.pt``) only continues with the same DP size and data; the RNG files are restored
 when one exists for this rank.
+
+Trust: packsft's own files are JSON or plain tensors/values read with ``torch.load(weights_only=True)``, so they cannot
+run code; a file holding anything else is refused (:class:`CheckpointError`), as is a checkpoint of the older format
+with a pickled ``train_state.pt``. The ``dist_checkpointing`` files (``.metadata``, ``common.pt``) are pickles read by
+Megatron-Core / torch: load only checkpoints you (or someone you trust) wrote.
 """
 
 from __future__ import annotations
 
+import json
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -44,15 +51,37 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 
-from packsft.io import atomic_open, replace_dir
+from packsft.io import atomic_open, replace_dir, write_json_atomic
 from packsft.model.gpt import unwrap_model
 from packsft.train.optim import optimizer_params
 
 LATEST = "latest"
-TRAIN_STATE = "train_state.pt"
+TRAIN_STATE = "train_state.json"
+OLD_TRAIN_STATE = "train_state.pt"
+"""The pickled train state of checkpoints written before ``train_state.json``; such checkpoints are refused."""
 COMMON_STEP = "common_step"
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint packsft refuses to read: the old pickled format, or a state file that is not plain data."""
+
+
+def _load_plain(file: Path) -> Any:
+    """``torch.load(file, weights_only=True)``: tensors and plain Python values only; nothing in the file runs.
+
+    Raises:
+        CheckpointError: the file holds other objects (a pickled class, function or ``__reduce__`` payload).
+    """
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{file}: refused: it holds objects other than tensors and plain values, which could run code when "
+            f"loaded (torch.load(weights_only=True): {reason}). packsft never writes such files: the checkpoint was "
+            "altered or not written by packsft; nothing from it was executed") from None
 
 
 def _is_megatron_optimizer(optimizer) -> bool:
@@ -131,7 +160,16 @@ def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool =
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors and plain values (``torch.load(weights_only=True)``-safe).
+
+    ``python``: ``random.getstate()`` as JSON text; ``numpy``: the MT19937 key (int64 [624]) plus
+    ``[pos, has_gauss, cached_gaussian]``; ``torch`` (uint8), ``cuda`` and ``cuda_tracker`` (name -> uint8 tensor).
+    """
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    if kind != "MT19937":
+        raise ValueError(f"numpy's global RNG is {kind!r}, not MT19937; cannot checkpoint it")
+    state = {"python": json.dumps(random.getstate()), "numpy_key": torch.from_numpy(key.astype(np.int64)),
+             "numpy": [int(pos), int(has_gauss), float(cached)], "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -141,8 +179,10 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = json.loads(state["python"])
+    random.setstate((version, tuple(internal), gauss))
+    pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(("MT19937", state["numpy_key"].numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -160,7 +200,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
         step: optimizer steps done.
         model: ``GPTModel`` or its DDP wrapper. optimizer: the AdamW of :func:`packsft.train.optim.build_optimizer`
             or the Megatron optimizer of :func:`packsft.train.optim.build_megatron_optimizer`.
-        train_state: rank 0's ``train_state.pt`` content (step, counters, scheduler, config, layout).
+        train_state: rank 0's ``train_state.json`` content (JSON values: step, counters, scheduler, config, layout).
         loader_state: ``packsft.data.loader.loader_state_dict`` of this rank's training loader.
         dp_rank: this rank's data-parallel index. write_loader_state: True on the one rank per DP index (TP=CP=0).
 
@@ -179,7 +219,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
     if write_loader_state:
         torch.save(loader_state, tmp / f"dataloader_dp{dp_rank}.pt")
     if rank == 0:
-        torch.save(train_state, tmp / TRAIN_STATE)
+        write_json_atomic(tmp / TRAIN_STATE, train_state)
     dist.barrier()
     if rank == 0:
         _publish(ckpt_dir, tmp, final)
@@ -198,7 +238,8 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
     """Resolve ``checkpoint.resume``: ``none`` -> None; ``auto`` -> ``latest`` in ``ckpt_dir`` or None; else a path.
 
     Raises:
-        FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.pt``.
+        FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.json``.
+        CheckpointError: the checkpoint has the old pickled ``train_state.pt`` (:func:`check_checkpoint_format`).
     """
     if resume == "none":
         return None
@@ -209,10 +250,26 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
         path = Path(ckpt_dir) / latest.read_text().strip()
     else:
         path = Path(resume)
+    check_checkpoint_format(path)
     if not (path / TRAIN_STATE).is_file():
         raise FileNotFoundError(f"checkpoint {path} (checkpoint.resume={resume!r}) is missing or incomplete: "
                                 f"no {TRAIN_STATE}")
     return path
+
+
+def check_checkpoint_format(path: str | Path) -> None:
+    """Refuse a checkpoint of the old format (a pickled ``train_state.pt``, no ``train_state.json``).
+
+    Raises:
+        CheckpointError: saying why (pickled files can run code when loaded) and what to do instead.
+    """
+    path = Path(path)
+    if (path / OLD_TRAIN_STATE).is_file() and not (path / TRAIN_STATE).is_file():
+        raise CheckpointError(
+            f"checkpoint {path} has the old format (a pickled {OLD_TRAIN_STATE}, RNG and loader files that can run "
+            f"code when loaded); packsft no longer reads it. Start over (checkpoint.resume=none in a new "
+            "logging.output_dir), or keep its weights: tools/convert_checkpoint.py export --megatron "
+            f"{path} --config <run>/config.yaml, then import that folder and train with checkpoint.init_from")
 
 
 def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
@@ -239,8 +296,20 @@ def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
 
 
 def load_train_state(path: str | Path) -> dict[str, Any]:
-    """``train_state.pt`` of a checkpoint (plain Python values and the scheduler state)."""
-    return torch.load(Path(path) / TRAIN_STATE, weights_only=False)
+    """``train_state.json`` of a checkpoint (``state`` counters, ``scheduler``, ``config`` YAML text, ``layout``).
+
+    Raises:
+        CheckpointError: an old-format checkpoint, or the file is not a JSON object.
+    """
+    check_checkpoint_format(path)
+    file = Path(path) / TRAIN_STATE
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err}); the checkpoint is damaged") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise CheckpointError(f"{file}: not a packsft train state (a JSON object with a 'state' object)")
+    return saved
 
 
 def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
@@ -249,18 +318,27 @@ def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
     Raises:
         FileNotFoundError: no ``dataloader_dp{dp_rank}.pt`` (the checkpoint had fewer data-parallel ranks); the
             message says to set ``checkpoint.restore_data_order=false``.
+        CheckpointError: the file holds more than tensors and plain values.
     """
     file = Path(path) / f"dataloader_dp{dp_rank}.pt"
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist: the checkpoint was written with another data-parallel size; "
                                 "resume with checkpoint.restore_data_order=false to restart the data order")
-    return torch.load(file, weights_only=False)
+    return _load_plain(file)
 
 
 def load_rng_state(path: str | Path, rank: int) -> bool:
-    """Restore this rank's RNG states if ``rng_rank{rank}.pt`` exists; return whether it did."""
+    """Restore this rank's RNG states if ``rng_rank{rank}.pt`` exists; return whether it did.
+
+    Raises:
+        CheckpointError: the file holds more than tensors and plain values, or lacks a state.
+    """
     file = Path(path) / f"rng_rank{rank}.pt"
-    if file.is_file():
-        _set_rng_state(torch.load(file, weights_only=False))
-        return True
-    return False
+    if not file.is_file():
+        return False
+    state = _load_plain(file)
+    try:
+        _set_rng_state(state)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{file}: not a packsft RNG state ({type(err).__name__}: {err})") from None
+    return True

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
     from packsft.io import atomic_open
     from packsft.train import process_guard
     from packsft.train.checkpoint import CheckpointSpaceError
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             trainer = Trainer(cfg)
-        except (ValueError, FileNotFoundError) as err:  # layout, data, sidecar, vocabulary, resume, checkpoint.dir
+        except (ValueError, FileNotFoundError, CheckpointingException) as err:
+            # layout, data, sidecar, vocabulary, resume (old format, another architecture), checkpoint.dir
             print(f"error: {err}", file=sys.stderr)
             return 2
         if trainer.ctx.rank == 0:

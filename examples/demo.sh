@@ -38,9 +38,18 @@ RUN=$OUT/train
 EXPORTED=$OUT/smollm2-chitchat-hf
 PROMPT=${PROMPT:-"Hi! What do you like to do on weekends?"}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# Megatron-Core prints a dozen harmless UserWarnings per process on CPU (no Apex, no TransformerEngine, ...);
-# run with PYTHONWARNINGS=default to see them.
-export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+# Megatron-Core, torch and torchdata print a dozen harmless warnings per process on CPU (no Apex, no
+# TransformerEngine, deprecations inside their own code). Only those are hidden, by message prefix and category, so
+# packsft's own warnings (e.g. PackedDataWarning) still show; PYTHONWARNINGS=default shows everything.
+THIRD_PARTY_WARNINGS=(
+  "ignore:Transformer Engine and Apex are not installed:UserWarning"   # megatron.core optimizer, fsdp
+  "ignore:Apex is not installed:UserWarning"                           # megatron.core norms
+  "ignore:full scope is deprecated:UserWarning"                        # megatron.core TransformerConfig
+  "ignore:'set_vital' is deprecated:UserWarning"                       # torchdata StatefulDataLoader
+  "ignore:\`load_state_dict\` is deprecated:FutureWarning"             # megatron.core dist_checkpointing load
+  "ignore:Please use DTensor instead:FutureWarning"                    # torch.distributed.checkpoint
+)
+export PYTHONWARNINGS=${PYTHONWARNINGS:-$(IFS=,; echo "${THIRD_PARTY_WARNINGS[*]}")}
 
 if [[ ! -x $PY ]]; then
   echo "error: $PY not found; run 'make setup' first" >&2

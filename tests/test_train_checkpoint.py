@@ -79,3 +79,57 @@ def test_rng_states_are_restored(tmp_path, parallel_state_1proc):  # noqa: F811
     torch.manual_seed(99)
     assert ckpt.load_rng_state(path, 0) and torch.equal(torch.rand(3), expected)
     assert not ckpt.load_rng_state(path, 7)
+
+
+class _Payload:
+    """Unpickling it writes ``marker``: what a planted ``__reduce__`` object would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_state_files_are_json_or_plain_tensors(tmp_path, parallel_state_1proc):  # noqa: F811
+    model = tiny_model(0)
+    opt = build_optimizer(model, OptimizerConfig())
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}, "layout": {"tp": 1}},
+                                loader_state={"sampler_state": {"epoch": 0, "position": 2}}, dp_rank=0,
+                                write_loader_state=True)
+    assert ckpt.load_train_state(path) == {"state": {"step": 1}, "layout": {"tp": 1}}
+    import json
+    assert json.loads((path / "train_state.json").read_text())["state"] == {"step": 1}
+    for name in ("rng_rank0.pt", "dataloader_dp0.pt"):
+        torch.load(path / name, weights_only=True)          # loads without allowing any pickled class
+
+
+@pytest.mark.parametrize("name", ["rng_rank0.pt", "dataloader_dp0.pt"])
+def test_planted_payload_is_refused_and_never_runs(tmp_path, parallel_state_1proc, name):  # noqa: F811
+    model = tiny_model(0)
+    opt = build_optimizer(model, OptimizerConfig())
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
+                                loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
+    marker = tmp_path / "payload_ran"
+    torch.save({"torch": torch.get_rng_state(), "evil": _Payload(marker)}, path / name)
+    with pytest.raises(ckpt.CheckpointError, match=f"{name}: refused: .*nothing from it was executed"):
+        if name.startswith("rng"):
+            ckpt.load_rng_state(path, 0)
+        else:
+            ckpt.load_loader_state(path, 0)
+    assert not marker.exists()
+    torch.load(path / name, weights_only=False)                  # the payload is real: an unsafe load runs it
+    assert marker.exists()
+
+
+def test_old_pickled_checkpoint_is_refused_without_unpickling(tmp_path):
+    old = tmp_path / "iter_0000004"
+    old.mkdir()
+    marker = tmp_path / "payload_ran"
+    torch.save({"state": {"step": 4}, "evil": _Payload(marker)}, old / ckpt.OLD_TRAIN_STATE)
+    (tmp_path / "latest").write_text("iter_0000004\n")
+    with pytest.raises(ckpt.CheckpointError, match="old format .*can run code"):
+        ckpt.find_resume_checkpoint(tmp_path, "auto")
+    with pytest.raises(ckpt.CheckpointError, match="old format"):
+        ckpt.load_train_state(old)
+    assert not marker.exists()

@@ -22,7 +22,12 @@ A LoRA run (its ``--config`` YAML has ``lora.enabled: true``) is exported merged
     python tools/convert_checkpoint.py export --megatron out/train/checkpoints/iter_0000024 \
         --config out/train/config.yaml --out hf/base --lora-adapter hf/adapter   # base + PEFT adapter folder
 
-Layouts, supported families and refused options: docs/checkpoints.md.
+Layouts, supported families and refused options: docs/checkpoints.md. User errors (missing files, bad
+arguments, unsupported models) print ``error: ...`` and exit with status 2.
+
+Trust: a Megatron checkpoint (``--megatron``, and what ``import`` writes) is a ``dist_checkpointing`` folder whose
+``.metadata`` and ``common.pt`` are pickles, read by Megatron-Core/torch: loading one can run code, so export only
+checkpoints you trust. The HF input is read as safetensors (or GGUF) and JSON, which cannot run code.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from packsft.model.hf_io import (  # noqa: E402
 from packsft.model.lora import apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
 from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint  # noqa: E402
+from packsft.train.process_guard import stop_checkpoint_writer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,44 +88,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    """Run ``import`` or ``export``."""
+def main(argv=None) -> int:
+    """Run ``import`` or ``export``; return the exit status (2 on a user error, printed as ``error: ...``)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
     args = parse_args(argv)
-    ctx = init_distributed(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    source = Path(args.hf if args.command == "import" else args.megatron)
+    if not source.exists():
+        print(f"error: {'--hf' if args.command == 'import' else '--megatron'} {source} does not exist",
+              file=sys.stderr)
+        return 2
     try:
-        if args.command == "import":
-            hf_config, hf_state = load_hf_checkpoint(args.hf)
-            cfg = model_config_from_hf(hf_config, max_seq_len=args.max_seq_len,
-                                       attention_backend=args.attention_backend, params_dtype=args.params_dtype)
-            model = build_gpt_model(cfg)
-            load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)
-            del hf_state
-            save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
-        else:
-            cfg = read_model_config(args.config or args.megatron)
-            hf_config = read_hf_config(args.hf_config or args.megatron)
-            lora = read_lora_config(args.config) if args.config else None
-            if (args.merge_lora or args.lora_adapter) and lora is None:
-                raise SystemExit("--merge-lora / --lora-adapter need --config with lora.enabled: true")
-            if lora is not None and not (args.merge_lora or args.lora_adapter):
-                raise SystemExit("the checkpoint holds LoRA adapters: pass --merge-lora or --lora-adapter DIR")
-            model = build_gpt_model(cfg)
-            if lora is not None:
-                apply_lora(model, lora)
-            load_megatron_checkpoint(model, args.megatron)
-            if args.lora_adapter:
-                save_peft_adapter(model, cfg, lora, args.lora_adapter, base_model_name_or_path=args.out,
-                                  tp_group=ctx.tp_group)
-            if args.merge_lora:
-                merge_lora(model)
-            dtype = getattr(torch, args.dtype) if args.dtype else None
-            save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
-                               tp_group=ctx.tp_group, dtype=dtype)
-        if ctx.rank == 0:
-            print(f"{args.command}: wrote {args.out}")
+        return _run(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+            CheckpointingException) as err:        # unsupported model, wrong folder, bad config, TP layout
+        print(f"error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
+        return 2
     finally:
         destroy_distributed()
+        stop_checkpoint_writer()
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``import`` or ``export`` (errors propagate to :func:`main`)."""
+    ctx = init_distributed(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    if args.command == "import":
+        hf_config, hf_state = load_hf_checkpoint(args.hf)
+        cfg = model_config_from_hf(hf_config, max_seq_len=args.max_seq_len,
+                                   attention_backend=args.attention_backend, params_dtype=args.params_dtype)
+        model = build_gpt_model(cfg)
+        load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)
+        del hf_state
+        save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
+    else:
+        cfg = read_model_config(args.config or args.megatron)
+        hf_config = read_hf_config(args.hf_config or args.megatron)
+        lora = read_lora_config(args.config) if args.config else None
+        if (args.merge_lora or args.lora_adapter) and lora is None:
+            raise ValueError("--merge-lora / --lora-adapter need --config with lora.enabled: true")
+        if lora is not None and not (args.merge_lora or args.lora_adapter):
+            raise ValueError("the checkpoint holds LoRA adapters: pass --merge-lora or --lora-adapter DIR")
+        model = build_gpt_model(cfg)
+        if lora is not None:
+            apply_lora(model, lora)
+        load_megatron_checkpoint(model, args.megatron)
+        if args.lora_adapter:
+            save_peft_adapter(model, cfg, lora, args.lora_adapter, base_model_name_or_path=args.out,
+                              tp_group=ctx.tp_group)
+        if args.merge_lora:
+            merge_lora(model)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
+                           tp_group=ctx.tp_group, dtype=dtype)
+    if ctx.rank == 0:
+        print(f"{args.command}: wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":   # required: dist_checkpointing.save starts a spawn-context Manager
-    main()
+    sys.exit(main())

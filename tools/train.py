@@ -19,11 +19,21 @@ re-running the same command after an interruption resumes; ``checkpoint.resume=n
 Arguments after ``--config`` are dotted overrides (``optimizer.lr=1e-3 train.global_batch_size=16``); every key is
 described in docs/training.md. Outputs: ``<logging.output_dir>/metrics.jsonl``, ``tensorboard/``, ``config.yaml``
 and ``checkpoints/``.
+
+Preemption: SIGTERM (``train.save_on_sigterm: true``, the default) finishes the current step, writes a checkpoint
+and exits 0 (``stopped by SIGTERM after step N ...``); rerun the same command to resume. Under torchrun every worker
+dies with torchrun (``prctl(PR_SET_PDEATHSIG)``), and the checkpoint writer's helper process dies with its trainer.
+
+Trust: packsft's own checkpoint files (``train_state.json``, ``dataloader_dp*.pt``, ``rng_rank*.pt``) are read
+without running code (JSON, ``torch.load(weights_only=True)``). The ``dist_checkpointing`` files of a checkpoint
+(``.metadata``, ``common.pt``, read by Megatron-Core/torch) and of ``checkpoint.init_from`` are pickles that can run
+code: resume or initialise only from checkpoints you trust (docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -50,25 +60,44 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
     from packsft.io import atomic_open
+    from packsft.train import process_guard
+    from packsft.train.checkpoint import CheckpointSpaceError
     from packsft.train.distributed import destroy_distributed
     from packsft.train.loop import Trainer
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun worker: end with torchrun, even on its SIGKILL
+        process_guard.die_with_parent()
+    if cfg.train.save_on_sigterm:                 # a SIGTERM during start-up is kept for the loop's first check
+        process_guard.SIGTERM_STOP.install()
     try:
         try:
             trainer = Trainer(cfg)
-        except (ValueError, FileNotFoundError) as err:  # layout, data, sidecar, vocabulary, resume path
+        except (ValueError, FileNotFoundError, CheckpointingException) as err:
+            # layout, data, sidecar, vocabulary, resume (old format, another architecture), checkpoint.dir
             print(f"error: {err}", file=sys.stderr)
             return 2
         if trainer.ctx.rank == 0:
             with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:
                 f.write(config_to_yaml(cfg))
-        state = trainer.run()
+        try:
+            state = trainer.run()
+        except CheckpointSpaceError as err:
+            print(f"error: {err.strerror}", file=sys.stderr)
+            return 1
         if trainer.ctx.rank == 0:
-            print(f"done: step {state.step}, {state.consumed_samples} rows, {state.trained_tokens} trained tokens; "
-                  f"outputs in {cfg.logging.output_dir}")
+            if trainer.stopped_by_sigterm:
+                saved = (f"checkpoint {trainer.last_checkpoint} written" if trainer.last_checkpoint
+                         else "nothing new to save")
+                print(f"stopped by SIGTERM after step {state.step}: {saved}; rerun the same command to resume")
+            else:
+                print(f"done: step {state.step}, {state.consumed_samples} rows, {state.trained_tokens} trained "
+                      f"tokens; outputs in {cfg.logging.output_dir}")
     finally:
         destroy_distributed()
+        process_guard.stop_checkpoint_writer()
     return 0
 
 

@@ -14,7 +14,9 @@ and global rank 0 writes.
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -116,7 +118,9 @@ def write_hf_checkpoint(hf_state: dict[str, Tensor], hf_config, out_dir: str | P
     ``config.json`` (``hf_config.save_pretrained``), ``generation_config.json``
     (``GenerationConfig.from_model_config``) and, from ``tokenizer_dir``, every file of
     ``TOKENIZER_FILES`` present there (tokenizer, its config with the embedded chat template, and
-    ``chat_template.jinja``).
+    ``chat_template.jinja``). Modes: the folder ``0777 & ~umask`` (0755), every file ``0666 & ~umask`` (0644),
+    whatever the tokenizer files' own modes. A ``quantization_config`` (e.g. of a GGUF source) is dropped when no
+    tensor is quantized (all floating point), so loaders do not try to dequantize plain weights.
 
     Raises:
         FileNotFoundError: if ``tokenizer_dir`` holds none of ``tokenizer.json``/``tokenizer.model``/``vocab.json``.
@@ -130,12 +134,19 @@ def write_hf_checkpoint(hf_state: dict[str, Tensor], hf_config, out_dir: str | P
         if not {f.name for f in tok_files} & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
             raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} has no tokenizer.json, tokenizer.model "
                                     "or vocab.json")
+    if hasattr(hf_config, "quantization_config") and all(t.is_floating_point() for t in hf_state.values()):
+        hf_config = copy.deepcopy(hf_config)
+        del hf_config.quantization_config
     with atomic_dir(out_dir) as tmp:
         _write_safetensors(hf_state, tmp, max_shard_bytes)
         hf_config.save_pretrained(str(tmp))
         GenerationConfig.from_model_config(hf_config).save_pretrained(str(tmp))
         for f in tok_files:
-            shutil.copy2(f, tmp / f.name)
+            shutil.copyfile(f, tmp / f.name)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
     return out_dir
 
 

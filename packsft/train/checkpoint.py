@@ -6,14 +6,17 @@ Layout of ``<checkpoint_dir>``::
     iter_0000020/
       .metadata, __*_*.distcp   # torch_dist shards of {"model": ..., "optimizer": ...} (dist_checkpointing)
       common.pt, metadata.json  # dist_checkpointing common state (optimizer param_groups, common_step)
-      train_state.pt            # rank 0: step, consumed_samples/tokens, trained_tokens, scheduler, config, layout
+      train_state.json          # rank 0: step and counters, scheduler, config, layout
       dataloader_dp{d}.pt       # one per data-parallel rank d (written by its TP=CP=0 rank): loader_state_dict
-      rng_rank{r}.pt            # one per global rank r: python, numpy, torch (and CUDA) RNG states
+      rng_rank{r}.pt            # one per global rank r: torch, numpy (as tensors), python (JSON text), CUDA RNG states
 
 Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames it to ``iter_XXXXXXX`` and
 then rewrites ``latest`` through a temp file + ``os.replace``. A process killed during a save leaves a ``.tmp``
 folder that is never read (and is deleted by the next save of that step) and ``latest`` still names the previous
-complete checkpoint.
+complete checkpoint. With ``keep_last`` rank 0 then prunes older complete checkpoints (:func:`prune_checkpoints`).
+
+Space: :func:`check_checkpoint_dir` checks before step 1 that the folder is writable and has room for one checkpoint
+(:func:`checkpoint_bytes_estimate`); a save that fails for lack of space raises :class:`CheckpointSpaceError`.
 
 Resharding: model and optimizer tensors are stored with their global shapes (``GPTModel.sharded_state_dict`` and
 ``get_param_id_to_sharded_param_map`` + ``optim_state_to_sharding_state``), so TP and DP
@@ -26,12 +29,23 @@ gather), so the DP size may change but not TP (a TP change needs the torch backe
 is silently wrong under TP>1 (a TP shard has the same key on each rank and is deduplicated as if replicated).
 The data order (``dataloader_dp*.pt``) only continues with the same DP size and data; the RNG files are restored
 when one exists for this rank.
+
+Trust: packsft's own files are JSON or plain tensors/values read with ``torch.load(weights_only=True)``, so they cannot
+run code; a file holding anything else is refused (:class:`CheckpointError`), as is a checkpoint of the older format
+with a pickled ``train_state.pt``. The ``dist_checkpointing`` files (``.metadata``, ``common.pt``) are pickles read by
+Megatron-Core / torch: load only checkpoints you (or someone you trust) wrote.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import pickle
 import random
+import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +58,112 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 
-from packsft.io import atomic_open, replace_dir
+from packsft.io import atomic_open, replace_dir, write_json_atomic
 from packsft.model.gpt import unwrap_model
+from packsft.train import process_guard
 from packsft.train.optim import optimizer_params
 
 LATEST = "latest"
-TRAIN_STATE = "train_state.pt"
+TRAIN_STATE = "train_state.json"
+OLD_TRAIN_STATE = "train_state.pt"
+"""The pickled train state of checkpoints written before ``train_state.json``; such checkpoints are refused."""
 COMMON_STEP = "common_step"
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint packsft refuses to read: the old pickled format, or a state file that is not plain data."""
+
+
+def _load_plain(file: Path) -> Any:
+    """``torch.load(file, weights_only=True)``: tensors and plain Python values only; nothing in the file runs.
+
+    Raises:
+        CheckpointError: the file holds other objects (a pickled class, function or ``__reduce__`` payload).
+    """
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{file}: refused: it holds objects other than tensors and plain values, which could run code when "
+            f"loaded (torch.load(weights_only=True): {reason}). packsft never writes such files: the checkpoint was "
+            "altered or not written by packsft; nothing from it was executed") from None
+
+
+class CheckpointDirError(ValueError):
+    """``checkpoint.dir`` cannot take a checkpoint: not writable, or too little free space (found before step 1)."""
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint write failed for lack of space (``errno.ENOSPC``/``EDQUOT``, possibly wrapped by a dependency)."""
+
+
+def checkpoint_bytes_estimate(params, *, tp_size: int = 1, megatron_optimizer: bool = False) -> int:
+    """Bytes one checkpoint takes: model weights plus fp32 Adam moments (and fp32 master weights for Megatron).
+
+    ``params``: this rank's parameters. Under TP the local count is multiplied by ``tp_size`` (an upper bound:
+    replicated norm weights are counted once per TP rank); data-parallel replicas are written once.
+    """
+    numel = sum(p.numel() for p in params) * tp_size
+    weights = sum(p.numel() * p.element_size() for p in params) * tp_size
+    return weights + numel * (12 if megatron_optimizer else 8)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_checkpoint_dir(ckpt_dir: str | Path, need_bytes: int) -> None:
+    """Create ``ckpt_dir`` if needed, write and remove a probe file, and check its free space.
+
+    Raises:
+        CheckpointDirError: the folder cannot be created or written, or has less than ``need_bytes`` free (the
+            message gives both sizes).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=ckpt_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise CheckpointDirError(f"checkpoint.dir {ckpt_dir} is not writable ({err.strerror or err}); set "
+                                 "checkpoint.dir to a writable folder (checked before step 1)") from None
+    free = shutil.disk_usage(ckpt_dir).free
+    if free < need_bytes:
+        raise CheckpointDirError(
+            f"checkpoint.dir {ckpt_dir} has {_gib(free)} free but one checkpoint needs about {_gib(need_bytes)} "
+            "(weights + optimizer state); free space or set checkpoint.dir to a larger disk "
+            "(checkpoint.keep_last prunes old checkpoints)")
+
+
+_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "unexpected pos")
+
+
+def _out_of_space(err: BaseException) -> BaseException | None:
+    """The error in ``err``'s chain (causes, contexts, torch DCP's per-rank ``failures``) that says the disk is full.
+
+    ``unexpected pos`` is what torch's zip writer reports when a ``torch.save`` hits a full disk.
+    """
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        if any(t in str(e).lower() for t in _NO_SPACE_TEXT):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for value in failures.values():
+                todo += [v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, BaseException)]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+        todo += [a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]
+    return None
 
 
 def _is_megatron_optimizer(optimizer) -> bool:
@@ -148,7 +259,16 @@ def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool =
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors and plain values (``torch.load(weights_only=True)``-safe).
+
+    ``python``: ``random.getstate()`` as JSON text; ``numpy``: the MT19937 key (int64 [624]) plus
+    ``[pos, has_gauss, cached_gaussian]``; ``torch`` (uint8), ``cuda`` and ``cuda_tracker`` (name -> uint8 tensor).
+    """
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    if kind != "MT19937":
+        raise ValueError(f"numpy's global RNG is {kind!r}, not MT19937; cannot checkpoint it")
+    state = {"python": json.dumps(random.getstate()), "numpy_key": torch.from_numpy(key.astype(np.int64)),
+             "numpy": [int(pos), int(has_gauss), float(cached)], "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -158,8 +278,10 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = json.loads(state["python"])
+    random.setstate((version, tuple(internal), gauss))
+    pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(("MT19937", state["numpy_key"].numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -169,7 +291,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_state: dict[str, Any],
-                    loader_state: dict[str, Any] | None, dp_rank: int, write_loader_state: bool) -> Path:
+                    loader_state: dict[str, Any] | None, dp_rank: int, write_loader_state: bool,
+                    keep_last: int = 0, need_bytes: int | None = None) -> Path:
     """Write the checkpoint of ``step`` atomically (see the module docstring); collective over all ranks.
 
     Args:
@@ -177,12 +300,17 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
         step: optimizer steps done.
         model: ``GPTModel`` or its DDP wrapper. optimizer: the AdamW of :func:`packsft.train.optim.build_optimizer`
             or the Megatron optimizer of :func:`packsft.train.optim.build_megatron_optimizer`.
-        train_state: rank 0's ``train_state.pt`` content (step, counters, scheduler, config, layout).
+        train_state: rank 0's ``train_state.json`` content (JSON values: step, counters, scheduler, config, layout).
         loader_state: ``packsft.data.loader.loader_state_dict`` of this rank's training loader.
         dp_rank: this rank's data-parallel index. write_loader_state: True on the one rank per DP index (TP=CP=0).
+        keep_last: after publishing, keep only this many complete checkpoints (0: all; :func:`prune_checkpoints`).
+        need_bytes: the size estimate quoted when the disk is full.
 
     Returns:
         The final ``iter_XXXXXXX`` path.
+
+    Raises:
+        CheckpointSpaceError: a write failed for lack of space; ``latest`` and earlier checkpoints are intact.
     """
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / checkpoint_name(step), ckpt_dir / f"{checkpoint_name(step)}.tmp"
@@ -191,31 +319,88 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(sharded_train_state(model, optimizer), str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    if write_loader_state:
-        torch.save(loader_state, tmp / f"dataloader_dp{dp_rank}.pt")
-    if rank == 0:
-        torch.save(train_state, tmp / TRAIN_STATE)
+    process_guard.start_checkpoint_writer()
+    try:
+        dist_checkpointing.save(sharded_train_state(model, optimizer), str(tmp))
+        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        if write_loader_state:
+            torch.save(loader_state, tmp / f"dataloader_dp{dp_rank}.pt")
+        if rank == 0:
+            write_json_atomic(tmp / TRAIN_STATE, train_state)
+    except BaseException as err:   # torch DCP's CheckpointException is a BaseException
+        cause = None if isinstance(err, KeyboardInterrupt | SystemExit) else _out_of_space(err)
+        if cause is None:
+            raise
+        raise _space_error(ckpt_dir, tmp, need_bytes, cause) from err
     dist.barrier()
     if rank == 0:
-        _publish(ckpt_dir, tmp, final)
+        _publish(ckpt_dir, tmp, final, keep_last)
     dist.barrier()
     return final
 
 
-def _publish(ckpt_dir: Path, tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final`` (replacing an older folder of that name), then point ``latest`` at it."""
+def _space_error(ckpt_dir: Path, tmp: Path, need_bytes: int | None, cause: BaseException) -> CheckpointSpaceError:
+    latest = ckpt_dir / LATEST
+    kept = f"{latest.read_text().strip()} (latest) is intact" if latest.is_file() else "no earlier checkpoint exists"
+    need = f"one checkpoint needs about {_gib(need_bytes)}, " if need_bytes else ""
+    try:
+        free = f"{_gib(shutil.disk_usage(ckpt_dir).free)} free"
+    except OSError:
+        free = "free space unknown"
+    reason = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__
+    return CheckpointSpaceError(
+        errno.ENOSPC, f"no space left for checkpoint {tmp} ({reason}): {need}{free} on {ckpt_dir}; free space or "
+        f"set checkpoint.dir to a larger disk (checkpoint.keep_last prunes old checkpoints), then resume; {kept}; "
+        f"the partial {tmp.name} can be deleted")
+
+
+def _publish(ckpt_dir: Path, tmp: Path, final: Path, keep_last: int = 0) -> None:
+    """Rename ``tmp`` to ``final`` (replacing an older folder of that name), point ``latest`` at it, then prune."""
     replace_dir(tmp, final)
     with atomic_open(ckpt_dir / LATEST) as f:
         f.write(final.name + "\n")
+    if keep_last:
+        prune_checkpoints(ckpt_dir, keep_last)
+
+
+_CHECKPOINT_NAME = re.compile(r"iter_(\d{7,})")
+_DELETING = ".deleting"
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` highest-step complete checkpoints; never the one ``latest`` names.
+
+    Complete: an ``iter_XXXXXXX`` folder with ``train_state.json`` (``.tmp`` folders and other files are left alone).
+    Each folder is first renamed to a hidden ``.iter_XXXXXXX.deleting`` (atomic), then removed, so no reader sees
+    a half-deleted checkpoint; leftovers of a killed prune are removed by the next one.
+
+    Returns:
+        The checkpoints removed.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    latest = ckpt_dir / LATEST
+    pinned = latest.read_text().strip() if latest.is_file() else None
+    complete = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir()
+                      if (m := _CHECKPOINT_NAME.fullmatch(p.name)) and (p / TRAIN_STATE).is_file())
+    keep = {p.name for _, p in complete[-keep_last:]} | {pinned}
+    removed = []
+    for _, path in complete:
+        if path.name not in keep:
+            trash = ckpt_dir / f".{path.name}{_DELETING}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.replace(path, trash)
+            removed.append(path)
+    for trash in ckpt_dir.glob(f".iter_*{_DELETING}"):
+        shutil.rmtree(trash, ignore_errors=True)
+    return removed
 
 
 def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
     """Resolve ``checkpoint.resume``: ``none`` -> None; ``auto`` -> ``latest`` in ``ckpt_dir`` or None; else a path.
 
     Raises:
-        FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.pt``.
+        FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.json``.
+        CheckpointError: the checkpoint has the old pickled ``train_state.pt`` (:func:`check_checkpoint_format`).
     """
     if resume == "none":
         return None
@@ -226,10 +411,52 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
         path = Path(ckpt_dir) / latest.read_text().strip()
     else:
         path = Path(resume)
+    check_checkpoint_format(path)
     if not (path / TRAIN_STATE).is_file():
         raise FileNotFoundError(f"checkpoint {path} (checkpoint.resume={resume!r}) is missing or incomplete: "
                                 f"no {TRAIN_STATE}")
     return path
+
+
+def check_fresh_start(resume: str, output_dir: str | Path, ckpt_dir: str | Path) -> None:
+    """With ``checkpoint.resume=none``, refuse a run folder that holds an earlier run.
+
+    An earlier run: a ``"kind": "train"`` record in ``<output_dir>/metrics.jsonl``, or ``<ckpt_dir>/latest``.
+    Starting over there would append a second run to ``metrics.jsonl`` (and its plot) and mix checkpoints.
+
+    Raises:
+        CheckpointDirError: naming what was found and the ways out.
+    """
+    if resume != "none":
+        return
+    metrics, latest = Path(output_dir) / "metrics.jsonl", Path(ckpt_dir) / LATEST
+    found = []
+    if metrics.is_file():
+        with open(metrics, encoding="utf-8", errors="replace") as f:
+            if any('"kind": "train"' in line for line in f):
+                found.append(f"{metrics} has training records")
+    if latest.is_file():
+        found.append(f"{latest} names {latest.read_text().strip()}")
+    if found:
+        raise CheckpointDirError(
+            f"checkpoint.resume=none but the run folder holds an earlier run ({'; '.join(found)}); starting over "
+            "there would mix two runs in metrics.jsonl and the checkpoints. Set logging.output_dir (and "
+            "checkpoint.dir) to a new folder, remove the old run, or resume it (checkpoint.resume=auto)")
+
+
+def check_checkpoint_format(path: str | Path) -> None:
+    """Refuse a checkpoint of the old format (a pickled ``train_state.pt``, no ``train_state.json``).
+
+    Raises:
+        CheckpointError: saying why (pickled files can run code when loaded) and what to do instead.
+    """
+    path = Path(path)
+    if (path / OLD_TRAIN_STATE).is_file() and not (path / TRAIN_STATE).is_file():
+        raise CheckpointError(
+            f"checkpoint {path} has the old format (a pickled {OLD_TRAIN_STATE}, RNG and loader files that can run "
+            f"code when loaded); packsft no longer reads it. Start over (checkpoint.resume=none in a new "
+            "logging.output_dir), or keep its weights: tools/convert_checkpoint.py export --megatron "
+            f"{path} --config <run>/config.yaml, then import that folder and train with checkpoint.init_from")
 
 
 def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
@@ -256,8 +483,20 @@ def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
 
 
 def load_train_state(path: str | Path) -> dict[str, Any]:
-    """``train_state.pt`` of a checkpoint (plain Python values and the scheduler state)."""
-    return torch.load(Path(path) / TRAIN_STATE, weights_only=False)
+    """``train_state.json`` of a checkpoint (``state`` counters, ``scheduler``, ``config`` YAML text, ``layout``).
+
+    Raises:
+        CheckpointError: an old-format checkpoint, or the file is not a JSON object.
+    """
+    check_checkpoint_format(path)
+    file = Path(path) / TRAIN_STATE
+    try:
+        saved = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err}); the checkpoint is damaged") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise CheckpointError(f"{file}: not a packsft train state (a JSON object with a 'state' object)")
+    return saved
 
 
 def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
@@ -266,18 +505,27 @@ def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
     Raises:
         FileNotFoundError: no ``dataloader_dp{dp_rank}.pt`` (the checkpoint had fewer data-parallel ranks); the
             message says to set ``checkpoint.restore_data_order=false``.
+        CheckpointError: the file holds more than tensors and plain values.
     """
     file = Path(path) / f"dataloader_dp{dp_rank}.pt"
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist: the checkpoint was written with another data-parallel size; "
                                 "resume with checkpoint.restore_data_order=false to restart the data order")
-    return torch.load(file, weights_only=False)
+    return _load_plain(file)
 
 
 def load_rng_state(path: str | Path, rank: int) -> bool:
-    """Restore this rank's RNG states if ``rng_rank{rank}.pt`` exists; return whether it did."""
+    """Restore this rank's RNG states if ``rng_rank{rank}.pt`` exists; return whether it did.
+
+    Raises:
+        CheckpointError: the file holds more than tensors and plain values, or lacks a state.
+    """
     file = Path(path) / f"rng_rank{rank}.pt"
-    if file.is_file():
-        _set_rng_state(torch.load(file, weights_only=False))
-        return True
-    return False
+    if not file.is_file():
+        return False
+    state = _load_plain(file)
+    try:
+        _set_rng_state(state)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{file}: not a packsft RNG state ({type(err).__name__}: {err})") from None
+    return True

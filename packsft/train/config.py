@@ -290,6 +290,9 @@ class TrainConfig:
     max_skipped_steps: int = 10
     """Steps in a row whose loss or gradient norm is not finite that are skipped (no update, counted in
     ``skipped_steps``) before the run stops with an error; 0 stops at the first."""
+    save_on_sigterm: bool = True
+    """On SIGTERM (what Slurm and torchrun send before killing) finish the current step, write a checkpoint and exit
+    0; false leaves SIGTERM's default (the process ends at once, no checkpoint)."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
@@ -320,10 +323,12 @@ class CheckpointConfig:
     there is nothing to resume (a checkpoint found by ``resume`` wins); optimizer, schedule and data order start
     fresh. Its ``model_config.json`` fills the ``model`` section; ``model`` keys set in the YAML or overrides must
     agree with it, except those in ``INIT_FROM_FREE_MODEL_KEYS``."""
+    keep_last: int = 0
+    """Keep only the N newest complete checkpoints (by step; never the one ``latest`` names); 0 keeps all."""
 
     def __post_init__(self) -> None:
-        """Raise ``ValueError`` for a negative ``save_interval``."""
-        _positive("checkpoint", self, "save_interval", allow_zero=True)
+        """Raise ``ValueError`` for a negative ``save_interval`` or ``keep_last``."""
+        _positive("checkpoint", self, "save_interval", "keep_last", allow_zero=True)
 
 
 @dataclass

@@ -14,7 +14,9 @@ Flow of ``Trainer(cfg).run()``:
 4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
    all-reduced over DP x CP, then each micro-batch runs forward + backward on ``sum(token loss) * dp * cp / count``;
    gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
-5. Logging, validation and checkpoints on their periods; a final validation and checkpoint.
+5. Logging, validation and checkpoints on their periods; a final validation and checkpoint. With
+   ``train.save_on_sigterm`` a SIGTERM (``packsft.train.process_guard``) stops the loop before the next step, on every
+   rank at the same step (a CPU all-reduce of the flag per step), and the run ends with a checkpoint.
 
 Pipeline parallelism (``parallel.pipeline_model_parallel_size`` P > 1, megatron backend only): the model is this
 rank's stage (``build_gpt_stages``: one chunk, or one per virtual stage), each wrapped in Megatron DDP. Every stage
@@ -71,6 +73,7 @@ from packsft.model.lora import apply_lora
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
+from packsft.train import process_guard
 from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
@@ -119,6 +122,7 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        ckpt.check_fresh_start(cfg.checkpoint.resume, cfg.logging.output_dir, cfg.checkpoint_dir)
         par = cfg.parallel
         self.ctx = init_distributed(par.tensor_model_parallel_size, par.context_parallel_size, par.backend,
                                     seed=cfg.train.seed, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
@@ -150,6 +154,10 @@ class Trainer:
         self.state = TrainState()
         self.initialized_from: str | None = None
         self.resumed_from = self._resume()
+        self._checkpoint_bytes = self._check_checkpoint_dir()
+        self.stopped_by_sigterm, self.last_checkpoint = False, None
+        self._stop_group = (dist.new_group(backend="gloo") if cfg.train.save_on_sigterm and self.ctx.world_size > 1
+                            and dist.get_backend() != "gloo" else None)
         self._batches = None
         self._trained_tokens = torch.zeros((), dtype=torch.int64, device=self.ctx.device)  # since the last sync
         self._consecutive_skips = 0
@@ -242,15 +250,27 @@ class Trainer:
         ckpt.load_rng_state(path, self.ctx.rank)
         return str(path)
 
+    def _check_checkpoint_dir(self) -> int | None:
+        """Before step 1: ``checkpoint.dir`` writable with room for one checkpoint; return the size estimate."""
+        c = self.cfg.checkpoint
+        if not (c.save_interval or c.save_at_end or self.cfg.train.save_on_sigterm):
+            return None
+        need = ckpt.checkpoint_bytes_estimate(list(self.gpt.parameters()), tp_size=self.ctx.tensor_model_parallel_size,
+                                              megatron_optimizer=self.megatron)
+        ckpt.check_checkpoint_dir(self.cfg.checkpoint_dir, need)
+        return need
+
     def save(self) -> None:
         """Write the checkpoint of the current step (collective)."""
         self._sync_counters()
         train_state = {"state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
                        "config": config_to_yaml(self.cfg), "layout": self.layout()}
         first_of_dp = dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0 and self.ctx.pp_rank == 0
-        ckpt.save_checkpoint(self.cfg.checkpoint_dir, self.state.step, self.model, self.optimizer,
-                             train_state=train_state, loader_state=loader_state_dict(self.train_loader),
-                             dp_rank=self.ctx.dp_rank, write_loader_state=first_of_dp)
+        self.last_checkpoint = ckpt.save_checkpoint(
+            self.cfg.checkpoint_dir, self.state.step, self.model, self.optimizer, train_state=train_state,
+            loader_state=loader_state_dict(self.train_loader), dp_rank=self.ctx.dp_rank,
+            write_loader_state=first_of_dp, keep_last=self.cfg.checkpoint.keep_last,
+            need_bytes=self._checkpoint_bytes)
 
     def layout(self) -> dict[str, int | None]:
         """World size and TP/CP/PP/DP sizes (and the virtual pipeline size, None when not interleaved)."""
@@ -504,7 +524,12 @@ class Trainer:
         if cfg.validation.val_at_start and self.state.step == 0:
             logger.log({"kind": "validation", "step": 0, **self.validate()})
         saved_at = validated_at = None
+        started_at = self.state.step
+        installed = cfg.train.save_on_sigterm and process_guard.SIGTERM_STOP.install()
         while self.state.step < last:
+            if cfg.train.save_on_sigterm and self._stop_requested():
+                self.stopped_by_sigterm = True
+                break
             self._one_step(logger)
             step = self.state.step
             if cfg.validation.val_period and step % cfg.validation.val_period == 0:
@@ -513,13 +538,28 @@ class Trainer:
             if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 self.save()
                 saved_at = step
-        if cfg.validation.val_at_end and validated_at != self.state.step:
-            logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
-        if cfg.checkpoint.save_at_end and saved_at != self.state.step:
-            self.save()
+        if self.stopped_by_sigterm:
+            if saved_at != self.state.step and self.state.step > started_at:
+                self.save()
+        else:
+            if cfg.validation.val_at_end and validated_at != self.state.step:
+                logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
+            if cfg.checkpoint.save_at_end and saved_at != self.state.step:
+                self.save()
+        if installed:
+            process_guard.SIGTERM_STOP.uninstall()
         self._sync_counters()
         logger.close()
         return self.state
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM (a MAX all-reduce of a CPU flag over all ranks, gloo)."""
+        flag = process_guard.SIGTERM_STOP.received
+        if self.ctx.world_size == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._stop_group)
+        return bool(t.item())
 
     def _one_step(self, logger: MetricsLogger) -> None:
         """One step; Python numbers (and, on CUDA, a synchronize) only on logging steps."""

@@ -11,6 +11,9 @@
   all validation sets together (token-weighted), then each named set.
 * ``{"kind": "summary", ...}``: the run summary, once per start.
 
+While the bar is shown, Python warnings (``warnings.showwarning``) and ``logging`` records go through ``tqdm.write``,
+so a warning (e.g. a row truncated by the loader in this process) prints on its own line instead of breaking the bar.
+
 A resumed run appends records for the steps after the checkpoint; a step logged by a run that was killed before
 its checkpoint appears twice (the later record is the one of the resumed run).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,7 @@ class MetricsLogger:
     def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, progress: bool,
                  initial_step: int, total_steps: int) -> None:
         self.enabled = enabled
-        self._file = self._tb = self._bar = None
+        self._file = self._tb = self._bar = self._redirect = self._show_warning = None
         if not enabled:
             return
         out = Path(output_dir)
@@ -59,8 +63,20 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(out / "tensorboard"))
         if progress:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+            self._show_warning, warnings.showwarning = warnings.showwarning, self._warn_through_bar
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+
+    def _warn_through_bar(self, message, category, filename, lineno, file=None, line=None) -> None:
+        """``warnings.showwarning`` while the bar is shown: the formatted warning through ``tqdm.write``."""
+        text = warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n")
+        if self._bar is None or file not in (None, sys.stderr):
+            self._show_warning(message, category, filename, lineno, file, line)
+        else:
+            self._bar.write(text, file=sys.stderr)
 
     def log(self, record: dict[str, Any]) -> None:
         """Append ``record`` (must have ``kind`` and ``step``) to the JSONL file and its numbers to TensorBoard."""
@@ -94,7 +110,12 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
-        """Flush and close the file, TensorBoard writer and bar."""
+        """Flush and close the file, TensorBoard writer and bar; restore warnings and logging output."""
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+        if self._show_warning is not None and warnings.showwarning == self._warn_through_bar:
+            warnings.showwarning = self._show_warning
+        self._redirect = self._show_warning = None
         for obj in (self._bar, self._tb, self._file):
             if obj is not None:
                 obj.close()

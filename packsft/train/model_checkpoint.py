@@ -24,6 +24,7 @@ from packsft.io import replace_dir
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.hf_io import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
+from packsft.train import process_guard
 
 
 def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_config=None) -> Path:
@@ -43,6 +44,7 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    process_guard.start_checkpoint_writer()     # its helper process dies with this one
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
     barrier()
     if rank == 0:

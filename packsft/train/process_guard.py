@@ -1,0 +1,139 @@
+"""What a cluster does to a job: SIGTERM as a request to stop, and no process left behind after a kill.
+
+* :data:`SIGTERM_STOP`: once installed, the first SIGTERM only sets a flag (the trainer finishes its step, saves
+  and exits 0); a second SIGTERM takes the default action (the process ends at once).
+* :func:`die_with_parent`: ``prctl(PR_SET_PDEATHSIG)`` (Linux), so a process is killed when the one that started it
+  dies, even by SIGKILL. ``tools/train.py`` sets it in torchrun's workers (torchrun starts them in their own
+  sessions, so killing torchrun's process group misses them).
+* :func:`start_checkpoint_writer`: the spawn-context ``multiprocessing`` Manager whose queue ``dist_checkpointing``'s
+  file writer uses, started here with :func:`die_with_parent` as its initializer (and SIGTERM/SIGINT ignored, so a
+  signal sent to every process of the job does not break the save that follows) (Megatron-Core would start it
+  without one on the first save and it would outlive a killed trainer); it is shut down at interpreter exit or by
+  :func:`stop_checkpoint_writer`. The multiprocessing resource tracker ends by itself once the processes holding
+  its pipe (the trainer and the Manager) are gone.
+
+Only the standard library is imported at module level: the Manager's child process imports this module to run
+its initializer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent (thread) exits; Linux only.
+
+    Args:
+        sig: the signal to receive (default SIGKILL).
+        expected_parent: pid the parent should have; if the parent is already another process (it died and this
+            one was re-parented), ``sig`` is sent at once.
+
+    Returns:
+        True when set; False on other systems or when ``prctl`` fails.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid() if expected_parent is None else expected_parent
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:      # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+    return True
+
+
+class SigtermStop:
+    """A SIGTERM handler that records the signal instead of ending the process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = None
+        self._installed = False
+
+    def install(self) -> bool:
+        """Install the handler (main thread only); return whether this call installed it."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the previous SIGTERM handler and clear the flag."""
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous)
+        self._installed, self.received, self._previous = False, False, None
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:                     # a second SIGTERM: end now, as without the handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = True
+        print(f"packsft: SIGTERM received (pid {os.getpid()}): finishing the current step, then saving and "
+              "exiting; send it again to end at once", file=sys.stderr, flush=True)
+
+
+SIGTERM_STOP = SigtermStop()
+"""The process-wide SIGTERM handler."""
+
+_writer_manager = None
+
+
+def _writer_init(parent: int) -> None:
+    """Initializer of the writer Manager: outlive SIGTERM/SIGINT sent to the whole job (the trainer still saves
+    through it), die with the trainer."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL, parent)
+
+
+def start_checkpoint_writer() -> None:
+    """Start ``dist_checkpointing``'s result-queue Manager with :func:`die_with_parent` (once per process).
+
+    Sets ``megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue``, which Megatron-Core
+    creates lazily (without an initializer) when it is still ``None``. Main thread only (the death signal follows
+    the thread that started the Manager).
+    """
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_writer_init, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = manager
+
+
+def stop_checkpoint_writer() -> None:
+    """Shut down the Manager of :func:`start_checkpoint_writer` (also done at interpreter exit)."""
+    global _writer_manager
+    if _writer_manager is None:
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None
+    _writer_manager.shutdown()
+    _writer_manager = None
+
+
+def _writer_init(parent: int) -> None:
+    """Initializer of the writer Manager: outlive SIGTERM/SIGINT sent to the whole job (the trainer still saves
+    through it), die with the trainer."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL, parent)

@@ -1,0 +1,71 @@
+"""Every tool in tools/ answers a user error with one ``error: ...`` line and exit status 2, not a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_train_loop import REPO, packed, write_config  # noqa: F401 - fixture
+
+
+def run_tool(*args, cwd=None):
+    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    return proc.returncode, proc.stderr
+
+
+def assert_user_error(rc, stderr, message):
+    assert rc == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], stderr[-3000:]
+
+
+TOOLS = REPO / "tools"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["import", "--hf", "{tmp}/missing", "--out", "{tmp}/out"], "--hf {tmp}/missing does not exist"),
+    (["import", "--hf", "{tmp}/gpt2", "--out", "{tmp}/out"], "unsupported model_type 'gpt2'"),
+    (["export", "--megatron", "{tmp}", "--out", "{tmp}/out"], "model_config.json"),
+], ids=["missing", "unsupported", "not_a_checkpoint"])
+def test_convert_checkpoint(tmp_path, args, message):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2,
+                                                               "n_head": 4, "vocab_size": 50257}))
+    import torch
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(2)}, tmp_path / "gpt2" / "model.safetensors")
+    fill = [a.format(tmp=tmp_path) for a in args]
+    assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", *fill), message.format(tmp=tmp_path))
+
+
+def test_inspect_packed(tmp_path):
+    assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.packed", "--tokenizer",
+                                tmp_path, "--prompt-format", "chat-template", "--max-seq-len", "256"),
+                      "packed file not found")
+
+
+def test_plan_memory(tmp_path):
+    assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", tmp_path / "missing.yaml"),
+                      "config file not found")
+
+
+def test_pack(tmp_path):
+    assert_user_error(*run_tool(TOOLS / "pack_megatron_sft_jsonl.py", "--input", tmp_path / "missing.jsonl",
+                                "--output", tmp_path / "x.packed", "--tokenizer", tmp_path, "--max-seq-length", "256"),
+                      "no such file")
+
+
+def test_train_missing_config(tmp_path):
+    assert_user_error(*run_tool(TOOLS / "train.py", "--config", tmp_path / "missing.yaml"), "config file not found")
+
+
+def test_train_resume_none_over_an_earlier_run(tmp_path, packed):  # noqa: F811
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    cfg = write_config(tmp_path / "c.yaml", packed, out)
+    assert_user_error(*run_tool(TOOLS / "train.py", "--config", cfg, "checkpoint.resume=none"),
+                      "checkpoint.resume=none but the run folder holds an earlier run")
+    assert (out / "metrics.jsonl").read_text() == '{"kind": "train", "step": 1}\n'      # nothing appended

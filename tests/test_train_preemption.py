@@ -1,0 +1,144 @@
+"""What clusters do to jobs: SIGTERM saves and exits 0, and no process of a killed run is left behind.
+
+The process checks launch ``tools/train.py`` under torchrun in a new session with ``PACKSFT_TEST_RUN_ID=<uuid>`` in
+the environment (inherited by the workers, the checkpoint writer's Manager and the multiprocessing resource tracker),
+kill it, and scan ``/proc`` for processes that still carry the id.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from test_train_loop import REPO, assert_same_run, packed, train, write_config  # noqa: F401 - fixture
+
+COMMON = {"train": {"global_batch_size": 2, "train_steps": 60}, "checkpoint": {"save_interval": 2},
+          "scheduler": {"warmup_steps": 2, "decay_style": "cosine"}, "optimizer": {"weight_decay": 0.1}}
+
+
+def _env(run_id):
+    return {"OMP_NUM_THREADS": "1", "PATH": os.path.dirname(sys.executable), "PACKSFT_TEST_RUN_ID": run_id}
+
+
+def _marked(run_id: str) -> dict[int, str]:
+    """Live processes whose environment holds ``PACKSFT_TEST_RUN_ID=run_id``: pid -> command line."""
+    needle = f"PACKSFT_TEST_RUN_ID={run_id}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":                                            # a zombie has ended
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        except OSError:
+            continue
+    return found
+
+
+def _wait_gone(run_id: str, seconds: float) -> dict[int, str]:
+    deadline = time.monotonic() + seconds
+    while (left := _marked(run_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _train_steps(out: Path) -> list[int]:
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [r["step"] for line in lines if line.endswith("}") and (r := json.loads(line))["kind"] == "train"]
+
+
+def _wait_for(cond, proc, what, seconds=240):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert proc.poll() is None, f"training ended before {what}: {proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_0_and_resumes_bit_exact(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+    common = {**COMMON, "data": {"train_path": str(packed["many"])}}
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    train(write_config(tmp_path / "full.yaml", packed, full, **common))
+    cfg = write_config(tmp_path / "stopped.yaml", packed, stopped, **common)
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "train.py"), "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env("single"))
+    _wait_for(lambda: _train_steps(stopped), proc, "the first step")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    step = max(_train_steps(stopped))
+    assert step < 60, "the run ended before the signal"
+    assert f"stopped by SIGTERM after step {step}: checkpoint " in out
+    assert (stopped / "checkpoints" / "latest").read_text().strip() == f"iter_{step:07d}"
+    train(cfg)                                  # checkpoint.resume=auto continues from `latest`
+    assert_same_run(full, stopped, steps=60)
+
+
+def _torchrun(cfg: Path, run_id: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(REPO / "tools" / "train.py"), "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(run_id),
+                            start_new_session=True)
+
+
+def _worker(run_id: str, local_rank: int) -> int:
+    for pid in _marked(run_id):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"LOCAL_RANK={local_rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env) \
+                and "tools/train.py" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            return pid
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank}: {_marked(run_id)}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("kill", ["sigterm", "sigkill_worker", "sigkill_group"])
+def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill):  # noqa: F811
+    run_id = uuid.uuid4().hex
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", packed, out, **{**COMMON, "data": {"train_path": str(packed["many"])}})
+    proc = _torchrun(cfg, run_id)
+    try:
+        latest = out / "checkpoints" / "latest"
+        # after the first checkpoint the writer's Manager (and the resource tracker) exist
+        _wait_for(lambda: latest.exists() and max(_train_steps(out), default=0) > 2, proc, "a step after a checkpoint")
+        helpers = [cmd for cmd in _marked(run_id).values() if "multiprocessing" in cmd]
+        assert len(helpers) >= 2, _marked(run_id)                 # Manager(s) + resource tracker(s)
+        if kill == "sigterm":
+            os.kill(proc.pid, signal.SIGTERM)                     # torchrun forwards it to the workers
+            text, _ = proc.communicate(timeout=240)
+            assert "stopped by SIGTERM after step" in text, text[-3000:]
+            step = int(latest.read_text().strip().removeprefix("iter_"))
+            assert step == max(_train_steps(out)) and step < 60
+        elif kill == "sigkill_worker":
+            os.kill(_worker(run_id, 1), signal.SIGKILL)
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+        left = _wait_gone(run_id, 10)
+        assert not left, f"still alive 10 s after {kill}: {left}"
+    finally:
+        for pid in _marked(run_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    if kill == "sigterm":                                           # the stopped run resumes to the end
+        again = _torchrun(cfg, uuid.uuid4().hex)
+        text, _ = again.communicate(timeout=300)
+        assert again.returncode == 0, text[-3000:]
+        assert max(_train_steps(out)) == 60 and "resumed_from" in text

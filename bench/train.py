@@ -24,6 +24,15 @@ as ratios against the no-recompute setting of the same run.
 
 ``--lora`` measures the same way full fine-tuning against LoRA (``lora.enabled``, rank 16, all four targets): step
 time, peak step memory, and the trainable parameters and optimizer-state elements each keeps.
+
+``--pipeline`` instead measures the pipeline bubble: the median ``Trainer.train_step`` time T1 at PP=1 (this
+process) and TP at PP=P (``--pp`` processes under ``torchrun``, gloo on CPU, Megatron's 1F1B schedule), the same rows
+and global batch, ``optimizer.backend=megatron`` for both; every process single-threaded (``--threads``) so that PP=P
+has P times the cores. Stage compute share ``s``: each stage's matmul parameters (the word embedding counts only
+where it is the output layer) over the model's; with ``m`` micro-batches per step the slowest stage sets the pace,
+ideally ``TP = T1 * s_max * (m + P - 1) / m`` (``T1 / P * (m + P - 1) / m`` for balanced stages). Printed: ``TP / T1``
+next to both ideals, and the slowest stage's idle fraction ``1 - s_max * T1 / TP`` (bubble plus send/recv) next to
+the theoretical bubble ``(P - 1) / (m + P - 1)``. Rounds alternate PP=1 and a fresh PP=P launch.
 """
 
 from __future__ import annotations
@@ -143,6 +152,93 @@ def recompute_sweep(args, base_overrides: list[str], settings: dict | None = Non
               f"trained {trained / 1e6:.2f} M, optimizer state {state / 1e6:.2f} M elements")
 
 
+def _timed_steps(trainer, rows, sync, barrier) -> list[float]:
+    """Seconds of ``trainer.train_step`` per pre-collated step in ``rows`` (after one warm-up step)."""
+    trainer.train_step(rows[0])
+    out = []
+    for b in rows:
+        barrier()
+        out.append(timed(lambda b=b: trainer.train_step(b), lambda: (sync(), barrier())))
+    return out
+
+
+def _stage_params(trainer) -> tuple[int, int]:
+    """``(parameters, matmul parameters)`` of this rank's chunks (a lookup-only word embedding is no matmul)."""
+    total = matmul = 0
+    for g in trainer.gpts:
+        for name, p in g.named_parameters():
+            total += p.numel()
+            lookup = name == "embedding.word_embeddings.weight" and not (
+                g.post_process and g.share_embeddings_and_output_weights)
+            matmul += 0 if lookup else p.numel()
+    return total, matmul
+
+
+def pipeline_worker(args, overrides: list[str]) -> None:
+    """One rank of the PP run: time ``args.steps`` steps; rank 0 writes ``{seconds, params}`` to ``--pipeline-out``."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from packsft.train.config import load_config
+    from packsft.train.loop import Trainer
+
+    trainer = Trainer(load_config(None, overrides + [f"parallel.pipeline_model_parallel_size={args.pp}"]))
+    rows = [trainer.next_micro_batches() for _ in range(args.steps)]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    seconds = _timed_steps(trainer, rows, sync, dist.barrier)
+    params = [None] * dist.get_world_size()
+    dist.all_gather_object(params, _stage_params(trainer))
+    if dist.get_rank() == 0:
+        Path(args.pipeline_out).write_text(json.dumps({"seconds": seconds, "params": params}))
+
+
+def pipeline_bubble(args, overrides: list[str]) -> None:
+    """PP=1 here vs PP=``args.pp`` under ``torchrun``, alternating rounds; print step times and bubble ratios."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    import torch
+
+    from packsft.train.config import load_config
+    from packsft.train.loop import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    rows = [trainer.next_micro_batches() for _ in range(args.steps)]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    one, two, params = [], [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "pp.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.pp}",
+               __file__, *sys.argv[1:], "--pipeline-worker", "--pipeline-out", str(out)]
+        for _ in range(args.rounds):
+            one += _timed_steps(trainer, rows, sync, lambda: None)
+            subprocess.run(cmd, check=True, env=env)
+            result = json.loads(out.read_text())
+            two += result["seconds"]
+            params = result["params"]
+    m, p = len(rows[0]), args.pp
+    t1, t2 = statistics.median(one), statistics.median(two)
+    share = max(x[1] for x in params) / _stage_params(trainer)[1]
+    cfg = trainer.cfg
+    print(f"pipeline: model {_stage_params(trainer)[0] / 1e6:.2f} M parameters ({cfg.model.num_layers} layers, "
+          f"h {cfg.model.hidden_size}, ffn {cfg.model.ffn_hidden_size}, vocab {cfg.model.vocab_size}), "
+          f"{args.max_seq_len}-token rows, global batch {args.global_batch_size} = m {m} micro-batches per step, "
+          f"loss {args.loss}, {args.threads} thread(s) per process, device {trainer.ctx.device}; "
+          f"{args.rounds} rounds x {args.steps} steps; per stage parameters / matmul parameters (M) "
+          f"{[(round(a / 1e6, 2), round(b / 1e6, 2)) for a, b in params]}, slowest stage share {share:.3f}")
+    print(f"  PP=1 step {t1:7.3f} s   (steps {[round(x, 2) for x in one]})")
+    print(f"  PP={p} step {t2:7.3f} s   (steps {[round(x, 2) for x in two]})")
+    print(f"  T{p}/T1 measured {t2 / t1:.3f}   ideal with these stages s_max (m+P-1)/m "
+          f"{share * (m + p - 1) / m:.3f}   ideal with balanced stages (m+P-1)/(m P) {(m + p - 1) / (m * p):.3f}")
+    print(f"  slowest stage idle measured 1 - s_max T1/T{p} {1 - share * t1 / t2:.3f}   "
+          f"theoretical bubble (P-1)/(m+P-1) {(p - 1) / (m + p - 1):.3f}")
+
+
 def main() -> None:
     """Parse arguments, build the trainer, time both loops, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -161,9 +257,18 @@ def main() -> None:
                         help="compare activation recompute settings (peak memory, step time) instead")
     parser.add_argument("--lora", action="store_true",
                         help="compare full fine-tuning with LoRA (peak memory, step time, optimizer state) instead")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="measure the pipeline bubble: PP=1 vs PP=--pp (torchrun, gloo on CPU) instead")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline size for --pipeline")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process for --pipeline")
+    parser.add_argument("--pipeline-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pipeline-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     import torch
+
+    if args.pipeline:
+        torch.set_num_threads(args.threads)
 
     from packsft.train.config import load_config
     from packsft.train.loop import Trainer
@@ -178,6 +283,10 @@ def main() -> None:
         *args.model]
     if args.recompute or args.lora:
         recompute_sweep(args, overrides, LORA_SETTINGS if args.lora else None, "lora" if args.lora else "recompute")
+        return
+    if args.pipeline:
+        overrides.append("optimizer.backend=megatron")         # pipeline parallelism needs it; PP=1 alike
+        (pipeline_worker if args.pipeline_worker else pipeline_bubble)(args, overrides)
         return
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg)

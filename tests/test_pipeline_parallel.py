@@ -95,6 +95,7 @@ def _step(config_path: str, train_path: str, overrides: tuple[str, ...], full: d
     weights = {_global_name(g, n): p.detach().clone() for g in trainer.gpts for n, p in g.named_parameters()}
     result = trainer.train_step(trainer.next_micro_batches())
     return {"step": result, "grads": full_grads(trainer), "weights": weights, "layout": trainer.layout(),
+            "recompute": [(g.config.recompute_granularity, g.config.recompute_method) for g in trainer.gpts],
             "stages": [(g.pre_process, g.post_process, [layer.layer_number - 1 for layer in g.decoder.layers])
                        for g in trainer.gpts]}
 
@@ -160,6 +161,23 @@ def test_pp2_equals_single_process(setup, reference):  # noqa: F811
         assert [r["stages"] for r in per_rank] == stages[i], overrides
         assert per_rank[0]["layout"]["pipeline_model_parallel_size"] == 2
         print(overrides, _compare(str(overrides), per_rank, reference))
+
+
+RECOMPUTE = ("model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_with_full_recompute_equals_single_process(setup, reference):  # noqa: F811
+    """PP=2 with full activation recompute (uniform, 1 layer per checkpoint): loss and gradients equal the
+    one-process step without recompute (within 1e-6)."""
+    config_path, paths = setup
+    per_layout = run_distributed(_layouts_worker, 2, config_path, paths, [(1, (PP2, *RECOMPUTE))],
+                                 reference["weights"], timeout_s=400)
+    per_rank = [per_layout[r][0] for r in range(2)]
+    assert [r["stages"] for r in per_rank] == [[(True, False, [0, 1])], [(False, True, [2, 3])]]
+    assert [r["recompute"] for r in per_rank] == [[("full", "uniform")]] * 2
+    print("pp=2 full recompute", _compare("pp2 recompute", per_rank, reference))
 
 
 @pytest.mark.distributed

@@ -7,8 +7,11 @@ dequantizing GGUF loader) into a Megatron ``dist_checkpointing`` folder::
     python tools/convert_checkpoint.py import --hf SmolLM2-135M-Instruct.Q4_1.gguf --out ckpt/smollm2
     torchrun --nproc_per_node=2 tools/convert_checkpoint.py import --hf DIR --out ckpt/smollm2-tp2 \\
         --tensor-model-parallel-size 2     # each rank reads the HF tensors once and keeps its shard
+    torchrun --nproc_per_node=4 tools/convert_checkpoint.py import --hf DIR --out ckpt/smollm2-pp2 \\
+        --pipeline-model-parallel-size 2   # TP = WORLD_SIZE / PP = 2; each rank keeps its stage's layers
 
-Export a Megatron checkpoint (any TP size; ``--config`` defaults to the folder's ``model_config.json``,
+The written checkpoint does not depend on the layout: it loads at any TP and PP size. Export a Megatron
+checkpoint (at any TP and PP size, the same files; ``--config`` defaults to the folder's ``model_config.json``,
 the HF config to its ``hf_config.json``) back to an HF folder that ``AutoModelForCausalLM.from_pretrained``
 loads, with the tokenizer files and chat template of ``--tokenizer``::
 
@@ -46,10 +49,12 @@ from packsft.model.gpt import build_gpt_model  # noqa: E402
 from packsft.model.hf_config import model_config_from_hf  # noqa: E402
 from packsft.model.hf_io import (  # noqa: E402
     load_hf_checkpoint,
+    load_hf_config,
     load_hf_state_into_model,
     read_hf_config,
     save_hf_checkpoint,
     save_peft_adapter,
+    stage_hf_names,
 )
 from packsft.model.lora import apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
@@ -59,11 +64,23 @@ from packsft.train.process_guard import stop_checkpoint_writer  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line arguments (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
-                        help="TP size of the Megatron model (default: WORLD_SIZE)")
+    def layout(suppress: bool) -> argparse.ArgumentParser:
+        """The layout options; the subcommands' copy (``suppress``) only sets what is given after the subcommand."""
+        common = argparse.ArgumentParser(add_help=False)
+        common.add_argument("--tensor-model-parallel-size", type=int,
+                            default=argparse.SUPPRESS if suppress else None,
+                            help="TP size of the Megatron model (default: WORLD_SIZE / pipeline size)")
+        common.add_argument("--pipeline-model-parallel-size", type=int,
+                            default=argparse.SUPPRESS if suppress else 1,
+                            help="PP size: each rank builds, imports or exports its pipeline stage (default 1)")
+        return common
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     parents=[layout(False)])
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="HF safetensors folder or GGUF file -> Megatron checkpoint")
+    sub_layout = layout(True)
+    imp = sub.add_parser("import", help="HF safetensors folder or GGUF file -> Megatron checkpoint",
+                         parents=[sub_layout])
     imp.add_argument("--hf", required=True, help="HF checkpoint folder or *.gguf file")
     imp.add_argument("--out", required=True, help="Megatron checkpoint folder to write")
     imp.add_argument("--max-seq-len", type=int, default=None,
@@ -72,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     imp.add_argument("--attention-backend", choices=("torch", "te"), default="torch",
                      help="backend the checkpoint is written for: te (TransformerEngine, needs it installed) fuses "
                           "the norms into the linear layers, so its key names differ from torch's")
-    exp = sub.add_parser("export", help="Megatron checkpoint -> HF safetensors folder")
+    exp = sub.add_parser("export", help="Megatron checkpoint -> HF safetensors folder", parents=[sub_layout])
     exp.add_argument("--megatron", required=True, help="Megatron checkpoint folder (model under key 'model')")
     exp.add_argument("--out", required=True, help="HF folder to write (replaced atomically)")
     exp.add_argument("--config", default=None, help="model_config.json or a YAML with a model: section")
@@ -111,12 +128,14 @@ def main(argv=None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """``import`` or ``export`` (errors propagate to :func:`main`)."""
-    ctx = init_distributed(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    pp = args.pipeline_model_parallel_size
+    tp = args.tensor_model_parallel_size or max(1, int(os.environ.get("WORLD_SIZE", 1)) // pp)
+    ctx = init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if args.command == "import":
-        hf_config, hf_state = load_hf_checkpoint(args.hf)
-        cfg = model_config_from_hf(hf_config, max_seq_len=args.max_seq_len,
+        cfg = model_config_from_hf(load_hf_config(args.hf), max_seq_len=args.max_seq_len,
                                    attention_backend=args.attention_backend, params_dtype=args.params_dtype)
-        model = build_gpt_model(cfg)
+        model = build_gpt_model(cfg)             # this rank's stage: its layers, embedding / head
+        hf_config, hf_state = load_hf_checkpoint(args.hf, keep=stage_hf_names(model, cfg))
         load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)
         del hf_state
         save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
@@ -128,6 +147,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--merge-lora / --lora-adapter need --config with lora.enabled: true")
         if lora is not None and not (args.merge_lora or args.lora_adapter):
             raise ValueError("the checkpoint holds LoRA adapters: pass --merge-lora or --lora-adapter DIR")
+        if lora is not None and pp > 1:
+            raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
         model = build_gpt_model(cfg)
         if lora is not None:
             apply_lora(model, lora)
@@ -139,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
             merge_lora(model)
         dtype = getattr(torch, args.dtype) if args.dtype else None
         save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
-                           tp_group=ctx.tp_group, dtype=dtype)
+                           tp_group=ctx.tp_group, pp_group=ctx.pp_group, dtype=dtype)
     if ctx.rank == 0:
         print(f"{args.command}: wrote {args.out}")
     return 0

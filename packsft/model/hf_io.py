@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint files in and out of a (possibly TP-sharded) Megatron ``GPTModel``.
+"""Hugging Face checkpoint files in and out of a (possibly TP- and PP-sharded) Megatron ``GPTModel``.
 
 Read: a safetensors folder (``config.json`` and ``model.safetensors`` or the shards of
 ``model.safetensors.index.json``) or one GGUF file (transformers' dequantizing GGUF loader). Write:
@@ -6,10 +6,11 @@ Read: a safetensors folder (``config.json`` and ``model.safetensors`` or the sha
 the tokenizer files of ``TOKENIZER_FILES``, published atomically (``packsft.io.atomic_dir``). The tensor
 mapping is :mod:`packsft.model.state_dict_adapter`, the config mapping :mod:`packsft.model.hf_config`.
 
-Tensor parallelism: import shards (every rank reads the full HF state on CPU once, takes its slice and
-frees the rest: peak host memory about one full fp32 copy of the model per process); export gathers
-every rank's shard over the TP group (``all_gather``, so each TP rank briefly holds the full model)
-and global rank 0 writes.
+Tensor and pipeline parallelism: import shards (every rank reads its pipeline stage's HF tensors on CPU
+once (``stage_hf_names``; GGUF: all of them), takes its TP slice and frees the rest: peak host memory about
+one copy of the stage's HF tensors per process); export gathers every rank's shard over the TP group
+(``all_gather``, so each TP rank briefly holds its stage's full tensors), then the stages' tensors over
+the pipeline group to global rank 0, which writes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -46,14 +48,49 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def load_hf_checkpoint(path: str | Path) -> tuple[object, dict[str, Tensor]]:
+def _gguf_file(path: Path) -> Path | None:
+    """The GGUF file ``path`` names (a ``*.gguf`` file, or a folder with exactly one and no safetensors), else None."""
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    if path.is_dir() and not _safetensors_files(path):
+        candidates = sorted(path.glob("*.gguf"))
+        return candidates[0] if len(candidates) == 1 else None
+    return None
+
+
+def load_hf_config(path: str | Path):
+    """The transformers config of a local HF checkpoint (safetensors folder or GGUF file), without its tensors."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    gguf = _gguf_file(path)
+    if gguf is not None:
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return AutoConfig.from_pretrained(str(path))
+
+
+def stage_hf_names(model, cfg: ModelConfig):
+    """Predicate on HF tensor names: those a pipeline stage ``model`` needs (:func:`load_hf_state_into_model`)."""
+    layers, first, last = stage_parts(model)
+    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    names = set()
+    if first or (last and cfg.tie_word_embeddings):
+        names.add("model.embed_tokens.weight")
+    if last:
+        names.update(["model.norm.weight"] if cfg.tie_word_embeddings else ["model.norm.weight", "lm_head.weight"])
+    return lambda name: name in names or name.startswith(prefixes)
+
+
+def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, Tensor]]:
     """Read a local HF causal-LM checkpoint: a safetensors directory or a GGUF file.
 
     Safetensors: ``config.json`` through ``AutoConfig`` and the tensors (as stored, usually bf16)
-    through ``safetensors.torch.load_file``, honouring ``model.safetensors.index.json``. GGUF (a
+    through ``safetensors.safe_open``, honouring ``model.safetensors.index.json``; only the names for which
+    ``keep(name)`` is true are read (default: all; :func:`stage_hf_names` for one pipeline stage). GGUF (a
     ``*.gguf`` path, or a directory holding one GGUF and no safetensors): transformers' GGUF loader
     (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=float32)``, needs the ``gguf``
-    package), which dequantizes every tensor to fp32 and undoes llama.cpp's q/k permutation.
+    package), which dequantizes every tensor to fp32 and undoes llama.cpp's q/k permutation (all of it is
+    read; ``keep`` filters afterwards).
 
     Returns:
         ``(hf_config, state_dict)``: the transformers config and HF names -> full CPU tensors.
@@ -64,23 +101,22 @@ def load_hf_checkpoint(path: str | Path) -> tuple[object, dict[str, Tensor]]:
     from transformers import AutoConfig
 
     path = Path(path)
-    gguf = path if path.suffix == ".gguf" and path.is_file() else None
-    if gguf is None and path.is_dir() and not _safetensors_files(path):
-        candidates = sorted(path.glob("*.gguf"))
-        gguf = candidates[0] if len(candidates) == 1 else None
+    keep = keep or (lambda name: True)
+    gguf = _gguf_file(path)
     if gguf is not None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        return model.config, {k: v.detach() for k, v in model.state_dict().items()}
+        return model.config, {k: v.detach() for k, v in model.state_dict().items() if keep(k)}
     files = _safetensors_files(path) if path.is_dir() else []
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files and not exactly one *.gguf file")
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     state: dict[str, Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        with safe_open(str(f), framework="pt") as handle:
+            state.update({k: handle.get_tensor(k) for k in handle.keys() if keep(k)})
     return AutoConfig.from_pretrained(str(path)), state
 
 
@@ -150,8 +186,32 @@ def write_hf_checkpoint(hf_state: dict[str, Tensor], hf_config, out_dir: str | P
     return out_dir
 
 
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def stage_parts(model) -> tuple[list[int], bool, bool]:
+    """A ``GPTModel`` pipeline stage's parts: ``(global 0-based layer numbers in local order, pre_process,
+    post_process)``; ``(range(num_layers), True, True)`` without pipeline parallelism."""
+    return ([layer.layer_number - 1 for layer in model.decoder.layers], bool(model.pre_process),
+            bool(model.post_process))
+
+
+def _renumber(state: dict[str, Tensor], numbers: dict[int, int]) -> dict[str, Tensor]:
+    """``decoder.layers.<i>.`` -> ``decoder.layers.<numbers[i]>.`` in every key (other keys unchanged)."""
+    def name(key: str) -> str:
+        match = _LAYER.match(key)
+        return key if match is None else f"decoder.layers.{numbers[int(match.group(1))]}." + key[match.end():]
+
+    return {name(k): v for k, v in state.items()}
+
+
 def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfig, tp_group=None) -> None:
     """Copy a full HF state dict into this rank's ``GPTModel`` shard (cast to the model's dtypes).
+
+    Pipeline parallelism: ``model`` is one stage (:func:`stage_parts`); it receives HF layer ``i`` for each of its
+    layers of global number ``i``, the embedding when ``pre_process``, the final norm and output layer when
+    ``post_process``; with tied embeddings a last stage without ``pre_process`` gets the embedding as its
+    ``output_layer.weight`` (Megatron's duplicated copy of the first stage's).
 
     Args:
         model: ``GPTModel`` built by ``build_gpt_model(cfg)``.
@@ -162,7 +222,13 @@ def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfi
         ValueError: naming Megatron parameters the conversion left unset or produced in excess.
     """
     tp_rank, tp_size = rank_and_size(tp_group)
-    state = hf_to_megatron_state_dict(hf_state, cfg, tp_rank, tp_size)
+    layers, first, last = stage_parts(model)
+    tied_copy = last and not first and cfg.tie_word_embeddings
+    state = hf_to_megatron_state_dict(hf_state, cfg, tp_rank, tp_size, layers=layers, embedding=first or tied_copy,
+                                      head=last)
+    state = _renumber(state, {g: j for j, g in enumerate(layers)})
+    if tied_copy:
+        state["output_layer.weight"] = state.pop("embedding.word_embeddings.weight")
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
     if missing or result.unexpected_keys:
@@ -170,35 +236,85 @@ def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfi
                          f"{list(result.unexpected_keys)}")
 
 
-def gather_model_shards(model, tp_group=None) -> list[dict[str, Tensor]]:
-    """Every TP rank's Megatron state dict (``[r]`` = rank ``r``), on CPU, via ``all_gather`` over ``tp_group``.
+def _stage_state(model) -> dict[str, Tensor]:
+    """This rank's tensors under global layer names; a last stage's tied copy of the embedding is left out."""
+    layers, first, _ = stage_parts(model)
+    local = {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, Tensor)
+             and not k.endswith("._extra_state")}
+    if model.share_embeddings_and_output_weights and not first:
+        local.pop("output_layer.weight", None)
+    return _renumber(local, dict(enumerate(layers)))
 
-    Collective over ``tp_group``; ``_extra_state`` entries are dropped. Memory: each TP rank holds the
-    full model on CPU for the duration of the call.
+
+def _gather_stages(shards: list[dict[str, Tensor]], pp_group) -> list[dict[str, Tensor]] | None:
+    """Merge every pipeline stage's TP shards onto pipeline rank 0 of the group holding global rank 0.
+
+    Point-to-point, one tensor at a time (on the current CUDA device under NCCL, else CPU): stage ``s > 0`` sends
+    its names/shapes/dtypes (``send_object_list``), then each tensor. Returns the merged shards on the receiving
+    rank, ``None`` on every other rank (pipeline groups without global rank 0 do nothing).
     """
     import torch.distributed as dist
 
-    local = {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, Tensor)}
+    pp_rank, pp_size = rank_and_size(pp_group)
+    if pp_size == 1:
+        return shards
+    if 0 not in dist.get_process_group_ranks(pp_group):
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pp_group) == "nccl" \
+        else torch.device("cpu")
+    dst = dist.get_global_rank(pp_group, 0)
+    if pp_rank > 0:
+        meta = [[(name, t.shape, t.dtype) for name, t in shard.items()] for shard in shards]
+        dist.send_object_list([meta], dst=dst, group=pp_group, device=device)
+        for shard in shards:
+            for t in shard.values():
+                dist.send(t.to(device).contiguous(), dst=dst, group=pp_group)
+        return None
+    merged = [dict(shard) for shard in shards]
+    for stage in range(1, pp_size):
+        src = dist.get_global_rank(pp_group, stage)
+        box = [None]
+        dist.recv_object_list(box, src=src, group=pp_group, device=device)
+        for r, entries in enumerate(box[0]):
+            for name, shape, dtype in entries:
+                t = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(t, src=src, group=pp_group)
+                merged[r][name] = t.cpu()
+    return merged
+
+
+def gather_model_shards(model, tp_group=None, pp_group=None) -> list[dict[str, Tensor]] | None:
+    """Every TP rank's Megatron state dict of the whole model (``[r]`` = TP rank ``r``), on CPU, global layer names.
+
+    TP: ``all_gather`` over ``tp_group`` (collective; each TP rank holds its stage's full tensors). PP (``pp_group``
+    of more than one stage): the stages' gathered tensors travel to pipeline rank 0 of the pipeline group holding
+    global rank 0 (:func:`_gather_stages`), which returns the whole model; every other rank returns ``None``.
+    ``_extra_state`` entries and a last stage's tied output weight are dropped. Collective over TP and PP.
+    """
+    import torch.distributed as dist
+
+    local = _stage_state(model)
     _, tp_size = rank_and_size(tp_group)
     if tp_size == 1:
-        return [{k: v.cpu() for k, v in local.items()}]
-    shards: list[dict[str, Tensor]] = [{} for _ in range(tp_size)]
-    for name, t in local.items():
-        parts = [torch.empty_like(t) for _ in range(tp_size)]
-        dist.all_gather(parts, t.contiguous(), group=tp_group)
-        for r, part in enumerate(parts):
-            shards[r][name] = part.cpu()
-    return shards
+        shards = [{k: v.cpu() for k, v in local.items()}]
+    else:
+        shards = [{} for _ in range(tp_size)]
+        for name, t in local.items():
+            parts = [torch.empty_like(t) for _ in range(tp_size)]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            for r, part in enumerate(parts):
+                shards[r][name] = part.cpu()
+    return _gather_stages(shards, pp_group)
 
 
 def save_hf_checkpoint(model, cfg: ModelConfig, out_dir: str | Path, *, hf_config=None,
-                       tokenizer_dir: str | Path | None = None, tp_group=None,
+                       tokenizer_dir: str | Path | None = None, tp_group=None, pp_group=None,
                        dtype: torch.dtype | None = None) -> Path | None:
-    """Export a (possibly TP-sharded) ``GPTModel`` as an HF checkpoint folder; global rank 0 writes.
+    """Export a (possibly TP- and PP-sharded) ``GPTModel`` as an HF checkpoint folder; global rank 0 writes.
 
-    Collective over ``tp_group`` (every TP rank must call it); see :func:`write_hf_checkpoint` for the
-    files and :func:`packsft.model.hf_config.hf_config_from_model_config` for ``hf_config`` (the
-    original HF config or None).
+    Collective over ``tp_group`` and ``pp_group`` (every rank must call it; :func:`gather_model_shards`); see
+    :func:`write_hf_checkpoint` for the files and :func:`packsft.model.hf_config.hf_config_from_model_config` for
+    ``hf_config`` (the original HF config or None). The files equal a PP=1, TP=1 export's.
 
     Args:
         dtype: tensor dtype in the safetensors files (default: as the model holds them).
@@ -206,7 +322,7 @@ def save_hf_checkpoint(model, cfg: ModelConfig, out_dir: str | Path, *, hf_confi
     Returns:
         ``out_dir`` on global rank 0, ``None`` elsewhere.
     """
-    shards = gather_model_shards(model, tp_group)
+    shards = gather_model_shards(model, tp_group, pp_group)
     out = None
     if global_rank() == 0:
         hf_state = megatron_to_hf_state_dict(shards, cfg)

@@ -73,17 +73,22 @@ def _unpack_qkv(shards: Sequence[Tensor], cfg: ModelConfig) -> tuple[Tensor, Ten
 
 
 def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_rank: int = 0,
-                              tp_size: int = 1) -> dict[str, Tensor]:
+                              tp_size: int = 1, *, layers: Sequence[int] | None = None, embedding: bool = True,
+                              head: bool = True) -> dict[str, Tensor]:
     """TP rank ``tp_rank``'s Megatron state dict from a full HF ``*ForCausalLM`` state dict (layouts above).
 
     Args:
         hf_state: HF names -> full tensors (any float dtype, kept). ``lm_head.weight`` is ignored when
-            ``cfg.tie_word_embeddings``.
+            ``cfg.tie_word_embeddings``. Only the tensors of the requested parts need to be present.
         cfg: the model configuration (``model_config_from_hf``).
         tp_rank / tp_size: this rank's tensor-parallel index and the TP size.
+        layers: the (0-based, global) decoder layers to convert (default: all ``cfg.num_layers``).
+        embedding / head: convert the word embedding / the final norm and (untied) output layer; a pipeline
+            stage's part is ``layers`` = its global layer numbers, ``embedding`` = first stage, ``head`` = last.
 
     Returns:
-        Megatron parameter names -> fresh tensors of this rank's shard (no ``_extra_state`` entries).
+        Megatron parameter names (global layer numbers) -> fresh tensors of this rank's shard (no
+        ``_extra_state`` entries).
 
     Raises:
         KeyError: naming a missing HF tensor.
@@ -94,11 +99,14 @@ def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_
             raise KeyError(f"HF checkpoint has no tensor {name!r}")
         return hf_state[name]
 
-    out = {"embedding.word_embeddings.weight": _shard(get("model.embed_tokens.weight"), 0, tp_rank, tp_size),
-           "decoder.final_layernorm.weight": get("model.norm.weight").clone()}
-    if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = _shard(get("lm_head.weight"), 0, tp_rank, tp_size)
-    for i in range(cfg.num_layers):
+    out = {}
+    if embedding:
+        out["embedding.word_embeddings.weight"] = _shard(get("model.embed_tokens.weight"), 0, tp_rank, tp_size)
+    if head:
+        out["decoder.final_layernorm.weight"] = get("model.norm.weight").clone()
+        if not cfg.tie_word_embeddings:
+            out["output_layer.weight"] = _shard(get("lm_head.weight"), 0, tp_rank, tp_size)
+    for i in range(cfg.num_layers) if layers is None else layers:
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn_norm, mlp_norm = _norm_keys(cfg, i)
         out[attn_norm] = get(hf + "input_layernorm.weight").clone()

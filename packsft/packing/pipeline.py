@@ -194,7 +194,8 @@ def _message_chars(m: dict[str, Any]) -> int:
     return len(json.dumps(m, ensure_ascii=False))
 
 
-def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str) -> tuple[list[dict[str, Any]], bool]:
+def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
+                  sizes: list[int] | None = None) -> tuple[list[dict[str, Any]], bool]:
     """The longest prefix of ``messages`` within ``budget`` JSON characters, the last kept content cut short.
 
     At least the system message and one more are kept. A message whose string content does not fit is kept
@@ -202,13 +203,16 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str) ->
     ``train_on == "last"`` and the last assistant turn dropped, the kept assistant turns get ``weight: 0``
     (what the loader's truncation of the whole conversation would have trained: nothing of them).
 
+    Args:
+        sizes: ``_message_chars`` of each message, when known.
+
     Returns:
         ``(messages, cut)``: new message dicts; ``cut`` is False when all of ``messages`` fit.
     """
     kept: list[dict[str, Any]] = []
     left = budget
     for i, m in enumerate(messages):
-        size = _message_chars(m)
+        size = sizes[i] if sizes is not None else _message_chars(m)
         if size <= left:
             kept.append(m)
             left -= size
@@ -246,13 +250,14 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
         PromptFormatError: the conversation (or every cut of it tried) does not tokenize.
     """
     low, high = own_row_window(cfg.max_seq_len)
-    total = sum(_message_chars(m) for m in conv.messages)
+    sizes = [_message_chars(m) for m in conv.messages]
+    total = sum(sizes)
     budget = min(total, 8 * high)
     lo, hi = 0, None  # budgets known to give fewer than `low` tokens / more than `high`
     best = None  # the smallest cut seen above `low` (used if the window is never hit)
     error = None
     for _ in range(24):
-        msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on)
+        msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on, sizes)
         try:
             tokens, targets = tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs)
         except PromptFormatError as e:  # a cut the format cannot render: try a shorter one

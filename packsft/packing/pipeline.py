@@ -8,13 +8,16 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
    are *rejected* into the report with file, line and reason (or abort with ``strict=True``).
 2. The normalised conversation (system message first, carrying its ``tools``) is spooled to a temp file;
    only ``(cost, spool offset)`` stays in memory.
-3. Conversations longer than ``max_seq_len`` follow the oversize policy: ``own-row`` (a row of their own,
-   truncated by the loader, with a warning), ``drop`` (reported) or ``error`` (abort).
+   Lines over ``max_conversation_bytes`` are rejected unparsed.
+3. Conversations longer than ``max_seq_len`` follow the oversize policy: ``own-row`` (a row of their own, cut
+   by the worker to :func:`own_row_window` tokens before counting, truncated to ``max_seq_len`` by the
+   loader, with a warning), ``drop`` (reported) or ``error`` (abort).
    Conversations with no trained token, own-row conversations whose truncation removes every trained token,
    and a template that trains no stop signal are *warned* about and counted in the report.
 4. The packing algorithm (:mod:`packsft.packing.algorithms`) assigns conversations to rows using costs
-   ``ceil(n / 2cp) * 2cp``; rows are written atomically as ``{"messages": [...]}`` lines, then the sidecar
-   ``<output>.meta.json`` and the report.
+   ``ceil(n / 2cp) * 2cp``; rows (``{"messages": [...]}`` lines, hashed as written), sidecar
+   ``<output>.meta.json`` (with the rows' size and hash), report and histogram go to temp names, then are
+   renamed over the outputs with SIGTERM held off, the sidecar last (:func:`_publish`).
 
 Output is a deterministic function of the inputs and settings: batches come back in input order whatever
 the number of workers, and no step depends on hash order.

@@ -141,8 +141,10 @@ def file_fingerprint(path: str | Path, index: np.ndarray) -> str:
 
     Hashing the whole file would cost a full read of a possibly many-GB file at every start; the packer
     rewrites the sidecar (with its counts) on every run, and any re-pack that changes rows changes the size
-    or the ends in practice. Not detected: an edit in the middle of the file that keeps its size and both
-    ends, on a file without a sidecar. The mtime is left out so a copied file keeps its fingerprint.
+    or the ends in practice; its sidecar's ``rows_file`` records the BLAKE2b of the whole rows file, so a
+    re-pack always changes the fingerprint. Not detected: an edit in the middle of the file that keeps its
+    size and both ends, on a file without a sidecar (or without ``rows_file``). The mtime is left out so a
+    copied file keeps its fingerprint.
     """
     size = int(index[2])
     h = hashlib.sha256(f"packsft-packed-v1:{size}:{int(index[4])}".encode())

@@ -93,15 +93,54 @@ def iter_jsonl_lines(path: str | Path) -> Iterator[tuple[int, str | None, str | 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
     """
+    for number, _, text, error in iter_jsonl_lines_sized(path):
+        yield number, text, error
+
+
+def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chunk: int = 1 << 20
+                           ) -> Iterator[tuple[int, int, str | None, str | None]]:
+    """Like :func:`iter_jsonl_lines`, with each line's size in bytes and an optional size limit.
+
+    A line longer than ``max_bytes`` (newline excluded) is never held in memory whole: it is skipped in
+    chunks of ``_chunk`` bytes and yielded with ``text=None`` and an ``error``. Blank lines are skipped, but
+    their bytes are added to the next yielded line's size (so the sizes sum to the file size, for progress).
+
+    Yields:
+        ``(line_number, nbytes, text, error)``.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+    """
+    pending = 0
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        number = 0
+        while True:
+            raw = f.readline() if max_bytes is None else f.readline(max_bytes + 2)
+            if not raw:
+                break
+            number += 1
+            nbytes = len(raw)
+            if max_bytes is not None and len(raw.rstrip(b"\r\n")) > max_bytes:
+                while not raw.endswith(b"\n"):
+                    raw = f.readline(_chunk)
+                    if not raw:
+                        break
+                    nbytes += len(raw)
+                yield number, pending + nbytes, None, (
+                    f"line has {nbytes} bytes, more than --max-conversation-bytes {max_bytes}; not tokenized")
+                pending = 0
+                continue
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield number, None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+                yield number, pending + nbytes, None, f"not valid UTF-8 ({e.reason} at byte {e.start})"
+                pending = 0
                 continue
             if text.strip():
-                yield number, text, None
+                yield number, pending + nbytes, text, None
+                pending = 0
+            else:
+                pending += nbytes
 
 
 def _json_type(value: Any) -> str:

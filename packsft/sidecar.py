@@ -13,11 +13,16 @@ Sidecar fields (JSON object, ``format_version`` 2)::
                        "chat_template_sha256": str | null, "train_on": "all" | "last",
                        "chat_template_kwargs": {...}, "append_eos": bool},   # PromptFormat.spec()
      "max_seq_len": int, "context_parallel_size": int,
-     "algorithm": str, "seed": int, "counts": {...}, "efficiency": float, ...}
+     "algorithm": str, "seed": int, "counts": {...}, "efficiency": float, ...,
+     "rows_file": {"size": int, "blake2b": str}}   # the rows file's bytes (BLAKE2b-160, 40 hex)
 
 Only the tokenizer, prompt format, ``max_seq_len`` and CP size are checked (:data:`CHECKED_FIELDS`); the
 rest describe the packing run. A version 1 sidecar (before ``train_on``, ``chat_template_kwargs`` and
 ``append_eos``) is read with their defaults, ``all``, ``{}`` and ``false``: what version 1 packed.
+
+``rows_file`` ties the sidecar to the rows it was written with (the packer publishes the sidecar last):
+:func:`check_rows_file` compares the size always and the hash for files up to :data:`HASH_AUTO_LIMIT` bytes
+(or always / never on request). Sidecars written before this field existed carry none and are not checked.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from packsft.io import atomic_open
+from packsft.io import atomic_open, file_blake2b
 from packsft.prompt_formats import PromptFormat
 
 SIDECAR_SUFFIX = ".meta.json"
@@ -47,6 +52,8 @@ CHECKED_FIELDS = (
 V1_DEFAULTS = {"train_on": "all", "chat_template_kwargs": {}, "append_eos": False}
 """``prompt_format`` fields a version 1 sidecar lacks, with what version 1 packed."""
 PACK_TOOL = "tools/pack_megatron_sft_jsonl.py"
+HASH_AUTO_LIMIT = 256 << 20
+"""Rows files up to this size (bytes) have their hash checked by default (about 0.3 s at 1 GB/s)."""
 
 
 class SidecarError(ValueError):
@@ -87,10 +94,15 @@ def write_sidecar(path: str | Path, meta: dict[str, Any]) -> Path:
         TypeError: ``meta`` is not JSON-serialisable (nothing is written).
     """
     target = sidecar_path(path)
-    text = json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2, sort_keys=True) + "\n"
+    text = sidecar_text(meta)
     with atomic_open(target) as f:
         f.write(text)
     return target
+
+
+def sidecar_text(meta: dict[str, Any]) -> str:
+    """The sidecar file's text for ``meta`` (sorted, indented JSON; ``format_version`` set when absent)."""
+    return json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2, sort_keys=True) + "\n"
 
 
 def read_sidecar(path: str | Path) -> dict[str, Any] | None:
@@ -194,3 +206,44 @@ def check_sidecar(meta: dict[str, Any], expected: dict[str, Any], packed_path: s
         raise SidecarError(f"{packed_path} was packed for another configuration "
                            f"({sidecar_path(packed_path).name} disagrees with the loader):\n" + "\n".join(diffs)
                            + f"\nRe-pack it for this configuration:\n  {hint}")
+
+
+def rows_file_fields(size: int, blake2b: str) -> dict[str, Any]:
+    """The sidecar's ``rows_file`` entry for a rows file of ``size`` bytes with BLAKE2b-160 hex ``blake2b``."""
+    return {"rows_file": {"size": int(size), "blake2b": str(blake2b)}}
+
+
+def check_rows_file(meta: dict[str, Any], packed_path: str | Path, verify_hash: bool | None = None) -> bool:
+    """Refuse a rows file that is not the one its sidecar was written with.
+
+    Args:
+        meta: the sidecar (:func:`read_sidecar`).
+        packed_path: the rows file.
+        verify_hash: ``True``: always hash the file; ``False``: size only; ``None``: hash when the file is at
+            most :data:`HASH_AUTO_LIMIT` bytes.
+
+    Returns:
+        Whether the hash was checked (``False`` also for a sidecar without ``rows_file``, which is not checked).
+
+    Raises:
+        SidecarError: the size or hash differs, naming both files and both values (a re-pack killed between
+            publishing the rows and the sidecar, or one of the two copied or edited alone).
+    """
+    expected = meta.get("rows_file")
+    if not isinstance(expected, dict):
+        return False
+    path = Path(packed_path)
+    side = sidecar_path(path)
+    size = path.stat().st_size
+    advice = (f"the two files come from different packing runs (a re-pack killed before it finished, or one "
+              f"file copied or edited alone); re-pack with {PACK_TOOL} (its re-run replaces both)")
+    if size != expected.get("size"):
+        raise SidecarError(f"{path} does not match its sidecar {side}: the rows file has {size} bytes, the sidecar "
+                           f"records {expected.get('size')}; {advice}")
+    if verify_hash is False or (verify_hash is None and size > HASH_AUTO_LIMIT):
+        return False
+    digest = file_blake2b(path)
+    if digest != expected.get("blake2b"):
+        raise SidecarError(f"{path} does not match its sidecar {side}: the rows file's BLAKE2b is {digest}, the "
+                           f"sidecar records {expected.get('blake2b')}; {advice}")
+    return True

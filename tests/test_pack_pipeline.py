@@ -10,7 +10,7 @@ import pytest
 
 from packsft.conversation import parse_record, split_row
 from packsft.layout import conversation_cost
-from packsft.packing.pipeline import PackConfig, PackError, run_pack
+from packsft.packing.pipeline import PackConfig, PackError, own_row_window, run_pack
 from packsft.prompt_formats import count_conversation_tokens, get_prompt_format
 from packsft.tokenizer import load_tokenizer
 
@@ -34,6 +34,8 @@ def _check_invariants(cfg: PackConfig, report):
     fmt = get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token)
     rejected = {(r["input"], r["line"]) for r in report.rejected}
     dropped = {(o["input"], o["line"]) for o in report.oversize if o["action"] == "dropped"}
+    cut = {(o["input"], o["line"]) for o in report.oversize if o.get("cut_by_packer")}
+    cut_originals = []  # own-row conversations the packer cut: stored as a cut of these (_is_cut_of)
     expected = Counter()
     n_lines = 0
     for path in cfg.inputs:
@@ -46,6 +48,9 @@ def _check_invariants(cfg: PackConfig, report):
                     continue
                 conv = parse_record(json.loads(text), path, line_no,
                                     default_system_prompt=cfg.default_system_prompt)
+                if (path, line_no) in cut:
+                    cut_originals.append(conv.to_row_messages())
+                    continue
                 expected[_canon(conv.to_row_messages())] += 1
     assert report.input_conversations == n_lines
     got = Counter()
@@ -60,11 +65,31 @@ def _check_invariants(cfg: PackConfig, report):
         cost = sum(conversation_cost(n, cfg.context_parallel_size) for n in lengths)
         assert cost <= cfg.max_seq_len or len(convs) == 1  # an oversize conversation gets its own row
         real += sum(min(n, cfg.max_seq_len) for n in lengths)
-        for c in convs:
-            got[_canon(c.to_row_messages())] += 1
+        for c, n in zip(convs, lengths):
+            stored = c.to_row_messages()
+            match = next((k for k, o in enumerate(cut_originals) if _is_cut_of(stored, o)), None)
+            if match is not None and _canon(stored) not in expected:
+                low, high = own_row_window(cfg.max_seq_len)
+                assert len(convs) == 1 and low <= n <= high, (n, low, high)
+                cut_originals.pop(match)
+                continue
+            got[_canon(stored)] += 1
     assert got == expected
+    assert cut_originals == []  # every cut conversation is stored, once
     assert real == report.real_tokens
     assert report.padding_tokens == report.rows * cfg.max_seq_len - report.real_tokens
+
+
+def _is_cut_of(stored, original) -> bool:
+    """``stored`` is a prefix of ``original``'s messages, its last one with a prefix of the content."""
+    if not 0 < len(stored) <= len(original):
+        return False
+    for k, (s, o) in enumerate(zip(stored, original)):
+        if k < len(stored) - 1 and s != o:
+            return False
+    s, o = stored[-1], original[len(stored) - 1]
+    rest = lambda m: {key: v for key, v in m.items() if key != "content"}  # noqa: E731
+    return rest(s) == rest(o) and (s.get("content") or "") == (o.get("content") or "")[:len(s.get("content") or "")]
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ from packsft.prompt_formats import (
 )
 from packsft.sidecar import (
     SidecarError,
+    check_rows_file,
     check_sidecar,
     loader_expectation,
     read_sidecar,
@@ -140,8 +141,10 @@ def file_fingerprint(path: str | Path, index: np.ndarray) -> str:
 
     Hashing the whole file would cost a full read of a possibly many-GB file at every start; the packer
     rewrites the sidecar (with its counts) on every run, and any re-pack that changes rows changes the size
-    or the ends in practice. Not detected: an edit in the middle of the file that keeps its size and both
-    ends, on a file without a sidecar. The mtime is left out so a copied file keeps its fingerprint.
+    or the ends in practice; its sidecar's ``rows_file`` records the BLAKE2b of the whole rows file, so a
+    re-pack always changes the fingerprint. Not detected: an edit in the middle of the file that keeps its
+    size and both ends, on a file without a sidecar (or without ``rows_file``). The mtime is left out so a
+    copied file keeps its fingerprint.
     """
     size = int(index[2])
     h = hashlib.sha256(f"packsft-packed-v1:{size}:{int(index[4])}".encode())
@@ -172,6 +175,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             the packer counted. Given values are checked against the sidecar.
         index_path: where the row index is cached; default ``<path>.idx``.
         require_sidecar: refuse (rather than warn about) a file without ``<path>.meta.json``.
+        verify_rows_hash: check the rows file against the sidecar's ``rows_file`` BLAKE2b: ``None`` (default)
+            for files up to :data:`packsft.sidecar.HASH_AUTO_LIMIT` bytes, ``True`` always, ``False`` never.
+            Its size is always checked (:func:`packsft.sidecar.check_rows_file`).
         sequence_parallel_size: the TP size under sequence parallelism (1 without); ``max_seq_len`` must be a
             multiple of :func:`packsft.layout.row_granularity`. Conversations are padded for CP only, so a file
             packed without ``--sequence-parallel`` serves an SP run whenever its ``max_seq_len`` divides.
@@ -184,7 +190,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     Raises:
         FileNotFoundError: the packed file (or the tokenizer path) does not exist.
         SidecarError: the sidecar contradicts this configuration (names the field and the re-pack command),
-            or is missing and ``require_sidecar`` is set.
+            records another rows file (size or hash; names both files), or is missing and ``require_sidecar``
+            is set.
         ValueError: ``max_seq_len`` is not a positive multiple of the CP granularity.
 
     Picklable (for ``spawn`` workers): the open file handle is dropped and reopened in each process.
@@ -206,6 +213,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         index_path: str | Path | None = None,
         require_sidecar: bool = False,
         sequence_parallel_size: int = 1,
+        verify_rows_hash: bool | None = None,
     ):
         check_max_seq_len(max_seq_len, context_parallel_size, sequence_parallel_size)
         self.path = Path(path)
@@ -226,6 +234,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.max_seq_len = max_seq_len
         self.context_parallel_size = context_parallel_size
         self.sidecar = self._check_sidecar(require_sidecar)
+        self.rows_hash_checked = check_rows_file(self.sidecar, self.path, verify_rows_hash) if self.sidecar else False
         self._index = load_or_build_index(self.path, index_path)
         self._fingerprint: str | None = None
         self._file = None

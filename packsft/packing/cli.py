@@ -10,7 +10,7 @@ import json
 import sys
 
 from packsft.packing.algorithms import ALGORITHMS
-from packsft.packing.pipeline import OVERSIZE_POLICIES, PackConfig, PackError, run_pack
+from packsft.packing.pipeline import MAX_CONVERSATION_BYTES, OVERSIZE_POLICIES, PackConfig, PackError, run_pack
 from packsft.prompt_formats import PRESETS, TRAIN_ON
 
 
@@ -49,6 +49,9 @@ def parse_args(argv=None) -> PackConfig:
     p.add_argument("--algorithm", default="best-fit-decreasing", choices=ALGORITHMS)
     p.add_argument("--oversize", default="own-row", choices=OVERSIZE_POLICIES,
                    help="conversations longer than --max-seq-length: own row (truncated), drop, or error")
+    p.add_argument("--max-conversation-bytes", type=int, default=MAX_CONVERSATION_BYTES,
+                   help=f"reject input lines longer than this many bytes before parsing them (default "
+                        f"{MAX_CONVERSATION_BYTES}, 4 MiB)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--shuffle-rows", action="store_true", help="write rows in a seeded random order")
     p.add_argument("--num-workers", type=int, default=0, help="tokenizer processes (0: this process)")
@@ -68,7 +71,8 @@ def parse_args(argv=None) -> PackConfig:
                       algorithm=a.algorithm, oversize=a.oversize,
                       seed=a.seed, shuffle_rows=a.shuffle_rows, num_workers=a.num_workers, input_key=a.input_key,
                       output_key=a.output_key, default_system_prompt=a.default_system_prompt, strict=a.strict,
-                      report=a.report, histogram=a.histogram, progress=not a.no_progress)
+                      report=a.report, histogram=a.histogram, progress=not a.no_progress,
+                      max_conversation_bytes=a.max_conversation_bytes)
 
 
 def main(argv=None) -> int:

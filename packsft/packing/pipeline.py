@@ -8,13 +8,16 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
    are *rejected* into the report with file, line and reason (or abort with ``strict=True``).
 2. The normalised conversation (system message first, carrying its ``tools``) is spooled to a temp file;
    only ``(cost, spool offset)`` stays in memory.
-3. Conversations longer than ``max_seq_len`` follow the oversize policy: ``own-row`` (a row of their own,
-   truncated by the loader, with a warning), ``drop`` (reported) or ``error`` (abort).
+   Lines over ``max_conversation_bytes`` are rejected unparsed.
+3. Conversations longer than ``max_seq_len`` follow the oversize policy: ``own-row`` (a row of their own, cut
+   by the worker to :func:`own_row_window` tokens before counting, truncated to ``max_seq_len`` by the
+   loader, with a warning), ``drop`` (reported) or ``error`` (abort).
    Conversations with no trained token, own-row conversations whose truncation removes every trained token,
    and a template that trains no stop signal are *warned* about and counted in the report.
 4. The packing algorithm (:mod:`packsft.packing.algorithms`) assigns conversations to rows using costs
-   ``ceil(n / 2cp) * 2cp``; rows are written atomically as ``{"messages": [...]}`` lines, then the sidecar
-   ``<output>.meta.json`` and the report.
+   ``ceil(n / 2cp) * 2cp``; rows (``{"messages": [...]}`` lines, hashed as written), sidecar
+   ``<output>.meta.json`` (with the rows' size and hash), report and histogram go to temp names, then are
+   renamed over the outputs with SIGTERM held off, the sidecar last (:func:`_publish`).
 
 Output is a deterministic function of the inputs and settings: batches come back in input order whatever
 the number of workers, and no step depends on hash order.
@@ -22,11 +25,14 @@ the number of workers, and no step depends on hash order.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing as mp
 import os
 import random
+import signal
 import tempfile
+import time
 import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -36,16 +42,22 @@ from typing import Any
 from tqdm import tqdm
 
 from packsft import __version__
-from packsft.conversation import ConversationError, iter_jsonl_lines, parse_record
-from packsft.io import atomic_open, write_json_atomic
+from packsft.conversation import ConversationError, iter_jsonl_lines_sized, parse_record
+from packsft.io import HashingWriter, fsync_dir, stale_temps, temp_path
 from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
 from packsft.prompt_formats import TRAIN_ON, PromptFormatError, get_prompt_format, tokenize_conversation
-from packsft.sidecar import efficiency, sidecar_path, write_sidecar
+from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
 _BATCH = 64
+MAX_CONVERSATION_BYTES = 4 << 20
+"""Default ``--max-conversation-bytes``: longer input lines are rejected before they are parsed (4 MiB)."""
+STAGE_HOOK_ENV = "PACKSFT_PACK_STAGE_HOOK"
+"""Test hook: ``STAGE:SIGNAL`` (e.g. ``rows_written:SIGKILL``) makes the packer send itself SIGNAL at STAGE."""
+STAGES = ("tokenized", "rows_written", "sidecar_written", "report_written", "rows_published", "published")
+"""The packer's publication stages, in order (see :func:`_stage`)."""
 
 
 @dataclass
@@ -77,7 +89,8 @@ class PackConfig:
         strict: abort at the first invalid record instead of reporting it.
         report: JSON report path (default ``<output>.report.json``).
         histogram: PNG path (default ``<output>.lengths.png``); ``""`` disables it.
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar (bytes read of all inputs, with ETA).
+        max_conversation_bytes: input lines longer than this (bytes) are rejected into the report unparsed.
     """
 
     inputs: list[str]
@@ -104,6 +117,7 @@ class PackConfig:
     report: str | None = None
     histogram: str | None = None
     progress: bool = True
+    max_conversation_bytes: int = MAX_CONVERSATION_BYTES
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -127,6 +141,23 @@ class PackConfig:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         if Path(self.output).is_dir():
             raise ValueError(f"--output {self.output} is a directory; give the .jsonl.packed file to write")
+        if self.max_conversation_bytes < 1:
+            raise ValueError(f"--max-conversation-bytes must be >= 1, got {self.max_conversation_bytes}")
+        written = {"--output": self.output, "sidecar": str(sidecar_path(self.output)),
+                   "--report": self.report or self.output + ".report.json"}
+        if self.histogram != "":
+            written["--histogram"] = self.histogram or self.output + ".lengths.png"
+        for p in self.inputs:
+            for what, out in written.items():
+                if _same_file(p, out):
+                    raise ValueError(f"--input {p} is also the {what} path {out}: packing would overwrite its "
+                                     "own input; write the output elsewhere")
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.exists(b):
+        return os.path.samefile(a, b)
+    return Path(a).resolve() == Path(b).resolve()
 
 
 class PackWarning(UserWarning):
@@ -153,18 +184,130 @@ def _init_worker(cfg: PackConfig) -> None:
     _W.update(cfg=cfg, tok=tok, fmt=_prompt_format(cfg, tok))
 
 
-def _process_batch(batch: list[tuple[int, int, str | None, str | None]]) -> list[tuple]:
-    """Parse, validate and count one batch of lines: ``(file_idx, line, text, decode_error)`` each.
+def own_row_window(max_seq_len: int) -> tuple[int, int]:
+    """Token counts ``(low, high)`` an own-row conversation is cut to by the packer: ``L + 8 .. L + margin``.
+
+    ``margin = max(32, L // 16)``. At least 8 tokens beyond ``L`` stay so that the loader's truncation, not
+    the template's end of turn after a cut message, ends the row (the model is not taught to stop mid-text).
+    """
+    return max_seq_len + 8, max_seq_len + max(32, max_seq_len // 16)
+
+
+def _message_chars(m: dict[str, Any]) -> int:
+    return len(json.dumps(m, ensure_ascii=False))
+
+
+def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
+                  sizes: list[int] | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """The longest prefix of ``messages`` within ``budget`` JSON characters, the last kept content cut short.
+
+    At least the system message and one more are kept. A message whose string content does not fit is kept
+    with a prefix of its content (never emptied); one that cannot be cut so is dropped with all after it. With
+    ``train_on == "last"`` and the last assistant turn dropped, the kept assistant turns get ``weight: 0``
+    (what the loader's truncation of the whole conversation would have trained: nothing of them).
+
+    Args:
+        sizes: ``_message_chars`` of each message, when known.
 
     Returns:
-        ``(file_idx, line, (num_tokens, trained, trained_in_row), row_messages_json, None)`` for a good line
-        (``trained``: tokens the model is trained to predict; ``trained_in_row``: those of them within the
-        first ``max_seq_len`` tokens, what an own-row truncation keeps), or ``(file_idx, line, None, None,
-        reason)`` for a rejected one.
+        ``(messages, cut)``: new message dicts; ``cut`` is False when all of ``messages`` fit.
+    """
+    kept: list[dict[str, Any]] = []
+    left = budget
+    for i, m in enumerate(messages):
+        size = sizes[i] if sizes is not None else _message_chars(m)
+        if size <= left:
+            kept.append(m)
+            left -= size
+            continue
+        content = m.get("content")
+        room = left - (size - len(content)) if isinstance(content, str) else 0
+        if i == 0:  # the system message: cut (possibly to ""), then keep one more
+            kept.append({**m, "content": content[:max(room, 0)]} if isinstance(content, str) else m)
+            left = 0
+            continue
+        if room > 0 and content[:room].strip():
+            kept.append({**m, "content": content[:room]})
+        elif len(kept) < 2 and i >= 1:  # keep one non-system message whatever it costs
+            kept.append({**m, "content": content[:max(room, 1)]} if isinstance(content, str) and content else m)
+        break
+    else:
+        return list(messages), False
+    if train_on == "last":
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        if last >= len(kept):
+            kept = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in kept]
+    return kept, True
+
+
+def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
+    """Tokenize ``conv``, cutting it (:func:`_cut_messages`) into :func:`own_row_window` when it is longer.
+
+    Work is bounded by a few tokenizations of about ``L`` tokens, whatever the conversation's length: the
+    character budget starts at ``8 * high`` and is doubled, then bisected (with a proportional guess).
+
+    Returns:
+        ``(messages, tokens, targets, cut)``: the messages to store and their tokenization.
+
+    Raises:
+        PromptFormatError: the conversation (or every cut of it tried) does not tokenize.
+    """
+    low, high = own_row_window(cfg.max_seq_len)
+    sizes = [_message_chars(m) for m in conv.messages]
+    total = sum(sizes)
+    budget = min(total, 8 * high)
+    lo, hi = 0, None  # budgets known to give fewer than `low` tokens / more than `high`
+    best = None  # the smallest cut seen above `low` (used if the window is never hit)
+    error = None
+    for _ in range(24):
+        msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on, sizes)
+        try:
+            tokens, targets = tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs)
+        except PromptFormatError as e:  # a cut the format cannot render: try a shorter one
+            if not cut:
+                raise
+            error, hi, n = e, budget, None
+        else:
+            n = len(tokens)
+            if not cut and n <= high:
+                return msgs, tokens, targets, False
+            if low <= n <= high:
+                return msgs, tokens, targets, True
+            if n > high:
+                hi = budget
+                if best is None or n < len(best[1]):
+                    best = (msgs, tokens, targets, cut)
+            else:
+                lo = budget
+        if hi is None:
+            guess = budget * 2 if not n else max(budget * 2, int(budget * high / n))
+            budget = min(total, guess)
+        else:
+            guess = int(budget * (low + high) / 2 / n) if n else (lo + hi) // 2
+            budget = guess if lo < guess < hi else (lo + hi) // 2
+        if hi is not None and hi - lo <= 1:
+            break
+    if best is not None:
+        return best
+    raise error or PromptFormatError("the conversation could not be cut to max_seq_len")
+
+
+def _process_batch(batch: list[tuple[int, int, int, str | None, str | None]]) -> list[tuple]:
+    """Parse, validate and count one batch of lines: ``(file_idx, line, nbytes, text, error)`` each.
+
+    Under ``own-row`` a conversation longer than :func:`own_row_window` is cut there first
+    (:func:`_fit_own_row`), and the stored, cut conversation is the one counted.
+
+    Returns:
+        ``(file_idx, line, nbytes, (num_tokens, trained, trained_in_row), row_messages_json, None, cut)`` for a
+        good line (``trained``: tokens the model is trained to predict, or 1 for a cut conversation (its cut-off
+        part is not counted); ``trained_in_row``: those within the first ``max_seq_len`` tokens, what the
+        loader's truncation keeps; ``cut``: the packer cut it), or ``(file_idx, line, nbytes, None, None,
+        reason, False)`` for a rejected one.
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
     out = []
-    for file_idx, line, text, decode_error in batch:
+    for file_idx, line, nbytes, text, decode_error in batch:
         path = cfg.inputs[file_idx]
         try:
             if decode_error:
@@ -173,16 +316,28 @@ def _process_batch(batch: list[tuple[int, int, str | None, str | None]]) -> list
                 record = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
+            except RecursionError as e:
+                raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
             conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
                                 default_system_prompt=cfg.default_system_prompt)
-            tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+            cut = False
+            if cfg.oversize == "own-row":
+                msgs, tokens, targets, cut = _fit_own_row(conv, tok, fmt, cfg)
+                if cut:
+                    conv = type(conv)(messages=msgs, tools=conv.tools, path=conv.path, line=conv.line,
+                                      meta=conv.meta, chat_template_kwargs=conv.chat_template_kwargs)
+            else:
+                tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools,
+                                                        conv.chat_template_kwargs)
             trained = [t != IGNORE_INDEX for t in targets[1:]]
-            counts = (len(tokens), sum(trained), sum(trained[: cfg.max_seq_len - 1]))
-            out.append((file_idx, line, counts, json.dumps(conv.to_row_messages(), ensure_ascii=False), None))
+            in_row = sum(trained[: cfg.max_seq_len - 1])
+            counts = (len(tokens), max(1, in_row) if cut else sum(trained), in_row)
+            out.append((file_idx, line, nbytes, counts, json.dumps(conv.to_row_messages(), ensure_ascii=False),
+                        None, cut))
         except ConversationError as e:
-            out.append((file_idx, line, None, None, f"{e.field + ': ' if e.field else ''}{e.reason}"))
+            out.append((file_idx, line, nbytes, None, None, f"{e.field + ': ' if e.field else ''}{e.reason}", False))
         except PromptFormatError as e:
-            out.append((file_idx, line, None, None, f"{cfg.prompt_format}: {e}"))
+            out.append((file_idx, line, nbytes, None, None, f"{cfg.prompt_format}: {e}", False))
     return out
 
 
@@ -190,8 +345,8 @@ def _process_batch(batch: list[tuple[int, int, str | None, str | None]]) -> list
 def _batches(cfg: PackConfig):
     batch = []
     for file_idx, path in enumerate(cfg.inputs):
-        for line, text, err in iter_jsonl_lines(path):
-            batch.append((file_idx, line, text, err))
+        for line, nbytes, text, err in iter_jsonl_lines_sized(path, cfg.max_conversation_bytes):
+            batch.append((file_idx, line, nbytes, text, err))
             if len(batch) == _BATCH:
                 yield batch
                 batch = []
@@ -227,6 +382,8 @@ class _Counted:
     offset: int  # byte offset of its messages JSON in the spool file
     size: int
     trained_in_row: int = 1  # trained tokens within the first max_seq_len tokens
+    cut: bool = False  # the packer cut it to own_row_window (own-row)
+    nbytes: int = 0  # its input line's bytes
 
 
 @dataclass
@@ -248,6 +405,7 @@ class PackReport:
     per_input: dict[str, dict[str, int]] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
+    rows_file: dict[str, Any] = field(default_factory=dict)  # {size, blake2b} of the rows written
 
     @property
     def efficiency(self) -> float:
@@ -313,9 +471,11 @@ class PackReport:
 
 def _count_all(cfg: PackConfig, spool, report: PackReport) -> list[_Counted]:
     counted: list[_Counted] = []
-    bar = tqdm(desc="tokenizing", unit="conv", disable=not cfg.progress, mininterval=1.0)
-    for file_idx, line, counts, msgs_json, reason in _ordered_results(cfg):
-        bar.update(1)
+    total = sum(os.path.getsize(p) for p in cfg.inputs)
+    bar = tqdm(desc="reading", total=total, unit="B", unit_scale=True, disable=not cfg.progress, mininterval=1.0)
+    for file_idx, line, nbytes, counts, msgs_json, reason, cut in _ordered_results(cfg):
+        bar.update(nbytes)
+        bar.set_postfix_str(f"{report.input_conversations + 1} conv", refresh=False)
         report.input_conversations += 1
         stats = report.per_input.setdefault(cfg.inputs[file_idx], {"conversations": 0, "rejected": 0})
         stats["conversations"] += 1
@@ -331,7 +491,8 @@ def _count_all(cfg: PackConfig, spool, report: PackReport) -> list[_Counted]:
                         "empty, weight 0, or not the last with --train-on last); it is packed as context only",
                         cfg.inputs[file_idx], line)
         data = msgs_json.encode("utf-8")
-        counted.append(_Counted(file_idx, line, n, spool.tell(), len(data), trained_in_row if trained else 1))
+        counted.append(_Counted(file_idx, line, n, spool.tell(), len(data), trained_in_row if trained else 1,
+                                cut, nbytes))
         spool.write(data)
     bar.close()
     return counted
@@ -349,40 +510,115 @@ def _apply_oversize(cfg: PackConfig, counted: list[_Counted], report: PackReport
             raise PackError(f"{where}: conversation has {c.num_tokens} tokens (cost {cost}) > max_seq_len "
                             f"{cfg.max_seq_len}; use --oversize own-row or drop, or a larger --max-seq-length")
         action = "dropped" if cfg.oversize == "drop" else "own row, truncated by the loader"
-        report.oversize.append({"input": cfg.inputs[c.file_idx], "line": c.line, "tokens": c.num_tokens,
-                                "action": action})
+        entry = {"input": cfg.inputs[c.file_idx], "line": c.line, "tokens": c.num_tokens, "action": action}
+        if c.cut:
+            entry.update(cut_by_packer=True, input_bytes=c.nbytes)
+        report.oversize.append(entry)
         if cfg.oversize == "own-row":
             kept.append(c)
             if c.trained_in_row == 0:
                 report.warn("truncation_removes_training",
-                            f"conversation has {c.num_tokens} tokens; truncated to max_seq_len {cfg.max_seq_len} "
+                            f"conversation has {'more than ' if c.cut else ''}{c.num_tokens} tokens; truncated "
+                            f"to max_seq_len {cfg.max_seq_len} "
                             "in its own row it keeps no trained token (its assistant turns all lie beyond the "
                             "cut); use --oversize drop or a larger --max-seq-length", cfg.inputs[c.file_idx],
                             c.line)
     return kept
 
 
-def _write_rows(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted], spool) -> None:
-    with atomic_open(cfg.output, "wb") as out:
+def _stage(name: str) -> None:
+    """Publication stage ``name`` (one of :data:`STAGES`) reached: the :data:`STAGE_HOOK_ENV` test hook."""
+    hook = os.environ.get(STAGE_HOOK_ENV, "")
+    stage, _, sig = hook.partition(":")
+    if stage == name:
+        os.kill(os.getpid(), getattr(signal, sig or "SIGKILL"))
+        time.sleep(0.2)  # let an unblocked handler run here
+
+
+def _output_paths(cfg: PackConfig) -> dict[str, str]:
+    """``{rows, sidecar, report, histogram?}``: the paths a run writes (histogram absent when disabled)."""
+    paths = {"rows": cfg.output, "sidecar": str(sidecar_path(cfg.output)),
+             "report": cfg.report or cfg.output + ".report.json"}
+    histogram = cfg.histogram if cfg.histogram is not None else cfg.output + ".lengths.png"
+    if histogram:
+        paths["histogram"] = histogram
+    return paths
+
+
+def _write_rows(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted], spool, tmp: Path) -> tuple[int, str]:
+    """Write the rows into ``tmp`` (fsynced); return its size in bytes and BLAKE2b-160 hex."""
+    with open(tmp, "wb") as f:
+        out = HashingWriter(f)
         for row in rows:
             parts = []
             for i in row:
                 spool.seek(kept[i].offset)
                 parts.append(spool.read(kept[i].size)[1:-1])  # strip the list brackets
             out.write(b'{"messages": [' + b", ".join(parts) + b"]}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return out.size, out.hexdigest()
+
+
+class _Lock:
+    """An exclusive ``flock`` on ``.NAME.lock`` beside the output: one packer per output at a time."""
+
+    def __init__(self, output: str):
+        self.path = Path(output).with_name(f".{Path(output).name}.lock")
+
+    def __enter__(self):
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(self._fd)
+            raise PackError(f"another packer is writing {self.path.with_name(self.path.name[1:-5])} "
+                            f"(it holds {self.path}); wait for it or pick another --output") from e
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self._fd)  # releases the lock
+
+
+class _Terminated(SystemExit):
+    """SIGTERM during :func:`run_pack`: unwinds so that every temp file is removed (exit code 143)."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated(128 + signum)
 
 
 def run_pack(cfg: PackConfig) -> PackReport:
     """Run the whole pipeline for ``cfg`` and return its report (also written to disk).
 
-    Writes ``cfg.output`` (rows), ``cfg.output + ".meta.json"`` (sidecar), the JSON report and the length
-    histogram PNG, each atomically.
+    Writes ``cfg.output`` (rows), ``cfg.output + ".meta.json"`` (sidecar, with the rows' size and BLAKE2b), the
+    JSON report and the length histogram PNG: all to temp names first, then renamed with SIGTERM held off,
+    the sidecar last. A run killed at any point leaves the previous set (or, killed with SIGKILL between the
+    last two renames, new rows that the loader refuses against the old sidecar, naming both). Temp files of
+    an earlier killed run are removed at start; SIGTERM (handled while this runs in the main thread) removes
+    this run's own.
 
     Raises:
         ValueError: invalid settings (see :meth:`PackConfig.validate`), unusable tokenizer or prompt format.
-        PackError: strict mode met an invalid record, or ``oversize="error"`` met a long conversation.
+        PackError: strict mode met an invalid record, ``oversize="error"`` met a long conversation, or another
+            packer is writing the same output.
+        SystemExit: 143 on SIGTERM (nothing of this run is left behind).
     """
     cfg.validate()
+    handler = None
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        try:
+            handler = signal.signal(signal.SIGTERM, _on_sigterm)
+        except ValueError:  # not the main thread
+            handler = None
+    try:
+        return _run_pack(cfg)
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _run_pack(cfg: PackConfig) -> PackReport:
     tok = load_tokenizer(cfg.tokenizer)
     fmt = _prompt_format(cfg, tok)
     report = PackReport(settings={k: v for k, v in asdict(cfg).items() if k not in ("progress",)})
@@ -392,38 +628,45 @@ def run_pack(cfg: PackConfig) -> PackReport:
                     "to stop")
     out_dir = Path(cfg.output).resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=out_dir) as spool:
-        counted = _count_all(cfg, spool, report)
-        kept = _apply_oversize(cfg, counted, report)
-        L, cp = cfg.max_seq_len, cfg.context_parallel_size
-        costs = [min(conversation_cost(c.num_tokens, cp), L) for c in kept]
-        if not kept:
-            raise PackError(f"no conversation to pack: {report.input_conversations} input line(s), "
-                            f"{len(report.rejected)} rejected, {len(report.oversize)} oversize "
-                            f"({', '.join(cfg.inputs)}); see the reasons with --strict")
-        rows = pack(costs, L, cfg.algorithm)
-        if cfg.shuffle_rows:
-            random.Random(cfg.seed).shuffle(rows)
-        _write_rows(cfg, rows, kept, spool)
-    lengths = [c.num_tokens for c in kept]
-    report.packed_conversations = len(kept)
-    report.rows = len(rows)
-    report.real_tokens = sum(min(n, L) for n in lengths)
-    report.padding_tokens = report.rows * L - report.real_tokens
-    report.lower_bound_rows = lower_bound_rows(costs, L) if costs else 0
-    _write_outputs(cfg, fmt, tok, report, lengths, rows, costs)
+    paths = _output_paths(cfg)
+    with _Lock(cfg.output):
+        for final in paths.values():
+            for stale in stale_temps(final):
+                stale.unlink(missing_ok=True)
+        temps: dict[str, Path] = {}
+        try:
+            temps["rows"] = temp_path(cfg.output)
+            with tempfile.TemporaryFile(dir=out_dir) as spool:
+                counted = _count_all(cfg, spool, report)
+                kept = _apply_oversize(cfg, counted, report)
+                L, cp = cfg.max_seq_len, cfg.context_parallel_size
+                costs = [min(conversation_cost(c.num_tokens, cp), L) for c in kept]
+                if not kept:
+                    raise PackError(f"no conversation to pack: {report.input_conversations} input line(s), "
+                                    f"{len(report.rejected)} rejected, {len(report.oversize)} oversize "
+                                    f"({', '.join(cfg.inputs)}); see the reasons with --strict")
+                rows = pack(costs, L, cfg.algorithm)
+                if cfg.shuffle_rows:
+                    random.Random(cfg.seed).shuffle(rows)
+                _stage("tokenized")
+                size, digest = _write_rows(cfg, rows, kept, spool, temps["rows"])
+            _stage("rows_written")
+            lengths = [c.num_tokens for c in kept]
+            report.packed_conversations = len(kept)
+            report.rows = len(rows)
+            report.real_tokens = sum(min(n, L) for n in lengths)
+            report.padding_tokens = report.rows * L - report.real_tokens
+            report.lower_bound_rows = lower_bound_rows(costs, L) if costs else 0
+            _write_outputs(cfg, fmt, tok, report, lengths, rows, costs, paths, temps, size, digest)
+        finally:
+            for tmp in temps.values():
+                tmp.unlink(missing_ok=True)
     return report
 
 
-def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs) -> None:
-    report_path = cfg.report or cfg.output + ".report.json"
-    histogram = cfg.histogram if cfg.histogram is not None else cfg.output + ".lengths.png"
-    report.outputs = {"rows": cfg.output, "sidecar": str(sidecar_path(cfg.output)), "report": report_path}
-    if histogram:
-        from packsft.packing.report import plot_lengths
-
-        plot_lengths(histogram, lengths, [sum(costs[i] for i in r) for r in rows], cfg.max_seq_len)
-        report.outputs["histogram"] = histogram
+def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, paths, temps, size, digest) -> None:
+    report.outputs = dict(paths)
+    report.rows_file = {"size": size, "blake2b": digest}
     sidecar = {
         "packsft_version": __version__,
         "inputs": list(cfg.inputs),
@@ -441,6 +684,37 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs) -> N
                    "rejected": len(report.rejected), "oversize": len(report.oversize),
                    "warnings": report.warning_counts(), "rows": report.rows,
                    "real_tokens": report.real_tokens, "padding_tokens": report.padding_tokens},
+        **rows_file_fields(size, digest),
     }
-    write_sidecar(cfg.output, sidecar)
-    write_json_atomic(report_path, report.to_dict())
+    temps["sidecar"] = temp_path(paths["sidecar"])
+    temps["sidecar"].write_text(sidecar_text(sidecar), encoding="utf-8")
+    _stage("sidecar_written")
+    temps["report"] = temp_path(paths["report"])
+    temps["report"].write_text(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if "histogram" in paths:
+        from packsft.packing.report import plot_lengths
+
+        temps["histogram"] = temp_path(paths["histogram"])
+        plot_lengths(temps["histogram"], lengths, [sum(costs[i] for i in r) for r in rows], cfg.max_seq_len)
+    for key in ("sidecar", "report"):
+        with open(temps[key], "rb+") as f:
+            os.fsync(f.fileno())
+    _stage("report_written")
+    _publish(paths, temps)
+
+
+def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
+    """Rename the temp files over their outputs, the sidecar last, with SIGTERM and SIGINT held off."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        for key in ("histogram", "report", "rows"):
+            if key in temps:
+                os.replace(temps.pop(key), paths[key])
+        _stage("rows_published")
+        os.replace(temps.pop("sidecar"), paths["sidecar"])
+        for folder in {Path(p).resolve().parent for p in paths.values()}:
+            fsync_dir(folder)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    _stage("published")

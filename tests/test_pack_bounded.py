@@ -1,0 +1,125 @@
+"""Bounded work per conversation: a 50 MB line costs the packer and the loader what an ordinary line costs."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from packsft.data.dataset import PackedSFTDataset
+from packsft.packing.pipeline import MAX_CONVERSATION_BYTES, PackConfig, own_row_window, run_pack
+
+REPO = Path(__file__).resolve().parents[1]
+TOK = "smollm2-135m-instruct"
+MEASURE = """
+import json, resource, sys, time
+from packsft.packing import cli
+t = time.perf_counter()
+rc = cli.main(sys.argv[1:])
+print(json.dumps({"rc": rc, "s": time.perf_counter() - t,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def _line(i: int) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": f"q{i} " + "why " * 30},
+                                    {"role": "assistant", "content": f"a{i} " + "ok " * 20}]})
+
+
+def _big_line(nbytes: int) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": "tell me " + "words and more words " * (nbytes // 21)},
+                                    {"role": "assistant", "content": "fine " * 100}]})
+
+
+def _measure(src: Path, out: Path, tok: Path, *extra: str) -> dict:
+    argv = ["--input", str(src), "--output", str(out), "--tokenizer", str(tok), "--max-seq-length", "1024",
+            "--no-progress", "--histogram", "", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": time.perf_counter() - t}
+
+
+@pytest.mark.slow
+def test_a_50mb_line_costs_the_packer_and_the_loader_what_an_ordinary_line_costs(tmp_path, tokenizer_dir):
+    tok = tokenizer_dir(TOK)
+    lines = [_line(i) for i in range(20)]
+    small = tmp_path / "small.jsonl"
+    small.write_text("\n".join(lines) + "\n")
+    big = tmp_path / "big.jsonl"
+    big.write_text("\n".join(lines[:10] + [_big_line(50_000_000)] + lines[11:]) + "\n")
+    assert big.stat().st_size > 50_000_000
+    ordinary = _measure(small, tmp_path / "s.jsonl.packed", tok)
+    rejected = _measure(big, tmp_path / "r.jsonl.packed", tok)  # default --max-conversation-bytes: 4 MiB
+    cut = _measure(big, tmp_path / "c.jsonl.packed", tok, "--max-conversation-bytes", str(64 << 20))
+    print({"ordinary": ordinary, "rejected": rejected, "cut": cut})
+    for m in (ordinary, rejected, cut):
+        assert m["rc"] == 0
+        assert m["rss_mb"] <= 2 * ordinary["rss_mb"], (m, ordinary)
+        # the packer process, start to exit (its fixed start dominates 20 lines; cli.main alone is in "s")
+        assert m["wall_s"] <= 2 * ordinary["wall_s"], (m, ordinary)
+    report = json.loads((tmp_path / "r.jsonl.packed.report.json").read_text())
+    assert [(r["line"], "more than --max-conversation-bytes 4194304" in r["reason"]) for r in report["rejected"]] \
+        == [(11, True)]
+    report = json.loads((tmp_path / "c.jsonl.packed.report.json").read_text())
+    low, high = own_row_window(1024)
+    [entry] = report["oversize"]
+    assert entry["line"] == 11 and entry["cut_by_packer"] and low <= entry["tokens"] <= high
+    assert entry["input_bytes"] == len(_big_line(50_000_000)) + 1
+    # the stored row is small, and reading it costs what any row costs
+    packed = tmp_path / "c.jsonl.packed"
+    assert packed.stat().st_size < 100_000
+    ds = PackedSFTDataset(packed, tok, "chat-template", 1024)
+    t = time.perf_counter()
+    items = [ds[i] for i in range(len(ds))]
+    assert time.perf_counter() - t < 5.0
+    assert all(item["tokens"].shape == (1024,) for item in items)
+
+
+def test_max_conversation_bytes_rejects_before_parsing_and_is_exact(tmp_path, tokenizer_dir):
+    assert MAX_CONVERSATION_BYTES == 4 << 20
+    good = _line(0)
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([good, _line(1) + " " * 50, "{not json" + " " * 300, good]) + "\n")
+    limit = len(good.encode()) + 10
+    report = run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"),
+                                 tokenizer=str(tokenizer_dir(TOK)), max_seq_len=256, progress=False, histogram="",
+                                 max_conversation_bytes=limit))
+    assert [(r["line"], f"more than --max-conversation-bytes {limit}" in r["reason"]) for r in report.rejected] \
+        == [(2, True), (3, True)]
+    assert report.packed_conversations == 2
+
+
+@pytest.mark.parametrize("train_on", ["all", "last"])
+def test_own_row_cut_keeps_a_prefix_within_the_window(tmp_path, tokenizer_dir, train_on):
+    tok = tokenizer_dir(TOK)
+    turns = []
+    for i in range(40):
+        turns += [{"role": "user", "content": f"question {i} " + "why " * 20},
+                  {"role": "assistant", "content": f"answer {i} " + "because " * 20}]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": turns}) + "\n" + _line(0) + "\n")
+    out = tmp_path / "o.jsonl.packed"
+    report = run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tok), max_seq_len=256,
+                                 progress=False, histogram="", train_on=train_on))
+    [entry] = report.oversize
+    low, high = own_row_window(256)
+    assert entry["cut_by_packer"] and low <= entry["tokens"] <= high
+    rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    stored = next(r for r in rows if len(r) > 3)
+    if train_on == "last":  # the kept assistant turns are marked context only
+        assert all(m.get("weight") == 0 for m in stored if m["role"] == "assistant")
+        stored = [{k: v for k, v in m.items() if k != "weight"} for m in stored]
+    assert stored[1:-1] == turns[: len(stored) - 2]
+    assert turns[len(stored) - 2]["content"].startswith(stored[-1]["content"])
+    ds = PackedSFTDataset(out, tok, "chat-template", 256)
+    item = ds[next(i for i, r in enumerate(rows) if len(r) > 3)]
+    if train_on == "all":
+        assert item["num_trained_tokens"] > 0
+    else:  # the last assistant turn lies beyond the cut: nothing is trained, as the loader's truncation would
+        assert item["num_trained_tokens"] == 0
+        assert [w["kind"] for w in report.warnings] == ["truncation_removes_training"]

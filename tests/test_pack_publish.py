@@ -1,0 +1,166 @@
+"""The packer's outputs as a set: killed at every stage, a re-pack leaves the old set or the new one, never a mix
+the loader accepts; the sidecar's rows size and hash; stale temps; same input and output; progress."""
+
+import json
+import multiprocessing as mp
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from tqdm import tqdm
+
+from packsft.data.dataset import PackedSFTDataset
+from packsft.io import stale_temps
+from packsft.packing import cli
+from packsft.packing.pipeline import STAGE_HOOK_ENV, STAGES, PackConfig, run_pack
+from packsft.sidecar import SidecarError, read_sidecar, sidecar_path
+
+TOK = "smollm2-135m-instruct"
+
+
+def _chats(path: Path, n: int = 24) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            msgs = [{"role": "user", "content": f"question {i}: " + "why " * (i * 3 % 40)},
+                    {"role": "assistant", "content": f"answer {i} " + "because " * (i * 5 % 30)}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def _argv(src, out, tok, L):
+    return ["--input", str(src), "--output", str(out), "--tokenizer", str(tok), "--max-seq-length", str(L),
+            "--no-progress"]
+
+
+def _child(argv, hook):
+    os.environ[STAGE_HOOK_ENV] = hook
+    raise SystemExit(cli.main(argv))
+
+
+def _set(out: Path) -> dict[str, bytes]:
+    """The rows and sidecar bytes, and the report's record of the rows (its other fields name the paths)."""
+    got = {p.name: p.read_bytes() for p in (out, sidecar_path(out)) if p.exists()}
+    report = Path(str(out) + ".report.json")
+    got["report.rows_file"] = json.loads(report.read_text())["rows_file"] if report.exists() else None
+    return got
+
+
+@pytest.fixture(scope="module")
+def packed_sets(tmp_path_factory, tokenizer_dir):
+    """The old set (L=128) and the new set (L=256) of the same input, packed cleanly."""
+    d = tmp_path_factory.mktemp("sets")
+    src = _chats(d / "in.jsonl")
+    tok = tokenizer_dir(TOK)
+    sets = {}
+    for L in (128, 256):
+        out = d / f"ref{L}" / "rows.jsonl.packed"
+        assert cli.main(_argv(src, out, tok, L)) == 0
+        sets[L] = _set(out)
+    return src, tok, sets
+
+
+def _load(out: Path, tok):
+    meta = read_sidecar(out)
+    return PackedSFTDataset(out, tok, "chat-template", meta["max_seq_len"], verify_rows_hash=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_repack_killed_at_every_stage_leaves_the_old_or_the_new_set(tmp_path, packed_sets, sig):
+    src, tok, sets = packed_sets
+    ctx = mp.get_context("fork")
+    for stage in STAGES:
+        out = tmp_path / stage / "rows.jsonl.packed"
+        assert cli.main(_argv(src, out, tok, 128)) == 0  # the old set
+        p = ctx.Process(target=_child, args=(_argv(src, out, tok, 256), f"{stage}:{sig}"))
+        p.start()
+        p.join(120)
+        code = p.exitcode
+        assert code in ((-signal.SIGKILL,) if sig == "SIGKILL" else (128 + signal.SIGTERM,)), (stage, code)
+        now = _set(out)
+        # the report always describes the rows beside it (it is published just before them)
+        assert now["report.rows_file"]["size"] == out.stat().st_size, stage
+        leftovers = [t for final in (out, sidecar_path(out), Path(str(out) + ".report.json"),
+                                     Path(str(out) + ".lengths.png")) for t in stale_temps(final)]
+        if sig == "SIGTERM":
+            assert leftovers == [], (stage, leftovers)  # SIGTERM removes its own temp files
+        if sig == "SIGKILL" and stage == "rows_published":
+            # killed between the last two renames: new rows, old sidecar; the loader refuses, naming both
+            assert now[out.name] == sets[256][out.name]
+            assert now[sidecar_path(out).name] == sets[128][sidecar_path(out).name]
+            with pytest.raises(SidecarError, match=r"rows.jsonl.packed does not match its sidecar .*meta.json"):
+                _load(out, tok)
+        else:
+            new = stage in ("published",) or (sig == "SIGTERM" and stage == "rows_published")
+            rows_and_sidecar = {k: now[k] for k in (out.name, sidecar_path(out).name)}
+            want = sets[256 if new else 128]
+            assert rows_and_sidecar == {k: want[k] for k in rows_and_sidecar}, (stage, sig)
+            ds = _load(out, tok)
+            assert ds.max_seq_len == (256 if new else 128) and ds.rows_hash_checked
+            ds[0]
+        # the next run removes what a SIGKILL left and publishes the new set
+        assert cli.main(_argv(src, out, tok, 256)) == 0
+        assert [t for final in (out, sidecar_path(out)) for t in stale_temps(final)] == []
+        assert _set(out) == sets[256]
+
+
+def test_stale_temps_of_a_killed_run_are_removed_and_others_kept(tmp_path, packed_sets):
+    src, tok, _ = packed_sets
+    out = tmp_path / "rows.jsonl.packed"
+    stale = [tmp_path / ".rows.jsonl.packed.abcd1234.tmp", tmp_path / ".rows.jsonl.packed.meta.json.x_y_z_12.tmp",
+             tmp_path / "..rows.jsonl.packed.lengths.png.abcdefgh.tmp.ijklmnop.tmp"]
+    other = [tmp_path / ".rows.jsonl.packed.idx.abcd1234.tmp", tmp_path / ".other.jsonl.abcd1234.tmp"]
+    for p in stale + other:
+        p.write_bytes(b"x" * 1000)
+    assert cli.main(_argv(src, out, tok, 128)) == 0
+    assert [p for p in stale if p.exists()] == []
+    assert all(p.exists() for p in other)
+
+
+def test_loader_refuses_rows_that_are_not_the_sidecars(tmp_path, packed_sets):
+    src, tok, sets = packed_sets
+    out = tmp_path / "rows.jsonl.packed"
+    assert cli.main(_argv(src, out, tok, 128)) == 0
+    meta = read_sidecar(out)
+    assert meta["rows_file"]["size"] == out.stat().st_size and len(meta["rows_file"]["blake2b"]) == 40
+    report = json.loads(Path(str(out) + ".report.json").read_text())
+    assert report["rows_file"] == meta["rows_file"]
+    data = out.read_bytes()
+    out.write_bytes(data + b"\n")  # another size: always refused
+    with pytest.raises(SidecarError, match=r"rows.jsonl.packed does not match its sidecar .*rows.jsonl.packed"
+                                           r".meta.json: the rows file has \d+ bytes, the sidecar records \d+"):
+        PackedSFTDataset(out, tok, "chat-template", 128, verify_rows_hash=False)
+    k = data.index(b"question 3") + len("question ")
+    out.write_bytes(data[:k] + b"4" + data[k + 1:])  # same size, other bytes: refused by the hash
+    with pytest.raises(SidecarError, match=r"BLAKE2b is [0-9a-f]{40}, the sidecar records [0-9a-f]{40}"):
+        PackedSFTDataset(out, tok, "chat-template", 128)  # default: hashed (the file is small)
+    ds = PackedSFTDataset(out, tok, "chat-template", 128, verify_rows_hash=False)  # size only, on request
+    assert not ds.rows_hash_checked
+
+
+def test_same_path_for_input_and_output_is_refused(tmp_path, packed_sets, capsys):
+    src, tok, _ = packed_sets
+    copy = tmp_path / "in.jsonl"
+    copy.write_bytes(Path(src).read_bytes())
+    before = copy.read_bytes()
+    for extra in ([], ["--report", str(copy)]):
+        target = copy if not extra else tmp_path / "o.jsonl.packed"
+        assert cli.main(_argv(copy, target, tok, 128) + extra) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --input") and "would overwrite its own input" in err
+    assert copy.read_bytes() == before
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(copy)
+    assert cli.main(_argv(link, copy, tok, 128)) == 2
+    assert copy.read_bytes() == before
+
+
+def test_progress_counts_bytes_with_a_total(tmp_path, packed_sets, capsys):
+    src, tok, _ = packed_sets
+    run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "p.jsonl.packed"), tokenizer=str(tok),
+                        max_seq_len=128, histogram="", progress=True))
+    err = capsys.readouterr().err
+    total = Path(src).stat().st_size
+    size = tqdm.format_sizeof(total)
+    assert "reading: 100%" in err and f"{size}/{size}" in err and "<00:00" in err, err[-300:]

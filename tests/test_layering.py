@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "packsft"
-BASE = {"packsft", "conversation", "tokenizer", "io", "layout", "process_groups"}
+BASE = {"packsft", "conversation", "tokenizer", "io", "layout", "process_groups", "record_formats"}
 ALLOWED = {
     "base": BASE,
     "prompt_formats": BASE | {"prompt_formats"},

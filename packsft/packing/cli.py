@@ -12,6 +12,7 @@ import sys
 from packsft.packing.algorithms import ALGORITHMS
 from packsft.packing.pipeline import MAX_CONVERSATION_BYTES, OVERSIZE_POLICIES, PackConfig, PackError, run_pack
 from packsft.prompt_formats import PRESETS, TRAIN_ON
+from packsft.record_formats import RECORD_FORMATS
 
 
 def _json_object(text: str) -> dict:
@@ -55,6 +56,11 @@ def parse_args(argv=None) -> PackConfig:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--shuffle-rows", action="store_true", help="write rows in a seeded random order")
     p.add_argument("--num-workers", type=int, default=0, help="tokenizer processes (0: this process)")
+    p.add_argument("--format", dest="record_format", default="messages", choices=RECORD_FORMATS,
+                   help="record shape: messages (OpenAI), input-output (with --input-key/--output-key), sharegpt "
+                        "(conversations: [{from, value}]) or alpaca (instruction, input, output)")
+    p.add_argument("--adapter", default=None, metavar="PKG.MODULE:FN",
+                   help="a function turning one record into {'messages': [...], 'tools': [...]}, from PYTHONPATH")
     p.add_argument("--input-key", default=None, help="prompt field of prompt/response records")
     p.add_argument("--output-key", default=None, help="response field of prompt/response records")
     p.add_argument("--default-system-prompt", default="", help="system prompt for conversations without one")
@@ -70,7 +76,8 @@ def parse_args(argv=None) -> PackConfig:
                       sequence_parallel_size=a.tensor_model_parallel_size if a.sequence_parallel else 1,
                       algorithm=a.algorithm, oversize=a.oversize,
                       seed=a.seed, shuffle_rows=a.shuffle_rows, num_workers=a.num_workers, input_key=a.input_key,
-                      output_key=a.output_key, default_system_prompt=a.default_system_prompt, strict=a.strict,
+                      output_key=a.output_key, record_format=a.record_format, adapter=a.adapter,
+                      default_system_prompt=a.default_system_prompt, strict=a.strict,
                       report=a.report, histogram=a.histogram, progress=not a.no_progress,
                       max_conversation_bytes=a.max_conversation_bytes)
 

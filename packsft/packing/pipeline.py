@@ -47,6 +47,7 @@ from packsft.io import HashingWriter, fsync_dir, stale_temps, temp_path
 from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
 from packsft.prompt_formats import TRAIN_ON, PromptFormatError, get_prompt_format, tokenize_conversation
+from packsft.record_formats import RecordFormatError, adapter_identity, record_converter
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -85,6 +86,9 @@ class PackConfig:
         shuffle_rows: write rows in a seeded random order instead of creation order.
         num_workers: tokenizer processes (0 = in this process).
         input_key, output_key: prompt/response records instead of ``messages``.
+        record_format: ``messages``, ``input-output``, ``sharegpt`` or ``alpaca`` (``packsft.record_formats``).
+        adapter: import path ``pkg.module:fn`` of a record -> ``{"messages", "tools"?}`` function (replaces
+            ``record_format``); its path and file hash go into the sidecar.
         default_system_prompt: system content given to conversations without one.
         strict: abort at the first invalid record instead of reporting it.
         report: JSON report path (default ``<output>.report.json``).
@@ -111,6 +115,8 @@ class PackConfig:
     shuffle_rows: bool = False
     num_workers: int = 0
     input_key: str | None = None
+    record_format: str = "messages"
+    adapter: str | None = None
     output_key: str | None = None
     default_system_prompt: str = ""
     strict: bool = False
@@ -131,6 +137,9 @@ class PackConfig:
             raise ValueError(f"--algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
         if self.oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"--oversize {self.oversize!r}: choose one of {', '.join(OVERSIZE_POLICIES)}")
+        record_converter(self.record_format, self.adapter)          # an unknown format or adapter fails here
+        if self.record_format == "input-output" and not self.input_key:
+            raise ValueError("--format input-output needs --input-key and --output-key")
         if bool(self.input_key) != bool(self.output_key):
             raise ValueError("--input-key and --output-key must be given together")
         if self.train_on not in TRAIN_ON:
@@ -181,7 +190,7 @@ def _prompt_format(cfg: PackConfig, tok):
 def _init_worker(cfg: PackConfig) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(cfg.tokenizer)
-    _W.update(cfg=cfg, tok=tok, fmt=_prompt_format(cfg, tok))
+    _W.update(cfg=cfg, tok=tok, fmt=_prompt_format(cfg, tok), convert=record_converter(cfg.record_format, cfg.adapter))
 
 
 def own_row_window(max_seq_len: int) -> tuple[int, int]:
@@ -318,6 +327,11 @@ def _process_batch(batch: list[tuple[int, int, int, str | None, str | None]]) ->
                 raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
             except RecursionError as e:
                 raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
+            if _W["convert"] is not None:
+                try:
+                    record = _W["convert"](record)
+                except RecordFormatError as e:
+                    raise ConversationError(path, line, "", str(e)) from e
             conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
                                 default_system_prompt=cfg.default_system_prompt)
             cut = False
@@ -670,6 +684,8 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, path
     sidecar = {
         "packsft_version": __version__,
         "inputs": list(cfg.inputs),
+        "record_format": cfg.record_format,
+        **(adapter_identity(cfg.adapter) if cfg.adapter else {}),
         "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "tokenizer": str(cfg.tokenizer),
         "prompt_format": fmt.spec(),

@@ -1,0 +1,125 @@
+"""Record shapes the packer reads, turned into OpenAI ``messages`` records before validation.
+
+``--format messages`` (default) and ``input-output`` (``--input-key``/``--output-key``) are read as they are;
+``sharegpt`` (``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": ...}]}``) and ``alpaca``
+(``{"instruction", "input"?, "output", "system"?}``) are converted here; ``--adapter pkg.module:fn`` names any
+callable ``fn(record: dict) -> {"messages": [...], "tools": [...]?}``, imported from ``PYTHONPATH``. An adapter
+that raises rejects that line into the report, like any validation error. Examples: ``docs/packing.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RECORD_FORMATS = ("messages", "input-output", "sharegpt", "alpaca")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "system": "system", "tool": "tool", "observation": "tool",
+                  "function_response": "tool"}
+
+
+class RecordFormatError(ValueError):
+    """A record that does not have the shape of its format (the message names the field)."""
+
+
+def sharegpt_to_messages(record: dict[str, Any]) -> dict[str, Any]:
+    """``{"conversations": [{"from", "value"}], "system"?, "tools"?}`` -> ``{"messages", "tools"?}``.
+
+    Raises:
+        RecordFormatError: no ``conversations`` list, a turn without ``from``/``value``, or an unknown ``from``.
+    """
+    turns = record.get("conversations")
+    if not isinstance(turns, list):
+        raise RecordFormatError("conversations: missing or not a list (ShareGPT records)")
+    messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise RecordFormatError(f"conversations[{i}]: needs 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise RecordFormatError(f"conversations[{i}].from: {turn['from']!r} is not one of {sorted(SHAREGPT_ROLES)}")
+        messages.append({"role": role, "content": turn["value"]})
+    out = {"messages": messages}
+    if record.get("tools") is not None:
+        out["tools"] = record["tools"]
+    return out
+
+
+def alpaca_to_messages(record: dict[str, Any]) -> dict[str, Any]:
+    """``{"instruction", "input"?, "output", "system"?}`` -> one user turn (instruction, blank line, input) and the
+    assistant's output (Stanford Alpaca's fields).
+
+    Raises:
+        RecordFormatError: ``instruction`` or ``output`` missing or not a string.
+    """
+    for key in ("instruction", "output"):
+        if not isinstance(record.get(key), str):
+            raise RecordFormatError(f"{key}: missing or not a string (Alpaca records)")
+    extra = record.get("input")
+    prompt = record["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra else "")
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    if isinstance(record.get("system"), str):
+        messages.insert(0, {"role": "system", "content": record["system"]})
+    return {"messages": messages}
+
+
+def import_adapter(path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The callable named ``pkg.module:fn`` (or ``pkg.module.fn``).
+
+    Raises:
+        ValueError: not an import path, the module or attribute is missing, or it is not callable.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"--adapter {path!r} is not an import path like 'my_pkg.my_module:to_messages'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--adapter {path!r} does not resolve ({err}); is its folder on PYTHONPATH?") from err
+    if not callable(fn):
+        raise ValueError(f"--adapter {path!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def adapter_identity(path: str) -> dict[str, str]:
+    """``{"adapter": path, "adapter_sha256": <hash of the file defining it>}`` for the sidecar."""
+    fn = import_adapter(path)
+    try:
+        source = Path(inspect.getfile(fn)).read_bytes()
+    except (TypeError, OSError):
+        source = repr(fn).encode()
+    return {"adapter": path, "adapter_sha256": hashlib.sha256(source).hexdigest()[:16]}
+
+
+def record_converter(record_format: str, adapter: str | None) -> Callable[[Any], Any] | None:
+    """The function that turns one decoded record into a ``messages`` record, or None when none is needed.
+
+    Raises:
+        ValueError: an unknown format, or an adapter together with a named format other than ``messages``.
+    """
+    if record_format not in RECORD_FORMATS:
+        raise ValueError(f"--format {record_format!r}: choose one of {', '.join(RECORD_FORMATS)}")
+    if adapter:
+        if record_format != "messages":
+            raise ValueError("--adapter replaces --format: give one of them")
+        return _checked(import_adapter(adapter), adapter)
+    return {"sharegpt": sharegpt_to_messages, "alpaca": alpaca_to_messages}.get(record_format)
+
+
+def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:
+    def convert(record: Any) -> Any:
+        try:
+            out = fn(record)
+        except Exception as err:  # noqa: BLE001 - the user's adapter: any failure rejects the line
+            raise RecordFormatError(f"adapter {name} failed: {type(err).__name__}: {err}") from err
+        if not isinstance(out, dict) or not isinstance(out.get("messages"), list):
+            raise RecordFormatError(f"adapter {name} must return a dict with a 'messages' list, got "
+                                    f"{type(out).__name__}")
+        return out
+    return convert

@@ -1,0 +1,81 @@
+"""Record shapes at pack time: ShareGPT, Alpaca and user adapters become messages records; failures are reported
+per line; the adapter's import path and file hash are recorded in the sidecar."""
+
+import json
+import sys
+
+import pytest
+
+from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.record_formats import (
+    RecordFormatError,
+    alpaca_to_messages,
+    import_adapter,
+    record_converter,
+    sharegpt_to_messages,
+)
+from packsft.sidecar import read_sidecar
+
+SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                              {"from": "gpt", "value": "Hello!"}]}
+ALPACA = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
+ADAPTER = '''
+def to_messages(record):
+    if record.get("q") == "boom":
+        raise KeyError("no answer")
+    return {"messages": [{"role": "user", "content": record["q"]}, {"role": "assistant", "content": record["a"]}]}
+'''
+
+
+def test_sharegpt_and_alpaca_become_messages():
+    assert sharegpt_to_messages(SHAREGPT)["messages"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"}]
+    assert alpaca_to_messages(ALPACA)["messages"] == [
+        {"role": "user", "content": "Add the numbers.\n\n2 and 3"}, {"role": "assistant", "content": "5"}]
+    assert alpaca_to_messages({"instruction": "Hi", "output": "Yo", "input": ""})["messages"][0]["content"] == "Hi"
+    with pytest.raises(RecordFormatError, match=r"conversations\[0\].from: 'robot'"):
+        sharegpt_to_messages({"conversations": [{"from": "robot", "value": "x"}]})
+    with pytest.raises(RecordFormatError, match="output: missing"):
+        alpaca_to_messages({"instruction": "x"})
+    with pytest.raises(ValueError, match="--format 'csv'"):
+        record_converter("csv", None)
+    with pytest.raises(ValueError, match="does not resolve"):
+        import_adapter("no_such_pkg.mod:fn")
+    with pytest.raises(ValueError, match="not an import path"):
+        import_adapter("fn")
+
+
+def _pack(tmp_path, tokenizer_dir, lines, **cfg):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "o.jsonl.packed"
+    report = run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+                                 max_seq_len=256, progress=False, histogram="", **cfg))
+    return report, out
+
+
+def test_pack_sharegpt_and_alpaca(tmp_path, tokenizer_dir):
+    report, out = _pack(tmp_path, tokenizer_dir, [SHAREGPT, {"conversations": "nope"}], record_format="sharegpt")
+    assert report.packed_conversations == 1 and report.rejected[0]["line"] == 2
+    assert "conversations: missing or not a list" in report.rejected[0]["reason"]
+    assert read_sidecar(out)["record_format"] == "sharegpt"
+    report, _ = _pack(tmp_path, tokenizer_dir, [ALPACA, ALPACA], record_format="alpaca")
+    assert report.packed_conversations == 2 and not report.rejected
+
+
+def test_adapter_from_pythonpath_reports_failures_per_line(tmp_path, tokenizer_dir, monkeypatch):
+    pkg = tmp_path / "adapters"
+    pkg.mkdir()
+    (pkg / "my_adapter.py").write_text(ADAPTER)
+    monkeypatch.syspath_prepend(str(pkg))
+    sys.modules.pop("my_adapter", None)
+    report, out = _pack(tmp_path, tokenizer_dir, [{"q": "2+2?", "a": "4"}, {"q": "boom"}, {"q": "hi", "a": "yo"}],
+                        adapter="my_adapter:to_messages")
+    assert report.packed_conversations == 2
+    assert [(r["line"], "adapter my_adapter:to_messages failed: KeyError" in r["reason"]) for r in report.rejected] \
+        == [(2, True)]
+    meta = read_sidecar(out)
+    assert meta["adapter"] == "my_adapter:to_messages" and len(meta["adapter_sha256"]) == 16
+    with pytest.raises(ValueError, match="--adapter replaces --format"):
+        _pack(tmp_path, tokenizer_dir, [ALPACA], adapter="my_adapter:to_messages", record_format="alpaca")

@@ -22,6 +22,7 @@ the number of workers, and no step depends on hash order.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -40,7 +41,14 @@ from packsft.conversation import ConversationError, iter_jsonl_lines, parse_reco
 from packsft.io import atomic_open, write_json_atomic
 from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
-from packsft.prompt_formats import TRAIN_ON, PromptFormatError, get_prompt_format, tokenize_conversation
+from packsft.prompt_formats import (
+    MEGATRON_PRESETS,
+    TRAIN_ON,
+    NonMegatronError,
+    PromptFormatError,
+    get_prompt_format,
+    tokenize_conversation,
+)
 from packsft.sidecar import efficiency, sidecar_path, write_sidecar
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -75,6 +83,9 @@ class PackConfig:
         input_key, output_key: prompt/response records instead of ``messages``.
         default_system_prompt: system content given to conversations without one.
         strict: abort at the first invalid record instead of reporting it.
+        allow_non_megatron: keep (warned, kind ``non_megatron``) a conversation that a Megatron preset can
+            tokenize but Megatron-LM's ``SFTTokenizer`` refuses, instead of rejecting it; the file is then
+            packsft-only (sidecar ``megatron_lm_compatible: false``).
         report: JSON report path (default ``<output>.report.json``).
         histogram: PNG path (default ``<output>.lengths.png``); ``""`` disables it.
         progress: show a tqdm progress bar.
@@ -101,6 +112,7 @@ class PackConfig:
     output_key: str | None = None
     default_system_prompt: str = ""
     strict: bool = False
+    allow_non_megatron: bool = False
     report: str | None = None
     histogram: str | None = None
     progress: bool = True
@@ -150,17 +162,19 @@ def _prompt_format(cfg: PackConfig, tok):
 def _init_worker(cfg: PackConfig) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(cfg.tokenizer)
-    _W.update(cfg=cfg, tok=tok, fmt=_prompt_format(cfg, tok))
+    fmt = _prompt_format(cfg, tok)
+    _W.update(cfg=cfg, tok=tok, fmt=fmt, lenient=dataclasses.replace(fmt, allow_non_megatron=True))
 
 
 def _process_batch(batch: list[tuple[int, int, str | None, str | None]]) -> list[tuple]:
     """Parse, validate and count one batch of lines: ``(file_idx, line, text, decode_error)`` each.
 
     Returns:
-        ``(file_idx, line, (num_tokens, trained, trained_in_row), row_messages_json, None)`` for a good line
-        (``trained``: tokens the model is trained to predict; ``trained_in_row``: those of them within the
-        first ``max_seq_len`` tokens, what an own-row truncation keeps), or ``(file_idx, line, None, None,
-        reason)`` for a rejected one.
+        ``(file_idx, line, (num_tokens, trained, trained_in_row, non_megatron), row_messages_json, None)``
+        for a good line (``trained``: tokens the model is trained to predict; ``trained_in_row``: those of them
+        within the first ``max_seq_len`` tokens, what an own-row truncation keeps; ``non_megatron``: why
+        Megatron-LM would refuse a line kept with ``allow_non_megatron``, else ``None``), or
+        ``(file_idx, line, None, None, reason)`` for a rejected one.
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
     out = []
@@ -175,9 +189,18 @@ def _process_batch(batch: list[tuple[int, int, str | None, str | None]]) -> list
                 raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
             conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
                                 default_system_prompt=cfg.default_system_prompt)
-            tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+            non_megatron = None
+            try:
+                tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools,
+                                                        conv.chat_template_kwargs)
+            except NonMegatronError as e:
+                if not cfg.allow_non_megatron:
+                    raise
+                non_megatron = str(e)
+                tokens, targets = tokenize_conversation(conv.messages, tok, _W["lenient"], conv.tools,
+                                                        conv.chat_template_kwargs)
             trained = [t != IGNORE_INDEX for t in targets[1:]]
-            counts = (len(tokens), sum(trained), sum(trained[: cfg.max_seq_len - 1]))
+            counts = (len(tokens), sum(trained), sum(trained[: cfg.max_seq_len - 1]), non_megatron)
             out.append((file_idx, line, counts, json.dumps(conv.to_row_messages(), ensure_ascii=False), None))
         except ConversationError as e:
             out.append((file_idx, line, None, None, f"{e.field + ': ' if e.field else ''}{e.reason}"))
@@ -325,7 +348,10 @@ def _count_all(cfg: PackConfig, spool, report: PackReport) -> list[_Counted]:
                 raise PackError(f"{cfg.inputs[file_idx]}:{line}: {reason} (strict mode)")
             report.rejected.append({"input": cfg.inputs[file_idx], "line": line, "reason": reason})
             continue
-        n, trained, trained_in_row = counts
+        n, trained, trained_in_row, non_megatron = counts
+        if non_megatron is not None:
+            report.warn("non_megatron", f"kept with --allow-non-megatron (packsft-only): {non_megatron}",
+                        cfg.inputs[file_idx], line)
         if trained == 0:
             report.warn("no_trained_token", "conversation has no trained token (no assistant turn to train: "
                         "empty, weight 0, or not the last with --train-on last); it is packed as context only",
@@ -437,6 +463,8 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs) -> N
         "seed": cfg.seed,
         "shuffle_rows": cfg.shuffle_rows,
         "default_system_prompt": cfg.default_system_prompt,
+        "megatron_lm_compatible": (None if fmt.name not in MEGATRON_PRESETS
+                                   else "non_megatron" not in report.warning_counts()),
         "counts": {"input_conversations": report.input_conversations, "packed_conversations": len(lengths),
                    "rejected": len(report.rejected), "oversize": len(report.oversize),
                    "warnings": report.warning_counts(), "rows": report.rows,

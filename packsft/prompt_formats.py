@@ -10,7 +10,7 @@ or EOS; ``targets`` equal ``tokens`` except where masked to ``IGNORE_INDEX``):
 ==================== ============================================ ==========================================
 preset               rendering                                    masked
 ==================== ============================================ ==========================================
-identity             every content verbatim                       nothing (pad ``<unk>``)
+identity             every content verbatim                       system, user, tool turns (pad ``<unk>``)
 nemotron-nano-v2     ``<SPECIAL_10>System\\n{s}\\n``,               system, user, tool turns and the first 3
                      ``<SPECIAL_11>User\\n{u}\\n``,                 tokens of each assistant turn (pad ``<unk>``)
                      ``<SPECIAL_11>Assistant\\n{a}\\n<SPECIAL_12>\\n``
@@ -26,7 +26,10 @@ passthrough          every content verbatim (NeMo RL's            everything but
 ``{s}``/``{u}``/``{a}`` are the stripped contents; ``nemotron-nano-v2`` also deletes ``/think`` and
 ``/no_think`` from system and user text. In the Nemotron presets a ``tool`` turn renders to nothing and an
 assistant turn that only carries ``tool_calls`` is an error (they do not render tool calls). The presets
-tokenize the whole rendering, as Megatron-LM does, and check that every turn's own tokens equal its slice.
+tokenize the whole rendering, as Megatron-LM does, and refuse (:class:`NonMegatronError`) what Megatron-LM's
+``SFTTokenizer`` refuses: a turn whose own tokens are not its slice of the whole, an assistant turn that does
+not follow a user or tool turn. With ``allow_non_megatron`` such a conversation is kept instead (each turn
+then encoded on its own: packsft-only).
 
 ``chat-template`` and ``passthrough`` build the ids as the model sees them when it generates: the prompt
 part of each trained turn (rendered up to and including the assistant header that
@@ -71,6 +74,9 @@ _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use markers around assistant conte
 _SHAPES: dict[tuple, Any] = {}  # (template, eos, bos, kwargs) -> TemplateShape
 _PRESET_PAD = {"identity": "<unk>", "nemotron-nano-v2": "<unk>", "nemotron-h-aligned": "<SPECIAL_233>"}
 _MASKABLE = ("chat-template", "passthrough")
+MEGATRON_PRESETS = ("identity", "nemotron-nano-v2", "nemotron-h-aligned")
+_MEGATRON_HINT = ("Megatron-LM's SFTTokenizer refuses this conversation ({}), so it would crash Megatron-LM --sft "
+                  "and NeMo RL megatron_sft_packed; --allow-non-megatron keeps it (the file is then packsft-only)")
 
 
 class PromptFormatError(ValueError):
@@ -84,6 +90,14 @@ class PromptFormatError(ValueError):
     def __init__(self, reason: str, turn: int | None = None):
         self.turn, self.reason = turn, reason
         super().__init__(f"messages[{turn}]: {reason}" if turn is not None else reason)
+
+
+class NonMegatronError(PromptFormatError):
+    """A conversation a Megatron preset can tokenize but Megatron-LM's ``SFTTokenizer`` refuses.
+
+    Raised only when ``PromptFormat.allow_non_megatron`` is false; with it the conversation is tokenized
+    anyway (turns that merge across a boundary are then encoded each on its own).
+    """
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,9 @@ class PromptFormat:
         append_eos: the tokenizer's EOS id is appended to every trained assistant turn (the template writes
             no end of turn after it).
         template_name: a name for messages (the tokenizer's path and the template hash); not compared.
+        allow_non_megatron: Megatron presets: tokenize a conversation Megatron-LM refuses instead of raising
+            :class:`NonMegatronError`; not compared, not in the sidecar (a conversation Megatron-LM accepts is
+            tokenized identically either way).
     """
 
     name: str
@@ -111,6 +128,7 @@ class PromptFormat:
     chat_template_kwargs: dict[str, Any] | None = None
     append_eos: bool = False
     template_name: str = field(default="", compare=False)
+    allow_non_megatron: bool = field(default=False, compare=False)
 
     @property
     def template_sha256(self) -> str | None:
@@ -161,6 +179,7 @@ def get_prompt_format(
     train_on: str = "all",
     chat_template_kwargs: dict[str, Any] | None = None,
     append_eos: bool | None = None,
+    allow_non_megatron: bool = False,
 ) -> PromptFormat:
     """Bind a prompt format to a tokenizer and resolve its pad token.
 
@@ -173,6 +192,7 @@ def get_prompt_format(
         chat_template_kwargs: keyword arguments of ``apply_chat_template`` (``chat-template`` only).
         append_eos: append EOS to every trained assistant turn; ``None``: when the template writes nothing
             after an assistant turn's content (always for ``passthrough``) and the tokenizer has an EOS.
+        allow_non_megatron: see :class:`PromptFormat` (the Megatron presets only; ignored by the others).
 
     Returns:
         The :class:`PromptFormat`.
@@ -213,6 +233,7 @@ def get_prompt_format(
     label = f"{getattr(tokenizer, 'name_or_path', '') or 'tokenizer'}"
     fmt = PromptFormat(name=canonical, pad_token=pad, pad_token_id=pad_id, chat_template=template,
                        train_on=train_on, chat_template_kwargs=dict(chat_template_kwargs or {}) or None,
+                       allow_non_megatron=bool(allow_non_megatron),
                        template_name=f"{label} chat template {_sha(template)}" if template else label)
     if canonical in _MASKABLE:
         if append_eos is None:
@@ -272,6 +293,33 @@ def _nemotron_segments(messages: list[dict[str, Any]], name: str) -> list[Segmen
                 segments.append(Segment(f"{content.strip()}\n", i, True))
         # tool turns render to nothing in the Nemotron presets
     return segments
+
+
+def _identity_segments(messages: list[dict[str, Any]]) -> list[Segment]:
+    """Megatron-LM's ``identity``: every content verbatim; system, user and tool turns masked."""
+    segments = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if m["role"] == "assistant":
+            if not isinstance(content, str) or not content.strip():
+                why = " (identity does not render tool_calls; use chat-template)" if m.get("tool_calls") else ""
+                raise PromptFormatError(f"empty assistant turn{why}", i)
+            segments.append(Segment(content, i, True))
+        else:
+            segments.append(Segment(content or "", i, False))
+    return segments
+
+
+def _check_megatron_order(messages: list[dict[str, Any]]) -> None:
+    """Raise :class:`NonMegatronError` for an assistant turn not right after a user or tool turn.
+
+    Megatron-LM asserts ``conversation[i - 1]["role"] in ("user", "tool")`` for every assistant turn ``i``.
+    """
+    for i, m in enumerate(messages):
+        prev = messages[i - 1]["role"]
+        if m["role"] == "assistant" and prev not in ("user", "tool"):
+            raise NonMegatronError(f"assistant turn follows a {prev!r} turn, not a user or tool turn; "
+                                   + _MEGATRON_HINT.format("AssertionError"), i)
 
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -496,9 +544,9 @@ def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: Pr
 
     Raises:
         PromptFormatError: every assistant turn empty, template failure, or a turn that cannot be located.
+        NonMegatronError: (presets, unless ``fmt.allow_non_megatron``) an assistant turn that does not follow
+            a user or tool turn.
     """
-    if fmt.name == "identity":
-        return [Segment("".join(m.get("content") or "" for m in messages), -1, True)]
     if fmt.name == "chat-template":
         return _chat_template_segments(messages, tools, tokenizer, fmt, chat_template_kwargs)
     if fmt.name == "passthrough":
@@ -508,7 +556,10 @@ def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: Pr
         if m.get("weight", 1) == 0:
             raise PromptFormatError(f"'weight: 0' needs prompt format chat-template or passthrough; {fmt.name} "
                                     "masks as Megatron-LM does", i)
-    return _nemotron_segments(messages, fmt.name)
+    segments = _identity_segments(messages) if fmt.name == "identity" else _nemotron_segments(messages, fmt.name)
+    if not fmt.allow_non_megatron:
+        _check_megatron_order(messages)
+    return segments
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
@@ -525,9 +576,10 @@ def _boundary_error(tokenizer, segments: list[Segment], pieces, tokens, k: int, 
     straddling = tokenizer.decode(got[first : first + 1]) if first < len(got) else ""
     message_index = right.turn if right is not None and right.turn >= 0 else left.turn
     right_text = right.text[:40] if right is not None else ""
-    return PromptFormatError(
+    return NonMegatronError(
         f"a token crosses the boundary between {left.text[-40:]!r} and {right_text!r} (token {straddling!r} of "
-        f"the whole conversation spans both sides); the prompt format cannot mask this turn exactly",
+        f"the whole conversation spans both sides); the prompt format cannot mask this turn exactly; "
+        + _MEGATRON_HINT.format("AssertionError: expected turn tokens to match tokens in conversation"),
         message_index)
 
 
@@ -543,11 +595,13 @@ def tokenize_segments(
     ``chat-template`` and ``passthrough`` encode every segment on its own (prompt parts through the
     assistant header, then each trained assistant turn, plus EOS when ``fmt.append_eos``): no token crosses
     a header and a reply. The presets encode the whole rendering and check that every segment's own tokens
-    equal its slice (Megatron-LM tokenizes the whole string).
+    equal its slice (Megatron-LM tokenizes the whole string and asserts this); with
+    ``fmt.allow_non_megatron`` a conversation that fails the check gets each segment's own tokens instead.
 
     Raises:
-        PromptFormatError: as :func:`render_segments`; for a preset, a token that crosses a turn boundary
-            (names the message and the text on both sides).
+        PromptFormatError: as :func:`render_segments`.
+        NonMegatronError: (presets, unless ``fmt.allow_non_megatron``) a token that crosses a turn boundary
+            (names the message and the text on both sides), or an assistant turn not after a user/tool turn.
     """
     segments = render_segments(messages, tools, tokenizer, fmt, chat_template_kwargs)
     if fmt.name in ("chat-template", "passthrough"):
@@ -562,17 +616,19 @@ def tokenize_segments(
         return out
     segments = [s for s in segments if s.text]
     full_text = "".join(s.text for s in segments)
-    if fmt.name == "identity":
-        return [(segments[0], _encode(tokenizer, [full_text])[0])] if segments else []
     encoded = _encode(tokenizer, [full_text] + [s.text for s in segments])
     tokens, pieces = encoded[0], encoded[1:]
     pos = 0
     for k, piece in enumerate(pieces):
         if tokens[pos : pos + len(piece)] != piece:
+            if fmt.allow_non_megatron:
+                break  # packsft-only: every turn encoded on its own
             raise _boundary_error(tokenizer, segments, pieces, tokens, k, pos)
         pos += len(piece)
-    if pos != len(tokens):
-        raise PromptFormatError(f"turns cover {pos} tokens but the conversation has {len(tokens)}")
+    else:
+        if pos != len(tokens) and not fmt.allow_non_megatron:
+            raise NonMegatronError(f"turns cover {pos} tokens but the conversation has {len(tokens)}; "
+                                   + _MEGATRON_HINT.format("AssertionError: mismatch in target masking"))
     return list(zip(segments, pieces))
 
 

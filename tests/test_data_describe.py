@@ -63,13 +63,13 @@ def test_truncated_and_untrained_rows_are_flagged(tmp_path, tekken):
     assert "NO TRAINED TOKEN" in describe_row(ds, -1)
 
 
-def test_identity_rows_are_one_text_span(tmp_path, tekken):
+def test_identity_rows_show_each_turn_and_train_the_assistant_turns(tmp_path, tekken):
     tok, _ = tekken
     fmt = get_prompt_format("identity", tok)
     ds = PackedSFTDataset(write_packed(tmp_path / "i.jsonl.packed", ROWS, tok, fmt, 32), tok, fmt, 32)
     out = describe_row(ds, 0)
-    assert "[text] position 0: Capital« of France?Paris.»" in out
-    assert "[text] position 0: Be« brief.2+2?4»" in out
+    assert "[user] position 0: Capital of France?\n[assistant] position 4: «Paris.»" in out
+    assert "[system] position 0: Be brief.\n[user] position 3: 2+2?\n[assistant] position 7: «4»" in out
 
 
 def test_cli_refuses_a_mismatched_file_with_exit_code_2(tmp_path, tekken, tokenizer_dir, capsys):

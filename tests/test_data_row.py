@@ -188,8 +188,8 @@ CONV_2 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content"
           {"role": "assistant", "content": "4"}]
 PRESET_CASES = {
     # (tokenizer, preset): (n1, n2, text of the trained labels in row order, number of trained tokens)
-    # identity: each conversation's first token is never a label ("Capital"; "Be" is masked by the boundary policy)
-    ("nemotron-h-layout-tekken", "identity"): (6, 8, " of France?Paris. brief.2+2?4", 5 + 7),
+    # identity masks system and user turns, as Megatron-LM does
+    ("nemotron-h-layout-tekken", "identity"): (6, 8, "Paris.4", 2 + 1),
     ("nemotron-h-layout-tekken", "nemotron-nano-v2"): (17, 20, "Paris.\n<SPECIAL_12>\n4\n<SPECIAL_12>\n", 4 + 4),
     ("nemotron-h-layout-tekken", "nemotron-h-aligned"): (15, 18, "Paris.\n4\n", 2 + 2),
     ("qwen2.5", "chat-template"): (21, 23, "Paris.<|im_end|>4<|im_end|>", 3 + 2),

@@ -5,6 +5,7 @@ import pytest
 from packsft.conversation import parse_record
 from packsft.prompt_formats import (
     IGNORE_INDEX,
+    NonMegatronError,
     PromptFormatError,
     count_conversation_tokens,
     get_prompt_format,
@@ -58,12 +59,21 @@ def test_nemotron_h_aligned_text_and_mask(nemo):
     assert fmt.pad_token == "<SPECIAL_233>" and fmt.pad_token_id == 233
 
 
-def test_identity_trains_everything_without_bos_or_eos(nemo):
+def test_identity_trains_assistant_turns_only_without_bos_or_eos(nemo):
     fmt = get_prompt_format("identity", nemo)
-    tokens, targets = tokenize_conversation(CONV, nemo, fmt)
-    assert tokens == targets
-    assert nemo.decode(tokens) == "".join(m["content"] for m in CONV)
+    conv = [dict(m, content=m["content"].strip() + "\n") for m in CONV]  # no token across turns
+    tokens, targets = tokenize_conversation(conv, nemo, fmt)
+    assert nemo.decode(tokens) == "".join(m["content"] for m in conv)
+    assert nemo.decode([t for t in targets if t != IGNORE_INDEX]) == "Hello!\n4\n"
     assert tokens[0] != nemo.bos_token_id and tokens[-1] != nemo.eos_token_id
+
+
+def test_identity_refuses_a_token_across_turns_unless_allowed(nemo):
+    with pytest.raises(NonMegatronError, match=r"messages\[1\]: a token crosses .*--allow-non-megatron"):
+        tokenize_conversation(CONV, nemo, get_prompt_format("identity", nemo))
+    tokens, targets = tokenize_conversation(CONV, nemo, get_prompt_format("identity", nemo, allow_non_megatron=True))
+    assert tokens == [t for m in CONV for t in nemo.encode(m["content"], add_special_tokens=False)]
+    assert nemo.decode([t for t in targets if t != IGNORE_INDEX]) == " Hello! 4"
 
 
 def test_nemotron_tool_turns_render_to_nothing_and_tool_only_assistant_is_an_error(nemo):

@@ -19,6 +19,7 @@ micro-batch exactly 0), and a packed file without a sidecar.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -230,7 +231,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                 chat_template_kwargs=chat_template_kwargs if chat_template_kwargs is not None
                 else packed.get("chat_template_kwargs"),
                 append_eos=append_eos if append_eos is not None else packed.get("append_eos"))
-        self.prompt_format = prompt_format
+        # a Megatron preset tokenizes a conversation Megatron-LM accepts identically either way; this also
+        # reads the packsft-only ones a file packed with --allow-non-megatron holds
+        self.prompt_format = dataclasses.replace(prompt_format, allow_non_megatron=True)
         self.max_seq_len = max_seq_len
         self.context_parallel_size = context_parallel_size
         self.sidecar = self._check_sidecar(require_sidecar)

@@ -37,8 +37,6 @@ class _Style:
 def _segment_spans(conversation, dataset: PackedSFTDataset) -> list[tuple[str, int]]:
     """``(label, number of tokens)`` of each rendered piece of a conversation, in order."""
     fmt, tok = dataset.prompt_format, dataset.tokenizer
-    if fmt.name == "identity":
-        return [("text", -1)]
     spans = []
     for seg, ids in tokenize_segments(conversation.messages, tok, fmt, conversation.tools,
                                       conversation.chat_template_kwargs):

@@ -65,6 +65,9 @@ def parse_args(argv=None) -> PackConfig:
     p.add_argument("--output-key", default=None, help="response field of prompt/response records")
     p.add_argument("--default-system-prompt", default="", help="system prompt for conversations without one")
     p.add_argument("--strict", action="store_true", help="stop at the first invalid record")
+    p.add_argument("--allow-non-megatron", action="store_true",
+                   help="Megatron presets: keep (and count) conversations Megatron-LM's SFTTokenizer refuses "
+                        "instead of rejecting them; the file is then packsft-only")
     p.add_argument("--report", default=None, help="JSON report path (default <output>.report.json)")
     p.add_argument("--histogram", default=None, help="PNG path (default <output>.lengths.png; '' for none)")
     p.add_argument("--no-progress", action="store_true")
@@ -78,6 +81,7 @@ def parse_args(argv=None) -> PackConfig:
                       seed=a.seed, shuffle_rows=a.shuffle_rows, num_workers=a.num_workers, input_key=a.input_key,
                       output_key=a.output_key, record_format=a.record_format, adapter=a.adapter,
                       default_system_prompt=a.default_system_prompt, strict=a.strict,
+                      allow_non_megatron=a.allow_non_megatron,
                       report=a.report, histogram=a.histogram, progress=not a.no_progress,
                       max_conversation_bytes=a.max_conversation_bytes)
 

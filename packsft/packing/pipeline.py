@@ -25,6 +25,7 @@ the number of workers, and no step depends on hash order.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import multiprocessing as mp
@@ -46,7 +47,14 @@ from packsft.conversation import ConversationError, iter_jsonl_lines_sized, pars
 from packsft.io import HashingWriter, fsync_dir, stale_temps, temp_path
 from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
-from packsft.prompt_formats import TRAIN_ON, PromptFormatError, get_prompt_format, tokenize_conversation
+from packsft.prompt_formats import (
+    MEGATRON_PRESETS,
+    TRAIN_ON,
+    NonMegatronError,
+    PromptFormatError,
+    get_prompt_format,
+    tokenize_conversation,
+)
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -91,6 +99,9 @@ class PackConfig:
             ``record_format``); its path and file hash go into the sidecar.
         default_system_prompt: system content given to conversations without one.
         strict: abort at the first invalid record instead of reporting it.
+        allow_non_megatron: keep (warned, kind ``non_megatron``) a conversation that a Megatron preset can
+            tokenize but Megatron-LM's ``SFTTokenizer`` refuses, instead of rejecting it; the file is then
+            packsft-only (sidecar ``megatron_lm_compatible: false``).
         report: JSON report path (default ``<output>.report.json``).
         histogram: PNG path (default ``<output>.lengths.png``); ``""`` disables it.
         progress: show a tqdm progress bar (bytes read of all inputs, with ETA).
@@ -120,6 +131,7 @@ class PackConfig:
     output_key: str | None = None
     default_system_prompt: str = ""
     strict: bool = False
+    allow_non_megatron: bool = False
     report: str | None = None
     histogram: str | None = None
     progress: bool = True
@@ -190,7 +202,9 @@ def _prompt_format(cfg: PackConfig, tok):
 def _init_worker(cfg: PackConfig) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(cfg.tokenizer)
-    _W.update(cfg=cfg, tok=tok, fmt=_prompt_format(cfg, tok), convert=record_converter(cfg.record_format, cfg.adapter))
+    fmt = _prompt_format(cfg, tok)
+    _W.update(cfg=cfg, tok=tok, fmt=fmt, lenient=dataclasses.replace(fmt, allow_non_megatron=True),
+              convert=record_converter(cfg.record_format, cfg.adapter))
 
 
 def own_row_window(max_seq_len: int) -> tuple[int, int]:
@@ -247,6 +261,20 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
         if last >= len(kept):
             kept = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in kept]
     return kept, True
+
+
+def _tokenize_record(conv, tok, fmt, cfg: PackConfig):
+    """``(conv, tokens, targets, cut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first)."""
+    cut = False
+    if cfg.oversize == "own-row":
+        msgs, tokens, targets, cut = _fit_own_row(conv, tok, fmt, cfg)
+        if cut:
+            conv = type(conv)(messages=msgs, tools=conv.tools, path=conv.path, line=conv.line,
+                              meta=conv.meta, chat_template_kwargs=conv.chat_template_kwargs)
+    else:
+        tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools,
+                                                conv.chat_template_kwargs)
+    return conv, tokens, targets, cut
 
 
 def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
@@ -334,18 +362,17 @@ def _process_batch(batch: list[tuple[int, int, int, str | None, str | None]]) ->
                     raise ConversationError(path, line, "", str(e)) from e
             conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
                                 default_system_prompt=cfg.default_system_prompt)
-            cut = False
-            if cfg.oversize == "own-row":
-                msgs, tokens, targets, cut = _fit_own_row(conv, tok, fmt, cfg)
-                if cut:
-                    conv = type(conv)(messages=msgs, tools=conv.tools, path=conv.path, line=conv.line,
-                                      meta=conv.meta, chat_template_kwargs=conv.chat_template_kwargs)
-            else:
-                tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools,
-                                                        conv.chat_template_kwargs)
+            non_megatron = None
+            try:
+                conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg)
+            except NonMegatronError as e:
+                if not cfg.allow_non_megatron:
+                    raise
+                non_megatron = str(e)
+                conv, tokens, targets, cut = _tokenize_record(conv, tok, _W["lenient"], cfg)
             trained = [t != IGNORE_INDEX for t in targets[1:]]
             in_row = sum(trained[: cfg.max_seq_len - 1])
-            counts = (len(tokens), max(1, in_row) if cut else sum(trained), in_row)
+            counts = (len(tokens), max(1, in_row) if cut else sum(trained), in_row, non_megatron)
             out.append((file_idx, line, nbytes, counts, json.dumps(conv.to_row_messages(), ensure_ascii=False),
                         None, cut))
         except ConversationError as e:
@@ -499,7 +526,10 @@ def _count_all(cfg: PackConfig, spool, report: PackReport) -> list[_Counted]:
                 raise PackError(f"{cfg.inputs[file_idx]}:{line}: {reason} (strict mode)")
             report.rejected.append({"input": cfg.inputs[file_idx], "line": line, "reason": reason})
             continue
-        n, trained, trained_in_row = counts
+        n, trained, trained_in_row, non_megatron = counts
+        if non_megatron is not None:
+            report.warn("non_megatron", f"kept with --allow-non-megatron (packsft-only): {non_megatron}",
+                        cfg.inputs[file_idx], line)
         if trained == 0:
             report.warn("no_trained_token", "conversation has no trained token (no assistant turn to train: "
                         "empty, weight 0, or not the last with --train-on last); it is packed as context only",
@@ -685,6 +715,8 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, path
         "packsft_version": __version__,
         "inputs": list(cfg.inputs),
         "record_format": cfg.record_format,
+        "megatron_lm_compatible": (None if fmt.name not in MEGATRON_PRESETS
+                                   else "non_megatron" not in report.warning_counts()),
         **(adapter_identity(cfg.adapter) if cfg.adapter else {}),
         "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "tokenizer": str(cfg.tokenizer),

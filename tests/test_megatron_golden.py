@@ -106,3 +106,22 @@ def test_pack_rejects_non_megatron_rows_or_keeps_them_as_packsft_only(tmp_path, 
     assert meta["megatron_lm_compatible"] is False and meta["counts"]["warnings"] == {"non_megatron": 2}
     ds = PackedSFTDataset(tmp_path / "b.jsonl.packed", tok, "identity", 128)
     assert sum(int(ds[i]["cu_seqlens"][-1]) for i in range(len(ds))) == report.real_tokens
+
+
+def test_an_identity_file_packed_before_the_megatron_masking_is_refused(tmp_path, tokenizer_dir):
+    from packsft.data.dataset import PackedSFTDataset
+    from packsft.packing.pipeline import PackConfig, run_pack
+    from packsft.sidecar import SidecarError, read_sidecar, write_sidecar
+
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "Hi\\n"}, {"role": "assistant", "content": "Yo\\n"}]}\n')
+    out = tmp_path / "a.jsonl.packed"
+    tok = str(tokenizer_dir("nemotron-h-layout-tekken"))
+    run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=tok, max_seq_len=64, prompt_format="identity",
+                        progress=False, histogram=""))
+    assert len(PackedSFTDataset(out, tok, "identity", 64)) == 1
+    meta = read_sidecar(out)
+    del meta["megatron_lm_compatible"]
+    write_sidecar(out, meta)
+    with pytest.raises(SidecarError, match="packed for identity by an earlier packsft"):
+        PackedSFTDataset(out, tok, "identity", 64)

@@ -356,6 +356,10 @@ class Trainer:
             loss_sum += token_loss_sum.detach().float()
         finalize_model_grads([self.model])   # DP x CP reduction, and the TP sum of sequence-parallel norm grads
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
+        return self._megatron_update(loss_sum, count)
+
+    def _megatron_update(self, loss_sum: torch.Tensor, count: torch.Tensor) -> dict[str, Any]:
+        """The Megatron optimizer's update (skipped when the loss or the gradient norm is not finite) and LR step."""
         lr = self.optimizer.param_groups[0]["lr"]
         skipped, norm = megatron_step_unless_non_finite(self.optimizer, loss_sum)
         if not skipped:
@@ -431,12 +435,7 @@ class Trainer:
             loss_sum += out["loss_sum"]
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
         self._from_last_stage(loss_sum)
-        lr = self.optimizer.param_groups[0]["lr"]
-        skipped, norm = megatron_step_unless_non_finite(self.optimizer, loss_sum)
-        if not skipped:
-            self.scheduler.step()
-        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": torch.as_tensor(norm, dtype=torch.float32),
-                "lr": lr, "trained_tokens": count, "skipped": skipped}
+        return self._megatron_update(loss_sum, count)
 
     # -- validation -------------------------------------------------------------------------------------------------
     @torch.no_grad()

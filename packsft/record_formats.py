@@ -116,7 +116,7 @@ def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:
     def convert(record: Any) -> Any:
         try:
             out = fn(record)
-        except Exception as err:  # noqa: BLE001 - the user's adapter: any failure rejects the line
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's adapter: any failure rejects the line
             raise RecordFormatError(f"adapter {name} failed: {type(err).__name__}: {err}") from err
         if not isinstance(out, dict) or not isinstance(out.get("messages"), list):
             raise RecordFormatError(f"adapter {name} must return a dict with a 'messages' list, got "

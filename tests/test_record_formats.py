@@ -23,6 +23,8 @@ ADAPTER = '''
 def to_messages(record):
     if record.get("q") == "boom":
         raise KeyError("no answer")
+    if record.get("q") == "exit":
+        raise SystemExit(3)
     return {"messages": [{"role": "user", "content": record["q"]}, {"role": "assistant", "content": record["a"]}]}
 '''
 
@@ -70,11 +72,11 @@ def test_adapter_from_pythonpath_reports_failures_per_line(tmp_path, tokenizer_d
     (pkg / "my_adapter.py").write_text(ADAPTER)
     monkeypatch.syspath_prepend(str(pkg))
     sys.modules.pop("my_adapter", None)
-    report, out = _pack(tmp_path, tokenizer_dir, [{"q": "2+2?", "a": "4"}, {"q": "boom"}, {"q": "hi", "a": "yo"}],
-                        adapter="my_adapter:to_messages")
+    lines = [{"q": "2+2?", "a": "4"}, {"q": "boom"}, {"q": "hi", "a": "yo"}, {"q": "exit"}]
+    report, out = _pack(tmp_path, tokenizer_dir, lines, adapter="my_adapter:to_messages")
     assert report.packed_conversations == 2
-    assert [(r["line"], "adapter my_adapter:to_messages failed: KeyError" in r["reason"]) for r in report.rejected] \
-        == [(2, True)]
+    assert [(r["line"], "adapter my_adapter:to_messages failed: " in r["reason"]) for r in report.rejected] \
+        == [(2, True), (4, True)]                      # an exception and a SystemExit: the line, not the run
     meta = read_sidecar(out)
     assert meta["adapter"] == "my_adapter:to_messages" and len(meta["adapter_sha256"]) == 16
     with pytest.raises(ValueError, match="--adapter replaces --format"):

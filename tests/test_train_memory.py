@@ -57,8 +57,9 @@ def test_plan_memory_cli():
     out = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "fits" in out.stdout and "with full recompute" in out.stdout and "distributed optimizer" in out.stdout
-    bad = subprocess.run(run + ["--gpu-memory", "lots"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.startswith("error:")
+    for value in ("lots", "80", "1KB"):                    # a bare number would be bytes: refused
+        bad = subprocess.run(run + ["--gpu-memory", value], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and bad.stderr.startswith("error:"), (value, bad.stderr)
     sweep = subprocess.run(run + ["--sweep", "--seq-lens", "8192", "32768"], capture_output=True, text=True,
                            timeout=120)
     assert sweep.returncode == 0 and "| 4 | 2 | 1 | 2 |" in sweep.stdout

@@ -80,3 +80,15 @@ def test_mixture_trains_logs_every_set_and_refuses_a_changed_source_by_name(tmp_
                            "split_validation_size: 0.25}]"],
                           capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert proc.returncode != 0 and "training source 'many' changed" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_held_out_split_on_the_first_source(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+    from packsft.train.loop import Trainer
+
+    data = {"train_path": None, "split_validation_size": 0.0,
+            "train": [{"name": "many", "path": str(packed["many"]), "weight": 1, "split_validation_size": 0.25},
+                      {"name": "few", "path": str(packed["few"]), "weight": 1}]}
+    cfg = load_config(write_config(tmp_path / "s.yaml", packed, tmp_path / "s", data=data,
+                                   checkpoint={"resume": "none"}))
+    trainer = Trainer(cfg)
+    assert trainer.train_set.tokenizer is not None and set(trainer.val_sets) == {"many"}

@@ -117,8 +117,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return _run(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-            CheckpointingException) as err:        # unsupported model, wrong folder, bad config, TP layout
+    except (ValueError, OSError, CheckpointingException) as err:   # unsupported model, bad file or folder, TP layout
         print(f"error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
         return 2
     finally:

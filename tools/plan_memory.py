@@ -31,15 +31,18 @@ UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2*
 
 
 def parse_bytes(text: str) -> float:
-    """``"80GB"`` -> 8e10, ``"141GiB"`` -> 141 * 2**30; a bare number is bytes.
+    """``"80GB"`` -> 8e10, ``"141GiB"`` -> 141 * 2**30.
 
     Raises:
-        ValueError: not a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB).
+        ValueError: not a positive number with a unit (B, KB, MB, GB, KiB, MiB, GiB), or under 1 GB (a GPU).
     """
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]+)\s*", text)
     if not match or match.group(2).upper() not in UNITS:
-        raise ValueError(f"--gpu-memory {text!r}: expected a size like 80GB or 141GiB")
-    return float(match.group(1)) * UNITS[match.group(2).upper()]
+        raise ValueError(f"--gpu-memory {text!r}: expected a size with its unit, like 80GB or 141GiB")
+    value = float(match.group(1)) * UNITS[match.group(2).upper()]
+    if value < 1e9:
+        raise ValueError(f"--gpu-memory {text!r} is under 1 GB; give the memory of one GPU, like 80GB")
+    return value
 
 
 def sweep(model, base: Layout, world_size: int, seq_lens: list[int], gpu_bytes: float) -> list[str]:
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.max_seq_len=32768")
     args = parser.parse_args(argv)
     try:
+        if args.world_size is not None and args.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+        if any(n < 1 for n in args.seq_lens):
+            raise ValueError(f"--seq-lens must be positive token counts, got {args.seq_lens}")
         gpu_bytes = parse_bytes(args.gpu_memory)
         cfg = load_config(args.config, args.overrides)
         par = cfg.parallel

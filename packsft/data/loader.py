@@ -315,8 +315,9 @@ def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
     if diffs:
         raise ValueError(
             "cannot resume the data loader exactly; the checkpoint was written for a different setup "
-            "(a changed dp_size/dp_rank, dataset, micro_batch_size, sampler, seed or sampler_kwargs is not "
-            "portable; num_workers is): " + "; ".join(diffs)
+            "(dp_size/dp_rank, dataset, micro_batch_size, sampler, seed and sampler_kwargs must stay the same; "
+            "num_workers may change): " + "; ".join(diffs) + ". To keep the weights and optimizer but restart the "
+            "data order, resume with checkpoint.restore_data_order=false; to start over, checkpoint.resume=none"
         )
 
 

@@ -32,6 +32,8 @@ class RowSubset(torch.utils.data.Dataset):
     def __init__(self, base: Any, indices: list[int], tag: str) -> None:
         self.base, self.indices, self.tag = base, list(indices), tag
         self.sidecar = getattr(base, "sidecar", None)
+        self.tokenizer = getattr(base, "tokenizer", None)
+        self.path = getattr(base, "path", None)
 
     def __len__(self) -> int:
         """Number of rows in the subset."""

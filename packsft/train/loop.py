@@ -180,7 +180,7 @@ class Trainer:
                        sampler_kwargs={"weights": weights, "samples_per_epoch": self.cfg.data.samples_per_epoch})
 
     def _check_vocab(self) -> None:
-        tokenizer = getattr(self.train_set, "tokenizer", None) or self.train_set.base.tokenizer
+        tokenizer = self.train_set.tokenizer
         if len(tokenizer) > self.cfg.model.vocab_size:
             raise ValueError(f"model.vocab_size ({self.cfg.model.vocab_size}) is smaller than the tokenizer "
                              f"{self.cfg.data.tokenizer} ({len(tokenizer)} tokens)")

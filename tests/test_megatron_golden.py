@@ -121,7 +121,8 @@ def test_an_identity_file_packed_before_the_megatron_masking_is_refused(tmp_path
                         progress=False, histogram=""))
     assert len(PackedSFTDataset(out, tok, "identity", 64)) == 1
     meta = read_sidecar(out)
-    del meta["megatron_lm_compatible"]
+    meta = {k: v for k, v in meta.items() if k != "megatron_lm_compatible"}
+    meta["format_version"] = 1                               # what the earlier packsft wrote
     write_sidecar(out, meta)
     with pytest.raises(SidecarError, match="packed for identity by an earlier packsft"):
         PackedSFTDataset(out, tok, "identity", 64)

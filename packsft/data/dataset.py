@@ -261,7 +261,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             warnings.warn(message, PackedDataWarning, stacklevel=3)
             return None
         check_sidecar(meta, expected, self.path, hint)
-        if self.prompt_format.name == "identity" and "megatron_lm_compatible" not in meta:
+        if self.prompt_format.name == "identity" and meta.get("format_version") == 1:
             raise SidecarError(f"{self.path} was packed for identity by an earlier packsft, which trained every "
                                "token; identity now trains only assistant turns, as Megatron-LM does, so its rows "
                                f"would be masked differently from what was packed. Re-pack it:\n  {hint}")

@@ -1,17 +1,22 @@
 """Atomic writes of files and folders: write beside the destination, then ``os.replace``.
 
-A reader never sees a half-written file or folder, and a killed writer leaves the previous one intact.
+A reader never sees a half-written file or folder, and a killed writer leaves the previous one intact. A set of
+files that must change together (a packed rows file and its sidecar) is published with :func:`publish_files`: a
+roll-forward journal makes its renames one unit, finished by :func:`complete_publish` after a kill.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -168,3 +173,137 @@ def fsync_dir(path: str | Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+JOURNAL_FORMAT = "packsft-publish"
+
+
+def journal_path(path: str | Path) -> Path:
+    """The publish journal of a file set named after its main file ``path``: ``.NAME.publish.json`` beside it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.publish.json")
+
+
+def lock_path(path: str | Path) -> Path:
+    """The lock file of the writer of ``path``: ``.NAME.lock`` beside it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
+
+
+def publish_files(renames: list[tuple[Path, Path]], journal: Path,
+                  after_rename: Callable[[Path | None], None] | None = None) -> None:
+    """Rename finished temp files over their destinations as one unit.
+
+    The ``(temp, final)`` pairs are first written to ``journal`` (atomically, fsynced), then renamed in order,
+    then the journal is removed. A process killed in between leaves the journal: :func:`complete_publish` (run
+    by the next writer and by readers) finishes the renames, so readers see the old complete set or the new
+    one. Every temp file must be complete and fsynced before this is called.
+
+    Args:
+        renames: ``(temp, final)`` pairs, each temp on the file system of its final path.
+        journal: the journal path (:func:`journal_path` of the set's main file).
+        after_rename: called with ``None`` once the journal is written, then with each final path once it is
+            renamed (a test hook).
+    """
+    record = {"format": JOURNAL_FORMAT, "version": 1, "renames": [[str(t), str(f)] for t, f in renames]}
+    with atomic_open(journal) as f:
+        json.dump(record, f)
+    folders = {Path(f).resolve().parent for _, f in renames} | {journal.resolve().parent}
+    for folder in folders:
+        fsync_dir(folder)
+    if after_rename is not None:
+        after_rename(None)
+    for tmp, final in renames:
+        os.replace(tmp, final)
+        if after_rename is not None:
+            after_rename(Path(final))
+    for folder in folders:
+        fsync_dir(folder)
+    journal.unlink()
+    fsync_dir(journal.parent)
+
+
+def complete_publish(journal: Path) -> bool:
+    """Finish the renames of a :func:`publish_files` interrupted by a kill; ``True`` when ``journal`` existed.
+
+    Idempotent: pairs whose temp file is gone were renamed already. Call it holding the set's writer lock
+    (:class:`FileLock`), so that no writer publishes meanwhile.
+
+    Raises:
+        OSError: the journal is unreadable or not a publish journal (named in the message), or a rename fails.
+    """
+    try:
+        text = journal.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False
+    try:
+        record = json.loads(text)
+        pairs = [(Path(t), Path(f)) for t, f in record["renames"]] if record.get("format") == JOURNAL_FORMAT else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pairs = None
+    if pairs is None:
+        raise OSError(errno.EINVAL, "not a packsft publish journal; remove it and re-run the writer", str(journal))
+    for tmp, final in pairs:
+        try:
+            os.replace(tmp, final)
+        except FileNotFoundError:
+            if not final.exists():
+                raise
+    for folder in {f.resolve().parent for _, f in pairs}:
+        fsync_dir(folder)
+    journal.unlink(missing_ok=True)
+    fsync_dir(journal.parent)
+    return True
+
+
+class FileLock:
+    """An exclusive ``flock`` on ``path`` (created if missing), released on exit.
+
+    Args:
+        path: the lock file.
+        blocking: wait for the lock instead of raising ``BlockingIOError`` when another process holds it.
+    """
+
+    def __init__(self, path: str | Path, blocking: bool = False):
+        self.path, self.blocking, self._fd = Path(path), blocking, None
+
+    def __enter__(self) -> FileLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self._fd)  # releases the lock
+        self._fd = None
+
+
+def finish_interrupted_publish(path: str | Path, timeout: float = 600.0) -> bool:
+    """Complete the publish of ``path``'s file set if a killed writer left its journal; ``True`` if it did.
+
+    Takes the writer's lock (:func:`lock_path`), waiting while a writer holds it and the journal is still
+    there (a running writer finishes or recovers it itself).
+
+    Raises:
+        OSError: the folder is not writable (the message says what to run), or ``timeout`` seconds passed.
+    """
+    journal = journal_path(path)
+    deadline = time.monotonic() + timeout
+    while journal.exists():
+        try:
+            with FileLock(lock_path(path)):
+                return complete_publish(journal)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(errno.ETIMEDOUT, f"a writer holds {lock_path(path)} and the publish journal stays",
+                              str(journal)) from None
+            time.sleep(0.05)
+        except PermissionError as e:
+            raise OSError(errno.EACCES, f"an interrupted write left {journal.name}, and this process cannot "
+                          "finish it (read-only folder); re-run the writer where the folder is writable",
+                          str(journal)) from e
+    return False

@@ -20,7 +20,8 @@ Only the tokenizer, prompt format, ``max_seq_len`` and CP size are checked (:dat
 rest describe the packing run. A version 1 sidecar (before ``train_on``, ``chat_template_kwargs`` and
 ``append_eos``) is read with their defaults, ``all``, ``{}`` and ``false``: what version 1 packed.
 
-``rows_file`` ties the sidecar to the rows it was written with (the packer publishes the sidecar last):
+``rows_file`` ties the sidecar to the rows it was written with (the packer publishes its outputs as one unit,
+through a journal that :func:`read_sidecar` finishes after a kill; the sidecar last):
 :func:`check_rows_file` compares the size always and the hash for files up to :data:`HASH_AUTO_LIMIT` bytes
 (or always / never on request). Sidecars written before this field existed carry none and are not checked.
 """
@@ -31,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from packsft.io import atomic_open, file_blake2b
+from packsft.io import atomic_open, file_blake2b, finish_interrupted_publish
 from packsft.prompt_formats import PromptFormat
 
 SIDECAR_SUFFIX = ".meta.json"
@@ -64,6 +65,12 @@ def sidecar_path(packed_path: str | Path) -> Path:
     """Sidecar of a packed file: ``X.jsonl.packed`` -> ``X.jsonl.packed.meta.json``; a sidecar path is kept."""
     p = Path(packed_path)
     return p if p.name.endswith(SIDECAR_SUFFIX) else p.with_name(p.name + SIDECAR_SUFFIX)
+
+
+def rows_path(path: str | Path) -> Path:
+    """The packed file of a sidecar path (``X.jsonl.packed.meta.json`` -> ``X.jsonl.packed``); others are kept."""
+    p = Path(path)
+    return p.with_name(p.name[: -len(SIDECAR_SUFFIX)]) if p.name.endswith(SIDECAR_SUFFIX) else p
 
 
 def efficiency(real_tokens: int, padding_tokens: int) -> float:
@@ -115,10 +122,15 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
         The sidecar dict (a version 1 one with :data:`V1_DEFAULTS` filled in), or ``None`` when there is no
         sidecar.
 
+    A packer killed while publishing leaves a journal: this first finishes its renames
+    (:func:`packsft.io.finish_interrupted_publish`), so the sidecar read belongs to the rows beside it.
+
     Raises:
         SidecarError: not valid JSON, not an object, an unknown ``format_version``, or a checked field missing.
+        OSError: an interrupted publish that this process cannot finish (read-only folder).
     """
     target = sidecar_path(path)
+    finish_interrupted_publish(rows_path(target))
     if not target.is_file():
         return None
     try:

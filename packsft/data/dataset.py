@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from packsft.conversation import ConversationError, split_row
 from packsft.data.row import build_row
-from packsft.io import atomic_open
+from packsft.io import atomic_open, finish_interrupted_publish
 from packsft.layout import check_max_seq_len
 from packsft.prompt_formats import (
     ALIASES,
@@ -218,6 +218,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     ):
         check_max_seq_len(max_seq_len, context_parallel_size, sequence_parallel_size)
         self.path = Path(path)
+        finish_interrupted_publish(self.path)  # a packer killed while renaming: its new set is complete
         if not self.path.is_file():
             raise FileNotFoundError(f"packed file not found: {self.path}")
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer

@@ -17,7 +17,8 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
 4. The packing algorithm (:mod:`packsft.packing.algorithms`) assigns conversations to rows using costs
    ``ceil(n / 2cp) * 2cp``; rows (``{"messages": [...]}`` lines, hashed as written), sidecar
    ``<output>.meta.json`` (with the rows' size and hash), report and histogram go to temp names, then are
-   renamed over the outputs with SIGTERM held off, the sidecar last (:func:`_publish`).
+   renamed over the outputs as one unit (a roll-forward journal) with SIGTERM held off, the sidecar last
+   (:func:`_publish`).
 
 Output is a deterministic function of the inputs and settings: batches come back in input order whatever
 the number of workers, and no step depends on hash order.
@@ -26,7 +27,6 @@ the number of workers, and no step depends on hash order.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import multiprocessing as mp
 import os
@@ -44,7 +44,16 @@ from tqdm import tqdm
 
 from packsft import __version__
 from packsft.conversation import ConversationError, iter_jsonl_lines_sized, parse_record
-from packsft.io import HashingWriter, fsync_dir, stale_temps, temp_path
+from packsft.io import (
+    FileLock,
+    HashingWriter,
+    complete_publish,
+    journal_path,
+    lock_path,
+    publish_files,
+    stale_temps,
+    temp_path,
+)
 from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
 from packsft.prompt_formats import (
@@ -65,7 +74,8 @@ MAX_CONVERSATION_BYTES = 4 << 20
 """Default ``--max-conversation-bytes``: longer input lines are rejected before they are parsed (4 MiB)."""
 STAGE_HOOK_ENV = "PACKSFT_PACK_STAGE_HOOK"
 """Test hook: ``STAGE:SIGNAL`` (e.g. ``rows_written:SIGKILL``) makes the packer send itself SIGNAL at STAGE."""
-STAGES = ("tokenized", "rows_written", "sidecar_written", "report_written", "rows_published", "published")
+STAGES = ("tokenized", "rows_written", "sidecar_written", "report_written", "journal_written", "rows_published",
+          "published")
 """The packer's publication stages, in order (see :func:`_stage`)."""
 
 
@@ -604,24 +614,19 @@ def _write_rows(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted], sp
     return out.size, out.hexdigest()
 
 
-class _Lock:
+class _Lock(FileLock):
     """An exclusive ``flock`` on ``.NAME.lock`` beside the output: one packer per output at a time."""
 
     def __init__(self, output: str):
-        self.path = Path(output).with_name(f".{Path(output).name}.lock")
+        super().__init__(lock_path(output))
+        self.output = output
 
     def __enter__(self):
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return super().__enter__()
         except BlockingIOError as e:
-            os.close(self._fd)
-            raise PackError(f"another packer is writing {self.path.with_name(self.path.name[1:-5])} "
-                            f"(it holds {self.path}); wait for it or pick another --output") from e
-        return self
-
-    def __exit__(self, *exc):
-        os.close(self._fd)  # releases the lock
+            raise PackError(f"another packer is writing {self.output} (it holds {self.path}); wait for it or "
+                            "pick another --output") from e
 
 
 class _Terminated(SystemExit):
@@ -636,11 +641,12 @@ def run_pack(cfg: PackConfig) -> PackReport:
     """Run the whole pipeline for ``cfg`` and return its report (also written to disk).
 
     Writes ``cfg.output`` (rows), ``cfg.output + ".meta.json"`` (sidecar, with the rows' size and BLAKE2b), the
-    JSON report and the length histogram PNG: all to temp names first, then renamed with SIGTERM held off,
-    the sidecar last. A run killed at any point leaves the previous set (or, killed with SIGKILL between the
-    last two renames, new rows that the loader refuses against the old sidecar, naming both). Temp files of
-    an earlier killed run are removed at start; SIGTERM (handled while this runs in the main thread) removes
-    this run's own.
+    JSON report and the length histogram PNG: all to temp names first, then renamed as one unit through a
+    publish journal (:func:`packsft.io.publish_files`) with SIGTERM held off, the sidecar last. A run killed at
+    any point leaves the previous complete set or the new one: killed during the renames, it leaves the
+    journal, and the next packer run or reader (:func:`packsft.io.finish_interrupted_publish`) finishes them.
+    Temp files of an earlier killed run are removed at start; SIGTERM (handled while this runs in the main
+    thread) removes this run's own.
 
     Raises:
         ValueError: invalid settings (see :meth:`PackConfig.validate`), unusable tokenizer or prompt format.
@@ -674,7 +680,9 @@ def _run_pack(cfg: PackConfig) -> PackReport:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = _output_paths(cfg)
     with _Lock(cfg.output):
-        for final in paths.values():
+        journal = journal_path(cfg.output)
+        complete_publish(journal)  # a run killed while publishing: its set is complete, finish the renames
+        for final in [*paths.values(), journal]:
             for stale in stale_temps(final):
                 stale.unlink(missing_ok=True)
         temps: dict[str, Path] = {}
@@ -752,17 +760,25 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, path
 
 
 def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
-    """Rename the temp files over their outputs, the sidecar last, with SIGTERM and SIGINT held off."""
+    """Rename the temp files over their outputs as one unit (:func:`packsft.io.publish_files`), the sidecar last,
+    with SIGTERM and SIGINT held off."""
     held = {signal.SIGTERM, signal.SIGINT}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    rows = Path(paths["rows"])
+
+    def hook(final: Path | None) -> None:
+        if final is None or final == rows:
+            _stage("journal_written" if final is None else "rows_published")
+
+    journal = journal_path(paths["rows"])
     try:
-        for key in ("histogram", "report", "rows"):
-            if key in temps:
-                os.replace(temps.pop(key), paths[key])
-        _stage("rows_published")
-        os.replace(temps.pop("sidecar"), paths["sidecar"])
-        for folder in {Path(p).resolve().parent for p in paths.values()}:
-            fsync_dir(folder)
+        order = [k for k in ("histogram", "report", "rows", "sidecar") if k in temps]
+        publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook)
+        temps.clear()
+    except BaseException:
+        if journal.exists():  # the temps now belong to the journal: the next run or reader finishes the renames
+            temps.clear()
+        raise
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     _stage("published")

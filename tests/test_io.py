@@ -1,0 +1,123 @@
+"""packsft.io's publish journal: several renames as one unit, finished after a kill by the next writer or reader."""
+
+import json
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from packsft.io import (
+    FileLock,
+    complete_publish,
+    finish_interrupted_publish,
+    journal_path,
+    lock_path,
+    publish_files,
+    temp_path,
+)
+
+
+class _Killed(Exception):
+    pass
+
+
+def _new_set(tmp_path, names=("rows", "rows.meta.json", "rows.report.json")):
+    finals = [tmp_path / n for n in names]
+    for f in finals:
+        f.write_text(f"old {f.name}")
+    temps = []
+    for f in finals:
+        t = temp_path(f)
+        t.write_text(f"new {f.name}")
+        temps.append(t)
+    return list(zip(temps, finals))
+
+
+def _contents(pairs):
+    return [f.read_text() for _, f in pairs]
+
+
+def test_publish_renames_all_and_removes_the_journal(tmp_path):
+    pairs = _new_set(tmp_path)
+    journal = journal_path(tmp_path / "rows")
+    seen = []
+    publish_files(pairs, journal, seen.append)
+    assert _contents(pairs) == [f"new {f.name}" for _, f in pairs]
+    assert seen == [None] + [f for _, f in pairs]  # the journal first, then each rename in order
+    assert not journal.exists() and not any(t.exists() for t, _ in pairs)
+
+
+@pytest.mark.parametrize("killed_after", [0, 1, 2])
+def test_a_publish_killed_midway_is_finished_by_complete_publish(tmp_path, killed_after):
+    pairs = _new_set(tmp_path)
+    journal = journal_path(tmp_path / "rows")
+    calls = []
+
+    def kill(final):
+        calls.append(final)
+        if len(calls) == killed_after + 1:  # after the journal (call 1) and `killed_after` renames
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        publish_files(pairs, journal, kill)
+    assert journal.exists()
+    assert _contents(pairs)[killed_after:] == [f"old {f.name}" for _, f in pairs][killed_after:]  # a mix on disk
+    assert complete_publish(journal) is True
+    assert _contents(pairs) == [f"new {f.name}" for _, f in pairs]
+    assert not journal.exists()
+    assert complete_publish(journal) is False  # nothing left to do
+
+
+def test_a_journal_that_is_not_one_is_refused_by_name(tmp_path):
+    journal = journal_path(tmp_path / "rows")
+    journal.write_text(json.dumps({"renames": [["a", "b"]]}))
+    with pytest.raises(OSError, match=r"not a packsft publish journal.*\.rows\.publish\.json"):
+        complete_publish(journal)
+
+
+def test_a_pair_with_neither_file_is_an_error(tmp_path):
+    journal = journal_path(tmp_path / "rows")
+    journal.write_text(json.dumps({"format": "packsft-publish", "version": 1,
+                                   "renames": [[str(tmp_path / ".gone.tmp"), str(tmp_path / "gone")]]}))
+    with pytest.raises(FileNotFoundError):
+        complete_publish(journal)
+
+
+def _hold_lock(path, ready, seconds):
+    with FileLock(path):
+        ready.set()
+        time.sleep(seconds)
+
+
+def test_a_reader_waits_for_the_writer_lock_then_finishes_the_publish(tmp_path):
+    pairs = _new_set(tmp_path)
+    rows = tmp_path / "rows"
+    journal = journal_path(rows)
+    with pytest.raises(_Killed):
+        publish_files(pairs, journal, lambda final: (_ for _ in ()).throw(_Killed()) if final is not None else None)
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(lock_path(rows), ready, 1.0))
+    holder.start()
+    assert ready.wait(30)
+    t0 = time.monotonic()
+    assert finish_interrupted_publish(rows) is True
+    assert time.monotonic() - t0 > 0.5  # it waited for the lock (the holder keeps it for 1 s)
+    holder.join(30)
+    assert _contents(pairs) == [f"new {f.name}" for _, f in pairs]
+    assert finish_interrupted_publish(rows) is False
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only folders")
+def test_a_reader_that_cannot_write_the_folder_says_so(tmp_path):
+    pairs = _new_set(tmp_path)
+    rows = tmp_path / "rows"
+    with pytest.raises(_Killed):
+        publish_files(pairs, journal_path(rows), lambda final: (_ for _ in ()).throw(_Killed()) if final else None)
+    os.chmod(tmp_path, 0o555)
+    try:
+        with pytest.raises(OSError, match="cannot finish it"):
+            finish_interrupted_publish(rows)
+    finally:
+        os.chmod(tmp_path, 0o755)

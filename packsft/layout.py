@@ -67,10 +67,13 @@ def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1, sequence
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
     if max_seq_len % g:
-        why = ("2 * context_parallel_size" if sequence_parallel_size == 1 else
-               "lcm(2 * context_parallel_size, context_parallel_size * tensor_model_parallel_size)")
+        if sequence_parallel_size == 1:
+            why, what = "2 * context_parallel_size", "equal context-parallel chunks"
+        else:
+            why = "lcm(2 * context_parallel_size, context_parallel_size * tensor_model_parallel_size)"
+            what = "equal context-parallel chunks and sequence-parallel shards"
         raise ValueError(f"max_seq_len ({max_seq_len}) must be a multiple of {why} ({g}) so every row splits into "
-                         "equal context-parallel chunks and sequence-parallel shards")
+                         f"{what}")
 
 
 def check_cu_seqlens(cu_seqlens: Tensor) -> Tensor:

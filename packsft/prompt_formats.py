@@ -214,6 +214,7 @@ def get_prompt_format(
         raise ValueError(f"--chat-template-kwargs needs prompt format chat-template, not {canonical}")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a JSON object, got {type(chat_template_kwargs).__name__}")
+    _check_reserved(chat_template_kwargs, "--chat-template-kwargs")
     template = _resolve_template(tokenizer, chat_template) if canonical == "chat-template" else None
     if pad_token is not None:
         pad = pad_token
@@ -333,8 +334,29 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+"""``apply_chat_template`` arguments packsft sets itself: refused in ``chat_template_kwargs`` (they would change
+what is rendered or returned, not what the template sees)."""
+
+
+def _check_reserved(kwargs: dict[str, Any] | None, what: str) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or ()))
+    if reserved:
+        raise PromptFormatError(f"{what} sets {', '.join(map(repr, reserved))}, which packsft sets itself when it "
+                                "renders a conversation; pass only variables the chat template reads "
+                                "(e.g. enable_thinking)")
+
+
 def _kwargs(fmt: PromptFormat, chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """The keyword arguments of ``apply_chat_template``: the format's, overridden by the conversation's."""
+    """The keyword arguments of ``apply_chat_template``: the format's, overridden by the conversation's.
+
+    Raises:
+        PromptFormatError: the conversation's own set one of :data:`RESERVED_TEMPLATE_KWARGS`.
+    """
+    _check_reserved(chat_template_kwargs, "the record's chat_template_kwargs")
     return {**(fmt.chat_template_kwargs or {}), **(chat_template_kwargs or {})}
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,9 @@ from typing import Any
 RECORD_FORMATS = ("messages", "input-output", "sharegpt", "alpaca")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                   "bing": "assistant", "system": "system", "tool": "tool", "observation": "tool",
-                  "function_response": "tool"}
+                  "function_response": "tool", "function_call": "assistant"}
+"""ShareGPT ``from`` values and the role each becomes. ``function_call`` turns (LLaMA-Factory's tool-calling
+ShareGPT: a JSON ``{"name", "arguments"}`` or a list of them) become assistant ``tool_calls``."""
 
 
 class RecordFormatError(ValueError):
@@ -42,11 +46,59 @@ def sharegpt_to_messages(record: dict[str, Any]) -> dict[str, Any]:
         role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
         if role is None:
             raise RecordFormatError(f"conversations[{i}].from: {turn['from']!r} is not one of {sorted(SHAREGPT_ROLES)}")
-        messages.append({"role": role, "content": turn["value"]})
+        if str(turn["from"]).lower() == "function_call":
+            messages.append({"role": "assistant", "content": "", "tool_calls": _sharegpt_tool_calls(turn["value"], i)})
+        else:
+            messages.append({"role": role, "content": turn["value"]})
     out = {"messages": messages}
     if record.get("tools") is not None:
         out["tools"] = record["tools"]
     return out
+
+
+def _sharegpt_tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` of a ShareGPT ``function_call`` turn's value (JSON text or already decoded)."""
+    where = f"conversations[{i}].value"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RecordFormatError(f"{where}: a function_call value must be JSON "
+                                    f'{{"name": ..., "arguments": {{...}}}} ({e.msg})') from e
+    calls = value if isinstance(value, list) else [value]
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise RecordFormatError(f'{where}: a function_call needs {{"name": str, "arguments": ...}}, '
+                                    f"got {call!r:.80}")
+        out.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
+    return out
+
+
+_MESSAGE_FIELD = re.compile(r"^messages\[(\d+)\](.*)$")
+
+
+def source_field(record_format: str, record: Any, field: str) -> str:
+    """The field of the input ``record`` that a validation error on the converted ``field`` is about.
+
+    ``messages[i].content`` of a ShareGPT record is ``conversations[j].value`` (``j = i`` less one when the
+    record's top-level ``system`` became message 0), ``.role`` is ``.from``; of an Alpaca record, the user turn is
+    ``instruction`` and the assistant's ``output``. Other formats and fields are returned unchanged.
+    """
+    m = _MESSAGE_FIELD.match(field or "")
+    if m is None or not isinstance(record, dict):
+        return field
+    i, rest = int(m.group(1)), m.group(2)
+    if record_format == "sharegpt":
+        has_system = isinstance(record.get("system"), str)
+        if has_system and i == 0:
+            return "system"
+        rest = {".content": ".value", ".role": ".from"}.get(rest, rest)
+        return f"conversations[{i - has_system}]{rest}"
+    if record_format == "alpaca":
+        offset = isinstance(record.get("system"), str)
+        return {offset - 1: "system", offset: "instruction", offset + 1: "output"}.get(i, field)
+    return field
 
 
 def alpaca_to_messages(record: dict[str, Any]) -> dict[str, Any]:

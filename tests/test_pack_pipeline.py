@@ -208,13 +208,18 @@ def test_bad_settings_are_clear(tmp_path, tokenizer_dir):
 def test_nothing_to_pack_is_an_error_not_an_empty_file(tmp_path, tokenizer_dir):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    bad = _write_lines(tmp_path / "bad.jsonl", ["{nope", [1]])
-    for src, counts in ((empty, "0 input line(s), 0 rejected"), (bad, "2 input line(s), 2 rejected")):
+    bad = _write_lines(tmp_path / "bad.jsonl", ["{nope", [1], '{"messages": ['])
+    for src, n in ((empty, 0), (bad, 3)):
         out = tmp_path / f"{src.stem}.jsonl.packed"
-        with pytest.raises(PackError, match=f"no conversation to pack: {re.escape(counts)}"):
+        with pytest.raises(PackError, match=rf"no conversation to pack: {n} input line\(s\) in \S*{src.name}, "
+                                            rf"{n} rejected") as e:
             run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
                                 max_seq_len=128, progress=False, histogram=""))
         assert not out.exists()
+    # the reasons come with the error, file and line each
+    assert re.search(r"\n  rejected \S*bad.jsonl:1: not valid JSON: .* \(column 2\)\n  rejected \S*bad.jsonl:2: ",
+                     str(e.value)), str(e.value)
+    assert "bad.jsonl:3: not valid JSON: Expecting value (column 15)" in str(e.value)  # the end of its own line
 
 
 def _cli(args, env_extra):

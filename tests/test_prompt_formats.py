@@ -320,6 +320,11 @@ def test_chat_template_kwargs_reach_the_template_per_format_and_per_record(qwen)
     assert tokenize_conversation(msgs, qwen, off, chat_template_kwargs={"enable_thinking": True})
     with pytest.raises(ValueError, match="needs prompt format chat-template"):
         get_prompt_format("passthrough", qwen, chat_template_kwargs={"x": 1})
+    # what packsft sets itself is refused, in the format's kwargs and in a record's
+    with pytest.raises(PromptFormatError, match=r"--chat-template-kwargs sets 'add_generation_prompt', 'tokenize'"):
+        get_prompt_format("chat-template", qwen, chat_template_kwargs={"tokenize": False, "add_generation_prompt": 1})
+    with pytest.raises(PromptFormatError, match="the record's chat_template_kwargs sets 'return_dict'"):
+        tokenize_conversation(msgs, qwen, plain, chat_template_kwargs={"return_dict": True})
 
 
 GLM = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"

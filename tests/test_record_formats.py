@@ -13,6 +13,7 @@ from packsft.record_formats import (
     import_adapter,
     record_converter,
     sharegpt_to_messages,
+    source_field,
 )
 from packsft.sidecar import read_sidecar
 
@@ -81,3 +82,36 @@ def test_adapter_from_pythonpath_reports_failures_per_line(tmp_path, tokenizer_d
     assert meta["adapter"] == "my_adapter:to_messages" and len(meta["adapter_sha256"]) == 16
     with pytest.raises(ValueError, match="--adapter replaces --format"):
         _pack(tmp_path, tokenizer_dir, [ALPACA], adapter="my_adapter:to_messages", record_format="alpaca")
+
+
+def test_sharegpt_function_call_turns_become_tool_calls():
+    record = {"conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": "{\"temp\": 21}"},
+        {"from": "gpt", "value": "21 degrees."}], "tools": json.dumps([{"name": "get_weather"}])}
+    msgs = sharegpt_to_messages(record)["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[1]["tool_calls"] == [{"type": "function",
+                                      "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    with pytest.raises(RecordFormatError, match=r"conversations\[0\].value: a function_call value must be JSON"):
+        sharegpt_to_messages({"conversations": [{"from": "function_call", "value": "get_weather(Paris)"}]})
+    with pytest.raises(RecordFormatError, match=r'conversations\[0\].value: a function_call needs \{"name"'):
+        sharegpt_to_messages({"conversations": [{"from": "function_call", "value": "[1]"}]})
+
+
+def test_validation_errors_name_the_input_records_own_fields():
+    assert source_field("sharegpt", {"conversations": []}, "messages[2].content") == "conversations[2].value"
+    assert source_field("sharegpt", {"system": "s", "conversations": []}, "messages[2].role") == "conversations[1].from"
+    assert source_field("sharegpt", {"system": "s", "conversations": []}, "messages[0].content") == "system"
+    assert source_field("alpaca", {}, "messages[1].content") == "output"
+    assert source_field("alpaca", {"system": "s"}, "messages[1].content") == "instruction"
+    assert source_field("messages", {}, "messages[1].content") == "messages[1].content"
+    assert source_field("sharegpt", {}, "tools") == "tools"
+
+
+def test_pack_reports_sharegpt_errors_by_conversations_index(tmp_path, tokenizer_dir):
+    bad = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": 7}]}
+    report, _ = _pack(tmp_path, tokenizer_dir, [SHAREGPT, bad], record_format="sharegpt")
+    assert report.rejected[0]["line"] == 2 and report.rejected[0]["reason"].startswith("conversations[1].value"), \
+        report.rejected

@@ -57,6 +57,15 @@ def test_pack(tmp_path):
                       "no such file")
 
 
+def test_pack_parallel_sizes_must_be_positive(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    for flag in ("--tensor-model-parallel-size", "--context-parallel-size"):
+        rc, err = run_tool(TOOLS / "pack_megatron_sft_jsonl.py", "--input", src, "--output", tmp_path / "x.packed",
+                           "--tokenizer", tmp_path, "--max-seq-length", "256", flag, "0")
+        assert rc == 2 and f"argument {flag}: must be >= 1, got 0" in err, err
+
+
 def test_train_missing_config(tmp_path):
     assert_user_error(*run_tool(TOOLS / "train.py", "--config", tmp_path / "missing.yaml"), "config file not found")
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from packsft.data.dataset import PackedSFTDataset
-from packsft.data.describe import describe_row
-from packsft.sidecar import read_sidecar
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from packsft.data.dataset import PackedSFTDataset  # noqa: E402
+from packsft.data.describe import describe_row  # noqa: E402
+from packsft.sidecar import read_sidecar  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,11 @@ Writes the rows, ``<output>.meta.json`` (the sidecar the loader checks), ``<outp
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from packsft.packing.cli import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from packsft.packing.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

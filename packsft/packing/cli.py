@@ -25,6 +25,16 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv=None) -> PackConfig:
     """Parse the command line into a :class:`PackConfig`."""
     p = argparse.ArgumentParser(description="Pack chat conversations (OpenAI messages JSONL) into .jsonl.packed rows.")
@@ -42,8 +52,8 @@ def parse_args(argv=None) -> PackConfig:
                    help="append EOS to every trained assistant turn (default: when the template writes no end of "
                         "turn after it, and for passthrough)")
     p.add_argument("--pad-token", default=None, help="override the prompt format's pad token")
-    p.add_argument("--context-parallel-size", type=int, default=1)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+    p.add_argument("--context-parallel-size", type=_positive_int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1,
                    help="TP size of the training run; only used with --sequence-parallel")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="rows for Megatron sequence parallelism: max_seq_len a multiple of lcm(2*CP, CP*TP)")

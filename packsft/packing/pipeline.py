@@ -64,7 +64,7 @@ from packsft.prompt_formats import (
     get_prompt_format,
     tokenize_conversation,
 )
-from packsft.record_formats import RecordFormatError, adapter_identity, record_converter
+from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -360,18 +360,23 @@ def _process_batch(batch: list[tuple[int, int, int, str | None, str | None]]) ->
             if decode_error:
                 raise ConversationError(path, line, "", decode_error)
             try:
-                record = json.loads(text)
+                record = json.loads(text.rstrip("\r\n"))  # an error at the end is then on this line
             except json.JSONDecodeError as e:
                 raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
             except RecursionError as e:
                 raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
+            source = record
             if _W["convert"] is not None:
                 try:
                     record = _W["convert"](record)
                 except RecordFormatError as e:
                     raise ConversationError(path, line, "", str(e)) from e
-            conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
-                                default_system_prompt=cfg.default_system_prompt)
+            try:
+                conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
+                                    default_system_prompt=cfg.default_system_prompt)
+            except ConversationError as e:  # name the input's own field (ShareGPT's conversations[j].value)
+                e.field = source_field(cfg.record_format, source, e.field)
+                raise
             non_megatron = None
             try:
                 conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg)
@@ -507,11 +512,8 @@ class PackReport:
             f"efficiency          : {100 * self.efficiency:.2f} %",
             f"pack factor         : {self.pack_factor:.2f} conversations/row",
         ]
-        for w in self.warnings[:5]:
-            where = f"{w['input']}:{w['line']}: " if w.get("input") else ""
-            lines.append(f"  warning {where}{w['message']}")
-        if len(self.warnings) > 5:
-            lines.append(f"  ... {len(self.warnings) - 5} more warnings in the report")
+        if self.warnings:  # the first 5 of each kind were issued as PackWarning while packing
+            lines.append("  (the first warnings of each kind are printed above; all are in the report)")
         for r in self.rejected[:5]:
             lines.append(f"  rejected {r['input']}:{r['line']}: {r['reason']}")
         if len(self.rejected) > 5:
@@ -578,6 +580,18 @@ def _apply_oversize(cfg: PackConfig, counted: list[_Counted], report: PackReport
                             "cut); use --oversize drop or a larger --max-seq-length", cfg.inputs[c.file_idx],
                             c.line)
     return kept
+
+
+def _nothing_to_pack(cfg: PackConfig, report: PackReport) -> str:
+    """The error of a run that kept no conversation: the counts and the first reasons."""
+    lines = [f"no conversation to pack: {report.input_conversations} input line(s) in {', '.join(cfg.inputs)}, "
+             f"{len(report.rejected)} rejected, {len(report.oversize)} oversize (dropped)"]
+    lines += [f"  rejected {r['input']}:{r['line']}: {r['reason']}" for r in report.rejected[:5]]
+    lines += [f"  dropped {o['input']}:{o['line']}: {o['tokens']} tokens > max_seq_len {cfg.max_seq_len}"
+              for o in report.oversize[:5]]
+    if len(report.rejected) > 5 or len(report.oversize) > 5:
+        lines.append("  ... (more of them; --strict stops at the first)")
+    return "\n".join(lines)
 
 
 def _stage(name: str) -> None:
@@ -694,9 +708,7 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 L, cp = cfg.max_seq_len, cfg.context_parallel_size
                 costs = [min(conversation_cost(c.num_tokens, cp), L) for c in kept]
                 if not kept:
-                    raise PackError(f"no conversation to pack: {report.input_conversations} input line(s), "
-                                    f"{len(report.rejected)} rejected, {len(report.oversize)} oversize "
-                                    f"({', '.join(cfg.inputs)}); see the reasons with --strict")
+                    raise PackError(_nothing_to_pack(cfg, report))
                 rows = pack(costs, L, cfg.algorithm)
                 if cfg.shuffle_rows:
                     random.Random(cfg.seed).shuffle(rows)

@@ -144,10 +144,11 @@ def test_local_search_reaches_the_bound_where_best_fit_does_not():
 
 def test_local_search_hand_example():
     # BFD: 7 -> row0 (5 left); 6 -> row1 (6 left); 4 -> row0 (1); 3 -> row1 (3); 2 -> row1 (1); 2 -> new row2.
-    # Sum 24 = 2 rows of 12: the pass re-packs the 3 rows into 2 exactly full ones.
+    # Sum 24 = 2 rows of 12: the pass re-packs the 3 rows into 2 exactly full ones, each opened by the largest
+    # cost left: 7 + 3 + 2 (the lower index of the two 2s), then 6 + 4 + 2.
     costs = [2, 3, 6, 4, 2, 7]
     assert best_fit_decreasing(costs, 12) == [[3, 5], [0, 1, 2], [4]]
-    assert bfd_local_search(costs, 12) == [[0, 2, 3], [1, 4, 5]]
+    assert bfd_local_search(costs, 12) == [[0, 1, 5], [2, 3, 4]]
 
 
 @settings(max_examples=150, deadline=None)

@@ -111,38 +111,37 @@ def bfd_local_search(costs: Sequence[int], max_seq_len: int, max_work: int | Non
     """
     c = _check_costs(costs, max_seq_len)
     n = len(c)
-    rows = _rows_from_assignment(_bfd_assign(c, max_seq_len), n)
+    assign = _bfd_assign(c, max_seq_len)
+    rows = _rows_from_assignment(assign, n)
     bound = -(-int(c.sum()) // max_seq_len)
-    if len(rows) <= bound:
+    alive = len(rows)
+    if alive <= bound:
         return rows
     work = [10 * n + 50_000 if max_work is None else max_work]
     cost = c.tolist()
     L = max_seq_len
-    space = [L - sum(cost[i] for i in r) for r in rows]
-    while len(rows) > bound and work[0] > 0:
-        by_space = sorted(range(len(rows)), key=lambda r: (-space[r], -r))
-        work[0] -= len(rows)
-        size, got = 0, 0
-        while got < L:
-            got += space[by_space[size]]
-            size += 1
+    space = L - np.bincount(assign, weights=c, minlength=alive).astype(np.int64)  # an emptied row gets -1
+    later_first = -np.arange(alive)
+    while alive > bound and work[0] > 0:
+        by_space = np.lexsort((later_first, -space))  # most space first, ties: the later row; emptied rows last
+        work[0] -= alive // 16 + 1
+        size = int(np.searchsorted(np.cumsum(space[by_space]), L)) + 1  # shortest prefix with space >= L
         new, group = None, []
         for _ in range(_TRIES):
-            group = by_space[:size]
-            work[0] -= sum(len(rows[r]) for r in group)
-            new = _fill_rows([i for r in group for i in rows[r]], cost, L, len(group) - 1, work)
-            if new is not None or size >= len(rows) or work[0] <= 0:
+            group = by_space[:size].tolist()
+            items = [i for r in group for i in rows[r]]
+            work[0] -= len(items)
+            new = _fill_rows(items, cost, L, len(group) - 1, work)
+            if new is not None or size >= alive or work[0] <= 0:
                 break
-            size *= 2
+            size = min(2 * size, alive)
         if new is None:
             break
         for r, row in zip(sorted(group), new + [[]] * (len(group) - len(new))):
             rows[r] = sorted(row)
-            space[r] = L - sum(cost[i] for i in row)
-        keep = [r for r in range(len(rows)) if rows[r]]
-        rows = [rows[r] for r in keep]
-        space = [space[r] for r in keep]
-    return rows
+            space[r] = L - sum(cost[i] for i in row) if row else -1
+            alive -= not row
+    return [r for r in rows if r]
 
 
 def _fill_rows(items: list[int], cost: list[int], L: int, n_rows: int, work: list[int]) -> list[list[int]] | None:

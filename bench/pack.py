@@ -149,12 +149,23 @@ def print_efficiency(lengths_by_tok: dict[str, dict[str, list[int]]], max_seq_le
 
 
 def print_synthetic_speed(max_seq_lens: list[int], n: int = 100_000) -> None:
-    """Seconds per 100K conversations of best-fit decreasing and bfd-local-search on synthetic costs (best of 3)."""
-    print(f"\nsynthetic: {n} log-normal costs (exp(N(5.5, 0.9)) + 1 tokens, capped at L), CP 1, best of 3")
-    print(f"{'L':>5} {'bound':>6} {'bfd rows':>8} {'ls rows':>8} {'bfd s/100K':>10} {'ls s/100K':>10}")
+    """Seconds per 100K conversations of best-fit decreasing and bfd-local-search on synthetic costs (best of 3).
+
+    Log-normal costs at each L (the realistic case), then three adversarial lists at L = 4096: uniform in 1..L,
+    uniform in L/4..L/2 (3-4 per row: best-fit decreasing is far above the bound and the pass spends its budget),
+    and all L/2 + 1 (one per row: no row can be removed).
+    """
+    print(f"\nsynthetic: {n} costs, CP 1, best of 3; log-normal = exp(N(5.5, 0.9)) + 1 tokens, capped at L")
+    print(f"{'costs':<22} {'L':>5} {'bound':>6} {'bfd rows':>8} {'ls rows':>8} {'bfd s/100K':>10} {'ls s/100K':>10}")
+    cases = []
     for L in max_seq_lens:
         rng = random.Random(1)
-        costs = [min(L, int(rng.lognormvariate(5.5, 0.9)) + 1) for _ in range(n)]
+        cases.append(("log-normal", L, [min(L, int(rng.lognormvariate(5.5, 0.9)) + 1) for _ in range(n)]))
+    rng = random.Random(2)
+    cases += [("uniform 1..L", 4096, [rng.randint(1, 4096) for _ in range(n)]),
+              ("uniform L/4..L/2", 4096, [rng.randint(1024, 2048) for _ in range(n)]),
+              ("all L/2 + 1", 4096, [2049] * n)]
+    for name, L, costs in cases:
         rows, secs = {}, {}
         for algorithm in ("best-fit-decreasing", "bfd-local-search"):
             best = float("inf")
@@ -163,8 +174,8 @@ def print_synthetic_speed(max_seq_lens: list[int], n: int = 100_000) -> None:
                 rows[algorithm] = len(pack(costs, L, algorithm))
                 best = min(best, time.perf_counter() - t0)
             secs[algorithm] = best * 100_000 / n
-        print(f"{L:>5} {lower_bound_rows(costs, L):>6} {rows['best-fit-decreasing']:>8} {rows['bfd-local-search']:>8} "
-              f"{secs['best-fit-decreasing']:>10.3f} {secs['bfd-local-search']:>10.3f}")
+        print(f"{name:<22} {L:>5} {lower_bound_rows(costs, L):>6} {rows['best-fit-decreasing']:>8} "
+              f"{rows['bfd-local-search']:>8} {secs['best-fit-decreasing']:>10.3f} {secs['bfd-local-search']:>10.3f}")
 
 
 def file_lengths(path: Path, tokenizer: str, tok, fmt, cache: str) -> list[int]:

@@ -244,9 +244,9 @@ def _bfd_assign(c: np.ndarray, L: int) -> np.ndarray:
             touch_rows.extend(range(n_rows, n_rows + full))
             touch_counts.extend([per] * full)
             left = L - per * v
-            if left:
-                for r in range(n_rows, n_rows + full):
-                    push(left, r)
+            if left and full:
+                push(left, n_rows)
+                buckets[left].extend(range(n_rows + 1, n_rows + full))
             n_rows += full
             if rest:
                 touch_rows.append(n_rows)
@@ -263,13 +263,9 @@ def _rows_from_assignment(assign: np.ndarray, n: int) -> list[list[int]]:
     if n == 0:
         return []
     by_row = np.argsort(assign, kind="stable")
-    sizes = np.bincount(assign).tolist()
+    ends = np.cumsum(np.bincount(assign)).tolist()
     flat = by_row.tolist()
-    rows, p = [], 0
-    for m in sizes:
-        rows.append(flat[p : p + m])
-        p += m
-    return rows
+    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
 
 def pack(costs: Sequence[int], max_seq_len: int, algorithm: str) -> list[list[int]]:

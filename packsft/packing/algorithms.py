@@ -90,17 +90,18 @@ def bfd_local_search(costs: Sequence[int], max_seq_len: int, max_work: int | Non
     While there are more rows than :func:`lower_bound_rows`, the pass orders the rows by space left (most
     first; ties: the later row, so the least-filled row leads and full rows come last, latest first) and
     takes the shortest prefix whose space adds up to ``max_seq_len``: the least a group needs to fit in one
-    row fewer. It re-packs the group's conversations into one row fewer, each new row filled as full as the
-    conversations left allow (an exact subset-sum over their costs, larger costs first), and keeps the result
-    only if everything fits; otherwise it tries a group of twice as many rows (8 sizes at most), and stops at
-    the first row it cannot remove. Never more rows than :func:`best_fit_decreasing`, which it starts from.
+    row fewer. It re-packs the group's conversations into one row fewer by minimum bin slack (each new row
+    holds the largest conversation left and the subset of the others that fills it the most: an exact
+    subset-sum, larger costs preferred) and keeps the result only if everything fits; otherwise it tries a
+    group of twice as many rows (8 sizes at most), and stops at the first row it cannot remove. Never more
+    rows than :func:`best_fit_decreasing`, which it starts from.
 
     Args:
         costs: per-conversation cost in tokens, each in ``1..max_seq_len``.
         max_seq_len: row capacity in tokens.
-        max_work: cap on the work of the pass, in steps (a subset-sum step per (new row, cost piece), one per
-            row sorted and per conversation re-packed); default ``10 * n + 50_000``, about 0.2 s per 100K
-            conversations. The result depends on it, never on the clock.
+        max_work: cap on the work of the pass, in steps (one per subset-sum step, i.e. per (new row, cost
+            piece), one per conversation re-packed, one per 16 rows sorted); default ``10 * n + 50_000``,
+            a fraction of a second per 100K conversations. The result depends on it, never on the clock.
 
     Returns:
         Rows as lists of indices into ``costs``, indices within a row ascending: best-fit decreasing's rows in

@@ -12,7 +12,7 @@ TOKENIZER ?= out/demo/smollm2-tokenizer
 PROMPT_FORMAT ?= chat-template
 MAX_SEQ_LEN ?= 4096
 CP ?= 1
-ALGORITHM ?= best-fit-decreasing
+ALGORITHM ?= bfd-local-search
 
 # train settings (make train CONFIG=configs/smollm2_135m.yaml NPROC=2 OVERRIDES="optimizer.lr=1e-4")
 CONFIG ?= configs/tiny_cpu.yaml

@@ -1,16 +1,20 @@
 """Packing algorithms on lengths only: which conversations go into which row.
 
 Every function here takes per-conversation *costs* in tokens (see :func:`packsft.layout.conversation_cost`) and a row
-capacity ``max_seq_len``, and returns rows as lists of conversation indices. No text, no tokenizer: the
-algorithms are deterministic functions of their inputs (ties are broken by index, never by hash order), so
-the same input gives the same rows whatever the worker count or ``PYTHONHASHSEED``.
+capacity ``max_seq_len``, and returns rows as lists of conversation indices, each list ascending (a row's
+conversations are written in input order). No text, no tokenizer: the algorithms are deterministic functions of
+their inputs (ties are broken by index, never by hash order or the clock), so the same input gives the same rows
+whatever the worker count or ``PYTHONHASHSEED``.
 
 * ``next-fit`` (NeMo RL compatible): input order, one open row; the row is closed when the next
-  conversation does not fit or the row is exactly full. Same rows for the same input.
+  conversation does not fit or the row is exactly full.
 * ``best-fit-decreasing``: over the whole dataset (not per chunk), conversations sorted by decreasing cost
   (ties: input order), each placed into the open row with the least remaining space that still fits it,
-  else into a new row. A Fenwick tree over remaining capacities makes each placement O(log max_seq_len).
-  Within a row, conversations are written in input order.
+  else into a new row. Computed one distinct cost at a time (all conversations of one cost in one pass).
+* ``bfd-local-search`` (default): best-fit decreasing, then an improvement pass that empties the least-filled
+  row by re-packing it, with the rows that have the most space left, into one row fewer (exact subset-sum
+  fills); it repeats while the row count is above :func:`lower_bound_rows` and never ends with more rows
+  than best-fit decreasing.
 """
 
 from __future__ import annotations
@@ -18,27 +22,31 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-ALGORITHMS = ("next-fit", "best-fit-decreasing")
+import numpy as np
+
+ALGORITHMS = ("bfd-local-search", "best-fit-decreasing", "next-fit")
+DEFAULT_ALGORITHM = "bfd-local-search"
+_TRIES = 8  # group sizes tried per row removed: the smallest group with enough space, then twice as many rows, ...
 
 
 def next_fit(costs: Sequence[int], max_seq_len: int) -> list[list[int]]:
     """Pack in input order with one open row (NeMo RL's sequence packing).
 
     Args:
-        costs: per-conversation cost in tokens, each ``<= max_seq_len``.
+        costs: per-conversation cost in tokens, each in ``1..max_seq_len``.
         max_seq_len: row capacity in tokens.
 
     Returns:
         Rows as lists of indices into ``costs``, in input order.
 
     Raises:
-        ValueError: when a cost exceeds ``max_seq_len`` (handle oversize conversations before packing).
+        ValueError: when a cost is outside ``1..max_seq_len`` (handle oversize conversations before packing).
     """
+    _check_costs(costs, max_seq_len)
     rows: list[list[int]] = []
     current: list[int] = []
     used = 0
     for i, c in enumerate(costs):
-        _check_cost(i, c, max_seq_len)
         if current and used + c > max_seq_len:
             rows.append(current)
             current, used = [], 0
@@ -52,85 +60,223 @@ def next_fit(costs: Sequence[int], max_seq_len: int) -> list[list[int]]:
     return rows
 
 
-class _Fenwick:
-    """Counts of open rows per remaining capacity, with "smallest capacity >= x" queries."""
-
-    def __init__(self, size: int):
-        self.n = size + 1
-        self.tree = [0] * (self.n + 1)
-        self.log = 1 << (self.n.bit_length())
-
-    def add(self, cap: int, delta: int) -> None:
-        i = cap + 1
-        while i <= self.n:
-            self.tree[i] += delta
-            i += i & -i
-
-    def prefix(self, cap: int) -> int:
-        i, s = cap + 1, 0
-        while i > 0:
-            s += self.tree[i]
-            i -= i & -i
-        return s
-
-    def kth(self, k: int) -> int:
-        """Smallest capacity whose prefix count reaches ``k`` (1-based)."""
-        pos, step = 0, self.log
-        while step:
-            nxt = pos + step
-            if nxt <= self.n and self.tree[nxt] < k:
-                pos = nxt
-                k -= self.tree[nxt]
-            step >>= 1
-        return pos  # index pos+1 in 1-based = capacity pos
-
-
 def best_fit_decreasing(costs: Sequence[int], max_seq_len: int) -> list[list[int]]:
     """Best-fit decreasing bin packing over the whole dataset.
 
+    Conversations are taken by decreasing cost (ties: input order); each goes into the open row with the
+    least space left that still holds it (ties: the row that reached that space first), else into a new row.
+
     Args:
-        costs: per-conversation cost in tokens, each ``<= max_seq_len``.
+        costs: per-conversation cost in tokens, each in ``1..max_seq_len``.
         max_seq_len: row capacity in tokens.
 
     Returns:
         Rows as lists of indices into ``costs``; rows in order of creation, indices within a row ascending.
 
     Raises:
-        ValueError: when a cost exceeds ``max_seq_len``.
+        ValueError: when a cost is outside ``1..max_seq_len``.
 
-    Complexity: O(n log n) for the sort plus O(n log max_seq_len) for the placements.
+    Complexity: O(n log n) for the sort; the placement handles all conversations of one cost ``v`` together
+    (the best-fit row for the next one is the same row while its space stays ``>= v``), so it costs one step per
+    (row, distinct cost) it touches plus an O(L) scan per distinct cost.
     """
-    for i, c in enumerate(costs):
-        _check_cost(i, c, max_seq_len)
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-    rows: list[list[int]] = []
-    fen = _Fenwick(max_seq_len)
-    open_by_cap: dict[int, deque[int]] = {}  # remaining capacity -> open row ids (FIFO: oldest first)
-    for i in order:
-        c = costs[i]
-        below = fen.prefix(c - 1) if c > 0 else 0
-        total = fen.prefix(max_seq_len)
-        if total > below:
-            cap = fen.kth(below + 1)
-            row = open_by_cap[cap].popleft()
-            fen.add(cap, -1)
-        else:
-            cap, row = max_seq_len, len(rows)
-            rows.append([])
-        rows[row].append(i)
-        left = cap - c
-        if left > 0:
-            open_by_cap.setdefault(left, deque()).append(row)
-            fen.add(left, 1)
-    return [sorted(r) for r in rows]
+    c = _check_costs(costs, max_seq_len)
+    return _rows_from_assignment(_bfd_assign(c, max_seq_len), len(c))
+
+
+def bfd_local_search(costs: Sequence[int], max_seq_len: int, max_work: int | None = None) -> list[list[int]]:
+    """Best-fit decreasing, then rows emptied by re-packing them with the rows that have the most space left.
+
+    While there are more rows than :func:`lower_bound_rows`, the pass orders the rows by space left (most
+    first; ties: the later row, so the least-filled row leads and full rows come last, latest first) and
+    takes the shortest prefix whose space adds up to ``max_seq_len``: the least a group needs to fit in one
+    row fewer. It re-packs the group's conversations into one row fewer by minimum bin slack (each new row
+    holds the largest conversation left and the subset of the others that fills it the most: an exact
+    subset-sum, larger costs preferred) and keeps the result only if everything fits; otherwise it tries a
+    group of twice as many rows (8 sizes at most), and stops at the first row it cannot remove. Never more
+    rows than :func:`best_fit_decreasing`, which it starts from.
+
+    Args:
+        costs: per-conversation cost in tokens, each in ``1..max_seq_len``.
+        max_seq_len: row capacity in tokens.
+        max_work: cap on the work of the pass, in steps (one per subset-sum step, i.e. per (new row, cost
+            piece), one per conversation re-packed, one per 16 rows sorted); default ``10 * n + 50_000``,
+            a fraction of a second per 100K conversations. The result depends on it, never on the clock.
+
+    Returns:
+        Rows as lists of indices into ``costs``, indices within a row ascending: best-fit decreasing's rows in
+        creation order, the rows of each re-packed group replaced in place and the emptied rows dropped.
+
+    Raises:
+        ValueError: when a cost is outside ``1..max_seq_len``.
+    """
+    c = _check_costs(costs, max_seq_len)
+    n = len(c)
+    assign = _bfd_assign(c, max_seq_len)
+    rows = _rows_from_assignment(assign, n)
+    bound = -(-int(c.sum()) // max_seq_len)
+    alive = len(rows)
+    if alive <= bound:
+        return rows
+    work = [10 * n + 50_000 if max_work is None else max_work]
+    cost = c.tolist()
+    L = max_seq_len
+    space = L - np.bincount(assign, weights=c, minlength=alive).astype(np.int64)  # an emptied row gets -1
+    later_first = -np.arange(alive)
+    while alive > bound and work[0] > 0:
+        by_space = np.lexsort((later_first, -space))  # most space first, ties: the later row; emptied rows last
+        work[0] -= alive // 16 + 1
+        size = int(np.searchsorted(np.cumsum(space[by_space]), L)) + 1  # shortest prefix with space >= L
+        new, group = None, []
+        for _ in range(_TRIES):
+            group = by_space[:size].tolist()
+            items = [i for r in group for i in rows[r]]
+            work[0] -= len(items)
+            new = _fill_rows(items, cost, L, len(group) - 1, work)
+            if new is not None or size >= alive or work[0] <= 0:
+                break
+            size = min(2 * size, alive)
+        if new is None:
+            break
+        for r, row in zip(sorted(group), new + [[]] * (len(group) - len(new))):
+            rows[r] = sorted(row)
+            space[r] = L - sum(cost[i] for i in row) if row else -1
+            alive -= not row
+    return [r for r in rows if r]
+
+
+def _fill_rows(items: list[int], cost: list[int], L: int, n_rows: int, work: list[int]) -> list[list[int]] | None:
+    """Pack ``items`` into at most ``n_rows`` rows of ``L`` by minimum bin slack: each row holds the largest
+    conversation left and, beside it, the subset of the others that fills the row the most.
+
+    The subset is a subset-sum over the distinct costs left (counts split into powers of two, a Python
+    ``int`` as the bitset of reachable sums, stopping at the first cost that fills the row exactly), traced
+    back so that larger costs are taken first; within a cost, lower indices first. ``work[0]`` is decreased by the
+    steps spent. Returns the rows, or ``None`` when items are left over (or the work ran out).
+    """
+    by_cost: dict[int, list[int]] = {}
+    for i in sorted(items, key=lambda i: (cost[i], -i)):  # each list ends with its lowest index
+        by_cost.setdefault(cost[i], []).append(i)
+    values = sorted(by_cost, reverse=True)
+    out: list[list[int]] = []
+    left = len(items)
+    while left:
+        if len(out) == n_rows or work[0] <= 0:
+            return None
+        first = values[0]
+        row = [by_cost[first].pop()]  # the largest conversation left opens the row (minimum bin slack)
+        cap = L - first
+        full = (1 << (cap + 1)) - 1
+        reach, hist, pieces = 1, [], []
+        for v in values:
+            k = min(len(by_cost[v]), cap // v)
+            p = 1
+            while k:
+                m = min(p, k)
+                hist.append(reach)
+                pieces.append((v, m))
+                reach |= (reach << (v * m)) & full
+                k -= m
+                p <<= 1
+            if reach >> cap & 1:
+                break
+        work[0] -= len(pieces) + 1
+        target = reach.bit_length() - 1
+        for j in range(len(pieces) - 1, -1, -1):
+            if not target:
+                break
+            if hist[j] >> target & 1:
+                continue
+            v, m = pieces[j]
+            target -= v * m
+            lst = by_cost[v]
+            row += lst[-m:]
+            del lst[-m:]
+        left -= len(row)
+        values = [v for v in values if by_cost[v]]
+        out.append(row)
+    return out
+
+
+def _bfd_assign(c: np.ndarray, L: int) -> np.ndarray:
+    """Row id (in creation order) of every conversation under best-fit decreasing; ``c`` is int64 ``[n]``."""
+    n = len(c)
+    order = np.argsort(-c, kind="stable")  # decreasing cost, ties by index
+    sc = c[order]
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, sc[1:] != sc[:-1]])
+    counts = np.diff(np.r_[starts, n])
+    values = sc[starts].tolist()
+    counts = counts.tolist()
+    buckets: list[deque[int] | None] = [None] * (L + 1)  # space left -> open rows, oldest first
+    nonempty = np.zeros(L + 1, dtype=bool)  # buckets[s] is not empty (kept for the vectorised scan)
+    touch_rows: list[int] = []  # one (row, how many) per placement run, in sorted order
+    touch_counts: list[int] = []
+    n_rows = 0
+
+    def push(s: int, r: int) -> None:
+        q = buckets[s]
+        if q is None:
+            q = buckets[s] = deque()
+        if not q:
+            nonempty[s] = True
+        q.append(r)
+
+    for v, k in zip(values, counts):
+        for s in (np.flatnonzero(nonempty[v:]) + v).tolist():
+            q = buckets[s]
+            while q and k:
+                r = q.popleft()
+                j = min(k, s // v)
+                touch_rows.append(r)
+                touch_counts.append(j)
+                k -= j
+                left = s - j * v
+                if left:
+                    push(left, r)
+            if not q:
+                nonempty[s] = False
+            if not k:
+                break
+        if k:  # new rows, each taking L // v conversations (the last one the rest)
+            per = L // v
+            full, rest = divmod(k, per)
+            touch_rows.extend(range(n_rows, n_rows + full))
+            touch_counts.extend([per] * full)
+            left = L - per * v
+            if left and full:
+                push(left, n_rows)
+                buckets[left].extend(range(n_rows + 1, n_rows + full))
+            n_rows += full
+            if rest:
+                touch_rows.append(n_rows)
+                touch_counts.append(rest)
+                push(L - rest * v, n_rows)
+                n_rows += 1
+    assign = np.empty(n, dtype=np.int64)
+    assign[order] = np.repeat(np.asarray(touch_rows, dtype=np.int64), np.asarray(touch_counts, dtype=np.int64))
+    return assign
+
+
+def _rows_from_assignment(assign: np.ndarray, n: int) -> list[list[int]]:
+    """Rows (lists of ascending indices) from a row id per conversation; row ids are ``0..max``."""
+    if n == 0:
+        return []
+    by_row = np.argsort(assign, kind="stable")
+    ends = np.cumsum(np.bincount(assign)).tolist()
+    flat = by_row.tolist()
+    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
 
 
 def pack(costs: Sequence[int], max_seq_len: int, algorithm: str) -> list[list[int]]:
     """Dispatch to the algorithm named ``algorithm`` (one of :data:`ALGORITHMS`).
 
     Raises:
-        ValueError: unknown algorithm, or a cost above ``max_seq_len``.
+        ValueError: unknown algorithm, or a cost outside ``1..max_seq_len``.
     """
+    if algorithm == "bfd-local-search":
+        return bfd_local_search(costs, max_seq_len)
     if algorithm == "next-fit":
         return next_fit(costs, max_seq_len)
     if algorithm == "best-fit-decreasing":
@@ -140,9 +286,15 @@ def pack(costs: Sequence[int], max_seq_len: int, algorithm: str) -> list[list[in
 
 def lower_bound_rows(costs: Sequence[int], max_seq_len: int) -> int:
     """Fewest rows any packing can use: ``ceil(sum(costs) / max_seq_len)``."""
-    return -(-sum(costs) // max_seq_len)
+    return -(-int(sum(costs)) // max_seq_len)
 
 
-def _check_cost(i: int, c: int, max_seq_len: int) -> None:
-    if c <= 0 or c > max_seq_len:
-        raise ValueError(f"conversation {i} costs {c} tokens; each cost must be in 1..max_seq_len ({max_seq_len})")
+def _check_costs(costs: Sequence[int], max_seq_len: int) -> np.ndarray:
+    """``costs`` as int64 ``[n]``; raise ``ValueError`` naming the first cost outside ``1..max_seq_len``."""
+    c = np.asarray(costs, dtype=np.int64).reshape(-1)
+    bad = np.flatnonzero((c <= 0) | (c > max_seq_len))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"conversation {i} costs {int(c[i])} tokens; each cost must be in 1..max_seq_len "
+                         f"({max_seq_len})")
+    return c

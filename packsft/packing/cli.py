@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from packsft.packing.algorithms import ALGORITHMS
+from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from packsft.packing.pipeline import MAX_CONVERSATION_BYTES, OVERSIZE_POLICIES, PackConfig, PackError, run_pack
 from packsft.prompt_formats import PRESETS, TRAIN_ON
 from packsft.record_formats import RECORD_FORMATS
@@ -57,7 +57,9 @@ def parse_args(argv=None) -> PackConfig:
                    help="TP size of the training run; only used with --sequence-parallel")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="rows for Megatron sequence parallelism: max_seq_len a multiple of lcm(2*CP, CP*TP)")
-    p.add_argument("--algorithm", default="best-fit-decreasing", choices=ALGORITHMS)
+    p.add_argument("--algorithm", default=DEFAULT_ALGORITHM, choices=ALGORITHMS,
+                   help="bfd-local-search (default: best-fit decreasing, then rows emptied down to the lower bound "
+                        "where it can), best-fit-decreasing, or next-fit (input order, NeMo RL's)")
     p.add_argument("--oversize", default="own-row", choices=OVERSIZE_POLICIES,
                    help="conversations longer than --max-seq-length: own row (truncated), drop, or error")
     p.add_argument("--max-conversation-bytes", type=int, default=MAX_CONVERSATION_BYTES,

@@ -98,7 +98,7 @@ class PackConfig:
         context_parallel_size: CP size the rows are padded for.
         sequence_parallel_size: the TP size of a run with sequence parallelism (1 without): ``max_seq_len``
             must then be a multiple of ``lcm(2 * cp, cp * tp)`` (:func:`packsft.layout.row_granularity`).
-        algorithm: ``next-fit`` or ``best-fit-decreasing``.
+        algorithm: ``bfd-local-search`` (default), ``best-fit-decreasing`` or ``next-fit``.
         oversize: ``own-row``, ``drop`` or ``error`` for conversations longer than ``max_seq_len``.
         seed: seeds the row order when ``shuffle_rows`` is set; recorded in the sidecar.
         shuffle_rows: write rows in a seeded random order instead of creation order.
@@ -130,7 +130,7 @@ class PackConfig:
     pad_token: str | None = None
     context_parallel_size: int = 1
     sequence_parallel_size: int = 1
-    algorithm: str = "best-fit-decreasing"
+    algorithm: str = "bfd-local-search"
     oversize: str = "own-row"
     seed: int = 1234
     shuffle_rows: bool = False

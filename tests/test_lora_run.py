@@ -130,18 +130,20 @@ def _export(lora_run, *flags, checkpoint=None, nproc=1):
                 checkpoint.parents[1] / "config.yaml", *flags, nproc=nproc)
 
 
-def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run):
+def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed):  # noqa: F811
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    tmp = lora_run["tmp"]
+    from examples.generate import generate
+
+    tmp, tokenizer = lora_run["tmp"], ("--tokenizer", packed["tokenizer"])
     tokens = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(4))
     expected = _packsft_lora_logits(lora_run, tokens)
     with torch.no_grad():
         base_logits = lora_run["hf"](tokens).logits[0]
     assert (expected - base_logits).abs().max() > 1e-3                      # the trained adapters matter
-    _export(lora_run, "--out", tmp / "merged", "--merge-lora")
-    _export(lora_run, "--out", tmp / "hf_base", "--lora-adapter", tmp / "adapter")
+    _export(lora_run, "--out", tmp / "merged", "--merge-lora", *tokenizer)
+    _export(lora_run, "--out", tmp / "hf_base", "--lora-adapter", tmp / "adapter", *tokenizer)
     merged = AutoModelForCausalLM.from_pretrained(tmp / "merged", dtype=torch.float32).eval()
     hf_base = AutoModelForCausalLM.from_pretrained(tmp / "hf_base", dtype=torch.float32).eval()
     assert all(torch.equal(hf_base.state_dict()[k], v) for k, v in lora_run["hf"].state_dict().items())
@@ -152,6 +154,10 @@ def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run):
           "peft", float((peft_logits - expected).abs().max()))
     torch.testing.assert_close(merged_logits, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(peft_logits, expected, atol=1e-5, rtol=0)
+    # examples/generate.py --adapter: the chat template of the exported tokenizer, base + adapter through peft
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    answer = generate(tmp / "hf_base", messages, 8, adapter_dir=tmp / "adapter")
+    assert answer == generate(tmp / "merged", messages, 8) and answer != generate(tmp / "hf_base", messages, 8)
 
 
 def _adapter(folder: Path) -> dict[str, torch.Tensor]:

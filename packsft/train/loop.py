@@ -10,7 +10,9 @@ Flow of ``Trainer(cfg).run()``:
    ``train.bf16``, Megatron ``DistributedDataParallel`` (always; fp32 ``main_grad`` buffers) and
    ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training loader.
 3. Resume (``checkpoint.resume``), before the loader's first ``iter()``; with nothing to resume, the model weights of
-   ``checkpoint.init_from`` (an imported HF model) when set.
+   ``checkpoint.init_from`` (an imported HF model) when set. A LoRA run from ``init_from`` checkpoints only its
+   adapters and the base's identity; its resume loads the base (``init_from``, else the recorded path) after
+   checking the fingerprint, then the adapters and optimizer state.
 4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
    all-reduced over DP x CP, then each micro-batch runs forward + backward on ``sum(token loss) * dp * cp / count``;
    gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.

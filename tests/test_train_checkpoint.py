@@ -156,6 +156,7 @@ def _logits_step(model, opt, seed):
     opt.zero_grad()
 
 
+@pytest.mark.slow
 def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
         tmp_path, parallel_state_1proc):  # noqa: F811
     import shutil

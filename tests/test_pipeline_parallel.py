@@ -318,3 +318,62 @@ def test_layout_check_explains_world_and_interleaved_misfits(config):  # noqa: F
                               "train.global_batch_size=6"])
     with pytest.raises(ValueError, match=r"micro-batches per step .* = 3\) to be a multiple of"):
         check_parallel_layout(vp, 4)                        # DP = 2: 3 micro-batches per rank
+
+
+LORA = ("lora.enabled=true", "lora.rank=4", "lora.alpha=8.0")
+
+
+def _lora_weights(config_path: str, train_path: str) -> dict[str, torch.Tensor]:
+    """Full one-process weights of the LoRA model, with every adapter perturbed (``lora_B`` non-zero, so ``lora_A``
+    gets a gradient), seeded by name."""
+    from packsft.train.loop import Trainer
+
+    trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}", *LORA]))
+    weights = {_global_name(g, n): p.detach().clone() for g in trainer.gpts for n, p in g.named_parameters()}
+    for i, name in enumerate(sorted(k for k in weights if ".lora_" in k)):
+        weights[name] += 0.05 * torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(i))
+    return weights
+
+
+def _lora_step(config_path: str, train_path: str, overrides: tuple[str, ...], full: dict) -> dict:
+    from packsft.train.loop import Trainer
+
+    trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}", *LORA, *overrides]))
+    load_full_weights(trainer, full)
+    result = trainer.train_step(trainer.next_micro_batches())
+    trainable = {_global_name(g, n): p for g in trainer.gpts for n, p in g.named_parameters() if p.requires_grad}
+    return {"step": result, "grads": {k: p.main_grad.detach().clone() for k, p in trainable.items()},
+            "after": {k: p.detach().clone() for k, p in trainable.items()}, "layout": trainer.layout(),
+            "stages": [(g.pre_process, g.post_process) for g in trainer.gpts]}
+
+
+def _lora_pp2_worker(rank, world_size, config_path, train_path, full):
+    return _lora_step(config_path, train_path, (PP2,), full)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lora_pp2_step_equals_single_process(setup, parallel_state_1proc):  # noqa: F811
+    """LoRA at PP=2 (megatron optimizer, tied embeddings frozen): the step's loss, grad norm, every adapter's reduced
+    gradient and updated value equal the one-process LoRA step (within 1e-6); only adapters are trainable."""
+    from megatron.core import parallel_state
+
+    config_path, paths = setup
+    full = _lora_weights(config_path, paths[1])
+    parallel_state.destroy_model_parallel()
+    ref = _lora_step(config_path, paths[1], (), full)
+    assert ref["grads"] and all(".lora_" in k for k in ref["grads"]) and len(ref["grads"]) == 4 * 4 * 2
+    assert min(float(g.abs().max()) for g in ref["grads"].values()) > 0          # A and B get gradients
+    per_rank = run_distributed(_lora_pp2_worker, 2, config_path, paths[1], full, timeout_s=400)
+    assert [r["stages"] for r in per_rank] == [[(True, False)], [(False, True)]]
+    merged, worst = {}, 0.0
+    for result in per_rank:
+        assert result["step"]["trained_tokens"] == ref["step"]["trained_tokens"]
+        assert abs(result["step"]["loss"] - ref["step"]["loss"]) < TOL
+        assert abs(result["step"]["grad_norm"] / ref["step"]["grad_norm"] - 1) < 1e-5
+        for key in result["grads"]:
+            worst = max(worst, float((result["grads"][key] - ref["grads"][key]).abs().max()),
+                        float((result["after"][key] - ref["after"][key]).abs().max()))
+            merged[key] = result["grads"][key]
+    assert merged.keys() == ref["grads"].keys() and worst < TOL, worst
+    print("lora pp=2 vs pp=1: max |grad or updated adapter diff|", worst, "loss", ref["step"]["loss"])

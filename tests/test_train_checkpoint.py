@@ -133,3 +133,78 @@ def test_old_pickled_checkpoint_is_refused_without_unpickling(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="old format"):
         ckpt.load_train_state(old)
     assert not marker.exists()
+
+
+TINY = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                   vocab_size=128, max_position_embeddings=32)
+
+
+def _lora_model(seed, base_dir):
+    from packsft.model.lora import LoraConfig, apply_lora
+    from packsft.train.model_checkpoint import load_megatron_checkpoint
+
+    model = tiny_model(seed)
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8.0))
+    load_megatron_checkpoint(model, base_dir, base_only=True)
+    return model
+
+
+def _logits_step(model, opt, seed):
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(seed))
+    model(tokens, torch.arange(16)[None], None).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
+        tmp_path, parallel_state_1proc):  # noqa: F811
+    import shutil
+
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    from packsft.train.model_checkpoint import (
+        FINGERPRINT_FILE,
+        BaseMismatchError,
+        base_identity,
+        check_lora_base,
+        save_megatron_checkpoint,
+    )
+
+    base_dir = save_megatron_checkpoint(tiny_model(0), TINY, tmp_path / "base")      # what `import` writes
+    identity = base_identity(base_dir)
+    assert identity == {"path": str(base_dir.resolve()), "fingerprint": identity["fingerprint"]}
+    model = _lora_model(1, base_dir)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    for seed in (1, 2):
+        _logits_step(model, opt, seed)
+    path = ckpt.save_checkpoint(tmp_path / "run", 2, model, opt, train_state={"state": {"step": 2},
+                                ckpt.LORA_BASE: identity}, loader_state=None, dp_rank=0, write_loader_state=False,
+                                adapters_only=True)
+    saved = {k: v for k, v in load_plain_tensors(str(path)).items() if not k.startswith("optimizer")}
+    assert saved and all(".lora_" in k for k in saved), sorted(saved)                   # no base weight stored
+    adapters = [p for n, p in model.named_parameters() if ".lora_" in n]
+    assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in adapters)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)
+
+    recorded = ckpt.load_train_state(path)[ckpt.LORA_BASE]
+    fresh = _lora_model(2, check_lora_base(recorded, None, path))    # base from the recorded path, identity checked
+    fresh_opt = build_optimizer(fresh, OptimizerConfig(lr=1e-2))
+    ckpt.load_model_and_optimizer(path, fresh, fresh_opt, adapters_only=True)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+        if a.requires_grad:
+            assert torch.equal(opt.state[a]["exp_avg_sq"], fresh_opt.state[b]["exp_avg_sq"])
+    _logits_step(model, opt, 3)
+    _logits_step(fresh, fresh_opt, 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))   # next step bit-identical
+
+    copy = tmp_path / "moved"                     # a copy without the stored fingerprint is hashed again: same identity
+    shutil.copytree(base_dir, copy)
+    (copy / FINGERPRINT_FILE).unlink()
+    assert check_lora_base(recorded, copy, path) == copy
+    other = save_megatron_checkpoint(tiny_model(5), TINY, tmp_path / "other")
+    with pytest.raises(BaseMismatchError, match=f"{base_dir.resolve()} .*{other.resolve()}, has fingerprint"):
+        check_lora_base(recorded, other, path)
+    with pytest.raises(BaseMismatchError, match="does not exist"):
+        check_lora_base(recorded, tmp_path / "gone", path)

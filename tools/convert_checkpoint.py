@@ -25,6 +25,9 @@ A LoRA run (its ``--config`` YAML has ``lora.enabled: true``) is exported merged
     python tools/convert_checkpoint.py export --megatron out/train/checkpoints/iter_0000024 \
         --config out/train/config.yaml --out hf/base --lora-adapter hf/adapter   # base + PEFT adapter folder
 
+A LoRA run started from an imported base stores only its adapters; the export loads the base from the folder its
+``train_state.json`` records (or ``--lora-base DIR``) after checking the base's fingerprint, then the adapters.
+
 Layouts, supported families and refused options: docs/checkpoints.md. User errors (missing files, bad
 arguments, unsupported models) print ``error: ...`` and exit with status 2.
 
@@ -57,8 +60,13 @@ from packsft.model.hf_io import (  # noqa: E402
     stage_hf_names,
 )
 from packsft.model.lora import apply_lora, merge_lora, read_lora_config  # noqa: E402
+from packsft.train.checkpoint import LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
-from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint  # noqa: E402
+from packsft.train.model_checkpoint import (  # noqa: E402
+    check_lora_base,
+    load_megatron_checkpoint,
+    save_megatron_checkpoint,
+)
 from packsft.train.process_guard import stop_checkpoint_writer  # noqa: E402
 
 
@@ -102,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="LoRA run: fold the adapters into the exported weights")
     lora.add_argument("--lora-adapter", default=None, metavar="DIR",
                       help="LoRA run: export the base weights to --out and the adapters as a PEFT folder DIR")
+    exp.add_argument("--lora-base", default=None, metavar="DIR",
+                     help="LoRA run: the imported base folder (default: the one the checkpoint records; its "
+                          "fingerprint must match)")
     return parser.parse_args(argv)
 
 
@@ -139,8 +150,12 @@ def _run(args: argparse.Namespace) -> int:
         del hf_state
         save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
     else:
+        megatron = Path(args.megatron)
+        recorded = load_train_state(megatron).get(LORA_BASE) if (megatron / TRAIN_STATE).is_file() else None
+        if recorded is not None and not args.config:
+            raise ValueError(f"{megatron} holds only LoRA adapters (base {recorded.get('path')}): pass --config "
+                             "<run>/config.yaml and --merge-lora or --lora-adapter DIR")
         cfg = read_model_config(args.config or args.megatron)
-        hf_config = read_hf_config(args.hf_config or args.megatron)
         lora = read_lora_config(args.config) if args.config else None
         if (args.merge_lora or args.lora_adapter) and lora is None:
             raise ValueError("--merge-lora / --lora-adapter need --config with lora.enabled: true")
@@ -148,10 +163,18 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("the checkpoint holds LoRA adapters: pass --merge-lora or --lora-adapter DIR")
         if lora is not None and pp > 1:
             raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
+        base_dir = check_lora_base(recorded, args.lora_base, megatron) if recorded is not None else None
+        hf_config = read_hf_config(args.hf_config or megatron)
+        if hf_config is None and base_dir is not None:      # the imported base's HF config
+            hf_config = read_hf_config(base_dir)
         model = build_gpt_model(cfg)
         if lora is not None:
             apply_lora(model, lora)
-        load_megatron_checkpoint(model, args.megatron)
+        if base_dir is not None:            # adapters-only checkpoint: the base first, then the adapters
+            load_megatron_checkpoint(model, base_dir, base_only=True)
+            load_megatron_checkpoint(model, megatron, adapters_only=True)
+        else:
+            load_megatron_checkpoint(model, megatron)
         if args.lora_adapter:
             save_peft_adapter(model, cfg, lora, args.lora_adapter, base_model_name_or_path=args.out,
                               tp_group=ctx.tp_group)

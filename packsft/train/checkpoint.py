@@ -6,7 +6,7 @@ Layout of ``<checkpoint_dir>``::
     iter_0000020/
       .metadata, __*_*.distcp   # torch_dist shards of {"model": ..., "optimizer": ...} (dist_checkpointing)
       common.pt, metadata.json  # dist_checkpointing common state (optimizer param_groups, common_step)
-      train_state.json          # rank 0: step and counters, scheduler, config, layout
+      train_state.json          # rank 0: step and counters, scheduler, config, layout (+ lora_base)
       dataloader_dp{d}.pt       # one per data-parallel rank d (written by its TP=CP=0 rank): loader_state_dict
       rng_rank{r}.pt            # one per global rank r: torch, numpy (as tensors), python (JSON text), CUDA RNG states
 
@@ -14,6 +14,12 @@ Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 r
 then rewrites ``latest`` through a temp file + ``os.replace``. A process killed during a save leaves a ``.tmp``
 folder that is never read (and is deleted by the next save of that step) and ``latest`` still names the previous
 complete checkpoint. With ``keep_last`` rank 0 then prunes older complete checkpoints (:func:`prune_checkpoints`).
+
+LoRA runs started from a base folder (``lora.enabled`` with ``checkpoint.init_from``): ``"model"`` holds only the
+adapter tensors (``adapters_only``) and ``train_state.json`` has ``"lora_base": {"path", "fingerprint"}``
+(:func:`packsft.train.model_checkpoint.base_identity`); resume and export load that base first, after checking its
+fingerprint (:func:`packsft.train.model_checkpoint.check_lora_base`). A LoRA run without ``init_from`` (random base)
+stores the whole model, the base's only copy.
 
 Space: :func:`check_checkpoint_dir` checks before step 1 that the folder is writable and has room for one checkpoint
 (:func:`checkpoint_bytes_estimate`); a save that fails for lack of space raises :class:`CheckpointSpaceError`.
@@ -61,6 +67,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 from packsft.io import atomic_open, replace_dir, write_json_atomic
 from packsft.model.gpt import unwrap_model
 from packsft.train import process_guard
+from packsft.train.model_checkpoint import check_partial_load, is_adapter_key
 from packsft.train.optim import optimizer_params
 
 LATEST = "latest"
@@ -68,6 +75,8 @@ TRAIN_STATE = "train_state.json"
 OLD_TRAIN_STATE = "train_state.pt"
 """The pickled train state of checkpoints written before ``train_state.json``; such checkpoints are refused."""
 COMMON_STEP = "common_step"
+LORA_BASE = "lora_base"
+"""``train_state.json`` key of an adapters-only LoRA checkpoint: the base's ``{"path", "fingerprint"}``."""
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
 
@@ -216,25 +225,36 @@ def _restore_megatron_adam_step(optimizer) -> None:
                         inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
-def _model_sharded_state_dict(model) -> dict[str, Any]:
+def _model_sharded_state_dict(model, adapters_only: bool = False) -> dict[str, Any]:
     """``GPTModel.sharded_state_dict()`` of ``model``, or ``{"chunk<i>": ...}`` for a list of model chunks (virtual
-    pipeline stages; their tensors carry global layer names, so any pipeline layout reads them)."""
+    pipeline stages; their tensors carry global layer names, so any pipeline layout reads them).
+    ``adapters_only``: only the LoRA adapter tensors."""
     if isinstance(model, list):
-        return {f"chunk{i}": unwrap_model(m).sharded_state_dict() for i, m in enumerate(model)}
-    return unwrap_model(model).sharded_state_dict()
+        return {f"chunk{i}": _model_sharded_state_dict(m, adapters_only) for i, m in enumerate(model)}
+    state = unwrap_model(model).sharded_state_dict()
+    return {k: v for k, v in state.items() if is_adapter_key(k)} if adapters_only else state
 
 
-def _load_model_state(model, state: dict[str, Any]) -> None:
-    """``load_state_dict`` of what :func:`_model_sharded_state_dict` described, chunk by chunk for a list."""
+def _load_model_state(model, state: dict[str, Any], adapters_only: bool = False) -> None:
+    """``load_state_dict`` of what :func:`_model_sharded_state_dict` described, chunk by chunk for a list.
+
+    Raises:
+        RuntimeError: strict mismatch; with ``adapters_only``, an adapter tensor was not loaded.
+    """
     if isinstance(model, list):
         for i, m in enumerate(model):
-            unwrap_model(m).load_state_dict(state[f"chunk{i}"])
+            _load_model_state(m, state[f"chunk{i}"], adapters_only)
         return
-    unwrap_model(model).load_state_dict(state)
+    result = unwrap_model(model).load_state_dict(state, strict=not adapters_only)
+    if adapters_only:
+        check_partial_load(result, adapters_only=True, what="LoRA adapter checkpoint")
 
 
-def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool = False) -> dict[str, Any]:
+def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool = False,
+                        adapters_only: bool = False) -> dict[str, Any]:
     """``{"model": sharded model state, "optimizer": optimizer state with sharding metadata}`` for dist_checkpointing.
+
+    ``adapters_only``: ``"model"`` holds only the LoRA adapters (the optimizer holds nothing else either).
 
     torch AdamW: its per-parameter ``step`` tensors are equal, so they are stored once as ``state["common_step"]``
     (float). Megatron optimizer: ``optimizer.sharded_state_dict(model_state, is_loading, metadata=...)``.
@@ -245,11 +265,11 @@ def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool =
     if _is_megatron_optimizer(optimizer):
         if is_loading:
             _fill_missing_megatron_adam_state(optimizer)
-        model_state = _model_sharded_state_dict(model)
+        model_state = _model_sharded_state_dict(model, adapters_only)
         return {"model": model_state, "optimizer": optimizer.sharded_state_dict(
             model_state, is_loading=is_loading, metadata=DIST_OPTIM_METADATA)}
     _fill_missing_adam_state(optimizer)
-    model_state = _model_sharded_state_dict(model)
+    model_state = _model_sharded_state_dict(model, adapters_only)
     optim_state = optimizer.state_dict()
     id_map = get_param_id_to_sharded_param_map(model_state, optimizer_params(optimizer))
     step = float(next(iter(optim_state["state"].values()))["step"]) if optim_state["state"] else 0.0
@@ -292,7 +312,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_state: dict[str, Any],
                     loader_state: dict[str, Any] | None, dp_rank: int, write_loader_state: bool,
-                    keep_last: int = 0, need_bytes: int | None = None) -> Path:
+                    keep_last: int = 0, need_bytes: int | None = None, adapters_only: bool = False) -> Path:
     """Write the checkpoint of ``step`` atomically (see the module docstring); collective over all ranks.
 
     Args:
@@ -305,6 +325,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
         dp_rank: this rank's data-parallel index. write_loader_state: True on the one rank per DP index (TP=CP=0).
         keep_last: after publishing, keep only this many complete checkpoints (0: all; :func:`prune_checkpoints`).
         need_bytes: the size estimate quoted when the disk is full.
+        adapters_only: store only the LoRA adapters of the model (``train_state`` then records ``lora_base``).
 
     Returns:
         The final ``iter_XXXXXXX`` path.
@@ -321,7 +342,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
     dist.barrier()
     process_guard.start_checkpoint_writer()
     try:
-        dist_checkpointing.save(sharded_train_state(model, optimizer), str(tmp))
+        dist_checkpointing.save(sharded_train_state(model, optimizer, adapters_only=adapters_only), str(tmp))
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         if write_loader_state:
             torch.save(loader_state, tmp / f"dataloader_dp{dp_rank}.pt")
@@ -459,17 +480,19 @@ def check_checkpoint_format(path: str | Path) -> None:
             f"{path} --config <run>/config.yaml, then import that folder and train with checkpoint.init_from")
 
 
-def load_model_and_optimizer(path: str | Path, model, optimizer) -> None:
+def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_only: bool = False) -> None:
     """Load model weights and optimizer state from ``path`` into this rank's shards.
 
     Any saved TP/DP layout for the torch backend; any DP size for the Megatron optimizer (same TP/CP).
+    ``adapters_only``: an adapters-only LoRA checkpoint; the base weights must already be loaded.
 
     Raises:
         megatron ``CheckpointingException``: a tensor of the model is missing from the checkpoint or has another
             global shape (a different architecture).
     """
-    loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True), str(path))
-    _load_model_state(model, loaded["model"])
+    loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True,
+                                                         adapters_only=adapters_only), str(path))
+    _load_model_state(model, loaded["model"], adapters_only)
     if _is_megatron_optimizer(optimizer):
         with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters
             optimizer.load_state_dict(loaded["optimizer"])

@@ -10,7 +10,9 @@ Flow of ``Trainer(cfg).run()``:
    ``train.bf16``, Megatron ``DistributedDataParallel`` (always; fp32 ``main_grad`` buffers) and
    ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training loader.
 3. Resume (``checkpoint.resume``), before the loader's first ``iter()``; with nothing to resume, the model weights of
-   ``checkpoint.init_from`` (an imported HF model) when set.
+   ``checkpoint.init_from`` (an imported HF model) when set. A LoRA run from ``init_from`` checkpoints only its
+   adapters and the base's identity; its resume loads the base (``init_from``, else the recorded path) after
+   checking the fingerprint, then the adapters and optimizer state.
 4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
    all-reduced over DP x CP, then each micro-batch runs forward + backward on ``sum(token loss) * dp * cp / count``;
    gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
@@ -49,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,7 +81,7 @@ from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.metrics import MetricsLogger, format_summary, peak_memory_gib
-from packsft.train.model_checkpoint import load_megatron_checkpoint
+from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
 from packsft.train.optim import (
     ParamGroupSchedule,
     allreduce_sequence_parallel_grads,
@@ -153,6 +156,7 @@ class Trainer:
                             for name, ds in self.val_sets.items()}   # built once; each pass is a new iter()
         self.state = TrainState()
         self.initialized_from: str | None = None
+        self.lora_base: dict[str, str] | None = None    # identity of the base an adapters-only LoRA run trains on
         self.resumed_from = self._resume()
         self._checkpoint_bytes = self._check_checkpoint_dir()
         self.stopped_by_sigterm, self.last_checkpoint = False, None
@@ -232,16 +236,24 @@ class Trainer:
     # -- resume and checkpoint -------------------------------------------------------------------------------------
     def _resume(self) -> str | None:
         path = ckpt.find_resume_checkpoint(self.cfg.checkpoint_dir, self.cfg.checkpoint.resume)
+        init_from = self.cfg.checkpoint.init_from
         if path is None:
-            if self.cfg.checkpoint.init_from:   # fresh optimizer; the model fields were checked by load_config
-                for gpt in self.gpts:            # global layer names: each stage loads its own layers
-                    load_megatron_checkpoint(gpt, self.cfg.checkpoint.init_from, base_only=self.cfg.lora.enabled)
-                if self.megatron:                # fp32 master weights are copies made before the load
-                    self.optimizer.reload_model_params()
-                self.initialized_from = self.cfg.checkpoint.init_from
+            if init_from:   # fresh optimizer; the model fields were checked by load_config
+                if self.cfg.lora.enabled:        # checkpoints will hold the adapters and this identity
+                    self.lora_base = base_identity(init_from)
+                self._load_base(init_from)
+                self.initialized_from = init_from
             return None
-        ckpt.load_model_and_optimizer(path, self.model, self.optimizer)
         saved = ckpt.load_train_state(path)
+        recorded = saved.get(ckpt.LORA_BASE)
+        if recorded is not None:
+            if not self.cfg.lora.enabled:
+                raise ckpt.CheckpointError(f"checkpoint {path} holds only LoRA adapters (of the base "
+                                           f"{recorded.get('path')}); resume it with lora.enabled=true")
+            base_dir = check_lora_base(recorded, init_from, path)
+            self._load_base(base_dir)
+            self.lora_base = {"path": str(Path(base_dir).resolve()), "fingerprint": recorded["fingerprint"]}
+        ckpt.load_model_and_optimizer(path, self.model, self.optimizer, adapters_only=recorded is not None)
         self.state = TrainState.from_dict(saved["state"])
         set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
         apply_weight_decay(self.optimizer, self.cfg.optimizer.weight_decay)
@@ -250,12 +262,20 @@ class Trainer:
         ckpt.load_rng_state(path, self.ctx.rank)
         return str(path)
 
+    def _load_base(self, base_dir) -> None:
+        """Load an imported model folder into every chunk (LoRA: all but the adapters); refresh fp32 masters."""
+        for gpt in self.gpts:            # global layer names: each stage loads its own layers
+            load_megatron_checkpoint(gpt, base_dir, base_only=self.cfg.lora.enabled)
+        if self.megatron:                # fp32 master weights are copies made before the load
+            self.optimizer.reload_model_params()
+
     def _check_checkpoint_dir(self) -> int | None:
         """Before step 1: ``checkpoint.dir`` writable with room for one checkpoint; return the size estimate."""
         c = self.cfg.checkpoint
         if not (c.save_interval or c.save_at_end or self.cfg.train.save_on_sigterm):
             return None
-        need = ckpt.checkpoint_bytes_estimate(list(self.gpt.parameters()), tp_size=self.ctx.tensor_model_parallel_size,
+        saved = [p for n, p in self.gpt.named_parameters() if self.lora_base is None or ".lora_" in n]
+        need = ckpt.checkpoint_bytes_estimate(saved, tp_size=self.ctx.tensor_model_parallel_size,
                                               megatron_optimizer=self.megatron)
         ckpt.check_checkpoint_dir(self.cfg.checkpoint_dir, need)
         return need
@@ -265,12 +285,14 @@ class Trainer:
         self._sync_counters()
         train_state = {"state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
                        "config": config_to_yaml(self.cfg), "layout": self.layout()}
+        if self.lora_base is not None:
+            train_state[ckpt.LORA_BASE] = self.lora_base
         first_of_dp = dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0 and self.ctx.pp_rank == 0
         self.last_checkpoint = ckpt.save_checkpoint(
             self.cfg.checkpoint_dir, self.state.step, self.model, self.optimizer, train_state=train_state,
             loader_state=loader_state_dict(self.train_loader), dp_rank=self.ctx.dp_rank,
             write_loader_state=first_of_dp, keep_last=self.cfg.checkpoint.keep_last,
-            need_bytes=self._checkpoint_bytes)
+            need_bytes=self._checkpoint_bytes, adapters_only=self.lora_base is not None)
 
     def layout(self) -> dict[str, int | None]:
         """World size and TP/CP/PP/DP sizes (and the virtual pipeline size, None when not interleaved)."""
@@ -508,7 +530,8 @@ class Trainer:
                 "validation_rows": {name: len(ds) for name, ds in self.val_sets.items()},
                 "train_sources": getattr(self.train_set, "names", None),
                 "packing_efficiency": packing_efficiency(sidecar), "device": str(self.ctx.device),
-                "resumed_from": self.resumed_from, "initialized_from": self.initialized_from}
+                "resumed_from": self.resumed_from, "initialized_from": self.initialized_from,
+                "lora_base": self.lora_base}
 
     def run(self) -> TrainState:
         """Train until ``train.stop_at_step`` or ``train.train_steps``; validate and checkpoint on their periods."""

@@ -6,25 +6,105 @@ Layout of ``ckpt_dir``::
     common.pt, metadata.json    # dist_checkpointing common state
     model_config.json           # ModelConfig fields (packsft.model.config.read_model_config)
     hf_config.json              # optional: the source HF config (packsft.model.hf_io.read_hf_config)
+    weights_fingerprint.json    # BLAKE2b of each dist_checkpointing file and of them all (weights_fingerprint)
 
 The weights sit under ``"model"`` with their global shapes, as in the trainer's checkpoints
 (:mod:`packsft.train.checkpoint`), so :func:`load_megatron_checkpoint` reads either folder at any TP size.
 Atomicity: all ranks write into ``.<name>.tmp`` beside ``ckpt_dir``; rank 0 then publishes it
 (``packsft.io.replace_dir``).
+
+Base identity (LoRA runs): a LoRA run started from such a folder stores only its adapters and records
+:func:`base_identity` of the folder (absolute path + fingerprint); on resume and export :func:`check_lora_base`
+refuses a base folder whose fingerprint differs, naming both. The fingerprint is computed once, when the folder is
+written, and read back from ``weights_fingerprint.json`` while the files still have the recorded sizes (a folder
+without that file, written by an older packsft, or whose sizes changed is hashed again: about 1 GB/s).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from packsft.io import replace_dir
+from packsft.io import file_blake2b, replace_dir, write_json_atomic
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.hf_io import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
 from packsft.train import process_guard
+
+FINGERPRINT_FILE = "weights_fingerprint.json"
+_NOT_WEIGHTS = (MODEL_CONFIG_FILE, HF_CONFIG_FILE, FINGERPRINT_FILE)
+
+
+class BaseMismatchError(ValueError):
+    """A LoRA checkpoint's recorded base differs from the base folder it is loaded with (or that folder is gone)."""
+
+
+def _weight_files(ckpt_dir: Path) -> list[Path]:
+    return sorted(p for p in ckpt_dir.iterdir() if p.is_file() and p.name not in _NOT_WEIGHTS)
+
+
+def weights_fingerprint(ckpt_dir: str | Path) -> dict:
+    """Hash every ``dist_checkpointing`` file of a model folder (not its JSON configs).
+
+    Returns:
+        ``{"files": {name: {"bytes": int, "blake2b": 40 hex}}, "fingerprint": 32 hex}``; the fingerprint is the
+        BLAKE2b-128 of the sorted ``name size hash`` lines, so it changes with any byte of any weight file.
+    """
+    files = {p.name: {"bytes": p.stat().st_size, "blake2b": file_blake2b(p)} for p in _weight_files(Path(ckpt_dir))}
+    lines = "".join(f"{name} {f['bytes']} {f['blake2b']}\n" for name, f in files.items())
+    return {"files": files, "fingerprint": hashlib.blake2b(lines.encode(), digest_size=16).hexdigest()}
+
+
+def base_identity(ckpt_dir: str | Path) -> dict[str, str]:
+    """``{"path": absolute folder, "fingerprint": 32 hex}`` of a model folder (an imported base).
+
+    Reads ``weights_fingerprint.json`` when its files are exactly the folder's, with the same sizes; otherwise
+    hashes the files (:func:`weights_fingerprint`).
+
+    Raises:
+        FileNotFoundError: ``ckpt_dir`` is not a folder.
+    """
+    ckpt_dir = Path(ckpt_dir).resolve()
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"base checkpoint {ckpt_dir} does not exist")
+    stored = None
+    try:
+        stored = json.loads((ckpt_dir / FINGERPRINT_FILE).read_text())
+        sizes = {p.name: p.stat().st_size for p in _weight_files(ckpt_dir)}
+        if {n: f["bytes"] for n, f in stored["files"].items()} != sizes or not isinstance(stored["fingerprint"], str):
+            stored = None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        stored = None
+    fingerprint = stored["fingerprint"] if stored else weights_fingerprint(ckpt_dir)["fingerprint"]
+    return {"path": str(ckpt_dir), "fingerprint": fingerprint}
+
+
+def check_lora_base(recorded: dict, base_dir: str | Path | None, checkpoint: str | Path) -> Path:
+    """The base folder to load under a LoRA ``checkpoint`` whose recorded base identity is ``recorded``.
+
+    ``base_dir``: the folder given now (``checkpoint.init_from``, ``--lora-base``), or None for the recorded path.
+
+    Raises:
+        BaseMismatchError: the folder is missing, or its fingerprint differs from the recorded one (both named).
+    """
+    base_dir = Path(base_dir if base_dir is not None else recorded["path"])
+    try:
+        current = base_identity(base_dir)
+    except FileNotFoundError:
+        raise BaseMismatchError(
+            f"checkpoint {checkpoint} holds LoRA adapters of the base {recorded['path']} (fingerprint "
+            f"{recorded['fingerprint']}), but {base_dir} does not exist; point checkpoint.init_from (export: "
+            "--lora-base) at that base folder") from None
+    if current["fingerprint"] != recorded["fingerprint"]:
+        raise BaseMismatchError(
+            f"checkpoint {checkpoint} holds LoRA adapters of the base {recorded['path']} (fingerprint "
+            f"{recorded['fingerprint']}), but the base given, {current['path']}, has fingerprint "
+            f"{current['fingerprint']}: a different model; point checkpoint.init_from (export: --lora-base) at "
+            "the base the run started from")
+    return base_dir
 
 
 def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_config=None) -> Path:
@@ -52,28 +132,45 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
         if hf_config is not None:
             base = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
             (tmp / HF_CONFIG_FILE).write_text(json.dumps(base, indent=2, default=str) + "\n")
+        write_json_atomic(tmp / FINGERPRINT_FILE, weights_fingerprint(tmp))
         replace_dir(tmp, ckpt_dir)
     barrier()
     return ckpt_dir
 
 
-def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = False) -> None:
-    """Load ``save_megatron_checkpoint``'s ``"model"`` entry into ``model`` (any TP size; strict).
+def is_adapter_key(key: str) -> bool:
+    """Whether a (sharded) state-dict key is a LoRA adapter tensor (``...lora_A.default.weight``)."""
+    return ".lora_" in key
+
+
+def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = False,
+                             adapters_only: bool = False) -> None:
+    """Load ``save_megatron_checkpoint``'s (or a trainer checkpoint's) ``"model"`` entry into ``model`` (any TP).
 
     ``base_only``: ``model`` carries LoRA adapters (``packsft.model.lora``) that the checkpoint (an imported base
     model) lacks; every other tensor is loaded strictly and the adapters keep their initial values.
+    ``adapters_only``: the checkpoint is a LoRA run's (adapters only); exactly the adapters are loaded and the
+    base weights are left as they are (load the base first).
 
     Raises:
-        RuntimeError: (``load_state_dict``) a model tensor other than an adapter was not loaded.
+        RuntimeError: (``load_state_dict``) a tensor that should have been loaded was not.
     """
     from megatron.core import dist_checkpointing
 
     sharded = model.sharded_state_dict()
-    if base_only:
-        sharded = {k: v for k, v in sharded.items() if ".lora_" not in k}
+    if base_only or adapters_only:
+        sharded = {k: v for k, v in sharded.items() if is_adapter_key(k) == adapters_only}
     loaded = dist_checkpointing.load({"model": sharded}, str(ckpt_dir))
-    result = model.load_state_dict(loaded["model"], strict=not base_only)
-    missing = [k for k in result.missing_keys if ".lora_" not in k] if base_only else []
-    if missing or (base_only and result.unexpected_keys):
-        raise RuntimeError(f"{ckpt_dir}: base checkpoint does not match the model: missing {missing}, "
+    check_partial_load(model.load_state_dict(loaded["model"], strict=not (base_only or adapters_only)),
+                       adapters_only=adapters_only, what=f"{ckpt_dir}: checkpoint")
+
+
+def check_partial_load(result, *, adapters_only: bool, what: str) -> None:
+    """Raise ``RuntimeError`` unless a non-strict ``load_state_dict`` missed only the other half (base / adapters).
+
+    ``result``: its ``(missing_keys, unexpected_keys)``; ``adapters_only``: the adapters were loaded (else the base).
+    """
+    missing = [k for k in result.missing_keys if is_adapter_key(k) == adapters_only]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"{what} does not match the model: missing {missing}, "
                            f"unexpected {list(result.unexpected_keys)}")

@@ -27,7 +27,8 @@ TOOLS = REPO / "tools"
 @pytest.mark.parametrize(("args", "message"), [
     (["import", "--hf", "{tmp}/missing", "--out", "{tmp}/out"], "--hf {tmp}/missing does not exist"),
     (["import", "--hf", "{tmp}/gpt2", "--out", "{tmp}/out"], "unsupported model_type 'gpt2'"),
-    (["export", "--megatron", "{tmp}", "--out", "{tmp}/out"], "model_config.json"),
+    (["export", "--megatron", "{tmp}", "--out", "{tmp}/out"],
+     "{tmp} has no model_config.json: not a packsft checkpoint folder"),
 ], ids=["missing", "unsupported", "not_a_checkpoint"])
 def test_convert_checkpoint(tmp_path, args, message):
     (tmp_path / "gpt2").mkdir()

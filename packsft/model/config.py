@@ -259,9 +259,17 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
     Raises:
         ValueError: naming unknown fields.
+        FileNotFoundError: no such file (a folder without ``model_config.json``: not a packsft checkpoint).
     """
     path = Path(path)
-    path = path / MODEL_CONFIG_FILE if path.is_dir() else path
+    if path.is_dir():
+        if not (path / MODEL_CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"{path} has no {MODEL_CONFIG_FILE}: not a packsft checkpoint folder (one "
+                                    "written by `convert_checkpoint.py import` or by training, e.g. "
+                                    "out/train/checkpoints/iter_0000100); or pass the run's --config YAML")
+        path = path / MODEL_CONFIG_FILE
+    elif not path.is_file():
+        raise FileNotFoundError(f"model config not found: {path}")
     if path.suffix in (".yaml", ".yml"):
         import yaml
 

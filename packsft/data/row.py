@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from packsft.layout import IGNORE_INDEX, conversation_cost
@@ -55,49 +56,51 @@ class RowTruncation:
         return "; ".join(parts)
 
 
-def _layout(conversations, pad_id: int, max_seq_len: int, context_parallel_size: int):
-    """Steps 1-2: the ``L + 1`` long token/target/position lists, segment ends and the truncation record."""
-    toks: list[int] = []
-    tgts: list[int] = []
-    pos: list[int] = []
-    cu = [0]
-    costs = [conversation_cost(len(t), context_parallel_size) for t, _ in conversations]
+def _layout(conversations, pad_id: int, max_seq_len: int, context_parallel_size: int, lengths):
+    """Steps 1-2: the ``L + 1`` long token/target/position arrays (int64), segment offsets, real lengths and the
+    truncation record."""
+    if lengths is None:
+        lengths = [len(t) for t, _ in conversations]
+    elif len(lengths) != len(conversations):
+        raise ValueError(f"{len(lengths)} lengths for {len(conversations)} conversations")
     for k, (tokens, targets) in enumerate(conversations):
-        if len(tokens) != len(targets) or not tokens:
+        if len(tokens) != len(targets) or not len(tokens):
             raise ValueError(f"conversation {k}: tokens ({len(tokens)}) and targets ({len(targets)}) must be "
                              "equally long and non-empty")
-        if len(toks) >= max_seq_len:
+        if len(tokens) > lengths[k]:
+            raise ValueError(f"conversation {k}: {len(tokens)} tokens given for a length of {lengths[k]}")
+    costs = [conversation_cost(int(n), context_parallel_size) for n in lengths]
+    starts: list[int] = []
+    end = 0
+    for cost in costs:
+        if end >= max_seq_len:
             break
-        fill = costs[k] - len(tokens)
-        toks += tokens
-        toks += [pad_id] * fill
-        tgts += targets
-        tgts += [pad_id] * fill
-        pos += range(costs[k])
-        cu.append(len(toks))
-    kept = len(cu) - 1
+        starts.append(end)
+        end += cost
+    kept = len(starts)
+    toks = np.full(max_seq_len + 1, pad_id, dtype=np.int64)
+    tgts = np.full(max_seq_len + 1, pad_id, dtype=np.int64)
+    real = []
+    for k, start in enumerate(starts):
+        n = min(int(lengths[k]), max_seq_len - start)
+        tokens, targets = conversations[k]
+        if len(tokens) < n:
+            raise ValueError(f"conversation {k}: {len(tokens)} tokens given, the row needs its first {n}")
+        toks[start:start + n] = tokens[:n]
+        tgts[start:start + n] = targets[:n]
+        real.append(n)
+    cu = starts + [max_seq_len]
+    segment = np.diff(cu)
+    segment[-1] += 1  # the extra position for the shift belongs to the last segment
+    pos = np.arange(max_seq_len + 1, dtype=np.int64) - np.repeat(np.asarray(starts, dtype=np.int64), segment)
     truncation = None
-    if len(toks) > max_seq_len or kept < len(conversations):
-        cut = kept - 1 if len(toks) > max_seq_len else None
-        start = cu[-2]
+    if end > max_seq_len or kept < len(conversations):
+        cut = kept - 1 if end > max_seq_len else None
         truncation = RowTruncation(
             needed_tokens=sum(costs), max_seq_len=max_seq_len, cut_conversation=cut,
-            cut_conversation_tokens=len(conversations[cut][0]) if cut is not None else 0,
-            kept_tokens=min(max_seq_len - start, len(conversations[cut][0])) if cut is not None else 0,
+            cut_conversation_tokens=int(lengths[cut]) if cut is not None else 0,
+            kept_tokens=real[cut] if cut is not None else 0,
             dropped_conversations=tuple(range(kept, len(conversations))))
-    real = [len(t) for t, _ in conversations[:kept]]
-    if len(toks) > max_seq_len:
-        real[-1] = min(real[-1], max_seq_len - cu[-2])
-        del toks[max_seq_len:], tgts[max_seq_len:], pos[max_seq_len + 1:]
-        toks.append(pad_id)
-        tgts.append(pad_id)
-        cu[-1] = max_seq_len
-    else:
-        fill = max_seq_len + 1 - len(toks)
-        toks += [pad_id] * fill
-        tgts += [pad_id] * fill
-        pos += range(pos[-1] + 1, pos[-1] + 1 + fill)
-        cu[-1] = max_seq_len
     return toks, tgts, pos, cu, real, truncation
 
 
@@ -106,16 +109,21 @@ def build_row(
     pad_id: int,
     max_seq_len: int,
     context_parallel_size: int = 1,
+    lengths: Sequence[int] | None = None,
 ) -> tuple[dict, RowTruncation | None]:
     """Build one row's tensors from its conversations' ``(tokens, targets)`` (see the module docstring).
 
     Args:
-        conversations: per conversation, ``(tokens, targets)``: equally long, non-empty int lists from
-            :func:`packsft.prompt_formats.tokenize_conversation` (targets hold ``IGNORE_INDEX`` = -100
-            where not trained). At least one conversation.
+        conversations: per conversation, ``(tokens, targets)``: equally long, non-empty int sequences (lists
+            from :func:`packsft.prompt_formats.tokenize_conversation`, or int32 arrays from the token cache,
+            :mod:`packsft.token_cache`); targets hold ``IGNORE_INDEX`` = -100 where not trained. At least one.
         pad_id: the prompt format's pad token id (CP and tail padding; never trained).
         max_seq_len: ``L``, a positive multiple of ``2 * context_parallel_size`` when CP > 1 (unchecked).
         context_parallel_size: CP size; conversations are padded to a multiple of ``2 * cp`` when > 1.
+        lengths: each conversation's full length in tokens, when ``tokens`` hold only a prefix of it (the token
+            cache stores at most ``L`` tokens of a conversation); default ``len(tokens)``. The prefix must
+            cover what the row keeps; costs, ``cu_seqlens`` and the truncation record use the full length, so
+            the result is that of the whole conversation.
 
     Returns:
         ``(row, truncation)``. ``row`` holds ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``),
@@ -128,7 +136,8 @@ def build_row(
         :class:`RowTruncation`.
 
     Raises:
-        ValueError: no conversation; a conversation with unequal or empty tokens/targets. ``max_seq_len`` is
+        ValueError: no conversation; a conversation with unequal or empty tokens/targets, or shorter than the
+            row keeps of its ``lengths``. ``max_seq_len`` is
             not checked here (per row); callers check it once with :func:`packsft.layout.check_max_seq_len`.
 
     Example (``cp = 1``, ``L = 6``, pad 0, conversations ``([5, 6, 7], [-100, 6, 7])`` and ``([8, 9], [8, 9])``):
@@ -140,10 +149,11 @@ def build_row(
     """
     if not conversations:
         raise ValueError("a row needs at least one conversation")
-    toks, tgts, pos, cu, real, truncation = _layout(conversations, pad_id, max_seq_len, context_parallel_size)
-    tokens = torch.tensor(toks[:-1], dtype=torch.int64)
-    labels = torch.tensor(tgts[1:], dtype=torch.int64)
-    position_ids = torch.tensor(pos[:-1], dtype=torch.int64)
+    toks, tgts, pos, cu, real, truncation = _layout(conversations, pad_id, max_seq_len, context_parallel_size,
+                                                    lengths)
+    tokens = torch.from_numpy(toks[:-1])
+    labels = torch.from_numpy(tgts[1:])
+    position_ids = torch.from_numpy(pos[:-1])
     cu_seqlens_padded = torch.tensor(cu, dtype=torch.int32)
     cu_seqlens = torch.zeros(len(real) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(real, dtype=torch.int32), 0)
@@ -158,7 +168,7 @@ def build_row(
         "position_ids": position_ids,
         "cu_seqlens": cu_seqlens,
         "cu_seqlens_padded": cu_seqlens_padded,
-        "max_seqlen": max(real),
+        "max_seqlen": int(max(real)),
         "num_trained_tokens": int(trained.sum()),
     }
     return row, truncation

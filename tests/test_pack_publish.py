@@ -15,6 +15,7 @@ from packsft.io import stale_temps
 from packsft.packing import cli
 from packsft.packing.pipeline import STAGE_HOOK_ENV, STAGES, PackConfig, run_pack
 from packsft.sidecar import SidecarError, read_sidecar, sidecar_path
+from packsft.token_cache import cache_paths
 
 TOK = "smollm2-135m-instruct"
 
@@ -39,8 +40,9 @@ def _child(argv, hook):
 
 
 def _set(out: Path) -> dict[str, bytes]:
-    """The rows and sidecar bytes, and the report's record of the rows (its other fields name the paths)."""
-    got = {p.name: p.read_bytes() for p in (out, sidecar_path(out)) if p.exists()}
+    """The rows, sidecar and token cache bytes, and the report's record of the rows (its other fields name the
+    paths)."""
+    got = {p.name: p.read_bytes() for p in (out, sidecar_path(out), *cache_paths(out)) if p.exists()}
     report = Path(str(out) + ".report.json")
     got["report.rows_file"] = json.loads(report.read_text())["rows_file"] if report.exists() else None
     return got
@@ -82,26 +84,28 @@ def test_repack_killed_at_every_stage_leaves_the_old_or_the_new_set(tmp_path, pa
         # the report always describes the rows beside it (it is published just before them)
         assert now["report.rows_file"]["size"] == out.stat().st_size, stage
         leftovers = [t for final in (out, sidecar_path(out), Path(str(out) + ".report.json"),
-                                     Path(str(out) + ".lengths.png")) for t in stale_temps(final)]
+                                     Path(str(out) + ".lengths.png"), *cache_paths(out)) for t in stale_temps(final)]
         if sig == "SIGTERM":
             assert leftovers == [], (stage, leftovers)  # SIGTERM removes its own temp files
         if sig == "SIGKILL" and stage == "rows_published":
-            # killed between the last two renames: new rows, old sidecar; the loader refuses, naming both
+            # killed between the last two renames: new rows and cache, old sidecar; the loader refuses, naming both
             assert now[out.name] == sets[256][out.name]
+            assert all(now[p.name] == sets[256][p.name] for p in cache_paths(out))
             assert now[sidecar_path(out).name] == sets[128][sidecar_path(out).name]
             with pytest.raises(SidecarError, match=r"rows.jsonl.packed does not match its sidecar .*meta.json"):
                 _load(out, tok)
         else:
             new = stage in ("published",) or (sig == "SIGTERM" and stage == "rows_published")
-            rows_and_sidecar = {k: now[k] for k in (out.name, sidecar_path(out).name)}
+            published = {k: now[k] for k in (out.name, sidecar_path(out).name, *(p.name for p in cache_paths(out)))}
             want = sets[256 if new else 128]
-            assert rows_and_sidecar == {k: want[k] for k in rows_and_sidecar}, (stage, sig)
+            assert published == {k: want[k] for k in published}, (stage, sig)
             ds = _load(out, tok)
             assert ds.max_seq_len == (256 if new else 128) and ds.rows_hash_checked
+            assert ds.token_cache is not None and "hash checked" in ds.token_cache_status
             ds[0]
         # the next run removes what a SIGKILL left and publishes the new set
         assert cli.main(_argv(src, out, tok, 256)) == 0
-        assert [t for final in (out, sidecar_path(out)) for t in stale_temps(final)] == []
+        assert [t for final in (out, sidecar_path(out), *cache_paths(out)) for t in stale_temps(final)] == []
         assert _set(out) == sets[256]
 
 

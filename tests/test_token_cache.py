@@ -78,7 +78,7 @@ def _assert_every_row_equal(cached, plain, cp):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "limit", "tokenizer", "fmt", "L", "cp"), [
-    ("chat/gsm8k_test.messages.jsonl", None, "qwen2.5", "chat-template", 2048, 1),
+    ("chat/gsm8k_test.messages.jsonl", 500, "qwen2.5", "chat-template", 2048, 1),
     ("chat/gsm8k_test.messages.jsonl", None, "qwen2.5", "chat-template", 2048, 2),
     ("tools/glaive_toolcall_en_demo.messages.jsonl", None, "qwen2.5", "chat-template", 2048, 2),
     ("chat/chitchat.messages.jsonl", 300, "nemotron-h-layout-tekken", "nemotron-nano-v2", 1024, 2),

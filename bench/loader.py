@@ -17,7 +17,8 @@ datasets over the same file: *re-tokenizing* (``use_token_cache=False``, ``--row
 per path: rows/s; real tokens/s (conversation tokens) and row tokens/s (``max_seq_len`` per row); the cached
 path's speed-up over re-tokenizing (same run); the time split between reading+parsing+splitting the row,
 tokenizing (render, encode, masking checks) and building the tensors (:func:`packsft.data.row.build_row`), and
-for the cached path between reading the cache (:meth:`packsft.token_cache.TokenCache.row`) and ``build_row``.
+for the cached path between reading the cache (:meth:`packsft.token_cache.TokenCache.row`) and
+:func:`packsft.data.row.build_row_flat` (``build_row``'s core, fed by the cache directly).
 The issue's target: >= 1000 rows/s per worker at 8K with the cache.
 
 GPU consumption (an assumption, not a measurement): the brief's 1 row/s per GPU for a 1B-parameter model at
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 
 from packsft.conversation import split_row  # noqa: E402
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
-from packsft.data.row import build_row  # noqa: E402
+from packsft.data.row import build_row, build_row_flat  # noqa: E402
 from packsft.packing.pipeline import PackConfig, run_pack  # noqa: E402
 from packsft.prompt_formats import tokenize_conversation  # noqa: E402
 
@@ -90,9 +91,10 @@ def measure_cached(ds: PackedSFTDataset, rows: int, seed: int) -> dict[str, floa
     real = 0
     for i in order:
         t0 = time.perf_counter()
-        pieces, lengths = ds.token_cache.row(i)
+        tokens, targets, lengths = ds.token_cache.row(i)
         t1 = time.perf_counter()
-        row, _ = build_row(pieces, ds.prompt_format.pad_token_id, ds.max_seq_len, ds.context_parallel_size, lengths)
+        row, _ = build_row_flat(tokens, targets, lengths, ds.prompt_format.pad_token_id, ds.max_seq_len,
+                                ds.context_parallel_size)
         t2 = time.perf_counter()
         stages["read cache"] += t1 - t0
         stages["build_row"] += t2 - t1

@@ -222,6 +222,7 @@ class TokenCache:
         pairs = self._load(self.tokens_path, np.int32, 2)
         if pairs.shape != (tokens, 2):
             raise TokenCacheError(f"{self.tokens_path}: shape {pairs.shape}, its index describes ({tokens}, 2)")
+        index, pairs = np.asarray(index), np.asarray(pairs)  # plain views of the maps: slicing a memmap is slow
         self._row_conv = index[HEADER:HEADER + rows + 1]
         self._row_token = index[HEADER + rows + 1:HEADER + 2 * (rows + 1)]
         self._lengths = index[HEADER + 2 * (rows + 1):]
@@ -238,21 +239,14 @@ class TokenCache:
                                   f"of {ndim}")
         return array
 
-    def row(self, r: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
-        """Row ``r`` (``0 <= r < R``): per conversation ``(tokens, targets)`` (int32 views, at most ``L`` long),
-        and the conversations' full lengths in tokens (feed both to :func:`packsft.data.row.build_row`)."""
+    def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Row ``r`` (``0 <= r < R``) as ``(tokens, targets, lengths)``: int32 ``[T_r]`` views of its
+        conversations' stored ids and targets one after another (each at most ``L``), and int64 ``[n]`` their
+        full lengths in tokens: the arguments of :func:`packsft.data.row.build_row_flat`."""
         if self._pid != os.getpid():
             self._open()
-        first, last = int(self._row_conv[r]), int(self._row_conv[r + 1])
-        lengths = self._lengths[first:last].tolist()
-        pieces = []
-        offset = int(self._row_token[r])
-        for n in lengths:
-            stored = min(n, self._max_seq_len)
-            block = self._pairs[offset:offset + stored]
-            pieces.append((block[:, 0], block[:, 1]))
-            offset += stored
-        return pieces, lengths
+        block = self._pairs[int(self._row_token[r]):int(self._row_token[r + 1])]
+        return block[:, 0], block[:, 1], self._lengths[int(self._row_conv[r]):int(self._row_conv[r + 1])]
 
     def __getstate__(self) -> dict[str, object]:
         """Pickle the paths and checks only (each process maps the files itself)."""

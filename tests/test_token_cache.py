@@ -131,10 +131,10 @@ def test_own_row_conversations_store_at_most_max_seq_len_tokens_and_warn_alike(t
     own = [r for r in range(rows) if (lengths[index[HEADER + r]:index[HEADER + r + 1]] > L).any()]
     assert len(own) == 3
     for r in own:
-        pieces, full = cached.token_cache.row(r)
-        assert [len(t) for t, _ in pieces] == [L] and full[0] > L
+        ids, tgts, full = cached.token_cache.row(r)
+        assert len(ids) == len(tgts) == L and len(full) == 1 and full[0] > L
         tokens, targets = plain.tokenize_row(r)[0]
-        assert pieces[0][0].tolist() == tokens[:L] and pieces[0][1].tolist() == targets[:L]
+        assert full[0] == len(tokens) and ids.tolist() == tokens[:L] and tgts.tolist() == targets[:L]
         with pytest.warns(PackedDataWarning) as a:
             row_a = cached[r]
         with pytest.warns(PackedDataWarning) as b:

@@ -38,7 +38,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from packsft.conversation import ConversationError, split_row
-from packsft.data.row import build_row
+from packsft.data.row import build_row, build_row_flat
 from packsft.io import atomic_open
 from packsft.layout import check_max_seq_len
 from packsft.prompt_formats import (
@@ -366,21 +366,14 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                 raise ConversationError(self.path, self.line_number(pos), f"conversation {k}", str(e)) from e
         return pieces
 
-    def row_pieces(self, i: int) -> tuple[list[tuple[Any, Any]], list[int] | None]:
-        """``(pieces, lengths)`` of row ``i`` for :func:`~packsft.data.row.build_row`: from the token cache
-        (int32 views, each at most ``max_seq_len`` long, and the conversations' full lengths) when open, else
-        :meth:`tokenize_row` and ``None``."""
-        pos = self._position(i)
-        if self.token_cache is not None:
-            return self.token_cache.row(pos)
-        return self.tokenize_row(pos), None
-
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Row ``i`` as tensors (see the class docstring); warns once per row when truncated or untrained."""
         pos = self._position(i)
-        pieces, lengths = self.row_pieces(pos)
-        row, truncation = build_row(pieces, self.prompt_format.pad_token_id, self.max_seq_len,
-                                    self.context_parallel_size, lengths)
+        pad, L, cp = self.prompt_format.pad_token_id, self.max_seq_len, self.context_parallel_size
+        if self.token_cache is not None:  # the packer's ids (build_row_flat is build_row's own core)
+            row, truncation = build_row_flat(*self.token_cache.row(pos), pad, L, cp)
+        else:
+            row, truncation = build_row(self.tokenize_row(pos), pad, L, cp)
         where = f"{self.path}:{self.line_number(pos)} (row {pos})"
         if truncation is not None:
             self._report("truncated", pos, f"{where} right-truncated to max_seq_len: {truncation.describe()}")

@@ -56,51 +56,39 @@ class RowTruncation:
         return "; ".join(parts)
 
 
-def _layout(conversations, pad_id: int, max_seq_len: int, context_parallel_size: int, lengths):
-    """Steps 1-2: the ``L + 1`` long token/target/position arrays (int64), segment offsets, real lengths and the
-    truncation record."""
-    if lengths is None:
-        lengths = [len(t) for t, _ in conversations]
-    elif len(lengths) != len(conversations):
-        raise ValueError(f"{len(lengths)} lengths for {len(conversations)} conversations")
-    for k, (tokens, targets) in enumerate(conversations):
-        if len(tokens) != len(targets) or not len(tokens):
-            raise ValueError(f"conversation {k}: tokens ({len(tokens)}) and targets ({len(targets)}) must be "
-                             "equally long and non-empty")
-        if len(tokens) > lengths[k]:
-            raise ValueError(f"conversation {k}: {len(tokens)} tokens given for a length of {lengths[k]}")
-    costs = [conversation_cost(int(n), context_parallel_size) for n in lengths]
-    starts: list[int] = []
-    end = 0
-    for cost in costs:
-        if end >= max_seq_len:
-            break
-        starts.append(end)
-        end += cost
-    kept = len(starts)
-    toks = np.full(max_seq_len + 1, pad_id, dtype=np.int64)
-    tgts = np.full(max_seq_len + 1, pad_id, dtype=np.int64)
-    real = []
-    for k, start in enumerate(starts):
-        n = min(int(lengths[k]), max_seq_len - start)
-        tokens, targets = conversations[k]
-        if len(tokens) < n:
-            raise ValueError(f"conversation {k}: {len(tokens)} tokens given, the row needs its first {n}")
-        toks[start:start + n] = tokens[:n]
-        tgts[start:start + n] = targets[:n]
-        real.append(n)
-    cu = starts + [max_seq_len]
+def _layout(tokens, targets, lengths: np.ndarray, pad_id: int, max_seq_len: int, context_parallel_size: int):
+    """Steps 1-2 on the concatenated conversations: the ``L + 1`` long int64 token/target/position arrays,
+    segment offsets, real lengths and the truncation record (see :func:`build_row_flat`)."""
+    L = max_seq_len
+    costs = conversation_cost(lengths, context_parallel_size)
+    ends = np.cumsum(costs)
+    starts = ends - costs
+    kept = int(np.searchsorted(starts, L, side="left"))  # conversations starting before L
+    stored = np.minimum(lengths, L)
+    offsets = np.cumsum(stored) - stored  # where each conversation starts in `tokens`
+    real = np.minimum(lengths[:kept], L - starts[:kept])
+    toks = np.full(L + 1, pad_id, dtype=np.int64)
+    tgts = np.full(L + 1, pad_id, dtype=np.int64)
+    used = int(offsets[kept - 1] + real[-1])  # the kept conversations' tokens: a prefix of `tokens`
+    if context_parallel_size == 1:  # no padding between conversations: one copy
+        toks[:used] = tokens[:used]
+        tgts[:used] = targets[:used]
+    else:
+        where = np.arange(used) + np.repeat(starts[:kept] - offsets[:kept], real)
+        toks[where] = tokens[:used]
+        tgts[where] = targets[:used]
+    cu = np.append(starts[:kept], L)
     segment = np.diff(cu)
     segment[-1] += 1  # the extra position for the shift belongs to the last segment
-    pos = np.arange(max_seq_len + 1, dtype=np.int64) - np.repeat(np.asarray(starts, dtype=np.int64), segment)
+    pos = np.arange(L + 1, dtype=np.int64) - np.repeat(starts[:kept], segment)
     truncation = None
-    if end > max_seq_len or kept < len(conversations):
-        cut = kept - 1 if end > max_seq_len else None
+    if ends[kept - 1] > L or kept < len(lengths):
+        cut = kept - 1 if ends[kept - 1] > L else None
         truncation = RowTruncation(
-            needed_tokens=sum(costs), max_seq_len=max_seq_len, cut_conversation=cut,
+            needed_tokens=int(ends[-1]), max_seq_len=L, cut_conversation=cut,
             cut_conversation_tokens=int(lengths[cut]) if cut is not None else 0,
-            kept_tokens=real[cut] if cut is not None else 0,
-            dropped_conversations=tuple(range(kept, len(conversations))))
+            kept_tokens=int(real[cut]) if cut is not None else 0,
+            dropped_conversations=tuple(range(kept, len(lengths))))
     return toks, tgts, pos, cu, real, truncation
 
 
@@ -109,21 +97,18 @@ def build_row(
     pad_id: int,
     max_seq_len: int,
     context_parallel_size: int = 1,
-    lengths: Sequence[int] | None = None,
 ) -> tuple[dict, RowTruncation | None]:
     """Build one row's tensors from its conversations' ``(tokens, targets)`` (see the module docstring).
 
+    Concatenates them and calls :func:`build_row_flat`, which the token cache feeds directly.
+
     Args:
-        conversations: per conversation, ``(tokens, targets)``: equally long, non-empty int sequences (lists
-            from :func:`packsft.prompt_formats.tokenize_conversation`, or int32 arrays from the token cache,
-            :mod:`packsft.token_cache`); targets hold ``IGNORE_INDEX`` = -100 where not trained. At least one.
+        conversations: per conversation, ``(tokens, targets)``: equally long, non-empty int lists from
+            :func:`packsft.prompt_formats.tokenize_conversation` (targets hold ``IGNORE_INDEX`` = -100
+            where not trained). At least one conversation.
         pad_id: the prompt format's pad token id (CP and tail padding; never trained).
         max_seq_len: ``L``, a positive multiple of ``2 * context_parallel_size`` when CP > 1 (unchecked).
         context_parallel_size: CP size; conversations are padded to a multiple of ``2 * cp`` when > 1.
-        lengths: each conversation's full length in tokens, when ``tokens`` hold only a prefix of it (the token
-            cache stores at most ``L`` tokens of a conversation); default ``len(tokens)``. The prefix must
-            cover what the row keeps; costs, ``cu_seqlens`` and the truncation record use the full length, so
-            the result is that of the whole conversation.
 
     Returns:
         ``(row, truncation)``. ``row`` holds ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``),
@@ -136,8 +121,7 @@ def build_row(
         :class:`RowTruncation`.
 
     Raises:
-        ValueError: no conversation; a conversation with unequal or empty tokens/targets, or shorter than the
-            row keeps of its ``lengths``. ``max_seq_len`` is
+        ValueError: no conversation; a conversation with unequal or empty tokens/targets. ``max_seq_len`` is
             not checked here (per row); callers check it once with :func:`packsft.layout.check_max_seq_len`.
 
     Example (``cp = 1``, ``L = 6``, pad 0, conversations ``([5, 6, 7], [-100, 6, 7])`` and ``([8, 9], [8, 9])``):
@@ -149,26 +133,65 @@ def build_row(
     """
     if not conversations:
         raise ValueError("a row needs at least one conversation")
-    toks, tgts, pos, cu, real, truncation = _layout(conversations, pad_id, max_seq_len, context_parallel_size,
-                                                    lengths)
-    tokens = torch.from_numpy(toks[:-1])
-    labels = torch.from_numpy(tgts[1:])
-    position_ids = torch.from_numpy(pos[:-1])
-    cu_seqlens_padded = torch.tensor(cu, dtype=torch.int32)
-    cu_seqlens = torch.zeros(len(real) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(torch.tensor(real, dtype=torch.int32), 0)
-    labels[cu_seqlens_padded[1:-1].long() - 1] = IGNORE_INDEX  # boundary policy: no label crosses a conversation
+    for k, (tokens, targets) in enumerate(conversations):
+        if len(tokens) != len(targets) or len(tokens) == 0:
+            raise ValueError(f"conversation {k}: tokens ({len(tokens)}) and targets ({len(targets)}) must be "
+                             "equally long and non-empty")
+    lengths = np.asarray([len(t) for t, _ in conversations], dtype=np.int64)
+    tokens = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for t, _ in conversations])
+    targets = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for _, t in conversations])
+    return build_row_flat(tokens, targets, lengths, pad_id, max_seq_len, context_parallel_size)
+
+
+def build_row_flat(
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    lengths: np.ndarray,
+    pad_id: int,
+    max_seq_len: int,
+    context_parallel_size: int = 1,
+) -> tuple[dict, RowTruncation | None]:
+    """:func:`build_row` on concatenated conversations, each stored cut at ``L`` tokens (the token cache's form).
+
+    Args:
+        tokens, targets: int ``[T]`` arrays: conversation ``k``'s first ``min(lengths[k], L)`` token ids and
+            targets, the conversations one after another (int32 views of :mod:`packsft.token_cache`, or the
+            concatenated lists of :func:`build_row`).
+        lengths: int ``[n]``, each conversation's full length in tokens (``>= 1``): costs, ``cu_seqlens``
+            and the truncation record use it, so the row is that of the whole conversations.
+        pad_id, max_seq_len, context_parallel_size: as :func:`build_row`.
+
+    Returns:
+        As :func:`build_row`.
+
+    Raises:
+        ValueError: no conversation, a length below 1, or ``T`` is not ``sum(min(lengths, L))``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        raise ValueError("a row needs at least one conversation")
+    if lengths.min() < 1:
+        raise ValueError(f"conversation {int(np.argmin(lengths))}: its length must be >= 1")
+    expected = int(np.minimum(lengths, max_seq_len).sum())
+    if len(tokens) != expected or len(targets) != expected:
+        raise ValueError(f"tokens ({len(tokens)}) and targets ({len(targets)}) must hold the first "
+                         f"min(length, max_seq_len) tokens of each conversation: {expected}")
+    toks, tgts, pos, cu, real, truncation = _layout(tokens, targets, lengths, pad_id, max_seq_len,
+                                                    context_parallel_size)
+    labels = tgts[1:]
+    labels[cu[1:-1] - 1] = IGNORE_INDEX  # boundary policy: no label crosses a conversation
     trained = (labels != IGNORE_INDEX) & (labels != pad_id)
     labels[~trained] = IGNORE_INDEX
-    loss_mask = trained.to(torch.float32)
+    cu_seqlens = np.zeros(len(real) + 1, dtype=np.int32)
+    np.cumsum(real, out=cu_seqlens[1:])
     row = {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "position_ids": position_ids,
-        "cu_seqlens": cu_seqlens,
-        "cu_seqlens_padded": cu_seqlens_padded,
-        "max_seqlen": int(max(real)),
+        "tokens": torch.from_numpy(toks[:-1]),
+        "labels": torch.from_numpy(labels),
+        "loss_mask": torch.from_numpy(trained.astype(np.float32)),
+        "position_ids": torch.from_numpy(pos[:-1]),
+        "cu_seqlens": torch.from_numpy(cu_seqlens),
+        "cu_seqlens_padded": torch.from_numpy(cu.astype(np.int32)),
+        "max_seqlen": int(real.max()),
         "num_trained_tokens": int(trained.sum()),
     }
     return row, truncation

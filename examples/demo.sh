@@ -85,8 +85,8 @@ stage "2/9: prepare inputs in $OUT"
 "$PY" examples/prepare_demo_data.py --out "$OUT"
 
 # ---------------------------------------------------------------------------------------------------------------
-pack() {  # pack ROWS_FILE MAX_SEQ_LEN [extra packer flags]: skipped when the file, sidecar and report exist
-  if [[ -f $1 && -f $1.meta.json && -f $1.report.json ]]; then
+pack() {  # pack ROWS_FILE MAX_SEQ_LEN [extra packer flags]: skipped when the file, sidecar, cache and report exist
+  if [[ -f $1 && -f $1.meta.json && -f $1.tokens.npy && -f $1.report.json ]]; then
     echo "$1 exists, kept (delete it to pack again)"
   else
     "$PY" tools/pack_megatron_sft_jsonl.py --input "$OUT/chitchat.messages.jsonl" --output "$1" \
@@ -182,8 +182,8 @@ cat <<EOF
 where everything went:
   messages JSONL      $OUT/chitchat.messages.jsonl
   tokenizer           $OUT/smollm2-tokenizer
-  packed rows         $ROWS (+ .meta.json sidecar, .report.json, .lengths.png)
-  training rows       $TRAIN_ROWS (+ .meta.json, .report.json, .lengths.png)
+  packed rows         $ROWS (+ .meta.json sidecar, .tokens.npy token cache, .report.json, .lengths.png)
+  training rows       $TRAIN_ROWS (+ .meta.json, .tokens.npy, .report.json, .lengths.png)
   imported model      $IMPORTED (Megatron dist_checkpointing + model_config.json)
   training run        $RUN (config.yaml, metrics.jsonl, checkpoints/$(latest))
   loss curve          $RUN/loss.png

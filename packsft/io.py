@@ -191,7 +191,7 @@ def lock_path(path: str | Path) -> Path:
 
 
 def publish_files(renames: list[tuple[Path, Path]], journal: Path,
-                  after_rename: Callable[[Path | None], None] | None = None) -> None:
+                  after_rename: Callable[[Path | None], None] | None = None, removes: tuple[Path, ...] = ()) -> None:
     """Rename finished temp files over their destinations as one unit.
 
     The ``(temp, final)`` pairs are first written to ``journal`` (atomically, fsynced), then renamed in order,
@@ -204,8 +204,10 @@ def publish_files(renames: list[tuple[Path, Path]], journal: Path,
         journal: the journal path (:func:`journal_path` of the set's main file).
         after_rename: called with ``None`` once the journal is written, then with each final path once it is
             renamed (a test hook).
+        removes: files of the old set that the new one does not have, removed (if present) before the renames.
     """
-    record = {"format": JOURNAL_FORMAT, "version": 1, "renames": [[str(t), str(f)] for t, f in renames]}
+    record = {"format": JOURNAL_FORMAT, "version": 1, "renames": [[str(t), str(f)] for t, f in renames],
+              "removes": [str(r) for r in removes]}
     with atomic_open(journal) as f:
         json.dump(record, f)
     folders = {Path(f).resolve().parent for _, f in renames} | {journal.resolve().parent}
@@ -213,6 +215,8 @@ def publish_files(renames: list[tuple[Path, Path]], journal: Path,
         fsync_dir(folder)
     if after_rename is not None:
         after_rename(None)
+    for old in removes:
+        Path(old).unlink(missing_ok=True)
     for tmp, final in renames:
         os.replace(tmp, final)
         if after_rename is not None:
@@ -239,10 +243,13 @@ def complete_publish(journal: Path) -> bool:
     try:
         record = json.loads(text)
         pairs = [(Path(t), Path(f)) for t, f in record["renames"]] if record.get("format") == JOURNAL_FORMAT else None
+        removes = [Path(r) for r in record.get("removes", [])]
     except (ValueError, KeyError, TypeError, AttributeError):
         pairs = None
     if pairs is None:
         raise OSError(errno.EINVAL, "not a packsft publish journal; remove it and re-run the writer", str(journal))
+    for old in removes:
+        old.unlink(missing_ok=True)
     for tmp, final in pairs:
         try:
             os.replace(tmp, final)

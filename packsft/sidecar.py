@@ -14,7 +14,9 @@ Sidecar fields (JSON object, ``format_version`` 2)::
                        "chat_template_kwargs": {...}, "append_eos": bool},   # PromptFormat.spec()
      "max_seq_len": int, "context_parallel_size": int,
      "algorithm": str, "seed": int, "counts": {...}, "efficiency": float, ...,
-     "rows_file": {"size": int, "blake2b": str}}   # the rows file's bytes (BLAKE2b-160, 40 hex)
+     "rows_file": {"size": int, "blake2b": str},   # the rows file's bytes (BLAKE2b-160, 40 hex)
+     "token_cache": {"format_version": 1, "rows": int, "conversations": int, "stored_tokens": int,
+                     "tokens": {"file", "size", "blake2b", "ends_blake2b"}, "index": {...}}}  # optional
 
 Only the tokenizer, prompt format, ``max_seq_len`` and CP size are checked (:data:`CHECKED_FIELDS`); the
 rest describe the packing run. A version 1 sidecar (before ``train_on``, ``chat_template_kwargs`` and
@@ -24,6 +26,11 @@ rest describe the packing run. A version 1 sidecar (before ``train_on``, ``chat_
 through a journal that :func:`read_sidecar` finishes after a kill; the sidecar last):
 :func:`check_rows_file` compares the size always and the hash for files up to :data:`HASH_AUTO_LIMIT` bytes
 (or always / never on request). Sidecars written before this field existed carry none and are not checked.
+
+``token_cache`` (optional, :mod:`packsft.token_cache`) does the same for the two token cache files beside the rows:
+:func:`check_token_cache` compares their sizes and the BLAKE2b of their first and last MiB always, and their whole
+hash under the rows file's policy. A sidecar without it (older packsft, or ``--no-token-cache``) reads as before:
+the loader re-tokenizes.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 
 from packsft.io import atomic_open, file_blake2b, finish_interrupted_publish
 from packsft.prompt_formats import PromptFormat
+from packsft.token_cache import cache_paths, ends_blake2b
 
 SIDECAR_SUFFIX = ".meta.json"
 FORMAT_VERSION = 2
@@ -259,3 +267,49 @@ def check_rows_file(meta: dict[str, Any], packed_path: str | Path, verify_hash: 
         raise SidecarError(f"{path} does not match its sidecar {side}: the rows file's BLAKE2b is {digest}, the "
                            f"sidecar records {expected.get('blake2b')}; {advice}")
     return True
+
+
+def check_token_cache(meta: dict[str, Any], packed_path: str | Path, verify_hash: bool | None = None) -> bool:
+    """Refuse token cache files (:mod:`packsft.token_cache`) that are not the ones the sidecar records.
+
+    Call it when ``meta`` has a ``token_cache`` entry and both files exist beside ``packed_path``.
+
+    Args:
+        meta: the sidecar (:func:`read_sidecar`).
+        packed_path: the rows file; the cache files are ``<packed_path>.tokens.npy`` and ``.tokens-index.npy``.
+        verify_hash: as :func:`check_rows_file`, per file: ``True`` always hash the whole file, ``False``
+            never, ``None`` when it is at most :data:`HASH_AUTO_LIMIT` bytes. Size and the hash of the first
+            and last MiB (``ends_blake2b``) are always compared (a ``stat`` and 2 MiB read per file).
+
+    Returns:
+        Whether both files' whole hashes were checked.
+
+    Raises:
+        SidecarError: a size or hash differs, naming the cache file, the sidecar and both values.
+    """
+    entry = meta["token_cache"]
+    side = sidecar_path(packed_path)
+    advice = (f"the token cache and the sidecar come from different packing runs (a re-pack killed before it "
+              f"finished, or a file copied or edited alone); delete the cache files to re-tokenize, or re-pack "
+              f"with {PACK_TOOL}")
+    hashed = True
+    for key, path in zip(("tokens", "index"), cache_paths(packed_path)):
+        expected = entry.get(key) if isinstance(entry, dict) else None
+        if not isinstance(expected, dict):
+            raise SidecarError(f"{side}: token_cache.{key} is missing or not an object; re-pack with {PACK_TOOL}")
+        size = path.stat().st_size
+        if size != expected.get("size"):
+            raise SidecarError(f"{path} does not match its sidecar {side}: the file has {size} bytes, the sidecar "
+                               f"records {expected.get('size')}; {advice}")
+        ends = ends_blake2b(path)
+        if ends != expected.get("ends_blake2b"):
+            raise SidecarError(f"{path} does not match its sidecar {side}: the BLAKE2b of its first and last MiB "
+                               f"is {ends}, the sidecar records {expected.get('ends_blake2b')}; {advice}")
+        if verify_hash is False or (verify_hash is None and size > HASH_AUTO_LIMIT):
+            hashed = False
+            continue
+        digest = file_blake2b(path)
+        if digest != expected.get("blake2b"):
+            raise SidecarError(f"{path} does not match its sidecar {side}: its BLAKE2b is {digest}, the sidecar "
+                               f"records {expected.get('blake2b')}; {advice}")
+    return hashed

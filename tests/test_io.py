@@ -42,8 +42,10 @@ def test_publish_renames_all_and_removes_the_journal(tmp_path):
     pairs = _new_set(tmp_path)
     journal = journal_path(tmp_path / "rows")
     seen = []
-    publish_files(pairs, journal, seen.append)
-    assert _contents(pairs) == [f"new {f.name}" for _, f in pairs]
+    gone = tmp_path / "rows.old-cache"
+    gone.write_text("of the old set only")
+    publish_files(pairs, journal, seen.append, removes=(gone, tmp_path / "never-there"))
+    assert _contents(pairs) == [f"new {f.name}" for _, f in pairs] and not gone.exists()
     assert seen == [None] + [f for _, f in pairs]  # the journal first, then each rename in order
     assert not journal.exists() and not any(t.exists() for t, _ in pairs)
 

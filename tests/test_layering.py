@@ -1,6 +1,7 @@
 """Imports go one way: a package never imports one above it, and peers never import each other.
 
-Order (lowest first): ``conversation``, ``tokenizer``, ``io``, ``layout``, ``process_groups`` -> ``prompt_formats``
+Order (lowest first): ``conversation``, ``tokenizer``, ``io``, ``layout``, ``process_groups``, ``record_formats``,
+``token_cache`` -> ``prompt_formats``
 -> ``sidecar`` -> ``packing`` | ``data`` (peers) -> ``loss`` | ``model`` (peers) -> ``train``. Every
 ``packsft`` import counts, including those inside functions.
 """
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "packsft"
-BASE = {"packsft", "conversation", "tokenizer", "io", "layout", "process_groups", "record_formats"}
+BASE = {"packsft", "conversation", "tokenizer", "io", "layout", "process_groups", "record_formats", "token_cache"}
 ALLOWED = {
     "base": BASE,
     "prompt_formats": BASE | {"prompt_formats"},

@@ -15,6 +15,7 @@ from packsft.io import journal_path, stale_temps
 from packsft.packing import cli
 from packsft.packing.pipeline import STAGE_HOOK_ENV, STAGES, PackConfig, run_pack
 from packsft.sidecar import SidecarError, read_sidecar, sidecar_path
+from packsft.token_cache import cache_paths
 
 TOK = "smollm2-135m-instruct"
 
@@ -39,8 +40,9 @@ def _child(argv, hook):
 
 
 def _set(out: Path) -> dict[str, bytes]:
-    """The rows and sidecar bytes, and the report's record of the rows (its other fields name the paths)."""
-    got = {p.name: p.read_bytes() for p in (out, sidecar_path(out)) if p.exists()}
+    """The rows, sidecar and token cache bytes, and the report's record of the rows (its other fields name the
+    paths)."""
+    got = {p.name: p.read_bytes() for p in (out, sidecar_path(out), *cache_paths(out)) if p.exists()}
     report = Path(str(out) + ".report.json")
     got["report.rows_file"] = json.loads(report.read_text())["rows_file"] if report.exists() else None
     return got
@@ -82,18 +84,20 @@ def test_repack_killed_at_every_stage_leaves_the_old_or_the_new_set(tmp_path, pa
         assert journal.exists() == (sig == "SIGKILL" and stage in ("journal_written", "rows_published")), stage
         if sig == "SIGTERM":
             leftovers = [t for final in (out, sidecar_path(out), Path(str(out) + ".report.json"),
-                                         Path(str(out) + ".lengths.png"), journal) for t in stale_temps(final)]
+                                         Path(str(out) + ".lengths.png"), journal, *cache_paths(out))
+                         for t in stale_temps(final)]
             assert leftovers == [], (stage, leftovers)  # SIGTERM removes its own temp files
         # a reader sees the old complete set or the new one: killed once the journal is written, the new one
         new = stage in ("journal_written", "rows_published", "published")
         ds = _load(out, tok)  # finishes an interrupted publish first
         assert not journal.exists()
         assert ds.max_seq_len == (256 if new else 128) and ds.rows_hash_checked, (stage, sig)
+        assert ds.token_cache is not None and "hash checked" in ds.token_cache_status
         ds[0]
-        assert _set(out) == sets[256 if new else 128], (stage, sig)  # rows, sidecar and the report's rows record
+        assert _set(out) == sets[256 if new else 128], (stage, sig)  # rows, cache, sidecar, report's rows record
         # the next run removes what a SIGKILL left and publishes the new set
         assert cli.main(_argv(src, out, tok, 256)) == 0
-        assert [t for final in (out, sidecar_path(out)) for t in stale_temps(final)] == []
+        assert [t for final in (out, sidecar_path(out), *cache_paths(out)) for t in stale_temps(final)] == []
         assert _set(out) == sets[256]
 
 

@@ -6,6 +6,12 @@ each system message (:func:`packsft.conversation.split_row`), tokenizes each wit
 :func:`packsft.prompt_formats.tokenize_conversation`, and builds the tensors with
 :func:`packsft.data.row.build_row` (Megatron-LM ``SFTDataset`` semantics, ``docs/loader.md``).
 
+When the packer wrote a token cache beside the rows (:mod:`packsft.token_cache`) and the sidecar vouches for it,
+``__getitem__`` reads the conversations' ``(tokens, targets)`` from it instead (memory-mapped, no parsing or
+tokenizing) and feeds the same :func:`~packsft.data.row.build_row`: the tensors are identical. Without a cache
+(or a sidecar recording one) the rows are re-tokenized, with one :class:`TokenCacheNotice` at open; a cache
+that disagrees with its sidecar is refused (``SidecarError`` naming both files).
+
 Index file: a ``.npy`` array of int64, ``[MAGIC, INDEX_VERSION, file_size, file_mtime_ns, n, start_0 ..
 start_{n-1}, line_0 .. line_{n-1}]`` (byte offset and 1-based line number of each non-blank row). It is written
 atomically (temporary file + ``os.replace``) and rebuilt when the packed file's size or mtime differs from the
@@ -32,7 +38,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from packsft.conversation import ConversationError, split_row
-from packsft.data.row import build_row
+from packsft.data.row import build_row, build_row_flat
 from packsft.io import atomic_open, finish_interrupted_publish
 from packsft.layout import check_max_seq_len
 from packsft.prompt_formats import (
@@ -46,11 +52,13 @@ from packsft.sidecar import (
     SidecarError,
     check_rows_file,
     check_sidecar,
+    check_token_cache,
     loader_expectation,
     read_sidecar,
     repack_hint,
     sidecar_path,
 )
+from packsft.token_cache import TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 INDEX_SUFFIX = ".idx"
@@ -62,6 +70,10 @@ _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the file
 
 class PackedDataWarning(UserWarning):
     """A packed row (or file) that loads, but not as packed: truncated, without trained token, or unverified."""
+
+
+class TokenCacheNotice(PackedDataWarning):
+    """A packed file without a usable token cache: its rows are re-tokenized at every read (slower, same tensors)."""
 
 
 def build_index(path: str | Path) -> np.ndarray:
@@ -178,7 +190,11 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         require_sidecar: refuse (rather than warn about) a file without ``<path>.meta.json``.
         verify_rows_hash: check the rows file against the sidecar's ``rows_file`` BLAKE2b: ``None`` (default)
             for files up to :data:`packsft.sidecar.HASH_AUTO_LIMIT` bytes, ``True`` always, ``False`` never.
-            Its size is always checked (:func:`packsft.sidecar.check_rows_file`).
+            Its size is always checked (:func:`packsft.sidecar.check_rows_file`). The same policy applies to
+            each token cache file, whose size and first and last MiB are always checked
+            (:func:`packsft.sidecar.check_token_cache`).
+        use_token_cache: read token ids from the token cache when the sidecar records one (default); ``False``
+            re-tokenizes every row (no notice).
         sequence_parallel_size: the TP size under sequence parallelism (1 without); ``max_seq_len`` must be a
             multiple of :func:`packsft.layout.row_granularity`. Conversations are padded for CP only, so a file
             packed without ``--sequence-parallel`` serves an SP run whenever its ``max_seq_len`` divides.
@@ -191,8 +207,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     Raises:
         FileNotFoundError: the packed file (or the tokenizer path) does not exist.
         SidecarError: the sidecar contradicts this configuration (names the field and the re-pack command),
-            records another rows file (size or hash; names both files), or is missing and ``require_sidecar``
-            is set.
+            records another rows file or token cache (size or hash; names both files), or is missing and
+            ``require_sidecar`` is set.
         ValueError: ``max_seq_len`` is not a positive multiple of the CP granularity.
 
     Picklable (for ``spawn`` workers): the open file handle is dropped and reopened in each process.
@@ -215,6 +231,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         require_sidecar: bool = False,
         sequence_parallel_size: int = 1,
         verify_rows_hash: bool | None = None,
+        use_token_cache: bool = True,
     ):
         check_max_seq_len(max_seq_len, context_parallel_size, sequence_parallel_size)
         self.path = Path(path)
@@ -240,6 +257,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.sidecar = self._check_sidecar(require_sidecar)
         self.rows_hash_checked = check_rows_file(self.sidecar, self.path, verify_rows_hash) if self.sidecar else False
         self._index = load_or_build_index(self.path, index_path)
+        self.token_cache, self.token_cache_status = self._open_token_cache(use_token_cache, verify_rows_hash)
         self._fingerprint: str | None = None
         self._file = None
         self._file_pid: int | None = None
@@ -256,7 +274,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                            custom_template=template is not None and template != self.tokenizer.chat_template)
         if meta is None:
             message = (f"{self.path} has no sidecar {sidecar_path(self.path).name}: its tokenizer, prompt format, "
-                       f"pad, max_seq_len and context_parallel_size cannot be checked against the loader's")
+                       f"pad, max_seq_len and context_parallel_size cannot be checked against the loader's (and "
+                       f"its rows are re-tokenized: a token cache is used only with a sidecar)")
             if require:
                 raise SidecarError(f"{message}. Re-pack it:\n  {hint}")
             warnings.warn(message, PackedDataWarning, stacklevel=3)
@@ -267,6 +286,32 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                                "token; identity now trains only assistant turns, as Megatron-LM does, so its rows "
                                f"would be masked differently from what was packed. Re-pack it:\n  {hint}")
         return meta
+
+    def _open_token_cache(self, use: bool, verify_hash: bool | None) -> tuple[TokenCache | None, str]:
+        """``(cache or None, status)``: the checked token cache, or why rows are re-tokenized (one notice)."""
+        if not use:
+            return None, "re-tokenized (use_token_cache=False)"
+        if self.sidecar is None:
+            return None, "re-tokenized (no sidecar)"
+        tokens_path, index_path = cache_paths(self.path)
+        if "token_cache" not in self.sidecar:
+            reason = "its sidecar records no token cache (packed by an earlier packsft or with --no-token-cache)"
+        elif not (tokens_path.is_file() and index_path.is_file()):
+            missing = tokens_path if not tokens_path.is_file() else index_path
+            reason = f"its token cache {missing.name} is missing"
+        else:
+            hashed = check_token_cache(self.sidecar, self.path, verify_hash)
+            try:
+                cache = TokenCache(self.path, len(self), self.max_seq_len, (self.sidecar.get("rows_file") or {})
+                                   .get("blake2b"))
+            except TokenCacheError as e:
+                raise SidecarError(f"{e}: it does not belong to {self.path} and its sidecar "
+                                   f"{sidecar_path(self.path)}; delete the cache files to re-tokenize, or re-pack"
+                                   ) from e
+            return cache, f"token cache {tokens_path.name} ({'hash checked' if hashed else 'size and ends checked'})"
+        warnings.warn(f"{self.path}: {reason}; rows are re-tokenized at every read (slower, same tensors; re-pack "
+                      "to write the cache)", TokenCacheNotice, stacklevel=3)
+        return None, f"re-tokenized ({reason})"
 
     def __len__(self) -> int:
         """Number of rows (non-blank lines) in the packed file."""
@@ -325,8 +370,11 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Row ``i`` as tensors (see the class docstring); warns once per row when truncated or untrained."""
         pos = self._position(i)
-        row, truncation = build_row(self.tokenize_row(pos), self.prompt_format.pad_token_id, self.max_seq_len,
-                                    self.context_parallel_size)
+        pad, L, cp = self.prompt_format.pad_token_id, self.max_seq_len, self.context_parallel_size
+        if self.token_cache is not None:  # the packer's ids (build_row_flat is build_row's own core)
+            row, truncation = build_row_flat(*self.token_cache.row(pos), pad, L, cp)
+        else:
+            row, truncation = build_row(self.tokenize_row(pos), pad, L, cp)
         where = f"{self.path}:{self.line_number(pos)} (row {pos})"
         if truncation is not None:
             self._report("truncated", pos, f"{where} right-truncated to max_seq_len: {truncation.describe()}")

@@ -1,6 +1,8 @@
 """A packed row as a person reads it: conversations, roles, trained tokens, positions and statistics.
 
-Used by ``tools/inspect_packed.py``. A token is shown as *trained* when the model is trained to predict it,
+Used by ``tools/inspect_packed.py``. The text is always re-tokenized here (the turns' spans need it); the header
+says whether training reads the row's ids from the token cache (:mod:`packsft.token_cache`). A token is shown as
+*trained* when the model is trained to predict it,
 i.e. the label at the previous position is this token with ``loss_mask`` 1 (so a conversation's first token
 is never trained). In color mode trained text is green, masked text plain, padding dim; without color
 trained spans are wrapped in ``«`` ``»`` and padding is written ``<pad×N>``. A newline in the text is shown as
@@ -89,7 +91,8 @@ def describe_row(dataset: PackedSFTDataset, i: int, color: bool = False) -> str:
              f"{dataset.context_parallel_size}, prompt format {dataset.prompt_format.name}",
              f"  real tokens {real} ({real / length:.1%} of the row), padding {length - real}, "
              f"trained tokens {row['num_trained_tokens']}, max_seqlen {row['max_seqlen']}",
-             f"  cu_seqlens {row['cu_seqlens'].tolist()} (real), cu_seqlens_padded {cu}"]
+             f"  cu_seqlens {row['cu_seqlens'].tolist()} (real), cu_seqlens_padded {cu}",
+             f"  token ids for training: {dataset.token_cache_status}"]
     if truncation is not None:
         lines.append(f"  TRUNCATED: {truncation.describe()}")
     if row["num_trained_tokens"] == 0:

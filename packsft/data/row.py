@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from packsft.layout import IGNORE_INDEX, conversation_cost
@@ -55,49 +56,39 @@ class RowTruncation:
         return "; ".join(parts)
 
 
-def _layout(conversations, pad_id: int, max_seq_len: int, context_parallel_size: int):
-    """Steps 1-2: the ``L + 1`` long token/target/position lists, segment ends and the truncation record."""
-    toks: list[int] = []
-    tgts: list[int] = []
-    pos: list[int] = []
-    cu = [0]
-    costs = [conversation_cost(len(t), context_parallel_size) for t, _ in conversations]
-    for k, (tokens, targets) in enumerate(conversations):
-        if len(tokens) != len(targets) or not tokens:
-            raise ValueError(f"conversation {k}: tokens ({len(tokens)}) and targets ({len(targets)}) must be "
-                             "equally long and non-empty")
-        if len(toks) >= max_seq_len:
-            break
-        fill = costs[k] - len(tokens)
-        toks += tokens
-        toks += [pad_id] * fill
-        tgts += targets
-        tgts += [pad_id] * fill
-        pos += range(costs[k])
-        cu.append(len(toks))
-    kept = len(cu) - 1
-    truncation = None
-    if len(toks) > max_seq_len or kept < len(conversations):
-        cut = kept - 1 if len(toks) > max_seq_len else None
-        start = cu[-2]
-        truncation = RowTruncation(
-            needed_tokens=sum(costs), max_seq_len=max_seq_len, cut_conversation=cut,
-            cut_conversation_tokens=len(conversations[cut][0]) if cut is not None else 0,
-            kept_tokens=min(max_seq_len - start, len(conversations[cut][0])) if cut is not None else 0,
-            dropped_conversations=tuple(range(kept, len(conversations))))
-    real = [len(t) for t, _ in conversations[:kept]]
-    if len(toks) > max_seq_len:
-        real[-1] = min(real[-1], max_seq_len - cu[-2])
-        del toks[max_seq_len:], tgts[max_seq_len:], pos[max_seq_len + 1:]
-        toks.append(pad_id)
-        tgts.append(pad_id)
-        cu[-1] = max_seq_len
+def _layout(tokens, targets, lengths: np.ndarray, pad_id: int, max_seq_len: int, context_parallel_size: int):
+    """Steps 1-2 on the concatenated conversations: the ``L + 1`` long int64 token/target/position arrays,
+    segment offsets, real lengths and the truncation record (see :func:`build_row_flat`)."""
+    L = max_seq_len
+    costs = conversation_cost(lengths, context_parallel_size)
+    ends = np.cumsum(costs)
+    starts = ends - costs
+    kept = int(np.searchsorted(starts, L, side="left"))  # conversations starting before L
+    stored = np.minimum(lengths, L)
+    offsets = np.cumsum(stored) - stored  # where each conversation starts in `tokens`
+    real = np.minimum(lengths[:kept], L - starts[:kept])
+    toks = np.full(L + 1, pad_id, dtype=np.int64)
+    tgts = np.full(L + 1, pad_id, dtype=np.int64)
+    used = int(offsets[kept - 1] + real[-1])  # the kept conversations' tokens: a prefix of `tokens`
+    if context_parallel_size == 1:  # no padding between conversations: one copy
+        toks[:used] = tokens[:used]
+        tgts[:used] = targets[:used]
     else:
-        fill = max_seq_len + 1 - len(toks)
-        toks += [pad_id] * fill
-        tgts += [pad_id] * fill
-        pos += range(pos[-1] + 1, pos[-1] + 1 + fill)
-        cu[-1] = max_seq_len
+        where = np.arange(used) + np.repeat(starts[:kept] - offsets[:kept], real)
+        toks[where] = tokens[:used]
+        tgts[where] = targets[:used]
+    cu = np.append(starts[:kept], L)
+    segment = np.diff(cu)
+    segment[-1] += 1  # the extra position for the shift belongs to the last segment
+    pos = np.arange(L + 1, dtype=np.int64) - np.repeat(starts[:kept], segment)
+    truncation = None
+    if ends[kept - 1] > L or kept < len(lengths):
+        cut = kept - 1 if ends[kept - 1] > L else None
+        truncation = RowTruncation(
+            needed_tokens=int(ends[-1]), max_seq_len=L, cut_conversation=cut,
+            cut_conversation_tokens=int(lengths[cut]) if cut is not None else 0,
+            kept_tokens=int(real[cut]) if cut is not None else 0,
+            dropped_conversations=tuple(range(kept, len(lengths))))
     return toks, tgts, pos, cu, real, truncation
 
 
@@ -108,6 +99,8 @@ def build_row(
     context_parallel_size: int = 1,
 ) -> tuple[dict, RowTruncation | None]:
     """Build one row's tensors from its conversations' ``(tokens, targets)`` (see the module docstring).
+
+    Concatenates them and calls :func:`build_row_flat`, which the token cache feeds directly.
 
     Args:
         conversations: per conversation, ``(tokens, targets)``: equally long, non-empty int lists from
@@ -140,25 +133,65 @@ def build_row(
     """
     if not conversations:
         raise ValueError("a row needs at least one conversation")
-    toks, tgts, pos, cu, real, truncation = _layout(conversations, pad_id, max_seq_len, context_parallel_size)
-    tokens = torch.tensor(toks[:-1], dtype=torch.int64)
-    labels = torch.tensor(tgts[1:], dtype=torch.int64)
-    position_ids = torch.tensor(pos[:-1], dtype=torch.int64)
-    cu_seqlens_padded = torch.tensor(cu, dtype=torch.int32)
-    cu_seqlens = torch.zeros(len(real) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(torch.tensor(real, dtype=torch.int32), 0)
-    labels[cu_seqlens_padded[1:-1].long() - 1] = IGNORE_INDEX  # boundary policy: no label crosses a conversation
+    for k, (tokens, targets) in enumerate(conversations):
+        if len(tokens) != len(targets) or len(tokens) == 0:
+            raise ValueError(f"conversation {k}: tokens ({len(tokens)}) and targets ({len(targets)}) must be "
+                             "equally long and non-empty")
+    lengths = np.asarray([len(t) for t, _ in conversations], dtype=np.int64)
+    tokens = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for t, _ in conversations])
+    targets = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for _, t in conversations])
+    return build_row_flat(tokens, targets, lengths, pad_id, max_seq_len, context_parallel_size)
+
+
+def build_row_flat(
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    lengths: np.ndarray,
+    pad_id: int,
+    max_seq_len: int,
+    context_parallel_size: int = 1,
+) -> tuple[dict, RowTruncation | None]:
+    """:func:`build_row` on concatenated conversations, each stored cut at ``L`` tokens (the token cache's form).
+
+    Args:
+        tokens, targets: int ``[T]`` arrays: conversation ``k``'s first ``min(lengths[k], L)`` token ids and
+            targets, the conversations one after another (int32 views of :mod:`packsft.token_cache`, or the
+            concatenated lists of :func:`build_row`).
+        lengths: int ``[n]``, each conversation's full length in tokens (``>= 1``): costs, ``cu_seqlens``
+            and the truncation record use it, so the row is that of the whole conversations.
+        pad_id, max_seq_len, context_parallel_size: as :func:`build_row`.
+
+    Returns:
+        As :func:`build_row`.
+
+    Raises:
+        ValueError: no conversation, a length below 1, or ``T`` is not ``sum(min(lengths, L))``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        raise ValueError("a row needs at least one conversation")
+    if lengths.min() < 1:
+        raise ValueError(f"conversation {int(np.argmin(lengths))}: its length must be >= 1")
+    expected = int(np.minimum(lengths, max_seq_len).sum())
+    if len(tokens) != expected or len(targets) != expected:
+        raise ValueError(f"tokens ({len(tokens)}) and targets ({len(targets)}) must hold the first "
+                         f"min(length, max_seq_len) tokens of each conversation: {expected}")
+    toks, tgts, pos, cu, real, truncation = _layout(tokens, targets, lengths, pad_id, max_seq_len,
+                                                    context_parallel_size)
+    labels = tgts[1:]
+    labels[cu[1:-1] - 1] = IGNORE_INDEX  # boundary policy: no label crosses a conversation
     trained = (labels != IGNORE_INDEX) & (labels != pad_id)
     labels[~trained] = IGNORE_INDEX
-    loss_mask = trained.to(torch.float32)
+    cu_seqlens = np.zeros(len(real) + 1, dtype=np.int32)
+    np.cumsum(real, out=cu_seqlens[1:])
     row = {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "position_ids": position_ids,
-        "cu_seqlens": cu_seqlens,
-        "cu_seqlens_padded": cu_seqlens_padded,
-        "max_seqlen": max(real),
+        "tokens": torch.from_numpy(toks[:-1]),
+        "labels": torch.from_numpy(labels),
+        "loss_mask": torch.from_numpy(trained.astype(np.float32)),
+        "position_ids": torch.from_numpy(pos[:-1]),
+        "cu_seqlens": torch.from_numpy(cu_seqlens),
+        "cu_seqlens_padded": torch.from_numpy(cu.astype(np.int32)),
+        "max_seqlen": int(real.max()),
         "num_trained_tokens": int(trained.sum()),
     }
     return row, truncation

@@ -82,6 +82,8 @@ def parse_args(argv=None) -> PackConfig:
                         "instead of rejecting them; the file is then packsft-only")
     p.add_argument("--report", default=None, help="JSON report path (default <output>.report.json)")
     p.add_argument("--histogram", default=None, help="PNG path (default <output>.lengths.png; '' for none)")
+    p.add_argument("--no-token-cache", action="store_true",
+                   help="do not write <output>.tokens.npy / .tokens-index.npy (the loader then re-tokenizes)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     return PackConfig(inputs=a.input, output=a.output, tokenizer=a.tokenizer, max_seq_len=a.max_seq_length,
@@ -95,7 +97,7 @@ def parse_args(argv=None) -> PackConfig:
                       default_system_prompt=a.default_system_prompt, strict=a.strict,
                       allow_non_megatron=a.allow_non_megatron,
                       report=a.report, histogram=a.histogram, progress=not a.no_progress,
-                      max_conversation_bytes=a.max_conversation_bytes)
+                      max_conversation_bytes=a.max_conversation_bytes, token_cache=not a.no_token_cache)
 
 
 def main(argv=None) -> int:

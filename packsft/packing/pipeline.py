@@ -19,6 +19,9 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
    ``<output>.meta.json`` (with the rows' size and hash), report and histogram go to temp names, then are
    renamed over the outputs as one unit (a roll-forward journal) with SIGTERM held off, the sidecar last
    (:func:`_publish`).
+5. With ``token_cache`` (default) the workers' ``(tokens, targets)`` are spooled too (int32, at most
+   ``max_seq_len`` tokens each) and written beside the rows as the token cache (:mod:`packsft.token_cache`),
+   fingerprinted in the sidecar, so the loader reads token ids instead of re-tokenizing.
 
 Output is a deterministic function of the inputs and settings: batches come back in input order whatever
 the number of workers, and no step depends on hash order.
@@ -66,6 +69,7 @@ from packsft.prompt_formats import (
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
+from packsft.token_cache import TokenCacheWriter, cache_paths, encode_conversation, stored_length
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
@@ -116,6 +120,8 @@ class PackConfig:
         histogram: PNG path (default ``<output>.lengths.png``); ``""`` disables it.
         progress: show a tqdm progress bar (bytes read of all inputs, with ETA).
         max_conversation_bytes: input lines longer than this (bytes) are rejected into the report unparsed.
+        token_cache: also write the rows' token ids and targets beside them (``<output>.tokens.npy`` and
+            ``<output>.tokens-index.npy``, :mod:`packsft.token_cache`) so the loader need not re-tokenize.
     """
 
     inputs: list[str]
@@ -146,6 +152,7 @@ class PackConfig:
     histogram: str | None = None
     progress: bool = True
     max_conversation_bytes: int = MAX_CONVERSATION_BYTES
+    token_cache: bool = True
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -178,6 +185,8 @@ class PackConfig:
                    "--report": self.report or self.output + ".report.json"}
         if self.histogram != "":
             written["--histogram"] = self.histogram or self.output + ".lengths.png"
+        if self.token_cache:
+            written.update(zip(("token cache", "token cache index"), map(str, cache_paths(self.output))))
         for p in self.inputs:
             for what, out in written.items():
                 if _same_file(p, out):
@@ -346,11 +355,12 @@ def _process_batch(batch: list[tuple[int, int, int, str | None, str | None]]) ->
     (:func:`_fit_own_row`), and the stored, cut conversation is the one counted.
 
     Returns:
-        ``(file_idx, line, nbytes, (num_tokens, trained, trained_in_row), row_messages_json, None, cut)`` for a
+        ``(file_idx, line, nbytes, (num_tokens, trained, trained_in_row), row_messages_json, None, cut, cache)`` for a
         good line (``trained``: tokens the model is trained to predict, or 1 for a cut conversation (its cut-off
         part is not counted); ``trained_in_row``: those within the first ``max_seq_len`` tokens, what the
-        loader's truncation keeps; ``cut``: the packer cut it), or ``(file_idx, line, nbytes, None, None,
-        reason, False)`` for a rejected one.
+        loader's truncation keeps; ``cut``: the packer cut it; ``cache``: its token cache bytes,
+        :func:`packsft.token_cache.encode_conversation`, or ``None`` without ``token_cache``), or
+        ``(file_idx, line, nbytes, None, None, reason, False, None)`` for a rejected one.
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
     out = []
@@ -388,12 +398,14 @@ def _process_batch(batch: list[tuple[int, int, int, str | None, str | None]]) ->
             trained = [t != IGNORE_INDEX for t in targets[1:]]
             in_row = sum(trained[: cfg.max_seq_len - 1])
             counts = (len(tokens), max(1, in_row) if cut else sum(trained), in_row, non_megatron)
+            cache = encode_conversation(tokens, targets, cfg.max_seq_len) if cfg.token_cache else None
             out.append((file_idx, line, nbytes, counts, json.dumps(conv.to_row_messages(), ensure_ascii=False),
-                        None, cut))
+                        None, cut, cache))
         except ConversationError as e:
-            out.append((file_idx, line, nbytes, None, None, f"{e.field + ': ' if e.field else ''}{e.reason}", False))
+            out.append((file_idx, line, nbytes, None, None, f"{e.field + ': ' if e.field else ''}{e.reason}", False,
+                        None))
         except PromptFormatError as e:
-            out.append((file_idx, line, nbytes, None, None, f"{cfg.prompt_format}: {e}", False))
+            out.append((file_idx, line, nbytes, None, None, f"{cfg.prompt_format}: {e}", False, None))
     return out
 
 
@@ -440,6 +452,7 @@ class _Counted:
     trained_in_row: int = 1  # trained tokens within the first max_seq_len tokens
     cut: bool = False  # the packer cut it to own_row_window (own-row)
     nbytes: int = 0  # its input line's bytes
+    token_offset: int = -1  # byte offset of its token cache bytes in the token spool (-1: none)
 
 
 @dataclass
@@ -522,11 +535,11 @@ class PackReport:
         return "\n".join(lines)
 
 
-def _count_all(cfg: PackConfig, spool, report: PackReport) -> list[_Counted]:
+def _count_all(cfg: PackConfig, spool, report: PackReport, token_spool=None) -> list[_Counted]:
     counted: list[_Counted] = []
     total = sum(os.path.getsize(p) for p in cfg.inputs)
     bar = tqdm(desc="reading", total=total, unit="B", unit_scale=True, disable=not cfg.progress, mininterval=1.0)
-    for file_idx, line, nbytes, counts, msgs_json, reason, cut in _ordered_results(cfg):
+    for file_idx, line, nbytes, counts, msgs_json, reason, cut, cache in _ordered_results(cfg):
         bar.update(nbytes)
         bar.set_postfix_str(f"{report.input_conversations + 1} conv", refresh=False)
         report.input_conversations += 1
@@ -548,7 +561,7 @@ def _count_all(cfg: PackConfig, spool, report: PackReport) -> list[_Counted]:
                         cfg.inputs[file_idx], line)
         data = msgs_json.encode("utf-8")
         counted.append(_Counted(file_idx, line, n, spool.tell(), len(data), trained_in_row if trained else 1,
-                                cut, nbytes))
+                                cut, nbytes, _spool_tokens(token_spool, cache)))
         spool.write(data)
     bar.close()
     return counted
@@ -610,11 +623,46 @@ def _output_paths(cfg: PackConfig) -> dict[str, str]:
     histogram = cfg.histogram if cfg.histogram is not None else cfg.output + ".lengths.png"
     if histogram:
         paths["histogram"] = histogram
+    if cfg.token_cache:
+        paths["token_cache"], paths["token_index"] = map(str, cache_paths(cfg.output))
     return paths
 
 
-def _write_rows(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted], spool, tmp: Path) -> tuple[int, str]:
-    """Write the rows into ``tmp`` (fsynced); return its size in bytes and BLAKE2b-160 hex."""
+def _spool_tokens(token_spool, cache: bytes | None) -> int:
+    """Append one conversation's token cache bytes to ``token_spool``; return their offset (-1: not spooled)."""
+    if token_spool is None or cache is None:
+        return -1
+    offset = token_spool.tell()
+    token_spool.write(cache)
+    return offset
+
+
+def _token_cache_writer(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted],
+                        temps: dict[str, Path]) -> TokenCacheWriter | None:
+    """The token cache writer into fresh temp files (``temps["token_cache"]``, ``temps["token_index"]``)."""
+    if not cfg.token_cache:
+        return None
+    tokens_path, index_path = cache_paths(cfg.output)
+    temps["token_cache"], temps["token_index"] = temp_path(tokens_path), temp_path(index_path)
+    total = sum(stored_length(c.num_tokens, cfg.max_seq_len) for c in kept)
+    return TokenCacheWriter(temps["token_cache"], temps["token_index"], cfg.output, total, len(rows), len(kept),
+                            cfg.max_seq_len)
+
+
+def _cache_row(cache: TokenCacheWriter | None, token_spool, row: list[int], kept: list[_Counted], L: int) -> None:
+    """Copy the token cache bytes of ``row``'s conversations from the spool into the cache writer."""
+    if cache is None:
+        return
+    for i in row:
+        token_spool.seek(kept[i].token_offset)
+        cache.add(token_spool.read(8 * stored_length(kept[i].num_tokens, L)), kept[i].num_tokens)
+    cache.end_row()
+
+
+def _write_rows(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted], spool, tmp: Path,
+                cache: TokenCacheWriter | None = None, token_spool=None) -> tuple[int, str]:
+    """Write the rows into ``tmp`` (fsynced), and their tokens into ``cache``; return the rows' size in bytes and
+    BLAKE2b-160 hex."""
     with open(tmp, "wb") as f:
         out = HashingWriter(f)
         for row in rows:
@@ -623,6 +671,7 @@ def _write_rows(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted], sp
                 spool.seek(kept[i].offset)
                 parts.append(spool.read(kept[i].size)[1:-1])  # strip the list brackets
             out.write(b'{"messages": [' + b", ".join(parts) + b"]}\n")
+            _cache_row(cache, token_spool, row, kept, cfg.max_seq_len)
         f.flush()
         os.fsync(f.fileno())
     return out.size, out.hexdigest()
@@ -696,14 +745,14 @@ def _run_pack(cfg: PackConfig) -> PackReport:
     with _Lock(cfg.output):
         journal = journal_path(cfg.output)
         complete_publish(journal)  # a run killed while publishing: its set is complete, finish the renames
-        for final in [*paths.values(), journal]:
+        for final in {*paths.values(), *map(str, cache_paths(cfg.output)), str(journal)}:
             for stale in stale_temps(final):
                 stale.unlink(missing_ok=True)
         temps: dict[str, Path] = {}
         try:
             temps["rows"] = temp_path(cfg.output)
-            with tempfile.TemporaryFile(dir=out_dir) as spool:
-                counted = _count_all(cfg, spool, report)
+            with tempfile.TemporaryFile(dir=out_dir) as spool, tempfile.TemporaryFile(dir=out_dir) as token_spool:
+                counted = _count_all(cfg, spool, report, token_spool)
                 kept = _apply_oversize(cfg, counted, report)
                 L, cp = cfg.max_seq_len, cfg.context_parallel_size
                 costs = [min(conversation_cost(c.num_tokens, cp), L) for c in kept]
@@ -713,7 +762,13 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 if cfg.shuffle_rows:
                     random.Random(cfg.seed).shuffle(rows)
                 _stage("tokenized")
-                size, digest = _write_rows(cfg, rows, kept, spool, temps["rows"])
+                cache = _token_cache_writer(cfg, rows, kept, temps)
+                try:
+                    size, digest = _write_rows(cfg, rows, kept, spool, temps["rows"], cache, token_spool)
+                    cache_fields = cache.finish(digest) if cache is not None else None
+                finally:
+                    if cache is not None:
+                        cache.close()
             _stage("rows_written")
             lengths = [c.num_tokens for c in kept]
             report.packed_conversations = len(kept)
@@ -721,14 +776,15 @@ def _run_pack(cfg: PackConfig) -> PackReport:
             report.real_tokens = sum(min(n, L) for n in lengths)
             report.padding_tokens = report.rows * L - report.real_tokens
             report.lower_bound_rows = lower_bound_rows(costs, L) if costs else 0
-            _write_outputs(cfg, fmt, tok, report, lengths, rows, costs, paths, temps, size, digest)
+            _write_outputs(cfg, fmt, tok, report, lengths, rows, costs, paths, temps, size, digest, cache_fields)
         finally:
             for tmp in temps.values():
                 tmp.unlink(missing_ok=True)
     return report
 
 
-def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, paths, temps, size, digest) -> None:
+def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, paths, temps, size, digest,
+                   cache_fields=None) -> None:
     report.outputs = dict(paths)
     report.rows_file = {"size": size, "blake2b": digest}
     sidecar = {
@@ -753,6 +809,7 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, path
                    "warnings": report.warning_counts(), "rows": report.rows,
                    "real_tokens": report.real_tokens, "padding_tokens": report.padding_tokens},
         **rows_file_fields(size, digest),
+        **({"token_cache": cache_fields} if cache_fields else {}),
     }
     temps["sidecar"] = temp_path(paths["sidecar"])
     temps["sidecar"].write_text(sidecar_text(sidecar), encoding="utf-8")
@@ -773,7 +830,11 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, path
 
 def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
     """Rename the temp files over their outputs as one unit (:func:`packsft.io.publish_files`), the sidecar last,
-    with SIGTERM and SIGINT held off."""
+    with SIGTERM and SIGINT held off.
+
+    A token cache of an earlier run that this one does not write (``token_cache=False``) is removed in the same
+    unit.
+    """
     held = {signal.SIGTERM, signal.SIGINT}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     rows = Path(paths["rows"])
@@ -784,8 +845,9 @@ def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
 
     journal = journal_path(paths["rows"])
     try:
-        order = [k for k in ("histogram", "report", "rows", "sidecar") if k in temps]
-        publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook)
+        order = [k for k in ("histogram", "report", "token_index", "token_cache", "rows", "sidecar") if k in temps]
+        removes = () if "token_cache" in paths else tuple(cache_paths(paths["rows"]))
+        publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook, removes)
         temps.clear()
     except BaseException:
         if journal.exists():  # the temps now belong to the journal: the next run or reader finishes the renames

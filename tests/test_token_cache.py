@@ -1,0 +1,245 @@
+"""The token cache beside a packed file: the loader's tensors are identical with and without it, on real data;
+own-row conversations store at most L tokens; a stale cache is refused, a missing one re-tokenized with a notice."""
+
+import functools
+import json
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from packsft.data.collate import collate_rows
+from packsft.data.context_parallel import slice_batch_for_cp
+from packsft.data.dataset import PackedDataWarning, PackedSFTDataset, TokenCacheNotice
+from packsft.io import stale_temps
+from packsft.packing import cli
+from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.sidecar import SidecarError, read_sidecar, sidecar_path, write_sidecar
+from packsft.token_cache import HEADER, TokenCache, TokenCacheError, cache_paths
+from packsft.tokenizer import load_tokenizer
+
+TOK = "smollm2-135m-instruct"
+load_cached = functools.lru_cache(load_tokenizer)
+
+
+def _chats(path: Path, n: int = 24, long_every: int = 0) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            answer = f"answer {i} " + "because " * (i * 5 % 30)
+            if long_every and i % long_every == 0:
+                answer += "and so on " * 80
+            msgs = [{"role": "user", "content": f"question {i}: " + "why " * (i * 3 % 40)},
+                    {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def _pack(src, out, tok, L, cp=1, fmt="chat-template", **kw):
+    return run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tok), max_seq_len=L,
+                               prompt_format=fmt, context_parallel_size=cp, histogram="", progress=False, **kw))
+
+
+def _datasets(out, tok, fmt, L, cp=1):
+    tok = load_cached(tok)
+    cached = PackedSFTDataset(out, tok, fmt, L, cp, require_sidecar=True)
+    plain = PackedSFTDataset(out, tok, fmt, L, cp, require_sidecar=True, use_token_cache=False)
+    assert cached.token_cache is not None and plain.token_cache is None
+    return cached, plain
+
+
+def _assert_same(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys(), where
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{where}: {k}"
+        else:
+            assert a[k] == b[k], f"{where}: {k}"
+
+
+def _assert_every_row_equal(cached, plain, cp):
+    assert len(cached) == len(plain) > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PackedDataWarning)  # own-row truncation reports, the same in both
+        rows = [(cached[i], plain[i]) for i in range(len(cached))]
+    for i, (a, b) in enumerate(rows):
+        _assert_same(a, b, f"row {i}")
+    for start in range(0, len(rows) - 1, 2):  # micro-batches of 2 and, with CP, every rank's slice
+        a = collate_rows([r[0] for r in rows[start:start + 2]])
+        b = collate_rows([r[1] for r in rows[start:start + 2]])
+        _assert_same(a, b, f"batch {start}")
+        for rank in range(cp if cp > 1 else 0):
+            _assert_same(slice_batch_for_cp(a, cp, rank), slice_batch_for_cp(b, cp, rank), f"batch {start} rank {rank}")
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "limit", "tokenizer", "fmt", "L", "cp"), [
+    ("chat/gsm8k_test.messages.jsonl", 500, "qwen2.5", "chat-template", 2048, 1),
+    ("chat/gsm8k_test.messages.jsonl", None, "qwen2.5", "chat-template", 2048, 2),
+    ("tools/glaive_toolcall_en_demo.messages.jsonl", None, "qwen2.5", "chat-template", 2048, 2),
+    ("chat/chitchat.messages.jsonl", 300, "nemotron-h-layout-tekken", "nemotron-nano-v2", 1024, 2),
+])
+def test_every_row_of_a_real_file_is_identical_with_and_without_the_cache(tmp_path, shared_data, tokenizer_dir,
+                                                                         name, limit, tokenizer, fmt, L, cp):
+    src = shared_data / name
+    if limit is not None:
+        lines = src.read_text(encoding="utf-8").splitlines(keepends=True)[:limit]
+        src = tmp_path / "in.jsonl"
+        src.write_text("".join(lines), encoding="utf-8")
+    out = tmp_path / "rows.jsonl.packed"
+    report = _pack(src, out, tokenizer_dir(tokenizer), L, cp, fmt)
+    assert report.rejected == [] and report.rows > 10
+    cached, plain = _datasets(out, tokenizer_dir(tokenizer), fmt, L, cp)
+    rows = _assert_every_row_equal(cached, plain, cp)
+    assert sum(len(a["cu_seqlens"]) - 1 for a, _ in rows) == report.packed_conversations
+    if name.startswith("chat/chitchat"):  # own-row conversations: stored cut at L, trained the same
+        assert report.oversize and all(o["action"].startswith("own row") for o in report.oversize)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, tokenizer_dir):
+    """``copy(folder) -> rows path``: a fresh copy of one small packed set (rows, sidecar, cache); the tokenizer."""
+    d = tmp_path_factory.mktemp("small")
+    out = d / "rows.jsonl.packed"
+    report = _pack(_chats(d / "in.jsonl", n=60), out, tokenizer_dir(TOK), 128)
+
+    def copy(folder: Path) -> Path:
+        for p in (out, sidecar_path(out), *cache_paths(out)):
+            shutil.copy(p, folder / p.name)
+        return folder / out.name
+    return copy, load_cached(tokenizer_dir(TOK)), report
+
+
+def test_own_row_conversations_store_at_most_max_seq_len_tokens_and_warn_alike(tmp_path, tokenizer_dir):
+    src = _chats(tmp_path / "in.jsonl", n=12, long_every=4)
+    out = tmp_path / "rows.jsonl.packed"
+    L = 128
+    report = _pack(src, out, tokenizer_dir(TOK), L)
+    assert len(report.oversize) == 3
+    tokens_path, index_path = cache_paths(out)
+    index = np.load(index_path, mmap_mode="r", allow_pickle=False)
+    rows, convs = int(index[2]), int(index[3])
+    lengths = np.asarray(index[HEADER + 2 * (rows + 1):])
+    assert len(lengths) == convs == report.packed_conversations and (lengths > L).sum() == 3
+    pairs = np.load(tokens_path, mmap_mode="r", allow_pickle=False)
+    assert pairs.dtype == np.int32 and pairs.shape == (int(np.minimum(lengths, L).sum()), 2)
+    cached, plain = _datasets(out, tokenizer_dir(TOK), "chat-template", L)
+    own = [r for r in range(rows) if (lengths[index[HEADER + r]:index[HEADER + r + 1]] > L).any()]
+    assert len(own) == 3
+    for r in own:
+        ids, tgts, full = cached.token_cache.row(r)
+        assert len(ids) == len(tgts) == L and len(full) == 1 and full[0] > L
+        tokens, targets = plain.tokenize_row(r)[0]
+        assert full[0] == len(tokens) and ids.tolist() == tokens[:L] and tgts.tolist() == targets[:L]
+        with pytest.warns(PackedDataWarning) as a:
+            row_a = cached[r]
+        with pytest.warns(PackedDataWarning) as b:
+            row_b = plain[r]
+        assert [str(w.message) for w in a] == [str(w.message) for w in b] and "right-truncated" in str(a[0].message)
+        _assert_same(row_a, row_b, f"row {r}")
+    _assert_every_row_equal(cached, plain, 1)
+
+
+def test_a_cache_that_disagrees_with_the_sidecar_is_refused_naming_both(tmp_path, small, tokenizer_dir):
+    copy, tok, _ = small
+    out = copy(tmp_path)
+    tokens_path, index_path = cache_paths(out)
+    good = tokens_path.read_bytes()
+    tokens_path.write_bytes(good[:-8])  # another size: always refused
+    with pytest.raises(SidecarError, match=r"rows.jsonl.packed.tokens.npy does not match its sidecar .*meta.json: "
+                                           r"the file has \d+ bytes, the sidecar records \d+"):
+        PackedSFTDataset(out, tok, "chat-template", 128, verify_rows_hash=False)
+    middle = bytearray(good)
+    middle[len(good) // 2] ^= 1  # same size and ends (the file is < 2 MiB: its ends cover it)
+    tokens_path.write_bytes(bytes(middle))
+    with pytest.raises(SidecarError, match="first and last MiB"):
+        PackedSFTDataset(out, tok, "chat-template", 128)
+    tokens_path.write_bytes(good)
+    PackedSFTDataset(out, tok, "chat-template", 128)
+    # the index of another pack: refused by its fingerprints
+    other = tmp_path / "other" / "rows.jsonl.packed"
+    _pack(_chats(tmp_path / "in2.jsonl", n=30), other, tokenizer_dir(TOK), 128)
+    index_path.write_bytes(cache_paths(other)[1].read_bytes())
+    with pytest.raises(SidecarError, match=r"tokens-index.npy does not match its sidecar"):
+        PackedSFTDataset(out, tok, "chat-template", 128)
+
+
+def test_the_index_header_ties_the_cache_to_its_rows(tmp_path, small):
+    copy, _, report = small
+    out = copy(tmp_path)
+    digest = read_sidecar(out)["rows_file"]["blake2b"]
+    TokenCache(out, report.rows, 128, digest)
+    with pytest.raises(TokenCacheError, match="another rows file"):
+        TokenCache(out, report.rows, 128, "0" * 40)
+    with pytest.raises(TokenCacheError, match=f"{report.rows} rows, the rows file has {report.rows + 1}"):
+        TokenCache(out, report.rows + 1, 128, digest)
+    with pytest.raises(TokenCacheError, match="written for max_seq_len 128, the loader has 256"):
+        TokenCache(out, report.rows, 256, digest)
+
+
+def test_missing_or_unrecorded_cache_is_re_tokenized_with_one_notice(tmp_path, small):
+    copy, tok, _ = small
+    out = copy(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = PackedSFTDataset(out, tok, "chat-template", 128)
+        reference = [ds[i] for i in range(len(ds))]
+    assert ds.token_cache is not None
+    tokens_path, index_path = cache_paths(out)
+    tokens_path.unlink()
+    with pytest.warns(TokenCacheNotice) as record:
+        ds = PackedSFTDataset(out, tok, "chat-template", 128)
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    assert "rows.jsonl.packed.tokens.npy is missing; rows are re-tokenized" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no further notice per row
+        for i, row in enumerate(reference):
+            _assert_same(ds[i], row, f"row {i}")
+    assert ds.token_cache is None and ds.token_cache_status.startswith("re-tokenized")
+    meta = read_sidecar(out)
+    del meta["token_cache"]  # an older packsft's sidecar
+    write_sidecar(out, meta)
+    with pytest.warns(TokenCacheNotice, match="its sidecar records no token cache"):
+        PackedSFTDataset(out, tok, "chat-template", 128, verify_rows_hash=False)
+
+
+def test_no_token_cache_writes_none_and_removes_an_old_one(tmp_path, tokenizer_dir, capsys):
+    src = _chats(tmp_path / "in.jsonl")
+    out = tmp_path / "rows.jsonl.packed"
+    argv = ["--input", str(src), "--output", str(out), "--tokenizer", str(tokenizer_dir(TOK)),
+            "--max-seq-length", "128", "--no-progress", "--histogram", ""]
+    assert cli.main(argv) == 0
+    assert all(p.is_file() for p in cache_paths(out)) and "token_cache" in read_sidecar(out)
+    assert "token_cache" in capsys.readouterr().out  # listed with the outputs
+    assert cli.main(argv + ["--no-token-cache"]) == 0
+    assert not any(p.exists() for p in cache_paths(out)) and "token_cache" not in read_sidecar(out)
+    assert [t for p in cache_paths(out) for t in stale_temps(p)] == []
+
+
+def test_pickles_without_the_memory_maps(tmp_path, small):
+    copy, tok, _ = small
+    out = copy(tmp_path)
+    ds = PackedSFTDataset(out, tok, "chat-template", 128)
+    blob = pickle.dumps(ds.token_cache)
+    assert len(blob) < 2000 and cache_paths(out)[0].stat().st_size > 20000
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.token_cache is not None
+    _assert_same(copy[len(ds) - 1], ds[len(ds) - 1], "last row")
+
+
+def test_sidecar_records_sizes_and_hashes_of_the_cache(tmp_path, small):
+    from packsft.io import file_blake2b
+    from packsft.token_cache import ends_blake2b
+
+    copy, _, report = small
+    out = copy(tmp_path)
+    entry = read_sidecar(out)["token_cache"]
+    assert entry["rows"] == report.rows and entry["conversations"] == report.packed_conversations
+    for key, path in zip(("tokens", "index"), cache_paths(out)):
+        assert entry[key] == {"file": path.name, "size": path.stat().st_size, "blake2b": file_blake2b(path),
+                              "ends_blake2b": ends_blake2b(path)}
+    assert sidecar_path(out).is_file()

@@ -18,7 +18,7 @@ Each row becomes the JSON text of its record dict, so the rest of the packer (``
 validation, ``--max-conversation-bytes`` on the record's UTF-8 JSON size) treats it exactly like a JSONL line.
 Arrow gives every row of a column all the fields of its struct type (a message without ``tool_calls`` reads
 back with ``tool_calls: null``), so keys whose value is null are dropped from every object, at any depth,
-except ``content`` (null on an assistant turn with tool calls). Dates and times become ISO strings, decimals
+except the ``content`` of a message (an object with a ``role``: null on an assistant turn with tool calls). Dates and times become ISO strings, decimals
 numbers, UTF-8 bytes strings; a row holding other binary data is rejected.
 """
 
@@ -38,7 +38,6 @@ from packsft.io import file_blake2b
 ROW_SUFFIXES = (".parquet", ".arrow")
 EXTRA = "packsft[datasets]"
 _ROWS_PER_BATCH = 64
-_KEEP_NULL = frozenset({"content"})
 
 
 class SourceError(ValueError):
@@ -206,7 +205,8 @@ def _json_value(value: Any) -> Any:
 
 def _drop_nulls(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _drop_nulls(v) for k, v in value.items() if v is not None or k in _KEEP_NULL}
+        keep = "role" in value  # a message: its null content stays
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None or (keep and k == "content")}
     if isinstance(value, list):
         return [_drop_nulls(v) for v in value]
     return value

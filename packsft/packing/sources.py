@@ -18,8 +18,10 @@ Each row becomes the JSON text of its record dict, so the rest of the packer (``
 validation, ``--max-conversation-bytes`` on the record's UTF-8 JSON size) treats it exactly like a JSONL line.
 Arrow gives every row of a column all the fields of its struct type (a message without ``tool_calls`` reads
 back with ``tool_calls: null``), so keys whose value is null are dropped from every object, at any depth,
-except the ``content`` of a message (an object with a ``role``: null on an assistant turn with tool calls). Dates and times become ISO strings, decimals
-numbers, UTF-8 bytes strings; a row holding other binary data is rejected.
+except the ``content`` of a message (an object with a ``role``: null on an assistant turn with tool calls). Key
+order follows the Arrow schema (first seen), so rows may differ from a JSONL of the same records in key order,
+not in content. Dates and times become ISO strings, decimals numbers, UTF-8 bytes strings; a row holding other
+binary data is rejected.
 """
 
 from __future__ import annotations

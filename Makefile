@@ -19,7 +19,7 @@ CONFIG ?= configs/tiny_cpu.yaml
 NPROC ?= 1
 OVERRIDES ?=
 
-.PHONY: setup test test-fast lint pack train demo bench bench-pack bench-loader bench-loss bench-train clean
+.PHONY: setup test test-fast lint pack train demo bench bench-pack bench-loader bench-loss bench-train bench-sources clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,7 @@ train: setup
 demo: setup
 	bash examples/demo.sh
 
-bench: bench-pack bench-loader bench-loss bench-train
+bench: bench-pack bench-loader bench-loss bench-train bench-sources
 
 bench-pack: setup
 	$(PY) bench/pack.py
@@ -67,6 +67,9 @@ bench-loss: setup
 
 bench-train: setup
 	$(PY) bench/train.py
+
+bench-sources: setup
+	$(PY) bench/sources.py
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache .ruff_cache

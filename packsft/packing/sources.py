@@ -10,7 +10,8 @@ An ``--input`` is one of:
 
 The last three are *row sources*: they need the ``packsft[datasets]`` extra (``datasets`` and ``pyarrow``,
 imported only when such an input is given), are read one Arrow record batch at a time (a folder through
-``datasets.load_from_disk``, memory-mapped; Parquet through ``pyarrow.parquet.ParquetFile.iter_batches``), and
+``datasets.load_from_disk``, memory-mapped; Parquet through ``pyarrow.parquet.ParquetFile.iter_batches`` without
+pre-buffering, so at most about one row group's columns are in memory), and
 are located by 0-based row index (``train.parquet: row 17``, what ``dataset[17]`` returns) in every message and
 report entry (key ``row`` instead of ``line``).
 
@@ -175,7 +176,8 @@ def _record_batches(path: Path, split: str | None):
         yield from ds.with_format("arrow").iter(batch_size=1024)
     elif path.suffix.lower() == ".parquet":
         pq = _import("pyarrow.parquet")
-        with pq.ParquetFile(path) as f:
+        # pre_buffer (pyarrow's default) would cache every row group read so far: memory grows with the file
+        with pq.ParquetFile(path, pre_buffer=False) as f:
             yield from f.iter_batches(batch_size=1024)
     else:
         with pa.memory_map(str(path), "r") as source:

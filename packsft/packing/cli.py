@@ -37,8 +37,12 @@ def _positive_int(text: str) -> int:
 
 def parse_args(argv=None) -> PackConfig:
     """Parse the command line into a :class:`PackConfig`."""
-    p = argparse.ArgumentParser(description="Pack chat conversations (OpenAI messages JSONL) into .jsonl.packed rows.")
-    p.add_argument("--input", nargs="+", required=True, help="input JSONL file(s), read in order")
+    p = argparse.ArgumentParser(description="Pack chat conversations (OpenAI messages JSONL, or Parquet/Arrow/"
+                                            "datasets rows) into .jsonl.packed rows.")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="input JSONL file(s), read in order; also .parquet / .arrow files and datasets save_to_disk "
+                        "folders (rows; needs the packsft[datasets] extra)")
+    p.add_argument("--split", default=None, help="the split to read of a DatasetDict save_to_disk folder")
     p.add_argument("--output", required=True, help="output .jsonl.packed file")
     p.add_argument("--tokenizer", required=True, help="local tokenizer folder or tokenizer.json")
     p.add_argument("--max-seq-length", type=int, required=True, help="row length in tokens")
@@ -97,7 +101,8 @@ def parse_args(argv=None) -> PackConfig:
                       default_system_prompt=a.default_system_prompt, strict=a.strict,
                       allow_non_megatron=a.allow_non_megatron,
                       report=a.report, histogram=a.histogram, progress=not a.no_progress,
-                      max_conversation_bytes=a.max_conversation_bytes, token_cache=not a.no_token_cache)
+                      max_conversation_bytes=a.max_conversation_bytes, token_cache=not a.no_token_cache,
+                      split=a.split)
 
 
 def main(argv=None) -> int:

@@ -46,7 +46,7 @@ from typing import Any
 from tqdm import tqdm
 
 from packsft import __version__
-from packsft.conversation import ConversationError, iter_jsonl_lines_sized, parse_record
+from packsft.conversation import ConversationError, parse_record
 from packsft.io import (
     FileLock,
     HashingWriter,
@@ -59,6 +59,18 @@ from packsft.io import (
 )
 from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
+from packsft.packing.sources import (
+    check_source,
+    count_word,
+    entry_where,
+    input_bytes,
+    is_dataset_dict,
+    is_row_source,
+    iter_source,
+    position,
+    source_identity,
+    where,
+)
 from packsft.prompt_formats import (
     MEGATRON_PRESETS,
     TRAIN_ON,
@@ -88,7 +100,9 @@ class PackConfig:
     """Settings of one packing run (the CLI's flags).
 
     Attributes:
-        inputs: input JSONL files, read in order.
+        inputs: input JSONL files, read in order; also ``datasets`` ``save_to_disk`` folders and ``.parquet`` /
+            ``.arrow`` files (:mod:`packsft.packing.sources`, located by row index instead of line).
+        split: the split to read of a ``DatasetDict`` folder input.
         output: the ``.jsonl.packed`` file to write.
         tokenizer: local tokenizer folder or ``tokenizer.json``.
         max_seq_len: row length in tokens; a multiple of ``2 * context_parallel_size``.
@@ -119,7 +133,8 @@ class PackConfig:
         report: JSON report path (default ``<output>.report.json``).
         histogram: PNG path (default ``<output>.lengths.png``); ``""`` disables it.
         progress: show a tqdm progress bar (bytes read of all inputs, with ETA).
-        max_conversation_bytes: input lines longer than this (bytes) are rejected into the report unparsed.
+        max_conversation_bytes: input lines (or rows' JSON) longer than this (bytes) are rejected into the
+            report unparsed.
         token_cache: also write the rows' token ids and targets beside them (``<output>.tokens.npy`` and
             ``<output>.tokens-index.npy``, :mod:`packsft.token_cache`) so the loader need not re-tokenize.
     """
@@ -153,14 +168,16 @@ class PackConfig:
     progress: bool = True
     max_conversation_bytes: int = MAX_CONVERSATION_BYTES
     token_cache: bool = True
+    split: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
         if not self.inputs:
             raise ValueError("at least one --input is required")
         for p in self.inputs:
-            if not Path(p).is_file():
-                raise ValueError(f"--input {p}: no such file")
+            check_source(p, self.split)
+        if self.split is not None and not any(is_dataset_dict(p) for p in self.inputs):
+            raise ValueError(f"--split {self.split}: no --input is a DatasetDict folder (dataset_dict.json)")
         check_max_seq_len(self.max_seq_len, self.context_parallel_size, self.sequence_parallel_size)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"--algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
@@ -413,7 +430,7 @@ def _process_batch(batch: list[tuple[int, int, int, str | None, str | None]]) ->
 def _batches(cfg: PackConfig):
     batch = []
     for file_idx, path in enumerate(cfg.inputs):
-        for line, nbytes, text, err in iter_jsonl_lines_sized(path, cfg.max_conversation_bytes):
+        for line, nbytes, text, err in iter_source(path, cfg.max_conversation_bytes, cfg.split):
             batch.append((file_idx, line, nbytes, text, err))
             if len(batch) == _BATCH:
                 yield batch
@@ -503,12 +520,17 @@ class PackReport:
         return ", ".join(f"{k}: {n}" for k, n in sorted(self.warning_counts().items())) or "none"
 
     def warn(self, kind: str, message: str, input: str | None = None, line: int | None = None) -> None:
-        """Record a warning; the first 5 of each kind are also issued as :class:`PackWarning`."""
-        self.warnings.append({"kind": kind, "input": input, "line": line, "message": message})
+        """Record a warning; the first 5 of each kind are also issued as :class:`PackWarning`.
+
+        ``line`` is the row index for a row source (the entry then has ``row`` instead of ``line``).
+        """
+        self.warnings.append({"kind": kind, "input": input, **(position(input, line) if input else {"line": line}),
+                              "message": message})
         seen = sum(w["kind"] == kind for w in self.warnings)
         if seen <= 5:
             more = " (further ones of this kind are only listed in the report)" if seen == 5 else ""
-            warnings.warn((f"{input}:{line}: {message}" if input else message) + more, PackWarning, stacklevel=3)
+            warnings.warn((f"{where(input, line)}: {message}" if input else message) + more, PackWarning,
+                          stacklevel=3)
 
     def summary(self) -> str:
         """Human-readable multi-line summary."""
@@ -528,16 +550,16 @@ class PackReport:
         if self.warnings:  # the first 5 of each kind were issued as PackWarning while packing
             lines.append("  (the first warnings of each kind are printed above; all are in the report)")
         for r in self.rejected[:5]:
-            lines.append(f"  rejected {r['input']}:{r['line']}: {r['reason']}")
+            lines.append(f"  rejected {entry_where(r)}: {r['reason']}")
         if len(self.rejected) > 5:
-            lines.append(f"  ... {len(self.rejected) - 5} more rejected lines in the report")
+            lines.append(f"  ... {len(self.rejected) - 5} more rejected records in the report")
         lines += [f"{k:<20}: {v}" for k, v in self.outputs.items()]
         return "\n".join(lines)
 
 
 def _count_all(cfg: PackConfig, spool, report: PackReport, token_spool=None) -> list[_Counted]:
     counted: list[_Counted] = []
-    total = sum(os.path.getsize(p) for p in cfg.inputs)
+    total = input_bytes(cfg.inputs)
     bar = tqdm(desc="reading", total=total, unit="B", unit_scale=True, disable=not cfg.progress, mininterval=1.0)
     for file_idx, line, nbytes, counts, msgs_json, reason, cut, cache in _ordered_results(cfg):
         bar.update(nbytes)
@@ -548,8 +570,9 @@ def _count_all(cfg: PackConfig, spool, report: PackReport, token_spool=None) -> 
         if reason is not None:
             stats["rejected"] += 1
             if cfg.strict:
-                raise PackError(f"{cfg.inputs[file_idx]}:{line}: {reason} (strict mode)")
-            report.rejected.append({"input": cfg.inputs[file_idx], "line": line, "reason": reason})
+                raise PackError(f"{where(cfg.inputs[file_idx], line)}: {reason} (strict mode)")
+            report.rejected.append({"input": cfg.inputs[file_idx], **position(cfg.inputs[file_idx], line),
+                                    "reason": reason})
             continue
         n, trained, trained_in_row, non_megatron = counts
         if non_megatron is not None:
@@ -574,12 +597,13 @@ def _apply_oversize(cfg: PackConfig, counted: list[_Counted], report: PackReport
         if cost <= cfg.max_seq_len:
             kept.append(c)
             continue
-        where = f"{cfg.inputs[c.file_idx]}:{c.line}"
         if cfg.oversize == "error":
-            raise PackError(f"{where}: conversation has {c.num_tokens} tokens (cost {cost}) > max_seq_len "
+            raise PackError(f"{where(cfg.inputs[c.file_idx], c.line)}: conversation has {c.num_tokens} tokens "
+                            f"(cost {cost}) > max_seq_len "
                             f"{cfg.max_seq_len}; use --oversize own-row or drop, or a larger --max-seq-length")
         action = "dropped" if cfg.oversize == "drop" else "own row, truncated by the loader"
-        entry = {"input": cfg.inputs[c.file_idx], "line": c.line, "tokens": c.num_tokens, "action": action}
+        entry = {"input": cfg.inputs[c.file_idx], **position(cfg.inputs[c.file_idx], c.line), "tokens": c.num_tokens,
+                 "action": action}
         if c.cut:
             entry.update(cut_by_packer=True, input_bytes=c.nbytes)
         report.oversize.append(entry)
@@ -597,10 +621,10 @@ def _apply_oversize(cfg: PackConfig, counted: list[_Counted], report: PackReport
 
 def _nothing_to_pack(cfg: PackConfig, report: PackReport) -> str:
     """The error of a run that kept no conversation: the counts and the first reasons."""
-    lines = [f"no conversation to pack: {report.input_conversations} input line(s) in {', '.join(cfg.inputs)}, "
-             f"{len(report.rejected)} rejected, {len(report.oversize)} oversize (dropped)"]
-    lines += [f"  rejected {r['input']}:{r['line']}: {r['reason']}" for r in report.rejected[:5]]
-    lines += [f"  dropped {o['input']}:{o['line']}: {o['tokens']} tokens > max_seq_len {cfg.max_seq_len}"
+    lines = [f"no conversation to pack: {report.input_conversations} input {count_word(cfg.inputs)}(s) in "
+             f"{', '.join(cfg.inputs)}, {len(report.rejected)} rejected, {len(report.oversize)} oversize (dropped)"]
+    lines += [f"  rejected {entry_where(r)}: {r['reason']}" for r in report.rejected[:5]]
+    lines += [f"  dropped {entry_where(o)}: {o['tokens']} tokens > max_seq_len {cfg.max_seq_len}"
               for o in report.oversize[:5]]
     if len(report.rejected) > 5 or len(report.oversize) > 5:
         lines.append("  ... (more of them; --strict stops at the first)")
@@ -790,6 +814,8 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, path
     sidecar = {
         "packsft_version": __version__,
         "inputs": list(cfg.inputs),
+        **({"split": cfg.split} if cfg.split is not None else {}),
+        **_input_identity(cfg),
         "record_format": cfg.record_format,
         "megatron_lm_compatible": (None if fmt.name not in MEGATRON_PRESETS
                                    else "non_megatron" not in report.warning_counts()),
@@ -826,6 +852,12 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, path
             os.fsync(f.fileno())
     _stage("report_written")
     _publish(paths, temps)
+
+
+def _input_identity(cfg: PackConfig) -> dict[str, Any]:
+    """``{"input_identity": {input: source_identity}}`` for the row-source inputs (none for JSONL only)."""
+    found = {p: source_identity(p, cfg.split) for p in cfg.inputs if is_row_source(p)}
+    return {"input_identity": found} if found else {}
 
 
 def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:

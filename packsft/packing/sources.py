@@ -1,0 +1,268 @@
+"""Pack inputs other than JSONL: Hugging Face datasets saved on disk, Parquet and Arrow files, read row by row.
+
+An ``--input`` is one of:
+
+* a JSONL file (any other name): read by :func:`packsft.conversation.iter_jsonl_lines_sized`, located by
+  1-based line (``data.jsonl:17``);
+* a folder written by ``datasets.Dataset.save_to_disk`` (``state.json`` + ``data-*.arrow``), or by
+  ``DatasetDict.save_to_disk`` (``dataset_dict.json``: ``split`` picks one, e.g. ``train``);
+* a ``.parquet`` file, or an ``.arrow`` file (Arrow IPC stream, as ``datasets`` writes, or IPC file/Feather v2).
+
+The last three are *row sources*: they need the ``packsft[datasets]`` extra (``datasets`` and ``pyarrow``,
+imported only when such an input is given), are read one Arrow record batch at a time (a folder through
+``datasets.load_from_disk``, memory-mapped; Parquet through ``pyarrow.parquet.ParquetFile.iter_batches`` without
+pre-buffering, so at most about one row group's columns are in memory), and
+are located by 0-based row index (``train.parquet: row 17``, what ``dataset[17]`` returns) in every message and
+report entry (key ``row`` instead of ``line``).
+
+Each row becomes the JSON text of its record dict, so the rest of the packer (``--format``, ``--adapter``,
+validation, ``--max-conversation-bytes`` on the record's UTF-8 JSON size) treats it exactly like a JSONL line.
+Arrow gives every row of a column all the fields of its struct type (a message without ``tool_calls`` reads
+back with ``tool_calls: null``), so keys whose value is null are dropped from every object, at any depth,
+except the ``content`` of a message (an object with a ``role``: null on an assistant turn with tool calls). Key
+order follows the Arrow schema (first seen), so rows may differ from a JSONL of the same records in key order,
+not in content. Dates and times become ISO strings, decimals numbers, UTF-8 bytes strings; a row holding other
+binary data is rejected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from packsft.conversation import iter_jsonl_lines_sized
+from packsft.io import file_blake2b
+
+ROW_SUFFIXES = (".parquet", ".arrow")
+EXTRA = "packsft[datasets]"
+_ROWS_PER_BATCH = 64
+
+
+class SourceError(ValueError):
+    """An input that cannot be read as a row source (the message names the file and, where known, the row)."""
+
+
+def is_row_source(path: str | Path) -> bool:
+    """True for a folder or a ``.parquet`` / ``.arrow`` file (located by row), False for JSONL (by line)."""
+    p = Path(path)
+    return p.is_dir() or p.suffix.lower() in ROW_SUFFIXES
+
+
+def position(path: str | Path, number: int) -> dict[str, int]:
+    """``{"row": number}`` for a row source, ``{"line": number}`` for JSONL: the location keys of report entries."""
+    return {"row": number} if is_row_source(path) else {"line": number}
+
+
+def where(path: str | Path, number: int) -> str:
+    """``path: row N`` for a row source, ``path:N`` for JSONL (the prefix of errors and warnings)."""
+    return f"{path}: row {number}" if is_row_source(path) else f"{path}:{number}"
+
+
+def entry_where(entry: dict[str, Any]) -> str:
+    """:func:`where` for a report entry ``{"input", "line" | "row", ...}``."""
+    return f"{entry['input']}: row {entry['row']}" if "row" in entry else f"{entry['input']}:{entry['line']}"
+
+
+def count_word(paths: list[str]) -> str:
+    """``line``, ``row`` or ``line/row``: what the inputs' records are called in a count."""
+    kinds = {is_row_source(p) for p in paths}
+    return "line/row" if len(kinds) > 1 else ("row" if kinds == {True} else "line")
+
+
+def _import(module: str):
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as err:
+        raise SourceError(f"reading Parquet/Arrow files and datasets.save_to_disk folders needs the {EXTRA} "
+                          f"extra: pip install '{EXTRA}' (or pip install datasets pyarrow); import {module} "
+                          f"failed: {err}") from err
+
+
+def _dataset_dir(path: Path, split: str | None) -> Path:
+    """The ``Dataset`` folder of ``path`` (a ``DatasetDict`` folder's ``split`` subfolder).
+
+    Raises:
+        SourceError: not a ``save_to_disk`` folder, a ``DatasetDict`` without ``split``, or an unknown split.
+    """
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise SourceError(f"{path}/dataset_dict.json: not a datasets DatasetDict index ({err})") from err
+        if split is None:
+            raise SourceError(f"--input {path} is a DatasetDict with splits {', '.join(map(str, splits))}: pick one "
+                              f"with --split NAME (or pass --input {path}/{splits[0] if splits else 'SPLIT'})")
+        if split not in splits:
+            raise SourceError(f"--split {split!r}: {path} has splits {', '.join(map(str, splits))}")
+        path = path / split
+    if not (path / "state.json").is_file():
+        raise SourceError(f"--input {path} is a folder without state.json or dataset_dict.json: not written by "
+                          "datasets' save_to_disk; pass JSONL, .parquet or .arrow files, or a save_to_disk folder")
+    return path
+
+
+def is_dataset_dict(path: str | Path) -> bool:
+    """True for a folder written by ``DatasetDict.save_to_disk`` (it has ``dataset_dict.json``)."""
+    return (Path(path) / "dataset_dict.json").is_file()
+
+
+def check_source(path: str | Path, split: str | None = None) -> None:
+    """Check that ``path`` exists and can be read (the libraries a row source needs are importable).
+
+    Raises:
+        SourceError: no such file, a folder that is not a ``save_to_disk`` folder, a ``DatasetDict`` folder
+            without ``split`` (the message names its splits), or the ``packsft[datasets]`` extra missing.
+    """
+    p = Path(path)
+    if p.is_dir():
+        _dataset_dir(p, split)
+        _import("datasets")
+    elif not p.is_file():
+        raise SourceError(f"--input {path}: no such file")
+    elif is_row_source(p):
+        _import("pyarrow")
+
+
+def input_bytes(paths: list[str]) -> int | None:
+    """Total bytes of JSONL inputs (the progress bar's total), None when a row source is among them."""
+    if any(is_row_source(p) for p in paths):
+        return None
+    return sum(os.path.getsize(p) for p in paths)
+
+
+def iter_source(path: str | Path, max_bytes: int | None = None, split: str | None = None
+                ) -> Iterator[tuple[int, int, str | None, str | None]]:
+    """Stream one input's records as ``(number, nbytes, text, error)``, like ``iter_jsonl_lines_sized``.
+
+    For a row source ``number`` is the 0-based row index, ``text`` the record's JSON (UTF-8, null fields
+    dropped as described above), ``nbytes`` its size in bytes; a record over ``max_bytes`` bytes, or one that
+    does not convert to JSON, comes with ``text=None`` and an ``error``.
+
+    Raises:
+        SourceError: the file or folder cannot be read (corrupt, not Parquet/Arrow), naming it.
+    """
+    p = Path(path)
+    if not is_row_source(p):
+        yield from iter_jsonl_lines_sized(p, max_bytes)
+        return
+    index = 0
+    try:
+        for batch in _record_batches(p, split):
+            for start in range(0, batch.num_rows, _ROWS_PER_BATCH):
+                for record in batch.slice(start, _ROWS_PER_BATCH).to_pylist():
+                    yield (index, *_record_json(record, max_bytes))
+                    index += 1
+    except SourceError:
+        raise
+    except Exception as err:  # noqa: BLE001 - pyarrow/datasets raise many types for a corrupt file
+        raise SourceError(f"{path}: row {index}: cannot be read as {_kind(p)} ({type(err).__name__}: {err})") from err
+
+
+def _kind(path: Path) -> str:
+    return "a datasets save_to_disk folder" if path.is_dir() else f"a {path.suffix.lower()[1:].capitalize()} file"
+
+
+def _record_batches(path: Path, split: str | None):
+    """Arrow record batches (``pyarrow.RecordBatch`` or ``Table``) of a row source, one at a time."""
+    pa = _import("pyarrow")
+    if path.is_dir():
+        datasets = _import("datasets")
+        ds = datasets.load_from_disk(str(_dataset_dir(path, split)))
+        yield from ds.with_format("arrow").iter(batch_size=1024)
+    elif path.suffix.lower() == ".parquet":
+        pq = _import("pyarrow.parquet")
+        # pre_buffer (pyarrow's default) would cache every row group read so far: memory grows with the file
+        with pq.ParquetFile(path, pre_buffer=False) as f:
+            yield from f.iter_batches(batch_size=1024)
+    else:
+        with pa.memory_map(str(path), "r") as source:
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
+                return
+            yield from reader
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TypeError("holds binary data that is not UTF-8 text") from None
+    raise TypeError(f"holds a {type(value).__name__}, which has no JSON form")
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        keep = "role" in value  # a message: its null content stays
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None or (keep and k == "content")}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _record_json(record: dict[str, Any], max_bytes: int | None) -> tuple[int, str | None, str | None]:
+    """``(nbytes, text, error)`` of one row's record."""
+    try:
+        text = json.dumps(_drop_nulls(record), ensure_ascii=False, default=_json_value)
+    except (TypeError, ValueError) as err:
+        return 0, None, f"the row {err}; not tokenized"
+    nbytes = len(text.encode("utf-8"))
+    if max_bytes is not None and nbytes > max_bytes:
+        return nbytes, None, (f"row's JSON has {nbytes} bytes, more than --max-conversation-bytes {max_bytes}; "
+                              "not tokenized")
+    return nbytes, text, None
+
+
+def source_identity(path: str | Path, split: str | None = None) -> dict[str, Any]:
+    """What identifies a row source's content, for the sidecar.
+
+    Returns:
+        ``{"kind": "dataset" | "parquet" | "arrow", "num_rows": int, "files": [{"name", "size", "blake2b"}],
+        "split"?, "fingerprint"?}``: a folder lists its ``state.json``, ``dataset_info.json`` and data files
+        (names relative to ``path``) and the ``_fingerprint`` of its ``state.json``; sizes in bytes, BLAKE2b-160.
+    """
+    p = Path(path)
+    out: dict[str, Any] = {}
+    if p.is_dir():
+        folder = _dataset_dir(p, split)
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        names = ["state.json", "dataset_info.json"] + [f["filename"] for f in state.get("_data_files", [])]
+        files = [folder / n for n in names if (folder / n).is_file()]
+        if folder != p:
+            files.insert(0, p / "dataset_dict.json")
+        out.update(kind="dataset", **({"split": split} if folder != p else {}),
+                   fingerprint=state.get("_fingerprint"))
+        datasets = _import("datasets")
+        out["num_rows"] = datasets.load_from_disk(str(folder)).num_rows
+    else:
+        files = [p]
+        out["kind"] = p.suffix.lower()[1:]
+        pa = _import("pyarrow")
+        if out["kind"] == "parquet":
+            out["num_rows"] = _import("pyarrow.parquet").ParquetFile(p).metadata.num_rows
+        else:
+            with pa.memory_map(str(p), "r") as source:
+                try:
+                    out["num_rows"] = sum(b.num_rows for b in pa.ipc.open_stream(source))
+                except pa.ArrowInvalid:
+                    source.seek(0)
+                    out["num_rows"] = pa.ipc.open_file(source).count_rows()
+    out["files"] = [{"name": str(f.relative_to(p)) if f != p else f.name, "size": f.stat().st_size,
+                     "blake2b": file_blake2b(f)} for f in files]
+    return out

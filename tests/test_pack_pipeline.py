@@ -237,7 +237,7 @@ def test_output_identical_across_hash_seeds_and_worker_counts(tmp_path, shared_d
     src = _head(shared_data / "chat" / "hh_rlhf_harmless_base_test.messages.jsonl", tmp_path / "in.jsonl", 400)
     outs = []
     for k, (seed, workers) in enumerate([("1", "0"), ("2", "2")]):
-        out = tmp_path / f"o{k}.jsonl.packed"
+        out = tmp_path / f"run{k}" / "o.jsonl.packed"  # the same name: the sidecar names its token cache files
         r = _cli(["--input", str(src), "--output", str(out), "--tokenizer", str(shared_data / "tokenizers/qwen2.5"),
                   "--max-seq-length", "2048", "--num-workers", workers, "--no-progress", "--histogram", ""],
                  {"PYTHONHASHSEED": seed})

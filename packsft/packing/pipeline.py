@@ -469,10 +469,10 @@ def count_shard(shard: Shard) -> ShardResult:
     import numpy as np
 
     cfg = _W["cfg"]
-    _worker_hook(shard.index)
     marker = os.path.join(_W["spool_dir"], f"worker.{os.getpid()}")
     with open(marker, "w") as f:  # which shard this process reads, should it die
         f.write(str(shard.index))
+    _worker_hook(shard.index)
     spool, spool_path = _worker_spool()
     path = cfg.inputs[shard.file_idx]
     L, cp = cfg.max_seq_len, cfg.context_parallel_size

@@ -325,6 +325,8 @@ def _check_megatron_order(messages: list[dict[str, Any]]) -> None:
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Copy of ``messages`` with tool-call ``arguments`` parsed into dicts (templates expect objects)."""
+    if not any(m.get("tool_calls") for m in messages):
+        return [dict(m) for m in messages]  # nothing to parse: a shallow copy renders the same
     out = copy.deepcopy(messages)
     for m in out:
         for call in m.get("tool_calls") or []:
@@ -373,7 +375,8 @@ class TemplateShape:
 def template_shape(tokenizer, fmt: PromptFormat, kwargs: dict[str, Any] | None = None) -> TemplateShape:
     """The :class:`TemplateShape` of ``fmt``'s chat template (cached per template, kwargs and specials)."""
     kwargs = _kwargs(fmt, kwargs)
-    key = (fmt.chat_template, tokenizer.eos_token, tokenizer.bos_token, json.dumps(kwargs, sort_keys=True))
+    key = (fmt.chat_template, tokenizer.eos_token, tokenizer.bos_token,
+           json.dumps(kwargs, sort_keys=True) if kwargs else "{}")
     if key not in _SHAPES:
         prompt = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
         probe = prompt + [{"role": "assistant", "content": f"{_OPEN}a{_CLOSE}"}]
@@ -669,7 +672,9 @@ def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: Pr
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
-    return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    backend = tokenizer.backend_tokenizer
+    encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch  # the same ids, no offsets
+    return [e.ids for e in encode(texts, add_special_tokens=False)]
 
 
 def _boundary_error(tokenizer, segments: list[Segment], pieces, tokens, k: int, pos: int) -> PromptFormatError:

@@ -25,7 +25,6 @@ def plot_lengths(path: str | Path, lengths: Sequence[int], row_fill: Sequence[in
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     import numpy as np
 
     lengths = np.asarray(lengths, dtype=np.int64)

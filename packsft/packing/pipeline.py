@@ -2,13 +2,17 @@
 
 Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
 
-1. Stream every input line (never the whole file) to worker processes in bounded, ordered batches. Each
-   worker parses and validates the record (:mod:`packsft.conversation`) and counts its tokens with
-   :func:`packsft.prompt_formats.count_conversation_tokens`, the loader's own tokenization. Invalid lines
-   are *rejected* into the report with file, line and reason (or abort with ``strict=True``).
-2. The normalised conversation (system message first, carrying its ``tools``) is spooled to a temp file;
-   only ``(cost, spool offset)`` stays in memory.
-   Lines over ``max_conversation_bytes`` are rejected unparsed.
+1. The inputs are cut into line-aligned byte ranges (:func:`plan_shards`, independent of the worker count).
+   Each shard is read (:func:`read_shard`), parsed, validated (:mod:`packsft.conversation`) and tokenized
+   with :func:`packsft.prompt_formats.tokenize_conversation`, the loader's own tokenization, by
+   :func:`count_shard`: in ``num_workers`` processes (a ``ProcessPoolExecutor``) or in this one. Invalid
+   lines are *rejected* into the report with file, line and reason (or abort with ``strict=True``); line
+   numbers are counted per shard and made absolute by the main process.
+2. The normalised conversation (system message first, carrying its ``tools``) is appended to the worker's
+   spool file; a shard comes back as numpy arrays (tokens, spool offset and size per conversation) and the
+   few rejected, warned and oversize lines, so the main process holds no object per conversation.
+   Lines over ``max_conversation_bytes`` are rejected unparsed. A worker that dies fails the run
+   (:class:`PackError` naming its shard).
 3. Conversations longer than ``max_seq_len`` follow the oversize policy: ``own-row`` (a row of their own, cut
    by the worker to :func:`own_row_window` tokens before counting, truncated to ``max_seq_len`` by the
    loader, with a warning), ``drop`` (reported) or ``error`` (abort).
@@ -19,8 +23,8 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
    ``<output>.meta.json`` (with the rows' size and hash), report and histogram go to temp names, then are
    renamed over the outputs with SIGTERM held off, the sidecar last (:func:`_publish`).
 
-Output is a deterministic function of the inputs and settings: batches come back in input order whatever
-the number of workers, and no step depends on hash order.
+Output is a deterministic function of the inputs and settings: shard results are merged in input order,
+neither the shard size nor the number of workers changes the output, and no step depends on hash order.
 """
 
 from __future__ import annotations

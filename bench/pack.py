@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Packing benchmark: rows of each algorithm against the lower bound, and packer throughput against the raw tokenizer.
+"""Packing benchmark: rows of each algorithm against the lower bound, and packer throughput against the tokenizer's.
 
     python bench/pack.py                                   # all ../shared/data/chat/*.jsonl, SmolLM2 + Qwen2.5
     python bench/pack.py --data path/to/chat --tokenizers path/to/tok --max-seq-lens 4096 --workers 1 2
@@ -18,11 +18,18 @@ conversations (best of 3).
 
 Throughput, per file (its first ``--throughput-limit`` conversations), with P processes and the first tokenizer:
 the packer is :func:`packsft.packing.pipeline.run_pack` end to end (read, parse, render, tokenize with masking
-checks, pack, write rows + sidecar + report; no histogram; tokenizer load and process start included) with
-``num_workers=0`` for P=1 and ``num_workers=P`` otherwise; the raw baseline is
-``tokenizer.backend_tokenizer.encode_batch`` of the same rendered texts in P processes (batches of 64,
-``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loaded before timing). Both are in
-conversations/s, with their ratio. Wall-clock times: on a shared machine they are noisy.
+checks, pack, write rows + sidecar + token cache + report; no histogram; tokenizer load and process start
+included) with
+``num_workers=0`` for P=1 and ``num_workers=P`` otherwise; the baseline is batched
+``tokenizer.apply_chat_template(conversations, tokenize=True)`` (batches of 64, the parsed conversations, in
+P processes; ``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loaded before timing). Both in
+conversations/s, with their ratio by wall time and by CPU time (all processes; on a shared machine wall time
+is noisy, CPU time less so).
+
+``--scale N``: a synthetic file of N conversations (seeded random words, 2-6 turns) is packed by the CLI in a
+child process (``--num-workers`` from ``--scale-workers``, default 0) at N/4 and
+N; the peak RSS of all its processes (sampled with psutil every 50 ms, summed over the process tree) is
+printed with a linear extrapolation to 10M conversations.
 
 Exit code 1 when an algorithm uses more rows than best-fit decreasing or the packer's counts disagree.
 """
@@ -47,7 +54,7 @@ from packsft.io import write_json_atomic  # noqa: E402
 from packsft.layout import conversation_cost  # noqa: E402
 from packsft.packing.algorithms import DEFAULT_ALGORITHM, lower_bound_rows, pack  # noqa: E402
 from packsft.packing.pipeline import PackConfig, run_pack  # noqa: E402
-from packsft.prompt_formats import get_prompt_format  # noqa: E402
+from packsft.prompt_formats import _template_messages, get_prompt_format  # noqa: E402
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -79,27 +86,52 @@ def _init_encoder(tokenizer: str) -> None:
     _TOK["tok"] = load_tokenizer(tokenizer)
 
 
+def _template_batch(batch: list[tuple[list[dict], list | None]]) -> list[int]:
+    """Token counts of ``apply_chat_template(tokenize=True)`` over a batch of ``(messages, tools)``."""
+    tok = _TOK["tok"]
+    if all(tools is None for _, tools in batch):
+        ids = tok.apply_chat_template([m for m, _ in batch], tokenize=True, return_dict=False)
+        return [len(x) for x in ids]
+    return [len(tok.apply_chat_template(m, tools=t, tokenize=True, return_dict=False)) for m, t in batch]
+
+
+def _cpu() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def template_baseline(convs: list[tuple[list[dict], list | None]], tokenizer: str, processes: int):
+    """Token counts, wall seconds and CPU seconds of batched ``apply_chat_template(tokenize=True)``.
+
+    With ``processes > 1`` the pool is started and its tokenizers loaded before the clocks start (its CPU time
+    is counted when the pool is joined).
+    """
+    batches = [convs[i : i + BATCH] for i in range(0, len(convs), BATCH)]
+    if processes == 1:
+        _init_encoder(tokenizer)
+        t0, c0 = time.perf_counter(), _cpu()
+        out = [_template_batch(b) for b in batches]
+        return [n for b in out for n in b], time.perf_counter() - t0, _cpu() - c0
+    pool = mp.get_context("spawn").Pool(processes, initializer=_init_encoder, initargs=(tokenizer,))
+    pool.map(_template_batch, [[([{"role": "user", "content": "warm-up"}], None)]] * processes, chunksize=1)
+    t0, c0 = time.perf_counter(), _cpu()
+    out = pool.map(_template_batch, batches, chunksize=1)
+    elapsed = time.perf_counter() - t0
+    pool.close()
+    pool.join()
+    return [n for b in out for n in b], elapsed, _cpu() - c0
+
+
 def _encode_lengths(texts: list[str]) -> list[int]:
     return [len(e.ids) for e in _TOK["tok"].backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
-def raw_encode(texts: list[str], tokenizer: str, processes: int) -> tuple[list[int], float]:
-    """Token count of each text and the wall seconds to encode them all in ``processes`` processes.
-
-    With ``processes > 1`` the pool is started and its tokenizers loaded before the clock starts.
-    """
-    batches = [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
-    if processes == 1:
-        _init_encoder(tokenizer)
-        t0 = time.perf_counter()
-        out = [_encode_lengths(b) for b in batches]
-        return [n for b in out for n in b], time.perf_counter() - t0
-    with mp.get_context("spawn").Pool(processes, initializer=_init_encoder, initargs=(tokenizer,)) as pool:
-        pool.map(_encode_lengths, [["warm-up"]] * processes, chunksize=1)
-        t0 = time.perf_counter()
-        out = pool.map(_encode_lengths, batches, chunksize=1)
-        elapsed = time.perf_counter() - t0
-    return [n for b in out for n in b], elapsed
+def raw_encode(texts: list[str], tokenizer: str) -> list[int]:
+    """Token count of each text (one process; for the efficiency tables)."""
+    _init_encoder(tokenizer)
+    return [n for i in range(0, len(texts), BATCH) for n in _encode_lengths(texts[i : i + BATCH])]
 
 
 def costs_of(lengths: list[int], max_seq_len: int, cp: int) -> list[int]:
@@ -185,7 +217,7 @@ def file_lengths(path: Path, tokenizer: str, tok, fmt, cache: str) -> list[int]:
     cached = Path(cache) / f"{path.stem}.{key}.json" if cache else None
     if cached is not None and cached.is_file():
         return json.loads(cached.read_text())
-    lengths, _ = raw_encode(render_file(path, tok, fmt), tokenizer, 1)
+    lengths = raw_encode(render_file(path, tok, fmt), tokenizer)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(cached, lengths)
@@ -193,13 +225,13 @@ def file_lengths(path: Path, tokenizer: str, tok, fmt, cache: str) -> list[int]:
 
 
 def time_packer(inputs: list[str], tokenizer: str, processes: int, max_seq_len: int, out_dir: str):
-    """Run the packer once; return its report and wall seconds."""
+    """Run the packer once; return its report, wall seconds and CPU seconds (its workers included)."""
     cfg = PackConfig(inputs=inputs, output=os.path.join(out_dir, f"rows.p{processes}.jsonl.packed"),
                      tokenizer=tokenizer, max_seq_len=max_seq_len, num_workers=0 if processes == 1 else processes,
                      histogram="", progress=False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     report = run_pack(cfg)
-    return report, time.perf_counter() - t0
+    return report, time.perf_counter() - t0, _cpu() - c0
 
 
 def main(argv=None) -> int:
@@ -218,7 +250,13 @@ def main(argv=None) -> int:
     p.add_argument("--throughput-max-seq-len", type=int, default=4096)
     p.add_argument("--throughput-limit", type=int, default=5000, help="conversations per file in the throughput runs")
     p.add_argument("--efficiency-only", action="store_true")
+    p.add_argument("--scale", type=int, nargs="?", const=1_000_000, default=None,
+                   help="only the memory run: pack N/4 and N synthetic conversations (default N 1M), peak RSS")
+    p.add_argument("--scale-workers", type=int, default=0, help="--num-workers of the --scale runs")
     a = p.parse_args(argv)
+    a.tokenizer = a.tokenizers[0]
+    if a.scale is not None:
+        return print_scale(a)
     data = Path(a.data)
     files = sorted(data.glob("*.jsonl")) if data.is_dir() else [data]
     if not files:
@@ -253,36 +291,120 @@ def head_file(path: Path, limit: int, out_dir: str) -> Path:
     return dst
 
 
+def _parsed(path: Path) -> list[tuple[list[dict], list | None]]:
+    with open(path, encoding="utf-8") as f:
+        convs = [parse_record(json.loads(t), path, i) for i, t in enumerate(f, 1)]
+    return [(_template_messages(c.messages), c.tools) for c in convs]
+
+
 def print_throughput(a, files: list[Path], tok, fmt) -> int:
-    """Time the packer and the raw encode per file and process count; print conversations/s and the ratios."""
+    """Time the packer and the batched template baseline per file and process count; print conv/s and ratios."""
     L, mismatches = a.throughput_max_seq_len, 0
-    print(f"\nthroughput: first {a.throughput_limit} conversations of each file, L={L}, {DEFAULT_ALGORITHM}, "
-          f"wall seconds (load average {os.getloadavg()[0]:.1f}); 'start s' = the packer on one conversation "
-          f"(tokenizer load, process start, writing); 'steady' = raw / (packer - start), "
-          f"shown when the start is under half the packer's time")
-    print(f"{'input':<42} {'convs':>5} {'msgs/conv':>9} {'procs':>5} {'raw s':>7} {'raw conv/s':>10} {'packer s':>8} "
-          f"{'packer conv/s':>13} {'start s':>7} {'packer/raw':>10} {'steady':>7}")
+    print(f"\nthroughput: first {a.throughput_limit} conversations of each file, L={L}, {DEFAULT_ALGORITHM} "
+          f"(load average {os.getloadavg()[0]:.1f}); baseline = batched apply_chat_template(tokenize=True); "
+          "'start s' = the packer on one conversation (tokenizer load, process start, writing); "
+          "'steady' = baseline / (packer - start) by wall time, shown when the start is under half the packer's")
+    print(f"{'input':<34} {'convs':>5} {'msgs':>5} {'procs':>5} {'base s':>7} {'base cpu':>8} {'packer s':>8} "
+          f"{'pack cpu':>8} {'pack conv/s':>11} {'start s':>7} {'wall ratio':>10} {'cpu ratio':>9} {'steady':>7}")
     with tempfile.TemporaryDirectory() as out_dir:
         one = head_file(files[0], 1, tempfile.mkdtemp(dir=out_dir))
         for f in files:
             part = head_file(f, a.throughput_limit, out_dir)
-            texts = render_file(part, tok, fmt)
-            with open(part, encoding="utf-8") as fh:
-                msgs = sum(len(json.loads(x)["messages"]) for x in fh) / len(texts)
+            convs = _parsed(part)
+            msgs = sum(len(m) for m, _ in convs) / len(convs)
             for procs in a.workers:
-                lengths, raw_s = raw_encode(texts, a.tokenizer, procs)
-                report, pack_s = time_packer([str(part)], a.tokenizer, procs, L, out_dir)
+                lengths, base_s, base_cpu = template_baseline(convs, a.tokenizer, procs)
+                report, pack_s, pack_cpu = time_packer([str(part)], a.tokenizer, procs, L, out_dir)
                 start_s = time_packer([str(one)], a.tokenizer, procs, L, out_dir)[1]
                 expected = len(pack(costs_of(lengths, L, 1), L, DEFAULT_ALGORITHM))
                 same = report.real_tokens == sum(min(x, L) for x in lengths) and report.rows == expected
                 mismatches += not same
-                n = len(texts)
-                steady = f"{raw_s / (pack_s - start_s):.4f}" if pack_s > 2 * start_s else "n/a"
-                print(f"{f.name:<42} {n:>5} {msgs:>9.1f} {procs:>5} {raw_s:>7.2f} {n / raw_s:>10.0f} {pack_s:>8.2f} "
-                      f"{n / pack_s:>13.1f} {start_s:>7.2f} {raw_s / pack_s:>10.4f} {steady:>7}"
-                      + ("" if same else "  MISMATCH: packer counts differ from the raw encode"))
+                n = len(convs)
+                steady = f"{base_s / (pack_s - start_s):.3f}" if pack_s > 2 * start_s else "n/a"
+                print(f"{f.name[:34]:<34} {n:>5} {msgs:>5.1f} {procs:>5} {base_s:>7.2f} {base_cpu:>8.2f} "
+                      f"{pack_s:>8.2f} {pack_cpu:>8.2f} {n / pack_s:>11.1f} {start_s:>7.2f} {base_s / pack_s:>10.3f} "
+                      f"{base_cpu / pack_cpu:>9.3f} {steady:>7}"
+                      + ("" if same else "  MISMATCH: packer counts differ from apply_chat_template's"))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 1 if mismatches else 0
+
+
+_WORDS = ("the of and to in is that it for on with as was at by an be this from or which one had not but what all "
+          "were when we there can more if out so said up its about into than them only two other time new some "
+          "could these may then do first any my now such like our over man me even most made after also did many "
+          "before must through back years where much your way well down should because each just those people "
+          "how too little state good very make world still own see men work long get here between both life "
+          "being under never day same another know while last might us great old year off come since against go "
+          "came right used take three").split()
+
+
+def synthetic_file(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` conversations of seeded random words (2-6 messages, 5-300 words each) as messages JSONL."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            msgs = []
+            for t in range(rng.choice((2, 2, 2, 4, 6))):
+                words = rng.choices(_WORDS, k=rng.randint(5, 60 if t % 2 == 0 else 300))
+                msgs.append({"role": "user" if t % 2 == 0 else "assistant", "content": " ".join(words)})
+            f.write(json.dumps({"id": i, "messages": msgs}) + "\n")
+    return path
+
+
+def peak_rss(argv: list[str]) -> tuple[int, float, int]:
+    """Run ``argv``; return its exit code, wall seconds and the peak RSS in bytes of its process tree (summed)."""
+    import subprocess
+    import threading
+
+    import psutil
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    top = psutil.Process(proc.pid)
+    peak = [0]
+
+    def sample():
+        while proc.poll() is None:
+            try:
+                total = top.memory_info().rss + sum(c.memory_info().rss for c in top.children(recursive=True))
+            except psutil.Error:
+                total = 0
+            peak[0] = max(peak[0], total)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    code = proc.wait()
+    thread.join()
+    return code, time.perf_counter() - t0, peak[0]
+
+
+def print_scale(a) -> int:
+    """Pack synthetic files of N/4 and N conversations; print peak RSS and its extrapolation to 10M."""
+    print(f"\nscale: synthetic conversations, {a.tokenizer}, L=4096, --num-workers {a.scale_workers} "
+          f"(load average {os.getloadavg()[0]:.1f})")
+    print(f"{'conversations':>13} {'input MB':>8} {'wall s':>7} {'conv/s':>7} {'peak RSS MB':>11}")
+    points = []
+    with tempfile.TemporaryDirectory() as d:
+        for n in (max(1, a.scale // 4), a.scale):
+            src = synthetic_file(Path(d) / f"synthetic{n}.jsonl", n)
+            argv = [sys.executable, str(REPO_ROOT / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(src),
+                    "--output", str(Path(d) / f"out{n}" / "rows.jsonl.packed"), "--tokenizer", a.tokenizer,
+                    "--max-seq-length", "4096", "--num-workers", str(a.scale_workers), "--no-progress"]
+            code, wall, peak = peak_rss(argv)
+            if code != 0:
+                print(f"error: the packer exited {code} on {n} conversations", file=sys.stderr)
+                return 1
+            points.append((n, peak))
+            print(f"{n:>13} {src.stat().st_size / 1e6:>8.1f} {wall:>7.1f} {n / wall:>7.0f} {peak / 2**20:>11.0f}")
+    (n0, r0), (n1, r1) = points
+    per = (r1 - r0) / (n1 - n0) if n1 > n0 else 0.0
+    at10m = r1 + per * (10_000_000 - n1)
+    print(f"per conversation: {per:.0f} B; extrapolated peak RSS at 10M conversations: {at10m / 2**30:.2f} GiB "
+          f"(target < 2 GB); load average after: {os.getloadavg()[0]:.1f}")
+    return 0
 
 
 if __name__ == "__main__":

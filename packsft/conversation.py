@@ -19,7 +19,7 @@ Every error is a :class:`ConversationError` that names the file, the 1-based lin
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,16 +97,24 @@ def iter_jsonl_lines(path: str | Path) -> Iterator[tuple[int, str | None, str | 
         yield number, text, error
 
 
-def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chunk: int = 1 << 20
-                           ) -> Iterator[tuple[int, int, str | None, str | None]]:
+def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chunk: int = 1 << 20, *,
+                           start: int = 0, end: int | None = None
+                           ) -> Generator[tuple[int, int, str | None, str | None], None, int]:
     """Like :func:`iter_jsonl_lines`, with each line's size in bytes and an optional size limit.
 
     A line longer than ``max_bytes`` (newline excluded) is never held in memory whole: it is skipped in
     chunks of ``_chunk`` bytes and yielded with ``text=None`` and an ``error``. Blank lines are skipped, but
     their bytes are added to the next yielded line's size (so the sizes sum to the file size, for progress).
 
+    Args:
+        start, end: read only the lines that start in bytes ``[start, end)`` (``start`` at a line start);
+            line numbers then count from ``start`` (1 = the line at ``start``).
+
     Yields:
         ``(line_number, nbytes, text, error)``.
+
+    Returns:
+        The number of lines read, blank ones included (the generator's return value).
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
@@ -114,18 +122,24 @@ def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chun
     pending = 0
     with open(path, "rb") as f:
         number = 0
-        while True:
+        if start:
+            f.seek(start)
+        pos = start
+        while end is None or pos < end:
             raw = f.readline() if max_bytes is None else f.readline(max_bytes + 2)
             if not raw:
                 break
             number += 1
             nbytes = len(raw)
+            if max_bytes is None or len(raw.rstrip(b"\r\n")) <= max_bytes:
+                pos += nbytes
             if max_bytes is not None and len(raw.rstrip(b"\r\n")) > max_bytes:
                 while not raw.endswith(b"\n"):
                     raw = f.readline(_chunk)
                     if not raw:
                         break
                     nbytes += len(raw)
+                pos += nbytes
                 yield number, pending + nbytes, None, (
                     f"line has {nbytes} bytes, more than --max-conversation-bytes {max_bytes}; not tokenized")
                 pending = 0
@@ -141,6 +155,7 @@ def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chun
                 pending = 0
             else:
                 pending += nbytes
+    return number
 
 
 def _json_type(value: Any) -> str:

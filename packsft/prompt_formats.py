@@ -60,12 +60,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from packsft.layout import IGNORE_INDEX
 from packsft.tokenizer import token_id
+
+if TYPE_CHECKING:  # transformers is imported by the tokenizer loader, when a tokenizer is needed
+    from transformers import PreTrainedTokenizerBase
 
 PRESETS = ("identity", "nemotron-nano-v2", "nemotron-h-aligned", "chat-template", "passthrough")
 ALIASES = {"default": "chat-template"}
@@ -325,6 +326,8 @@ def _check_megatron_order(messages: list[dict[str, Any]]) -> None:
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Copy of ``messages`` with tool-call ``arguments`` parsed into dicts (templates expect objects)."""
+    if not any(m.get("tool_calls") for m in messages):
+        return [dict(m) for m in messages]  # nothing to parse: a shallow copy renders the same
     out = copy.deepcopy(messages)
     for m in out:
         for call in m.get("tool_calls") or []:
@@ -394,7 +397,8 @@ class TemplateShape:
 def template_shape(tokenizer, fmt: PromptFormat, kwargs: dict[str, Any] | None = None) -> TemplateShape:
     """The :class:`TemplateShape` of ``fmt``'s chat template (cached per template, kwargs and specials)."""
     kwargs = _kwargs(fmt, kwargs)
-    key = (fmt.chat_template, tokenizer.eos_token, tokenizer.bos_token, json.dumps(kwargs, sort_keys=True))
+    key = (fmt.chat_template, tokenizer.eos_token, tokenizer.bos_token,
+           json.dumps(kwargs, sort_keys=True) if kwargs else "{}")
     if key not in _SHAPES:
         prompt = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
         probe = prompt + [{"role": "assistant", "content": f"{_OPEN}a{_CLOSE}"}]
@@ -498,6 +502,106 @@ def _check_masks(messages, fmt: PromptFormat) -> None:
                                 assistants[0])
 
 
+def _header_checked(spans, full: str, shape: TemplateShape):
+    """``spans``, or ``None`` when a turn is not rendered right after the generation prompt (located turn by turn)."""
+    if spans is not None and shape.header and not all(full.endswith(shape.header, 0, s) for s, _ in spans):
+        return None
+    return spans
+
+
+_TOUCHED = [False]  # set when a template does anything with a traced content but copy it into the output
+
+
+def _touch(*_):
+    _TOUCHED[0] = True
+    return True
+
+
+class _Traced(str):
+    """A marked assistant content that records any use of it other than concatenation (``+``, ``join``).
+
+    A template that only concatenates the content renders it verbatim, so the rendering with markers, markers
+    removed, *is* the plain rendering; any other use (a method, ``len``, comparison, ``in``, ``str()``, ``%``,
+    iteration, hashing, numeric conversion) sets :data:`_TOUCHED` and the conversation is rendered twice.
+    """
+
+    def __getattribute__(self, name):
+        _touch()
+        return str.__getattribute__(self, name)
+
+    def __str__(self):
+        _touch()
+        return str.__str__(self)
+
+    def __hash__(self):
+        _touch()
+        return str.__hash__(self)
+
+    def __eq__(self, other):
+        _touch()
+        return str.__eq__(self, other)
+
+    def __ne__(self, other):
+        _touch()
+        return str.__ne__(self, other)
+
+
+def _traced_special(name):
+    base = getattr(str, name, None)
+
+    def method(self, *args):
+        _touch()
+        return base(self, *args) if base is not None else NotImplemented
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("__repr__", "__len__", "__iter__", "__getitem__", "__contains__", "__lt__", "__le__", "__gt__",
+              "__ge__", "__format__", "__mod__", "__rmod__", "__mul__", "__rmul__", "__int__", "__float__",
+              "__complex__", "__index__", "__bytes__", "__reduce__", "__reduce_ex__", "__sizeof__", "__getnewargs__"):
+    setattr(_Traced, _name, _traced_special(_name))
+
+try:  # the steps of apply_chat_template(tokenize=False), to render with traced contents in one call
+    from transformers.utils.chat_template_utils import (
+        _alias_reasoning_fields,
+        _compile_jinja_template,
+        _normalize_chat_messages,
+        _plain_template_data,
+    )
+except ImportError:  # another transformers: render twice, as apply_chat_template
+    _compile_jinja_template = None
+
+
+def _render_traced(tokenizer, fmt: PromptFormat, msgs, turns, tools, kwargs) -> str | None:
+    """The rendering of ``msgs`` with each trained content wrapped in markers, or ``None``.
+
+    Does what ``apply_chat_template(msgs, tools=tools, chat_template=..., tokenize=False, **kwargs)`` does, with
+    the trained contents as :class:`_Traced` strings. ``None`` (render twice instead) when the template used a
+    traced content other than by concatenation, or failed.
+    """
+    if _compile_jinja_template is None or not all(isinstance(t, dict) for t in tools or ()):
+        return None
+    try:
+        template = tokenizer.get_chat_template(fmt.chat_template, tools)
+        compiled = _compile_jinja_template(template)
+        chat = _alias_reasoning_fields(_plain_template_data(_normalize_chat_messages(msgs)))
+        for i in turns:
+            chat[i] = dict(chat[i])
+            chat[i]["content"] = _Traced(f"{_OPEN}{msgs[i]['content']}{_CLOSE}")
+        _TOUCHED[0] = False
+        text = compiled.render(messages=chat, tools=_plain_template_data(tools), documents=None,
+                               add_generation_prompt=False,
+                               **_plain_template_data({**tokenizer.special_tokens_map, **kwargs}))
+    except Exception:  # the two-render path reports the template's error
+        return None
+    finally:
+        touched, _TOUCHED[0] = _TOUCHED[0], False
+    if touched or type(text) is not str:
+        return None
+    return text
+
+
 def _segments_from_spans(full: str, turns, spans, last: int) -> list[Segment]:
     segments: list[Segment] = []
     done = 0  # characters of `full` already assigned to segments
@@ -520,14 +624,19 @@ def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat, kwarg
     plain = all(isinstance(msgs[i].get("content"), str) and not msgs[i].get("tool_calls") for i in turns)
     clean = not any(_OPEN in str(m.get("content")) or _CLOSE in str(m.get("content")) for m in msgs)
     spans = None
-    if turns and shape.end_of_turn is not None and plain and clean:
+    fast = turns and shape.end_of_turn is not None and plain and clean
+    if fast:
+        marked_text = _render_traced(tokenizer, fmt, msgs, turns, tools, kwargs)
+        if marked_text is not None:  # the template only copied the trained contents: one render is enough
+            full = marked_text.replace(_OPEN, "").replace(_CLOSE, "")
+            spans = _header_checked(_marked_spans(turns, full, marked_text, shape.end_of_turn), full, shape)
+        fast = spans is not None
+    if not fast and turns and shape.end_of_turn is not None and plain and clean:
         marked = [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") if i in turns else m
                   for i, m in enumerate(msgs)]
         full, marked_text = _render_many(tokenizer, fmt, [msgs, marked], tools, kwargs)
-        spans = _marked_spans(turns, full, marked_text, shape.end_of_turn)
-        if spans is not None and shape.header and not all(full.endswith(shape.header, 0, s) for s, _ in spans):
-            spans = None  # the turn is not rendered after the generation prompt: locate it turn by turn
-    else:
+        spans = _header_checked(_marked_spans(turns, full, marked_text, shape.end_of_turn), full, shape)
+    elif not fast:
         full = _render_many(tokenizer, fmt, [msgs], tools, kwargs)[0]
     if spans is None and turns:
         spans = _turn_spans(msgs, tools, tokenizer, fmt, kwargs, turns, full, shape)
@@ -585,7 +694,9 @@ def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: Pr
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
-    return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    backend = tokenizer.backend_tokenizer
+    encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch  # the same ids, no offsets
+    return [e.ids for e in encode(texts, add_special_tokens=False)]
 
 
 def _boundary_error(tokenizer, segments: list[Segment], pieces, tokens, k: int, pos: int) -> PromptFormatError:

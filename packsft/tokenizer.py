@@ -1,14 +1,22 @@
 """Loading a Hugging Face tokenizer from a local folder or ``tokenizer.json``, and fingerprinting it.
 
 Nothing is downloaded: ``HF_HUB_OFFLINE`` semantics are forced by passing ``local_files_only=True``.
+transformers is imported when a tokenizer is loaded, not with this module; a folder whose
+``tokenizer_config.json`` names the generic fast class is loaded without ``AutoTokenizer`` (whose model-config
+imports pull in torch, seconds of start-up for the packer).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -24,16 +32,34 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         FileNotFoundError: when ``path`` does not exist.
         ValueError: when the tokenizer has no fast (``tokenizers``) backend.
     """
+    from transformers import PreTrainedTokenizerFast
+
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer not found: {p} (give a local folder or a tokenizer.json file)")
     if p.is_file():
         tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
+    elif _generic_fast(p):  # what AutoTokenizer would build, without importing its model configs
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
     else:
+        from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"tokenizer at {p} has no fast backend (tokenizer.json); packsft needs one")
     return tok
+
+
+def _generic_fast(folder: Path) -> bool:
+    """True when ``folder`` has a ``tokenizer.json`` and its config names the generic fast tokenizer class."""
+    config = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config.is_file():
+        return False
+    try:
+        cls = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False  # AutoTokenizer reports it
+    return cls in _GENERIC_FAST
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -60,8 +60,10 @@ def test_a_50mb_line_costs_the_packer_and_the_loader_what_an_ordinary_line_costs
     for m in (ordinary, rejected, cut):
         assert m["rc"] == 0
         assert m["rss_mb"] <= 2 * ordinary["rss_mb"], (m, ordinary)
-        # the packer process, start to exit (its fixed start dominates 20 lines; cli.main alone is in "s")
-        assert m["wall_s"] <= 2 * ordinary["wall_s"], (m, ordinary)
+        # the packer process, start to exit. Since the start no longer imports torch (seconds, not tens), the
+        # 50 MB line's own fixed cost (one json.loads of 50 MB, a few cut tokenizations of ~L tokens) shows:
+        # bounded by 2x an ordinary run or 20 s, where tokenizing the line whole would take minutes.
+        assert m["wall_s"] <= 2 * max(ordinary["wall_s"], 10.0), (m, ordinary)
     report = json.loads((tmp_path / "r.jsonl.packed.report.json").read_text())
     assert [(r["line"], "more than --max-conversation-bytes 4194304" in r["reason"]) for r in report["rejected"]] \
         == [(11, True)]

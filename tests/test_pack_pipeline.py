@@ -12,6 +12,7 @@ from packsft.conversation import parse_record, split_row
 from packsft.layout import conversation_cost
 from packsft.packing.pipeline import PackConfig, PackError, own_row_window, run_pack
 from packsft.prompt_formats import count_conversation_tokens, get_prompt_format
+from packsft.token_cache import cache_paths
 from packsft.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,16 +238,17 @@ def test_output_identical_across_hash_seeds_and_worker_counts(tmp_path, shared_d
     src = _head(shared_data / "chat" / "hh_rlhf_harmless_base_test.messages.jsonl", tmp_path / "in.jsonl", 400)
     outs = []
     for k, (seed, workers) in enumerate([("1", "0"), ("2", "2")]):
-        out = tmp_path / f"run{k}" / "o.jsonl.packed"  # the same name: the sidecar names its token cache files
+        out = tmp_path / f"o{k}" / "o.jsonl.packed"  # one name: the sidecar names the token cache files
         r = _cli(["--input", str(src), "--output", str(out), "--tokenizer", str(shared_data / "tokenizers/qwen2.5"),
                   "--max-seq-length", "2048", "--num-workers", workers, "--no-progress", "--histogram", ""],
                  {"PYTHONHASHSEED": seed})
         assert r.returncode == 0, r.stderr
         assert "efficiency" in r.stdout
         meta = json.loads(Path(str(out) + ".meta.json").read_text())
-        outs.append((out.read_bytes(), meta))
+        outs.append((out.read_bytes(), meta, [p.read_bytes() for p in cache_paths(out)]))
     assert outs[0][0] == outs[1][0]
     assert outs[0][1] == outs[1][1]
+    assert outs[0][2] == outs[1][2]
 
 
 def test_cli_exit_code_and_message_on_bad_input(tmp_path, tokenizer_dir):

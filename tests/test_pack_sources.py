@@ -11,9 +11,10 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from packsft.packing import cli  # noqa: E402
-from packsft.packing.pipeline import PackConfig, PackError, run_pack  # noqa: E402
+from packsft.packing.pipeline import PackConfig, PackError, plan_shards, run_pack  # noqa: E402
 from packsft.packing.sources import SourceError, iter_source  # noqa: E402
 from packsft.sidecar import read_sidecar  # noqa: E402
+from packsft.token_cache import cache_paths  # noqa: E402
 
 CALL = {"id": "call00000", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}
 TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
@@ -187,3 +188,28 @@ def test_missing_extra_names_it(tmp_path, monkeypatch, missing):
         cfg.validate()
     PackConfig(inputs=[str(tmp_path / "t.jsonl")], output=str(tmp_path / "o.jsonl.packed"), tokenizer="unused",
                max_seq_len=256).validate()                          # JSONL needs neither
+
+
+@pytest.mark.slow
+def test_row_sources_among_jsonl_shards_pack_the_same_with_workers(tmp_path, tokenizer_dir):
+    """A row source is one shard of its own between the JSONL inputs' byte shards: rows, token cache, sidecar
+    and report entries (by line and by row) are the same with 0 and 2 workers; an unreadable row source read by
+    a worker fails the run naming it."""
+    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}
+    first = _jsonl(tmp_path / "a.jsonl", [RECORDS[2], RECORDS[1]] * 6 + [bad] + [RECORDS[2]] * 6)
+    rows = tmp_path / "b.parquet"
+    pq.write_table(pa.Table.from_pylist([RECORDS[2], bad, RECORDS[1]]), str(rows), row_group_size=2)
+    last = _jsonl(tmp_path / "c.jsonl", [RECORDS[1], bad])
+    got = []
+    for workers in (0, 2):
+        report, out = _pack(tmp_path / f"w{workers}", tokenizer_dir, [first, rows, last], num_workers=workers,
+                            shard_bytes=400)
+        got.append((out.read_bytes(), out.with_name(out.name + ".meta.json").read_bytes(),
+                    *(p.read_bytes() for p in cache_paths(out)), report.rejected, report.per_input))
+    assert got[0] == got[1]
+    assert len(plan_shards([str(first), str(rows), str(last)], 400)) >= 5
+    assert [(r["input"], r.get("line"), r.get("row")) for r in got[0][-2]] == [
+        (str(first), 13, None), (str(rows), None, 1), (str(last), 2, None)]
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(SourceError, match=r"broken.parquet: row 0: cannot be read as a Parquet file"):
+        _pack(tmp_path, tokenizer_dir, [first, tmp_path / "broken.parquet"], "broken", num_workers=2)

@@ -71,7 +71,11 @@ def parse_args(argv=None) -> PackConfig:
                         f"{MAX_CONVERSATION_BYTES}, 4 MiB)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--shuffle-rows", action="store_true", help="write rows in a seeded random order")
-    p.add_argument("--num-workers", type=int, default=0, help="tokenizer processes (0: this process)")
+    p.add_argument("--num-workers", type=int, default=0,
+                   help="worker processes that read, tokenize and count shards of the input (0: this process)")
+    p.add_argument("--shard-bytes", type=int, default=None,
+                   help="input bytes per shard, a worker's unit of work (default: 1/64 of the input, 1-64 MiB); "
+                        "the output does not depend on it")
     p.add_argument("--format", dest="record_format", default="messages", choices=RECORD_FORMATS,
                    help="record shape: messages (OpenAI), input-output (with --input-key/--output-key), sharegpt "
                         "(conversations: [{from, value}]) or alpaca (instruction, input, output)")
@@ -102,7 +106,7 @@ def parse_args(argv=None) -> PackConfig:
                       allow_non_megatron=a.allow_non_megatron,
                       report=a.report, histogram=a.histogram, progress=not a.no_progress,
                       max_conversation_bytes=a.max_conversation_bytes, token_cache=not a.no_token_cache,
-                      split=a.split)
+                      shard_bytes=a.shard_bytes, split=a.split)
 
 
 def main(argv=None) -> int:

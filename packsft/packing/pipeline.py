@@ -2,13 +2,17 @@
 
 Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
 
-1. Stream every input line (never the whole file) to worker processes in bounded, ordered batches. Each
-   worker parses and validates the record (:mod:`packsft.conversation`) and counts its tokens with
-   :func:`packsft.prompt_formats.count_conversation_tokens`, the loader's own tokenization. Invalid lines
-   are *rejected* into the report with file, line and reason (or abort with ``strict=True``).
-2. The normalised conversation (system message first, carrying its ``tools``) is spooled to a temp file;
-   only ``(cost, spool offset)`` stays in memory.
-   Lines over ``max_conversation_bytes`` are rejected unparsed.
+1. The inputs are cut into line-aligned byte ranges (:func:`plan_shards`, independent of the worker count).
+   Each shard is read (:func:`read_shard`), parsed, validated (:mod:`packsft.conversation`) and tokenized
+   with :func:`packsft.prompt_formats.tokenize_conversation`, the loader's own tokenization, by
+   :func:`count_shard`: in ``num_workers`` processes (a ``ProcessPoolExecutor``) or in this one. Invalid
+   lines are *rejected* into the report with file, line (or row) and reason (or abort with ``strict=True``); line
+   numbers are counted per shard and made absolute by the main process.
+2. The normalised conversation (system message first, carrying its ``tools``) is appended to the worker's
+   spool file; a shard comes back as numpy arrays (tokens, spool offset and size per conversation) and the
+   few rejected, warned and oversize lines, so the main process holds no object per conversation.
+   Lines over ``max_conversation_bytes`` are rejected unparsed. A worker that dies fails the run
+   (:class:`PackError` naming its shard).
 3. Conversations longer than ``max_seq_len`` follow the oversize policy: ``own-row`` (a row of their own, cut
    by the worker to :func:`own_row_window` tokens before counting, truncated to ``max_seq_len`` by the
    loader, with a warning), ``drop`` (reported) or ``error`` (abort).
@@ -19,12 +23,16 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
    ``<output>.meta.json`` (with the rows' size and hash), report and histogram go to temp names, then are
    renamed over the outputs as one unit (a roll-forward journal) with SIGTERM held off, the sidecar last
    (:func:`_publish`).
-5. With ``token_cache`` (default) the workers' ``(tokens, targets)`` are spooled too (int32, at most
-   ``max_seq_len`` tokens each) and written beside the rows as the token cache (:mod:`packsft.token_cache`),
-   fingerprinted in the sidecar, so the loader reads token ids instead of re-tokenizing.
+5. With ``token_cache`` (default) each worker also spools the ``(tokens, targets)`` of its conversations (int32,
+   at most ``max_seq_len`` tokens each) beside its messages spool; they are written beside the rows as the
+   token cache (:mod:`packsft.token_cache`), fingerprinted in the sidecar, so the loader reads token ids
+   instead of re-tokenizing.
 
-Output is a deterministic function of the inputs and settings: batches come back in input order whatever
-the number of workers, and no step depends on hash order.
+Row sources (Parquet, Arrow, ``datasets`` folders: :mod:`packsft.packing.sources`) cannot be cut into byte
+ranges: each is one shard, read row by row and located by 0-based row index.
+
+Output is a deterministic function of the inputs and settings: shard results are merged in input order,
+neither the shard size nor the number of workers changes the output, and no step depends on hash order.
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import tempfile
 import time
 import warnings
-from collections import deque
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +55,7 @@ from typing import Any
 from tqdm import tqdm
 
 from packsft import __version__
-from packsft.conversation import ConversationError, parse_record
+from packsft.conversation import ConversationError, iter_jsonl_lines_sized, parse_record
 from packsft.io import (
     FileLock,
     HashingWriter,
@@ -81,7 +90,7 @@ from packsft.prompt_formats import (
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
-from packsft.token_cache import TokenCacheWriter, cache_paths, encode_conversation, stored_length
+from packsft.token_cache import TokenCacheWriter, cache_paths, encode_conversation
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
@@ -137,6 +146,8 @@ class PackConfig:
             report unparsed.
         token_cache: also write the rows' token ids and targets beside them (``<output>.tokens.npy`` and
             ``<output>.tokens-index.npy``, :mod:`packsft.token_cache`) so the loader need not re-tokenize.
+        shard_bytes: bytes of JSONL input per shard, a worker's unit of work (default: see :func:`plan_shards`);
+            the output does not depend on it nor on ``num_workers``.
     """
 
     inputs: list[str]
@@ -169,6 +180,7 @@ class PackConfig:
     max_conversation_bytes: int = MAX_CONVERSATION_BYTES
     token_cache: bool = True
     split: str | None = None
+    shard_bytes: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -196,6 +208,8 @@ class PackConfig:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         if Path(self.output).is_dir():
             raise ValueError(f"--output {self.output} is a directory; give the .jsonl.packed file to write")
+        if self.shard_bytes is not None and self.shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be >= 1, got {self.shard_bytes}")
         if self.max_conversation_bytes < 1:
             raise ValueError(f"--max-conversation-bytes must be >= 1, got {self.max_conversation_bytes}")
         written = {"--output": self.output, "sidecar": str(sidecar_path(self.output)),
@@ -235,12 +249,24 @@ def _prompt_format(cfg: PackConfig, tok):
                              append_eos=cfg.append_eos)
 
 
-def _init_worker(cfg: PackConfig) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = load_tokenizer(cfg.tokenizer)
+def _init_worker(cfg: PackConfig, spool_dir: str, in_worker: bool, tok=None) -> None:
+    """Set up this process to read shards: tokenizer (``tok``, else loaded), prompt format, record converter."""
+    if in_worker:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process stops the workers
+    tok = tok if tok is not None else load_tokenizer(cfg.tokenizer)
     fmt = _prompt_format(cfg, tok)
+    _W.clear()
     _W.update(cfg=cfg, tok=tok, fmt=fmt, lenient=dataclasses.replace(fmt, allow_non_megatron=True),
-              convert=record_converter(cfg.record_format, cfg.adapter))
+              convert=record_converter(cfg.record_format, cfg.adapter), spool_dir=spool_dir, in_worker=in_worker)
+
+
+def _close_worker() -> None:
+    """Close this process's spools and forget its state (after an in-process run)."""
+    for key in ("spool", "token_spool"):
+        if key in _W:
+            _W[key].close()
+    _W.clear()
 
 
 def own_row_window(max_seq_len: int) -> tuple[int, int]:
@@ -365,111 +391,216 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
     raise error or PromptFormatError("the conversation could not be cut to max_seq_len")
 
 
-def _process_batch(batch: list[tuple[int, int, int, str | None, str | None]]) -> list[tuple]:
-    """Parse, validate and count one batch of lines: ``(file_idx, line, nbytes, text, error)`` each.
+def _process_line(path: str, line: int, text: str | None, decode_error: str | None):
+    """Parse, validate and tokenize one input line or row (in a worker).
 
     Under ``own-row`` a conversation longer than :func:`own_row_window` is cut there first
     (:func:`_fit_own_row`), and the stored, cut conversation is the one counted.
 
     Returns:
-        ``(file_idx, line, nbytes, (num_tokens, trained, trained_in_row), row_messages_json, None, cut, cache)`` for a
-        good line (``trained``: tokens the model is trained to predict, or 1 for a cut conversation (its cut-off
-        part is not counted); ``trained_in_row``: those within the first ``max_seq_len`` tokens, what the
-        loader's truncation keeps; ``cut``: the packer cut it; ``cache``: its token cache bytes,
-        :func:`packsft.token_cache.encode_conversation`, or ``None`` without ``token_cache``), or
-        ``(file_idx, line, nbytes, None, None, reason, False, None)`` for a rejected one.
+        ``(counts, row_messages_json, None, cut, tokens, targets)`` for a good line, with ``counts`` =
+        ``(num_tokens, trained, trained_in_row, non_megatron)`` (``trained``: tokens the model is trained to
+        predict, or at least 1 for a cut conversation (its cut-off part is not counted); ``trained_in_row``:
+        those within the first ``max_seq_len`` tokens, what the loader's truncation keeps; ``non_megatron``:
+        the reason with ``--allow-non-megatron``, else ``None``; ``cut``: the packer cut it; ``tokens`` and
+        ``targets``: lists of int ids), or ``(None, None, reason, False, None, None)`` for a rejected line.
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
-    out = []
-    for file_idx, line, nbytes, text, decode_error in batch:
-        path = cfg.inputs[file_idx]
+    try:
+        if decode_error:
+            raise ConversationError(path, line, "", decode_error)
         try:
-            if decode_error:
-                raise ConversationError(path, line, "", decode_error)
+            record = json.loads(text.rstrip("\r\n"))  # an error at the end is then on this line
+        except json.JSONDecodeError as e:
+            raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
+        except RecursionError as e:
+            raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
+        source = record
+        if _W["convert"] is not None:
             try:
-                record = json.loads(text.rstrip("\r\n"))  # an error at the end is then on this line
-            except json.JSONDecodeError as e:
-                raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
-            except RecursionError as e:
-                raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
-            source = record
-            if _W["convert"] is not None:
-                try:
-                    record = _W["convert"](record)
-                except RecordFormatError as e:
-                    raise ConversationError(path, line, "", str(e)) from e
-            try:
-                conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
-                                    default_system_prompt=cfg.default_system_prompt)
-            except ConversationError as e:  # name the input's own field (ShareGPT's conversations[j].value)
-                e.field = source_field(cfg.record_format, source, e.field)
+                record = _W["convert"](record)
+            except RecordFormatError as e:
+                raise ConversationError(path, line, "", str(e)) from e
+        try:
+            conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
+                                default_system_prompt=cfg.default_system_prompt)
+        except ConversationError as e:  # name the input's own field (ShareGPT's conversations[j].value)
+            e.field = source_field(cfg.record_format, source, e.field)
+            raise
+        non_megatron = None
+        try:
+            conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg)
+        except NonMegatronError as e:
+            if not cfg.allow_non_megatron:
                 raise
-            non_megatron = None
-            try:
-                conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg)
-            except NonMegatronError as e:
-                if not cfg.allow_non_megatron:
-                    raise
-                non_megatron = str(e)
-                conv, tokens, targets, cut = _tokenize_record(conv, tok, _W["lenient"], cfg)
-            trained = [t != IGNORE_INDEX for t in targets[1:]]
-            in_row = sum(trained[: cfg.max_seq_len - 1])
-            counts = (len(tokens), max(1, in_row) if cut else sum(trained), in_row, non_megatron)
-            cache = encode_conversation(tokens, targets, cfg.max_seq_len) if cfg.token_cache else None
-            out.append((file_idx, line, nbytes, counts, json.dumps(conv.to_row_messages(), ensure_ascii=False),
-                        None, cut, cache))
-        except ConversationError as e:
-            out.append((file_idx, line, nbytes, None, None, f"{e.field + ': ' if e.field else ''}{e.reason}", False,
-                        None))
-        except PromptFormatError as e:
-            out.append((file_idx, line, nbytes, None, None, f"{cfg.prompt_format}: {e}", False, None))
-    return out
+            non_megatron = str(e)
+            conv, tokens, targets, cut = _tokenize_record(conv, tok, _W["lenient"], cfg)
+        n = len(tokens)
+        first = targets[0] == IGNORE_INDEX if n else 0  # counts below are of targets[1:] (C loops, not Python)
+        trained = n - 1 - (targets.count(IGNORE_INDEX) - first) if n else 0
+        in_row = len(targets[1 : cfg.max_seq_len]) - targets[1 : cfg.max_seq_len].count(IGNORE_INDEX)
+        counts = (n, max(1, in_row) if cut else trained, in_row, non_megatron)
+        return counts, json.dumps(conv.to_row_messages(), ensure_ascii=False), None, cut, tokens, targets
+    except ConversationError as e:
+        return None, None, f"{e.field + ': ' if e.field else ''}{e.reason}", False, None, None
+    except PromptFormatError as e:
+        return None, None, f"{cfg.prompt_format}: {e}", False, None, None
 
 
-# ---------------------------------------------------------------- main side
-def _batches(cfg: PackConfig):
-    batch = []
-    for file_idx, path in enumerate(cfg.inputs):
-        for line, nbytes, text, err in iter_source(path, cfg.max_conversation_bytes, cfg.split):
-            batch.append((file_idx, line, nbytes, text, err))
-            if len(batch) == _BATCH:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+@dataclass(frozen=True)
+class Shard:
+    """A line-aligned byte range ``[start, end)`` of JSONL input ``file_idx``, or (``start == end == 0``) the
+    whole of a row-source input: one task of a worker."""
 
-
-def _ordered_results(cfg: PackConfig):
-    """Yield worker results in input order with at most ``4 * num_workers`` batches in flight."""
-    if cfg.num_workers == 0:
-        _init_worker(cfg)
-        for batch in _batches(cfg):
-            yield from _process_batch(batch)
-        return
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(cfg.num_workers, initializer=_init_worker, initargs=(cfg,)) as pool:
-        pending: deque = deque()
-        for batch in _batches(cfg):
-            pending.append(pool.apply_async(_process_batch, (batch,)))
-            if len(pending) >= 4 * cfg.num_workers:
-                yield from pending.popleft().get()
-        while pending:
-            yield from pending.popleft().get()
+    index: int
+    file_idx: int
+    start: int
+    end: int
 
 
 @dataclass
-class _Counted:
-    """What the main process keeps per accepted conversation."""
+class ShardResult:
+    """What a worker sends back for one shard: numpy arrays per accepted conversation, lists for the rest.
 
-    file_idx: int
-    line: int
-    num_tokens: int
-    offset: int  # byte offset of its messages JSON in the spool file
-    size: int
-    trained_in_row: int = 1  # trained tokens within the first max_seq_len tokens
-    cut: bool = False  # the packer cut it to own_row_window (own-row)
-    nbytes: int = 0  # its input line's bytes
-    token_offset: int = -1  # byte offset of its token cache bytes in the token spool (-1: none)
+    Line numbers are relative to the shard (1 = its first line); the main process adds the lines before it.
+    A row source's shard is the whole input: its numbers are the 0-based row indices.
+
+    Attributes:
+        shard: the shard read.
+        lines: lines read (the shard's line count, blank lines included; rows of a row source).
+        conversations: non-blank lines or rows (accepted + rejected).
+        spool: the worker's spool file holding the accepted conversations' row messages JSON.
+        num_tokens: int32 ``[n]``, tokens of each accepted conversation.
+        offset, size: int64 ``[n]``, byte offset and length of each one's messages JSON in ``spool``.
+        token_spool: the worker's token spool (``None`` without ``token_cache``): each accepted conversation's
+            :func:`packsft.token_cache.encode_conversation` bytes (``8 * min(n, max_seq_len)`` of them).
+        token_offset: int64 ``[n]``, byte offset of each one's bytes in ``token_spool`` (``None`` without it).
+        rejected: ``(line, reason)`` of each rejected line.
+        warnings: ``(kind, line, message)`` of each counting warning (``non_megatron``, ``no_trained_token``).
+        oversize: ``(index, line, num_tokens, cut, nbytes, keeps_no_training)`` of each accepted conversation
+            whose cost exceeds ``max_seq_len`` (``index`` into the arrays).
+        nbytes: bytes of input read.
+    """
+
+    shard: Shard
+    lines: int
+    conversations: int
+    spool: str
+    num_tokens: Any
+    offset: Any
+    size: Any
+    rejected: list[tuple[int, str]]
+    warnings: list[tuple[str, int, str]]
+    oversize: list[tuple[int, int, int, bool, int, bool]]
+    nbytes: int
+    token_spool: str | None = None
+    token_offset: Any = None
+
+
+def read_shard(cfg: PackConfig, shard: Shard):
+    """The records of one shard: ``(line, nbytes, text, error)`` with ``line`` counted from the shard's start.
+
+    The one place input is read: a JSONL shard's lines (1-based within the shard), or a row source's rows
+    (0-based row index, :func:`packsft.packing.sources.iter_source`). Records over
+    ``cfg.max_conversation_bytes`` come with ``text=None`` and an ``error``, as do lines that are not UTF-8.
+    The generator returns the shard's number of lines (blank ones included) or rows.
+
+    Raises:
+        packsft.packing.sources.SourceError: a row source cannot be read (naming it and the row).
+    """
+    path = cfg.inputs[shard.file_idx]
+    if is_row_source(path):
+        return _read_rows(path, cfg.max_conversation_bytes, cfg.split)
+    return iter_jsonl_lines_sized(path, cfg.max_conversation_bytes, start=shard.start, end=shard.end)
+
+
+def _read_rows(path: str, max_bytes: int, split: str | None):
+    rows = 0
+    for record in iter_source(path, max_bytes, split):
+        rows += 1
+        yield record
+    return rows
+
+
+def _worker_spool(key: str = "spool"):
+    """This process's spool file ``key`` (``spool``: messages JSON, ``token_spool``: token cache bytes), opened
+    at its first shard, appended to, flushed after each shard."""
+    if key not in _W:
+        path = os.path.join(_W["spool_dir"], f"{'tokens' if key == 'token_spool' else 'spool'}.{os.getpid()}")
+        _W[key] = open(path, "ab")  # noqa: SIM115 (open for the process's lifetime)
+        _W[key + "_path"] = path
+    return _W[key], _W[key + "_path"]
+
+
+def count_shard(shard: Shard) -> ShardResult:
+    """Read, validate, tokenize and count one shard, spooling the accepted conversations (in a worker).
+
+    With ``token_cache`` the int32 token ids and targets (:func:`packsft.token_cache.encode_conversation`) go
+    to a second per-worker spool next to the messages JSON, their offsets returned as an array.
+    """
+    import numpy as np
+
+    cfg = _W["cfg"]
+    marker = os.path.join(_W["spool_dir"], f"worker.{os.getpid()}")
+    with open(marker, "w") as f:  # which shard this process reads, should it die
+        f.write(str(shard.index))
+    _worker_hook(shard.index)
+    spool, spool_path = _worker_spool()
+    token_spool, token_spool_path = _worker_spool("token_spool") if cfg.token_cache else (None, None)
+    path = cfg.inputs[shard.file_idx]
+    L, cp = cfg.max_seq_len, cfg.context_parallel_size
+    ntok, offsets, sizes, token_offsets = array("i"), array("q"), array("q"), array("q")
+    rejected, warns, oversize = [], [], []
+    lines = conversations = nbytes_total = 0
+    total: list[int] = []
+
+    def shard_lines():
+        total.append((yield from read_shard(cfg, shard)))  # the reader returns the shard's line count
+
+    for line, nbytes, text, err in shard_lines():
+        lines, conversations, nbytes_total = line, conversations + 1, nbytes_total + nbytes
+        counts, msgs_json, reason, cut, tokens, targets = _process_line(path, line, text, err)
+        if reason is not None:
+            rejected.append((line, reason))
+            if cfg.strict:
+                break
+            continue
+        n, trained, trained_in_row, non_megatron = counts
+        if non_megatron is not None:
+            warns.append(("non_megatron", line, f"kept with --allow-non-megatron (packsft-only): {non_megatron}"))
+        if trained == 0:
+            warns.append(("no_trained_token", line, "conversation has no trained token (no assistant turn to "
+                          "train: empty, weight 0, or not the last with --train-on last); it is packed as context "
+                          "only"))
+        if conversation_cost(n, cp) > L:
+            oversize.append((len(ntok), line, n, cut, nbytes, (trained_in_row if trained else 1) == 0))
+        data = msgs_json.encode("utf-8")
+        ntok.append(n)
+        offsets.append(spool.tell())
+        sizes.append(len(data))
+        spool.write(data)
+        if token_spool is not None:
+            token_offsets.append(token_spool.tell())
+            token_spool.write(encode_conversation(tokens, targets, L))
+    spool.flush()
+    if token_spool is not None:
+        token_spool.flush()
+    lines = total[0] if total else lines
+    return ShardResult(shard, lines, conversations, spool_path, np.frombuffer(ntok, np.int32),
+                       np.frombuffer(offsets, np.int64), np.frombuffer(sizes, np.int64), rejected, warns,
+                       oversize, nbytes_total, token_spool_path,
+                       np.frombuffer(token_offsets, np.int64) if token_spool is not None else None)
+
+
+WORKER_HOOK_ENV = "PACKSFT_PACK_WORKER_HOOK"
+"""Test hook: ``SHARD:SIGNAL`` (e.g. ``1:SIGKILL``) makes the worker reading shard SHARD send itself SIGNAL."""
+
+
+def _worker_hook(index: int) -> None:
+    shard, _, sig = os.environ.get(WORKER_HOOK_ENV, "").partition(":")
+    if shard == str(index) and _W.get("in_worker"):
+        os.kill(os.getpid(), getattr(signal, sig or "SIGKILL"))
+        time.sleep(1)
 
 
 @dataclass
@@ -492,6 +623,9 @@ class PackReport:
     settings: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
     rows_file: dict[str, Any] = field(default_factory=dict)  # {size, blake2b} of the rows written
+
+    def __post_init__(self):
+        self._seen: dict[str, int] = {}  # warnings per kind (not a field: not in the JSON)
 
     @property
     def efficiency(self) -> float:
@@ -526,7 +660,7 @@ class PackReport:
         """
         self.warnings.append({"kind": kind, "input": input, **(position(input, line) if input else {"line": line}),
                               "message": message})
-        seen = sum(w["kind"] == kind for w in self.warnings)
+        self._seen[kind] = seen = self._seen.get(kind, 0) + 1
         if seen <= 5:
             more = " (further ones of this kind are only listed in the report)" if seen == 5 else ""
             warnings.warn((f"{where(input, line)}: {message}" if input else message) + more, PackWarning,
@@ -557,66 +691,230 @@ class PackReport:
         return "\n".join(lines)
 
 
-def _count_all(cfg: PackConfig, spool, report: PackReport, token_spool=None) -> list[_Counted]:
-    counted: list[_Counted] = []
+# ---------------------------------------------------------------- main side
+SHARD_BYTES_MIN, SHARD_BYTES_MAX, SHARDS = 1 << 20, 64 << 20, 64
+"""Shard size: ``total input bytes / SHARDS``, within ``[SHARD_BYTES_MIN, SHARD_BYTES_MAX]`` (not the worker count)."""
+
+
+def plan_shards(inputs: list[str], shard_bytes: int | None = None) -> list[Shard]:
+    """Cut the inputs into line-aligned byte ranges of about ``shard_bytes`` (default: see :data:`SHARDS`).
+
+    The cut depends on the inputs (and ``shard_bytes``) only, never on the number of workers. A boundary is
+    moved to the start of the line it falls in, found by reading forward to the next newline. A row source
+    (:func:`packsft.packing.sources.is_row_source`) is one shard ``Shard(i, file_idx, 0, 0)``, read whole.
+    """
+    sizes = [0 if is_row_source(p) else os.path.getsize(p) for p in inputs]
+    if shard_bytes is None:
+        shard_bytes = min(SHARD_BYTES_MAX, max(SHARD_BYTES_MIN, sum(sizes) // SHARDS))
+    shards: list[Shard] = []
+    for file_idx, (path, size) in enumerate(zip(inputs, sizes)):
+        if is_row_source(path):
+            shards.append(Shard(len(shards), file_idx, 0, 0))
+            continue
+        starts = [0]
+        with open(path, "rb") as f:
+            target = shard_bytes
+            while target < size:
+                f.seek(target - 1)  # a boundary right after a newline stays where it is
+                pos = target - 1
+                while True:
+                    chunk = f.read(1 << 16)
+                    if not chunk:
+                        pos = size
+                        break
+                    nl = chunk.find(b"\n")
+                    if nl >= 0:
+                        pos += nl + 1
+                        break
+                    pos += len(chunk)
+                if pos >= size:
+                    break
+                if pos > starts[-1]:
+                    starts.append(pos)
+                target = max(pos, target) + shard_bytes
+        for start, end in zip(starts, starts[1:] + [size]):
+            if end > start or size == 0:
+                shards.append(Shard(len(shards), file_idx, start, end))
+    return shards
+
+
+def _abort_workers(executor) -> None:
+    """Stop an executor's worker processes now (a strict stop or an error: their work is not needed)."""
+    for proc in list(getattr(executor, "_processes", {}).values()):
+        if proc.is_alive():
+            proc.terminate()
+    executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _dead_worker_message(cfg: PackConfig, shards: list[Shard], spool_dir: str, executor) -> str:
+    """Which worker died and which shard it was reading (from the marker file each worker writes per shard)."""
+    deaths = []
+    manager = getattr(executor, "_executor_manager_thread", None)
+    if manager is not None:  # it joins the workers of a broken pool; polling them meanwhile races its waitpid
+        manager.join(timeout=30)
+    for pid, proc in sorted((getattr(executor, "_processes", None) or {}).items()):
+        code = proc.exitcode
+        if code is None or code == 0:
+            continue
+        how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+               else f"exit code {code}")
+        try:
+            with open(os.path.join(spool_dir, f"worker.{pid}")) as f:
+                shard = shards[int(f.read())]
+            span = "all rows" if is_row_source(cfg.inputs[shard.file_idx]) else f"bytes {shard.start}-{shard.end}"
+            at = f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})"
+        except (OSError, ValueError, IndexError):
+            at = " before reading a shard"
+        deaths.append(f"worker process {pid} died ({how}){at}")
+    what = "; ".join(deaths) or "a worker process died"
+    return (f"{what}; SIGKILL is what the out-of-memory killer sends: use fewer --num-workers or more memory, "
+            "or lower --max-conversation-bytes")
+
+
+def _shard_progress(shard: Shard, result: ShardResult) -> int:
+    """Bytes a finished shard advances the progress bar: its byte range, or a row source's records' JSON bytes."""
+    return shard.end - shard.start if shard.end > shard.start else result.nbytes
+
+
+def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar):
+    """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel.
+
+    Raises:
+        PackError: a worker process died (e.g. SIGKILL from the out-of-memory killer), naming its shard.
+    """
+    if cfg.num_workers == 0:
+        for shard in shards:
+            result = count_shard(shard)
+            bar.update(_shard_progress(shard, result))
+            yield result
+        return
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    executor = ProcessPoolExecutor(cfg.num_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                   initargs=(cfg, spool_dir, True))
+    done = False
+    try:
+        futures = [executor.submit(count_shard, s) for s in shards]
+        for shard, future in zip(shards, futures):
+            try:
+                result = future.result()
+            except BrokenProcessPool as e:
+                raise PackError(_dead_worker_message(cfg, shards, spool_dir, executor)) from e
+            bar.update(_shard_progress(shard, result))
+            yield result
+        done = True
+    finally:
+        if done:
+            executor.shutdown(wait=True)
+        else:
+            _abort_workers(executor)
+
+
+class _Counted:
+    """What the main process keeps of the accepted conversations: numpy arrays, no object per conversation.
+
+    Attributes:
+        num_tokens: int32 ``[n]``; spool: int16 ``[n]`` index into ``spools``; offset, size: int64 ``[n]``.
+        spools: the spool files.
+        token_spools: the token spool of each of ``spools`` (the same worker's), or ``None`` without the cache.
+        token_offset: int64 ``[n]``, offset in ``token_spools[spool]``, or ``None`` without the cache.
+    """
+
+    def __init__(self, results: list[ShardResult]):
+        import numpy as np
+
+        self.spools = sorted({r.spool for r in results})
+        ids = {p: i for i, p in enumerate(self.spools)}
+        pair = {r.spool: r.token_spool for r in results}
+        cached = bool(results) and results[0].token_spool is not None
+        self.token_spools = [pair[p] for p in self.spools] if cached else None
+
+        def cat(arrays, dtype):
+            return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+        self.num_tokens = cat([r.num_tokens for r in results], np.int32)
+        self.offset = cat([r.offset for r in results], np.int64)
+        self.size = cat([r.size for r in results], np.int64)
+        self.spool = cat([np.full(len(r.num_tokens), ids[r.spool], np.int16) for r in results], np.int16)
+        self.token_offset = cat([r.token_offset for r in results], np.int64) if cached else None
+
+    def keep(self, mask) -> None:
+        """Keep only the conversations where boolean ``mask`` is true."""
+        self.num_tokens, self.offset = self.num_tokens[mask], self.offset[mask]
+        self.size, self.spool = self.size[mask], self.spool[mask]
+        if self.token_offset is not None:
+            self.token_offset = self.token_offset[mask]
+
+
+def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport) -> _Counted:
+    """Read and count every shard; fill the report's counts, rejections and warnings (exact line numbers)."""
+    import numpy as np
+
+    shards = plan_shards(cfg.inputs, cfg.shard_bytes)
     total = input_bytes(cfg.inputs)
     bar = tqdm(desc="reading", total=total, unit="B", unit_scale=True, disable=not cfg.progress, mininterval=1.0)
-    for file_idx, line, nbytes, counts, msgs_json, reason, cut, cache in _ordered_results(cfg):
-        bar.update(nbytes)
-        bar.set_postfix_str(f"{report.input_conversations + 1} conv", refresh=False)
-        report.input_conversations += 1
-        stats = report.per_input.setdefault(cfg.inputs[file_idx], {"conversations": 0, "rejected": 0})
-        stats["conversations"] += 1
-        if reason is not None:
-            stats["rejected"] += 1
-            if cfg.strict:
-                raise PackError(f"{where(cfg.inputs[file_idx], line)}: {reason} (strict mode)")
-            report.rejected.append({"input": cfg.inputs[file_idx], **position(cfg.inputs[file_idx], line),
-                                    "reason": reason})
-            continue
-        n, trained, trained_in_row, non_megatron = counts
-        if non_megatron is not None:
-            report.warn("non_megatron", f"kept with --allow-non-megatron (packsft-only): {non_megatron}",
-                        cfg.inputs[file_idx], line)
-        if trained == 0:
-            report.warn("no_trained_token", "conversation has no trained token (no assistant turn to train: "
-                        "empty, weight 0, or not the last with --train-on last); it is packed as context only",
-                        cfg.inputs[file_idx], line)
-        data = msgs_json.encode("utf-8")
-        counted.append(_Counted(file_idx, line, n, spool.tell(), len(data), trained_in_row if trained else 1,
-                                cut, nbytes, _spool_tokens(token_spool, cache)))
-        spool.write(data)
+    results: list[ShardResult] = []
+    lines_before = {}  # file_idx -> lines of that file in the shards before
+    oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, keeps_no_training)
+    base = 0
+    for r in _shard_results(cfg, shards, spool_dir, bar):
+        path = cfg.inputs[r.shard.file_idx]
+        before = lines_before.get(r.shard.file_idx, 0)
+        lines_before[r.shard.file_idx] = before + r.lines
+        report.input_conversations += r.conversations
+        stats = report.per_input.setdefault(path, {"conversations": 0, "rejected": 0})
+        stats["conversations"] += r.conversations
+        stats["rejected"] += len(r.rejected)
+        events = sorted([(line, 0, reason) for line, reason in r.rejected]
+                        + [(line, 1, (kind, message)) for kind, line, message in r.warnings],
+                        key=lambda e: (e[0], e[1]))
+        for line, is_warning, what in events:
+            if not is_warning:
+                if cfg.strict:
+                    raise PackError(f"{where(path, before + line)}: {what} (strict mode)")
+                report.rejected.append({"input": path, **position(path, before + line), "reason": what})
+            else:
+                report.warn(what[0], what[1], path, before + line)
+        oversize += [(base + i, r.shard.file_idx, before + line, n, cut, nbytes, none)
+                     for i, line, n, cut, nbytes, none in r.oversize]
+        base += len(r.num_tokens)
+        r.rejected, r.warnings, r.oversize = [], [], []
+        results.append(r)
     bar.close()
+    counted = _Counted(results)
+    del results
+    _apply_oversize(cfg, counted, oversize, report, np)
     return counted
 
 
-def _apply_oversize(cfg: PackConfig, counted: list[_Counted], report: PackReport) -> list[_Counted]:
-    kept = []
-    for c in counted:
-        cost = conversation_cost(c.num_tokens, cfg.context_parallel_size)
-        if cost <= cfg.max_seq_len:
-            kept.append(c)
-            continue
+def _apply_oversize(cfg: PackConfig, counted: _Counted, oversize: list[tuple], report: PackReport, np) -> None:
+    """Report (and with ``drop`` remove) the conversations longer than a row; ``error`` stops at the first."""
+    drop = []
+    for index, file_idx, line, n, cut, nbytes, keeps_no_training in oversize:
+        cost = conversation_cost(n, cfg.context_parallel_size)
         if cfg.oversize == "error":
-            raise PackError(f"{where(cfg.inputs[c.file_idx], c.line)}: conversation has {c.num_tokens} tokens "
-                            f"(cost {cost}) > max_seq_len "
-                            f"{cfg.max_seq_len}; use --oversize own-row or drop, or a larger --max-seq-length")
+            raise PackError(f"{where(cfg.inputs[file_idx], line)}: conversation has {n} tokens (cost {cost}) > "
+                            f"max_seq_len {cfg.max_seq_len}; use --oversize own-row or drop, or a larger "
+                            "--max-seq-length")
         action = "dropped" if cfg.oversize == "drop" else "own row, truncated by the loader"
-        entry = {"input": cfg.inputs[c.file_idx], **position(cfg.inputs[c.file_idx], c.line), "tokens": c.num_tokens,
+        entry = {"input": cfg.inputs[file_idx], **position(cfg.inputs[file_idx], line), "tokens": n,
                  "action": action}
-        if c.cut:
-            entry.update(cut_by_packer=True, input_bytes=c.nbytes)
+        if cut:
+            entry.update(cut_by_packer=True, input_bytes=nbytes)
         report.oversize.append(entry)
-        if cfg.oversize == "own-row":
-            kept.append(c)
-            if c.trained_in_row == 0:
-                report.warn("truncation_removes_training",
-                            f"conversation has {'more than ' if c.cut else ''}{c.num_tokens} tokens; truncated "
-                            f"to max_seq_len {cfg.max_seq_len} "
-                            "in its own row it keeps no trained token (its assistant turns all lie beyond the "
-                            "cut); use --oversize drop or a larger --max-seq-length", cfg.inputs[c.file_idx],
-                            c.line)
-    return kept
+        if cfg.oversize == "drop":
+            drop.append(index)
+        elif keeps_no_training:
+            report.warn("truncation_removes_training",
+                        f"conversation has {'more than ' if cut else ''}{n} tokens; truncated "
+                        f"to max_seq_len {cfg.max_seq_len} "
+                        "in its own row it keeps no trained token (its assistant turns all lie beyond the "
+                        "cut); use --oversize drop or a larger --max-seq-length", cfg.inputs[file_idx], line)
+    if drop:
+        mask = np.ones(len(counted.num_tokens), bool)
+        mask[drop] = False
+        counted.keep(mask)
 
 
 def _nothing_to_pack(cfg: PackConfig, report: PackReport) -> str:
@@ -641,7 +939,7 @@ def _stage(name: str) -> None:
 
 
 def _output_paths(cfg: PackConfig) -> dict[str, str]:
-    """``{rows, sidecar, report, histogram?}``: the paths a run writes (histogram absent when disabled)."""
+    """``{rows, sidecar, report, histogram?, token_cache?, token_index?}``: the paths a run writes."""
     paths = {"rows": cfg.output, "sidecar": str(sidecar_path(cfg.output)),
              "report": cfg.report or cfg.output + ".report.json"}
     histogram = cfg.histogram if cfg.histogram is not None else cfg.output + ".lengths.png"
@@ -652,52 +950,82 @@ def _output_paths(cfg: PackConfig) -> dict[str, str]:
     return paths
 
 
-def _spool_tokens(token_spool, cache: bytes | None) -> int:
-    """Append one conversation's token cache bytes to ``token_spool``; return their offset (-1: not spooled)."""
-    if token_spool is None or cache is None:
-        return -1
-    offset = token_spool.tell()
-    token_spool.write(cache)
-    return offset
+def _flatten_rows(rows: list[list[int]], np):
+    """``(order, starts)``: the conversation indices of all rows one after another (int64), each row's start."""
+    lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+    order = np.fromiter((i for r in rows for i in r), np.int64, int(lengths.sum()))
+    starts = np.zeros(len(rows), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return order, starts
 
 
-def _token_cache_writer(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted],
-                        temps: dict[str, Path]) -> TokenCacheWriter | None:
+def _token_cache_writer(cfg: PackConfig, rows: int, counted: _Counted, temps: dict[str, Path],
+                        np) -> TokenCacheWriter | None:
     """The token cache writer into fresh temp files (``temps["token_cache"]``, ``temps["token_index"]``)."""
     if not cfg.token_cache:
         return None
     tokens_path, index_path = cache_paths(cfg.output)
     temps["token_cache"], temps["token_index"] = temp_path(tokens_path), temp_path(index_path)
-    total = sum(stored_length(c.num_tokens, cfg.max_seq_len) for c in kept)
-    return TokenCacheWriter(temps["token_cache"], temps["token_index"], cfg.output, total, len(rows), len(kept),
-                            cfg.max_seq_len)
+    total = int(np.minimum(counted.num_tokens.astype(np.int64), cfg.max_seq_len).sum())
+    return TokenCacheWriter(temps["token_cache"], temps["token_index"], cfg.output, total, rows,
+                            len(counted.num_tokens), cfg.max_seq_len)
 
 
-def _cache_row(cache: TokenCacheWriter | None, token_spool, row: list[int], kept: list[_Counted], L: int) -> None:
-    """Copy the token cache bytes of ``row``'s conversations from the spool into the cache writer."""
-    if cache is None:
-        return
-    for i in row:
-        token_spool.seek(kept[i].token_offset)
-        cache.add(token_spool.read(8 * stored_length(kept[i].num_tokens, L)), kept[i].num_tokens)
-    cache.end_row()
+def _map_files(paths: list[str], files: list, maps: list) -> None:
+    """Open ``paths`` and memory-map each (``b""`` for an empty one), appending to ``files`` and ``maps``."""
+    import mmap
+
+    for p in paths:
+        files.append(open(p, "rb"))  # noqa: SIM115 (closed by the caller)
+        maps.append(mmap.mmap(files[-1].fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(p) else b"")
 
 
-def _write_rows(cfg: PackConfig, rows: list[list[int]], kept: list[_Counted], spool, tmp: Path,
-                cache: TokenCacheWriter | None = None, token_spool=None) -> tuple[int, str]:
-    """Write the rows into ``tmp`` (fsynced), and their tokens into ``cache``; return the rows' size in bytes and
-    BLAKE2b-160 hex."""
-    with open(tmp, "wb") as f:
-        out = HashingWriter(f)
-        for row in rows:
-            parts = []
-            for i in row:
-                spool.seek(kept[i].offset)
-                parts.append(spool.read(kept[i].size)[1:-1])  # strip the list brackets
-            out.write(b'{"messages": [' + b", ".join(parts) + b"]}\n")
-            _cache_row(cache, token_spool, row, kept, cfg.max_seq_len)
-        f.flush()
-        os.fsync(f.fileno())
+def _write_rows(order, starts, counted: _Counted, tmp: Path, np, cache: TokenCacheWriter | None = None,
+                max_seq_len: int = 0, block: int = 1 << 16) -> tuple[int, str]:
+    """Write the rows into ``tmp`` (fsynced) from the spools, and their tokens into ``cache`` (from the token
+    spools); return the rows' size in bytes and BLAKE2b-160 hex.
+
+    Rows are gathered ``block`` conversations at a time (Python lists only of one block).
+    """
+    files: list = []
+    maps: list = []
+    token_maps: list = []
+    try:
+        _map_files(counted.spools, files, maps)
+        if cache is not None:
+            _map_files(counted.token_spools, files, token_maps)
+        ends = np.append(starts[1:], len(order))
+        with open(tmp, "wb") as f:
+            out = HashingWriter(f)
+            row, parts = 0, []
+            for lo in range(0, len(order), block):
+                idx = order[lo : lo + block]
+                spools, offsets = counted.spool[idx].tolist(), counted.offset[idx].tolist()
+                sizes = counted.size[idx].tolist()
+                if cache is not None:
+                    ntok = counted.num_tokens[idx].tolist()
+                    tok_offsets = counted.token_offset[idx].tolist()
+                    tok_sizes = (8 * np.minimum(counted.num_tokens[idx], max_seq_len)).tolist()
+                row_ends = ends[(ends > lo) & (ends <= lo + block)].tolist()
+                k = 0
+                for j, (s, o, n) in enumerate(zip(spools, offsets, sizes), lo + 1):
+                    parts.append(maps[s][o + 1 : o + n - 1])  # strip the list brackets
+                    if cache is not None:
+                        t, ts = tok_offsets[j - lo - 1], tok_sizes[j - lo - 1]
+                        cache.add(token_maps[s][t : t + ts], ntok[j - lo - 1])
+                    if k < len(row_ends) and j == row_ends[k]:
+                        out.write(b'{"messages": [' + b", ".join(parts) + b"]}\n")
+                        if cache is not None:
+                            cache.end_row()
+                        parts, row, k = [], row + 1, k + 1
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for m in maps + token_maps:
+            if m:
+                m.close()
+        for f in files:
+            f.close()
     return out.size, out.hexdigest()
 
 
@@ -756,6 +1084,8 @@ def run_pack(cfg: PackConfig) -> PackReport:
 
 
 def _run_pack(cfg: PackConfig) -> PackReport:
+    import numpy as np
+
     tok = load_tokenizer(cfg.tokenizer)
     fmt = _prompt_format(cfg, tok)
     report = PackReport(settings={k: v for k, v in asdict(cfg).items() if k not in ("progress",)})
@@ -766,48 +1096,64 @@ def _run_pack(cfg: PackConfig) -> PackReport:
     out_dir = Path(cfg.output).resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = _output_paths(cfg)
+    spool_name = cfg.output + ".spool"
     with _Lock(cfg.output):
         journal = journal_path(cfg.output)
         complete_publish(journal)  # a run killed while publishing: its set is complete, finish the renames
-        for final in {*paths.values(), *map(str, cache_paths(cfg.output)), str(journal)}:
+        for final in {*paths.values(), *map(str, cache_paths(cfg.output)), str(journal), spool_name}:
             for stale in stale_temps(final):
-                stale.unlink(missing_ok=True)
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
         temps: dict[str, Path] = {}
         try:
             temps["rows"] = temp_path(cfg.output)
-            with tempfile.TemporaryFile(dir=out_dir) as spool, tempfile.TemporaryFile(dir=out_dir) as token_spool:
-                counted = _count_all(cfg, spool, report, token_spool)
-                kept = _apply_oversize(cfg, counted, report)
+            spool_dir = tempfile.mkdtemp(prefix=f".{Path(spool_name).name}.", suffix=".tmp", dir=out_dir)
+            try:
+                if cfg.num_workers == 0:
+                    _init_worker(cfg, spool_dir, False, tok)
+                try:
+                    counted = _count_all(cfg, spool_dir, report)
+                finally:
+                    _close_worker()
                 L, cp = cfg.max_seq_len, cfg.context_parallel_size
-                costs = [min(conversation_cost(c.num_tokens, cp), L) for c in kept]
-                if not kept:
+                if not len(counted.num_tokens):
                     raise PackError(_nothing_to_pack(cfg, report))
-                rows = pack(costs, L, cfg.algorithm)
+                costs = np.minimum(conversation_cost(counted.num_tokens.astype(np.int64), cp), L)
+                cost_list = costs.tolist()
+                rows = pack(cost_list, L, cfg.algorithm)
+                report.lower_bound_rows = lower_bound_rows(cost_list, L)
+                del cost_list
                 if cfg.shuffle_rows:
                     random.Random(cfg.seed).shuffle(rows)
+                order, starts = _flatten_rows(rows, np)
+                report.rows = len(rows)
+                del rows
                 _stage("tokenized")
-                cache = _token_cache_writer(cfg, rows, kept, temps)
+                cache = _token_cache_writer(cfg, report.rows, counted, temps, np)
                 try:
-                    size, digest = _write_rows(cfg, rows, kept, spool, temps["rows"], cache, token_spool)
+                    size, digest = _write_rows(order, starts, counted, temps["rows"], np, cache, L)
                     cache_fields = cache.finish(digest) if cache is not None else None
                 finally:
                     if cache is not None:
                         cache.close()
+            finally:
+                shutil.rmtree(spool_dir, ignore_errors=True)
             _stage("rows_written")
-            lengths = [c.num_tokens for c in kept]
-            report.packed_conversations = len(kept)
-            report.rows = len(rows)
-            report.real_tokens = sum(min(n, L) for n in lengths)
+            lengths = counted.num_tokens
+            report.packed_conversations = len(lengths)
+            report.real_tokens = int(np.minimum(lengths, L).sum())
             report.padding_tokens = report.rows * L - report.real_tokens
-            report.lower_bound_rows = lower_bound_rows(costs, L) if costs else 0
-            _write_outputs(cfg, fmt, tok, report, lengths, rows, costs, paths, temps, size, digest, cache_fields)
+            row_fill = np.add.reduceat(costs[order], starts) if report.rows else costs[:0]
+            _write_outputs(cfg, fmt, tok, report, lengths, row_fill, paths, temps, size, digest, cache_fields)
         finally:
             for tmp in temps.values():
                 tmp.unlink(missing_ok=True)
     return report
 
 
-def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, paths, temps, size, digest,
+def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, temps, size, digest,
                    cache_fields=None) -> None:
     report.outputs = dict(paths)
     report.rows_file = {"size": size, "blake2b": digest}
@@ -846,7 +1192,7 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, rows, costs, path
         from packsft.packing.report import plot_lengths
 
         temps["histogram"] = temp_path(paths["histogram"])
-        plot_lengths(temps["histogram"], lengths, [sum(costs[i] for i in r) for r in rows], cfg.max_seq_len)
+        plot_lengths(temps["histogram"], lengths, row_fill, cfg.max_seq_len)
     for key in ("sidecar", "report"):
         with open(temps[key], "rb+") as f:
             os.fsync(f.fileno())

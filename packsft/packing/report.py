@@ -17,7 +17,7 @@ def plot_lengths(path: str | Path, lengths: Sequence[int], row_fill: Sequence[in
 
     Args:
         path: PNG file to write (atomically).
-        lengths: tokens per packed conversation.
+        lengths: tokens per packed conversation (a sequence or numpy array of ints).
         row_fill: tokens used per row (sum of CP-padded conversation costs, at most ``max_seq_len``).
         max_seq_len: row capacity in tokens.
     """
@@ -25,18 +25,21 @@ def plot_lengths(path: str | Path, lengths: Sequence[int], row_fill: Sequence[in
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row_fill = np.asarray(row_fill, dtype=np.int64)
     cap = 2 * max_seq_len
-    oversize = sum(n > max_seq_len for n in lengths)
+    oversize = int((lengths > max_seq_len).sum())
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
-    a.hist([min(n, cap) for n in lengths] or [0], bins=64, range=(0, cap), color="#4c72b0")
+    a.hist(np.minimum(lengths, cap) if len(lengths) else [0], bins=64, range=(0, cap), color="#4c72b0")
     a.axvline(max_seq_len, color="#c44e52", linestyle="--", label=f"max_seq_len = {max_seq_len}")
     a.set(title=f"{len(lengths)} conversations, {oversize} longer than a row", xlabel="tokens per conversation "
           f"(last bin: >= {cap})", ylabel="conversations")
     a.legend()
-    padding = [max_seq_len - min(f, max_seq_len) for f in row_fill] or [0]
-    real = sum(min(n, max_seq_len) for n in lengths)
-    efficiency = 100.0 * real / (len(row_fill) * max_seq_len) if row_fill else 0.0
+    padding = max_seq_len - np.minimum(row_fill, max_seq_len) if len(row_fill) else [0]
+    real = int(np.minimum(lengths, max_seq_len).sum())
+    efficiency = 100.0 * real / (len(row_fill) * max_seq_len) if len(row_fill) else 0.0
     b.hist(padding, bins=50, color="#55a868", log=True)
     b.set(title=f"{len(row_fill)} rows, efficiency {efficiency:.2f} %", xlabel="padding tokens per row",
           ylabel="rows (log)")

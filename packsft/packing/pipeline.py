@@ -269,11 +269,25 @@ def _init_worker(cfg: PackConfig, spool_dir: str, in_worker: bool, tok=None) -> 
     if in_worker:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process stops the workers
+        _exit_with_parent(os.getppid())
     tok = tok if tok is not None else load_tokenizer(cfg.tokenizer)
     fmt = _prompt_format(cfg, tok)
     _W.clear()
     _W.update(cfg=cfg, tok=tok, fmt=fmt, lenient=dataclasses.replace(fmt, allow_non_megatron=True),
               convert=record_converter(cfg.record_format, cfg.adapter), spool_dir=spool_dir, in_worker=in_worker)
+
+
+def _exit_with_parent(parent: int, poll: float = 0.5) -> None:
+    """End this worker process soon after the packer that spawned it is gone (a ``kill -9`` of the packer
+    leaves nobody to stop it): a daemon thread polls the parent pid every ``poll`` seconds."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="packsft-parent-watch", daemon=True).start()
 
 
 def _close_worker() -> None:
@@ -694,6 +708,8 @@ class PackReport:
             f"input conversations : {self.input_conversations}",
             f"packed conversations: {self.packed_conversations}",
             f"rejected            : {len(self.rejected)}",
+            *([f"blank lines skipped : {blank}"] if (blank := sum(v.get("blank_lines", 0)
+                                                                  for v in self.per_input.values())) else []),
             f"warnings            : {len(self.warnings)} ({self.warning_counts_text()})",
             f"oversize            : {len(self.oversize)} "
             f"({sum(o['action'] == 'dropped' for o in self.oversize)} dropped)",
@@ -890,9 +906,10 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport) -> _Counted:
         before = lines_before.get(r.shard.file_idx, 0)
         lines_before[r.shard.file_idx] = before + r.lines
         report.input_conversations += r.conversations
-        stats = report.per_input.setdefault(path, {"conversations": 0, "rejected": 0})
+        stats = report.per_input.setdefault(path, {"conversations": 0, "rejected": 0, "blank_lines": 0})
         stats["conversations"] += r.conversations
         stats["rejected"] += len(r.rejected)
+        stats["blank_lines"] += r.lines - r.conversations  # skipped, but counted: every line is accounted for
         events = sorted([(line, 0, reason) for line, reason in r.rejected]
                         + [(line, 1, (kind, message)) for kind, line, message in r.warnings],
                         key=lambda e: (e[0], e[1]))

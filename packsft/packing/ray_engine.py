@@ -62,11 +62,14 @@ def ray_session(address: str | None):
     if not ray.is_initialized():
         root = str(Path(packsft.__file__).resolve().parents[1])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        _check_reachable(address or os.environ.get("RAY_ADDRESS"))
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True,
                      runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}})
-        except (ConnectionError, RuntimeError) as e:
-            raise ValueError(f"--ray-address {address}: {e}") from e
+        except Exception as e:  # ConnectionError, RuntimeError, or a local start that timed out (Exception)
+            where = f"--ray-address {address}" if address else "starting a local Ray instance"
+            raise ValueError(f"{where}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
+                from e
         started = True
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # Ray Data's per-dataset INFO lines
     ctx = ray.data.DataContext.get_current()
@@ -81,8 +84,42 @@ def ray_session(address: str | None):
             ray.shutdown()
 
 
+def _check_reachable(address: str | None, timeout: float = 10.0) -> None:
+    """Refuse a ``HOST:PORT`` cluster address nothing listens on (``ray.init`` would retry it forever).
+
+    ``auto``, ``local`` and ``ray://`` addresses are left to ``ray.init`` (which fails on them by itself).
+
+    Raises:
+        ValueError: the host does not resolve or does not accept a TCP connection within ``timeout`` seconds.
+    """
+    if not address or address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address {address}: expected HOST:PORT (the head's GCS port, 6379 by default), "
+                         "auto, or ray://HOST:10001")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address {address}: no Ray head answers there ({e}); start one with "
+                         f"`ray start --head --port={port}` or check the address") from e
+
+
 def _pool_size(ray, num_workers: int) -> int:
     return num_workers if num_workers > 0 else max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def _map_actors(ray, items: list[dict], cls, args: tuple, pool: int, **remote):
+    """``items`` (one block each) mapped through an actor pool of ``cls(*args)``, at most ``pool`` actors of one
+    CPU; a dead actor is restarted and its task retried :data:`_RETRIES` times."""
+    import warnings
+
+    with warnings.catch_warnings():  # max_restarts / max_task_retries: Ray < 2.64 takes them as remote args
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            cls, fn_constructor_args=args, batch_size=1, num_cpus=1,
+            compute=ray.data.ActorPoolStrategy(size=min(pool, len(items))), max_restarts=_RETRIES,
+            max_task_retries=_RETRIES, **remote)
 
 
 def _check_visible(folder: str) -> None:
@@ -167,9 +204,10 @@ def _task_error(e: Exception, cfg=None, shards=None, spool_dir: str | None = Non
             at = f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})"
         except (OSError, ValueError, IndexError):
             pass
-    return PackError(f"a Ray task of the packer failed after {_RETRIES} retries{at} ({type(e).__name__}: {first}); "
-                     "a worker killed each time is often the out-of-memory killer: use fewer --num-workers per "
-                     "node, more memory, or a lower --max-conversation-bytes")
+    return PackError(f"a Ray task of the packer failed{at} ({type(e).__name__}: {first}; a dead worker is retried "
+                     f"{_RETRIES} times): a worker killed each time is most often the out-of-memory killer (use "
+                     "fewer --num-workers per node, more memory, or a lower --max-conversation-bytes); one that "
+                     "could not start is explained in Ray's log lines above")
 
 
 def _raised(error: str) -> None:
@@ -196,10 +234,7 @@ def shard_results(cfg, shards, spool_dir: str, bar):
     items = [{"index": s.index, "file_idx": s.file_idx, "start": s.start, "end": s.end} for s in shards]
     hook = {"runtime_env": {"env_vars": {WORKER_HOOK_ENV: os.environ[WORKER_HOOK_ENV]}}} \
         if os.environ.get(WORKER_HOOK_ENV) else {}
-    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _ShardCounter, fn_constructor_args=(cfg, spool_dir), batch_size=1, num_cpus=1, max_restarts=_RETRIES,
-        max_task_retries=_RETRIES, **hook,
-        compute=ray.data.ActorPoolStrategy(size=min(_pool_size(ray, cfg.num_workers), len(items))))
+    ds = _map_actors(ray, items, _ShardCounter, (cfg, spool_dir), _pool_size(ray, cfg.num_workers), **hook)
     try:
         for row in ds.iter_rows():
             _raised(row["error"])
@@ -296,11 +331,8 @@ def write_rows(cfg, order, starts, counted, tmp: Path, spool_dir: str, cache=Non
     arrays = {"order": order, "starts": starts, "num_tokens": counted.num_tokens, "offset": counted.offset,
               "size": counted.size, "spool": counted.spool, "token_offset": counted.token_offset}
     items = [{"part": k, "r0": r0, "r1": r1} for k, (r0, r1) in enumerate(parts)]
-    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _RowWriter, fn_constructor_args=(arrays, counted.spools, counted.token_spools if cache is not None else None,
-                                         spool_dir, cfg.max_seq_len),
-        batch_size=1, num_cpus=1, max_restarts=_RETRIES, max_task_retries=_RETRIES,
-        compute=ray.data.ActorPoolStrategy(size=min(pool, len(items))))
+    ds = _map_actors(ray, items, _RowWriter, (arrays, counted.spools, counted.token_spools if cache is not None
+                                              else None, spool_dir, cfg.max_seq_len), pool)
     with open(tmp, "wb") as f:
         out = HashingWriter(f)
         try:

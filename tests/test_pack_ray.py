@@ -116,3 +116,17 @@ def test_ray_engine_worker_killed_every_time_fails_naming_its_shard(ray_cluster,
     with pytest.raises(PackError, match=r"failed while reading shard 2 of .*in\.jsonl \(bytes \d+-\d+\)"):
         _pack(tmp_path / "killed", inputs[:1], tokenizer_dir(SMOLLM2), engine="ray")
     assert [p.name for p in (tmp_path / "killed").iterdir()] == [".rows.jsonl.packed.lock"]
+
+
+def test_an_address_nothing_listens_on_is_refused_before_ray_init():
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"--ray-address 127\.0\.0\.1:{port}: no Ray head answers there"):
+        ray_engine._check_reachable(f"127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        ray_engine._check_reachable("headnode")
+    for left_to_ray in (None, "auto", "ray://head:10001"):
+        ray_engine._check_reachable(left_to_ray)

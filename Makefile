@@ -18,6 +18,8 @@ ALGORITHM ?= bfd-local-search
 CONFIG ?= configs/tiny_cpu.yaml
 NPROC ?= 1
 OVERRIDES ?=
+# pytest-xdist processes for `make test` (each test file runs whole in one of them)
+TEST_WORKERS ?= 2
 
 .PHONY: setup test test-fast lint pack train demo bench bench-pack bench-loader bench-loss bench-train bench-sources clean
 
@@ -35,7 +37,7 @@ $(PY):
 setup: $(PY)
 
 test: setup
-	$(PY) -m pytest -q -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed"

@@ -126,8 +126,8 @@ def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill):  # noqa:
             os.kill(_worker(run_id, 1), signal.SIGKILL)
         else:
             os.killpg(proc.pid, signal.SIGKILL)
-        left = _wait_gone(run_id, 10)
-        assert not left, f"still alive 10 s after {kill}: {left}"
+        left = _wait_gone(run_id, 60)  # torchrun stops the other rank with SIGTERM, then SIGKILL after 30 s
+        assert not left, f"still alive 60 s after {kill}: {left}"
     finally:
         for pid in _marked(run_id):
             try:

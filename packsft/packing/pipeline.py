@@ -858,7 +858,8 @@ class _Counted:
     """What the main process keeps of the accepted conversations: numpy arrays, no object per conversation.
 
     Attributes:
-        num_tokens: int32 ``[n]``; spool: int16 ``[n]`` index into ``spools``; offset, size: int64 ``[n]``.
+        num_tokens: int32 ``[n]``; spool: int32 ``[n]`` index into ``spools`` (one spool per worker, or per shard
+            with Ray); offset, size: int64 ``[n]``.
         spools: the spool files.
         token_spools: the token spool of each of ``spools`` (the same worker's), or ``None`` without the cache.
         token_offset: int64 ``[n]``, offset in ``token_spools[spool]``, or ``None`` without the cache.
@@ -879,7 +880,7 @@ class _Counted:
         self.num_tokens = cat([r.num_tokens for r in results], np.int32)
         self.offset = cat([r.offset for r in results], np.int64)
         self.size = cat([r.size for r in results], np.int64)
-        self.spool = cat([np.full(len(r.num_tokens), ids[r.spool], np.int16) for r in results], np.int16)
+        self.spool = cat([np.full(len(r.num_tokens), ids[r.spool], np.int32) for r in results], np.int32)
         self.token_offset = cat([r.token_offset for r in results], np.int64) if cached else None
 
     def keep(self, mask) -> None:

@@ -37,7 +37,7 @@ $(PY):
 setup: $(PY)
 
 test: setup
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=20; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed"

@@ -45,12 +45,12 @@ fi
 row() { printf '%-30s %-8s %s\n' "$1" "$2" "$3" | tee -a "$TABLE"; }
 
 if [ "$CPU" = 1 ]; then
-  SEQ=512; STEPS=12; WARMUP=2; LINES=400; BACKEND=gloo; LIMIT=400
+  SEQ=512; STEPS=12; WARMUP=2; LINES=400; BACKEND=gloo; LIMIT=400; GBS=2  # bf16 on CPU is slow: small steps
   MODEL="model.num_layers=2 model.hidden_size=64 model.ffn_hidden_size=128 model.num_attention_heads=4 \
 model.num_query_groups=2"
   LOSS_ARGS="--device cpu --dtype fp32 --t 1024 --v 8192 --h 256 --chunk-sizes 256"
 else
-  SEQ=8192; STEPS=20; WARMUP=10; LINES=7473; BACKEND=nccl; LIMIT=200
+  SEQ=8192; STEPS=20; WARMUP=10; LINES=7473; BACKEND=nccl; LIMIT=200; GBS=4
   MODEL="model.num_layers=16 model.hidden_size=2048 model.ffn_hidden_size=8192 model.num_attention_heads=32 \
 model.num_query_groups=8"
   LOSS_ARGS="--device cuda --dtype bf16 --t 32768 --v 131072 --h 4096 --chunk-sizes 4096"
@@ -80,7 +80,7 @@ for interval in 1 10; do
     model.max_position_embeddings="$SEQ" model.attention_backend=torch data.train_path="$WORK/rows.jsonl.packed" \
     data.tokenizer="$TOK" data.max_seq_len="$SEQ" data.split_validation_size=0 validation.val_period=0 \
     validation.val_at_end=false optimizer.backend=megatron optimizer.use_distributed_optimizer=true \
-    optimizer.lr=1e-4 train.bf16=true train.global_batch_size=4 train.train_steps="$STEPS" \
+    optimizer.lr=1e-4 train.bf16=true train.global_batch_size="$GBS" train.train_steps="$STEPS" \
     scheduler.warmup_steps=2 loss.chunk_size=4096 parallel.backend="$BACKEND" checkpoint.save_interval=0 \
     checkpoint.save_at_end=false checkpoint.resume=none logging.log_interval="$interval" \
     logging.output_dir="$WORK/train_$interval" logging.tensorboard=false logging.progress=false \

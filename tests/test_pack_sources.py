@@ -154,7 +154,8 @@ def test_bad_rows_are_reported_by_row_index(tmp_path, tokenizer_dir, capsys):
     assert cli.main(["--input", str(tmp_path / "broken.parquet"), "--output", str(tmp_path / "b.jsonl.packed"),
                      "--tokenizer", str(tokenizer_dir("smollm2-135m-instruct")), "--max-seq-length", "256",
                      "--no-progress"]) == 2
-    assert f"error: {tmp_path / 'broken.parquet'}: row 0: cannot be read as a Parquet file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'broken.parquet'}: before its first row: cannot be read as a Parquet file" in err
 
 
 def test_dataset_dict_needs_a_split_and_folders_must_be_datasets(tmp_path, tokenizer_dir, capsys):
@@ -211,5 +212,5 @@ def test_row_sources_among_jsonl_shards_pack_the_same_with_workers(tmp_path, tok
     assert [(r["input"], r.get("line"), r.get("row")) for r in got[0][-2]] == [
         (str(first), 13, None), (str(rows), None, 1), (str(last), 2, None)]
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
-    with pytest.raises(SourceError, match=r"broken.parquet: row 0: cannot be read as a Parquet file"):
+    with pytest.raises(SourceError, match=r"broken.parquet: before its first row: cannot be read as a Parquet file"):
         _pack(tmp_path, tokenizer_dir, [first, tmp_path / "broken.parquet"], "broken", num_workers=2)

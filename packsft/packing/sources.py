@@ -160,7 +160,8 @@ def iter_source(path: str | Path, max_bytes: int | None = None, split: str | Non
     except SourceError:
         raise
     except Exception as err:  # noqa: BLE001 - pyarrow/datasets raise many types for a corrupt file
-        raise SourceError(f"{path}: row {index}: cannot be read as {_kind(p)} ({type(err).__name__}: {err})") from err
+        at = f"row {index}" if index else "before its first row"  # a whole-file failure has no row to name
+        raise SourceError(f"{path}: {at}: cannot be read as {_kind(p)} ({type(err).__name__}: {err})") from err
 
 
 def _kind(path: Path) -> str:

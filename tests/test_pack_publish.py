@@ -5,6 +5,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,10 @@ def _argv(src, out, tok, L):
             "--no-progress"]
 
 
-def _child(argv, hook):
+def _child(argv, hook, foreign_handler=False):
     os.environ[STAGE_HOOK_ENV] = hook
+    if foreign_handler:  # what ray.init leaves in a process (and so in a process forked from it)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
     raise SystemExit(cli.main(argv))
 
 
@@ -99,6 +102,26 @@ def test_repack_killed_at_every_stage_leaves_the_old_or_the_new_set(tmp_path, pa
         assert cli.main(_argv(src, out, tok, 256)) == 0
         assert [t for final in (out, sidecar_path(out), *cache_paths(out)) for t in stale_temps(final)] == []
         assert _set(out) == sets[256]
+
+
+def test_sigterm_is_the_packers_own_even_under_a_handler_left_by_ray(tmp_path, packed_sets):
+    """A handler installed before the packer starts (``ray.init`` leaves ``sys.exit(15)``) is replaced while it
+    runs: SIGTERM still removes the run's temps and exits 143, and the handler is back afterwards."""
+    src, tok, sets = packed_sets
+    out = tmp_path / "rows.jsonl.packed"
+    assert cli.main(_argv(src, out, tok, 128)) == 0
+    p = mp.get_context("fork").Process(target=_child, args=(_argv(src, out, tok, 256), "rows_written:SIGTERM", True))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 128 + signal.SIGTERM
+    assert [t for final in (out, sidecar_path(out), *cache_paths(out)) for t in stale_temps(final)] == []
+    assert _set(out) == sets[128]
+    mine = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        assert cli.main(_argv(src, out, tok, 256)) == 0
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, mine)
 
 
 def test_stale_temps_of_a_killed_run_are_removed_and_others_kept(tmp_path, packed_sets):

@@ -78,3 +78,21 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, packed,
     assert trainer.state.skipped_steps == 1
     with pytest.raises(FloatingPointError, match="not finite for 2 steps in a row"):
         trainer._one_step(logger)
+
+
+def test_a_run_that_raises_leaves_no_sigterm_handler_behind(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+    """The stop-on-SIGTERM handler of ``Trainer.run`` is removed however the run ends (a process forked later, e.g.
+    a packer, would otherwise inherit it)."""
+    import signal
+
+    trainer = trainer_for(tmp_path, packed, train={"global_batch_size": 2, "train_steps": 4})
+
+    def fails(logger):
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # installed while the run runs
+        raise FloatingPointError("step failed")
+
+    trainer._one_step = fails
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(FloatingPointError, match="step failed"):
+        trainer.run()
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -1114,6 +1114,18 @@ def _on_sigterm(signum, frame):
     raise _Terminated(128 + signum)
 
 
+def _hold_sigterm() -> tuple[bool, Any]:
+    """Install :func:`_on_sigterm` (main thread only); return ``(installed, the handler it replaced)``.
+
+    Whatever was there is replaced: a handler left by an earlier ``ray.init`` in this process (``sys.exit(15)``)
+    or one Python cannot see (``signal.getsignal`` is ``None``) would end the run without removing its temps.
+    """
+    try:
+        return True, signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread
+        return False, None
+
+
 def run_pack(cfg: PackConfig) -> PackReport:
     """Run the whole pipeline for ``cfg`` and return its report (also written to disk).
 
@@ -1122,8 +1134,8 @@ def run_pack(cfg: PackConfig) -> PackReport:
     publish journal (:func:`packsft.io.publish_files`) with SIGTERM held off, the sidecar last. A run killed at
     any point leaves the previous complete set or the new one: killed during the renames, it leaves the
     journal, and the next packer run or reader (:func:`packsft.io.finish_interrupted_publish`) finishes them.
-    Temp files of an earlier killed run are removed at start; SIGTERM (handled while this runs in the main
-    thread) removes this run's own.
+    Temp files of an earlier killed run are removed at start. While this runs in the main thread, SIGTERM is
+    its own (the previous handler is restored at the end): it removes this run's temp files and exits 143.
 
     Raises:
         ValueError: invalid settings (see :meth:`PackConfig.validate`), unusable tokenizer or prompt format.
@@ -1132,22 +1144,19 @@ def run_pack(cfg: PackConfig) -> PackReport:
         SystemExit: 143 on SIGTERM (nothing of this run is left behind).
     """
     cfg.validate()
-    handler = None
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        try:
-            handler = signal.signal(signal.SIGTERM, _on_sigterm)
-        except ValueError:  # not the main thread
-            handler = None
+    held, previous = _hold_sigterm()
     try:
         if cfg.engine == "ray":
             from packsft.packing.ray_engine import ray_session
 
             with ray_session(cfg.ray_address):
+                if held:
+                    _hold_sigterm()  # ray.init installs its own (sys.exit(15)), and a C-level one
                 return _run_pack(cfg)
         return _run_pack(cfg)
     finally:
-        if handler is not None:
-            signal.signal(signal.SIGTERM, handler)
+        if held:  # None: a handler Python did not install, which it cannot put back
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _run_pack(cfg: PackConfig) -> PackReport:

@@ -548,28 +548,30 @@ class Trainer:
         saved_at = validated_at = None
         started_at = self.state.step
         installed = cfg.train.save_on_sigterm and process_guard.SIGTERM_STOP.install()
-        while self.state.step < last:
-            if cfg.train.save_on_sigterm and self._stop_requested():
-                self.stopped_by_sigterm = True
-                break
-            self._one_step(logger)
-            step = self.state.step
-            if cfg.validation.val_period and step % cfg.validation.val_period == 0:
-                logger.log({"kind": "validation", "step": step, **self.validate()})
-                validated_at = step
-            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-                self.save()
-                saved_at = step
-        if self.stopped_by_sigterm:
-            if saved_at != self.state.step and self.state.step > started_at:
-                self.save()
-        else:
-            if cfg.validation.val_at_end and validated_at != self.state.step:
-                logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
-            if cfg.checkpoint.save_at_end and saved_at != self.state.step:
-                self.save()
-        if installed:
-            process_guard.SIGTERM_STOP.uninstall()
+        try:
+            while self.state.step < last:
+                if cfg.train.save_on_sigterm and self._stop_requested():
+                    self.stopped_by_sigterm = True
+                    break
+                self._one_step(logger)
+                step = self.state.step
+                if cfg.validation.val_period and step % cfg.validation.val_period == 0:
+                    logger.log({"kind": "validation", "step": step, **self.validate()})
+                    validated_at = step
+                if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                    self.save()
+                    saved_at = step
+            if self.stopped_by_sigterm:
+                if saved_at != self.state.step and self.state.step > started_at:
+                    self.save()
+            else:
+                if cfg.validation.val_at_end and validated_at != self.state.step:
+                    logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
+                if cfg.checkpoint.save_at_end and saved_at != self.state.step:
+                    self.save()
+        finally:
+            if installed:  # also when a step raises: the process keeps no handler of this run
+                process_guard.SIGTERM_STOP.uninstall()
         self._sync_counters()
         logger.close()
         return self.state

@@ -129,11 +129,3 @@ def stop_checkpoint_writer() -> None:
     filesystem_async._results_queue = None
     _writer_manager.shutdown()
     _writer_manager = None
-
-
-def _writer_init(parent: int) -> None:
-    """Initializer of the writer Manager: outlive SIGTERM/SIGINT sent to the whole job (the trainer still saves
-    through it), die with the trainer."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL, parent)

@@ -26,10 +26,10 @@ P processes; ``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loade
 conversations/s, with their ratio by wall time and by CPU time (all processes; on a shared machine wall time
 is noisy, CPU time less so).
 
-``--scale N``: a synthetic file of N conversations (seeded random words, 2-6 turns) is packed by the CLI in a
-child process (``--num-workers`` from ``--scale-workers``, default 0) at N/4 and
-N; the peak RSS of all its processes (sampled with psutil every 50 ms, summed over the process tree) is
-printed with a linear extrapolation to 10M conversations.
+``--scale N`` (default 1M): a synthetic file of N conversations (seeded random words; by default 2 messages of
+3-40 words, ``--scale-words``) is packed by the CLI in a child process (``--num-workers`` from
+``--scale-workers``, default 0) at N/4 and N; the peak RSS of all its processes (sampled with psutil every
+50 ms, summed over the process tree) is printed with a linear extrapolation to 10M conversations.
 
 Exit code 1 when an algorithm uses more rows than best-fit decreasing or the packer's counts disagree.
 """
@@ -253,6 +253,10 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=int, nargs="?", const=1_000_000, default=None,
                    help="only the memory run: pack N/4 and N synthetic conversations (default N 1M), peak RSS")
     p.add_argument("--scale-workers", type=int, default=0, help="--num-workers of the --scale runs")
+    p.add_argument("--scale-words", type=int, default=40,
+                   help="longest message of the --scale conversations in words (below 60: 2 messages each; what "
+                        "the packer keeps per conversation does not depend on its length, and short ones make "
+                        "1M conversations a few minutes)")
     a = p.parse_args(argv)
     a.tokenizer = a.tokenizers[0]
     if a.scale is not None:
@@ -338,16 +342,19 @@ _WORDS = ("the of and to in is that it for on with as was at by an be this from 
           "came right used take three").split()
 
 
-def synthetic_file(path: Path, n: int, seed: int = 0) -> Path:
-    """``n`` conversations of seeded random words (2-6 messages, 5-300 words each) as messages JSONL."""
+def synthetic_file(path: Path, n: int, seed: int = 0, max_words: int = 300) -> Path:
+    """``n`` conversations of seeded random words (2-6 messages; user turns 5-60 words, assistant turns 5 to
+    ``max_words``; with ``max_words`` < 60, 2 messages of 3 to ``max_words`` words) as messages JSONL."""
     import random
 
     rng = random.Random(seed)
+    short = max_words < 60
     with open(path, "w", encoding="utf-8") as f:
         for i in range(n):
             msgs = []
-            for t in range(rng.choice((2, 2, 2, 4, 6))):
-                words = rng.choices(_WORDS, k=rng.randint(5, 60 if t % 2 == 0 else 300))
+            for t in range(2 if short else rng.choice((2, 2, 2, 4, 6))):
+                k = rng.randint(3, max_words) if short else rng.randint(5, 60 if t % 2 == 0 else max_words)
+                words = rng.choices(_WORDS, k=k)
                 msgs.append({"role": "user" if t % 2 == 0 else "assistant", "content": " ".join(words)})
             f.write(json.dumps({"id": i, "messages": msgs}) + "\n")
     return path
@@ -389,7 +396,7 @@ def print_scale(a) -> int:
     points = []
     with tempfile.TemporaryDirectory() as d:
         for n in (max(1, a.scale // 4), a.scale):
-            src = synthetic_file(Path(d) / f"synthetic{n}.jsonl", n)
+            src = synthetic_file(Path(d) / f"synthetic{n}.jsonl", n, max_words=a.scale_words)
             argv = [sys.executable, str(REPO_ROOT / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(src),
                     "--output", str(Path(d) / f"out{n}" / "rows.jsonl.packed"), "--tokenizer", a.tokenizer,
                     "--max-seq-length", "4096", "--num-workers", str(a.scale_workers), "--no-progress"]

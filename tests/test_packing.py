@@ -4,6 +4,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,8 +18,9 @@ from packsft.packing.algorithms import (
     lower_bound_rows,
     next_fit,
     pack,
+    pack_order,
 )
-from packsft.packing.pipeline import PackConfig
+from packsft.packing.pipeline import PackConfig, _shuffled_rows
 
 
 def test_cost_is_cp_aligned():
@@ -53,6 +55,29 @@ def test_every_conversation_in_exactly_one_row_and_capacity_respected(algorithm)
     assert all(sum(costs[i] for i in r) <= 2048 for r in rows)
     assert all(r == sorted(r) for r in rows)
     assert len(rows) >= lower_bound_rows(costs, 2048)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_pack_order_is_the_rows_as_flat_arrays_from_a_list_or_an_array(algorithm):
+    rng = random.Random(2)
+    costs = [rng.randint(1, 700) for _ in range(2000)]
+    order, starts = pack_order(np.asarray(costs, dtype=np.int32), 1024, algorithm)
+    assert order.dtype == starts.dtype == np.int64 and starts[0] == 0 and np.all(np.diff(starts) > 0)
+    rows = [order[a:b].tolist() for a, b in zip(starts, [*starts[1:], len(order)])]
+    assert rows == pack(costs, 1024, algorithm)
+    assert sorted(order.tolist()) == list(range(len(costs)))
+    assert [len(x) for x in pack_order([], 1024, algorithm)] == [0, 0]
+
+
+def test_shuffled_rows_are_the_seeded_shuffle_of_the_row_list():
+    rows = pack([random.Random(3).randint(1, 300) for _ in range(500)], 512, "best-fit-decreasing")
+    order = np.asarray([i for r in rows for i in r], dtype=np.int64)
+    starts = np.cumsum([0] + [len(r) for r in rows[:-1]])
+    for seed in (0, 1, 1234):
+        got_order, got_starts = _shuffled_rows(order, starts, seed, np)
+        expected = list(rows)
+        random.Random(seed).shuffle(expected)
+        assert [got_order[a:b].tolist() for a, b in zip(got_starts, [*got_starts[1:], len(order)])] == expected
 
 
 def test_best_fit_is_near_the_lower_bound_and_beats_next_fit():

@@ -42,22 +42,19 @@ def next_fit(costs: Sequence[int], max_seq_len: int) -> list[list[int]]:
     Raises:
         ValueError: when a cost is outside ``1..max_seq_len`` (handle oversize conversations before packing).
     """
-    _check_costs(costs, max_seq_len)
-    rows: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, c in enumerate(costs):
-        if current and used + c > max_seq_len:
-            rows.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += c
-        if used == max_seq_len:
-            rows.append(current)
-            current, used = [], 0
-    if current:
-        rows.append(current)
-    return rows
+    return _rows_from_order(*pack_order(costs, max_seq_len, "next-fit"))
+
+
+def _next_fit_starts(c: np.ndarray, L: int) -> np.ndarray:
+    """Index of each next-fit row's first conversation (int64 ``[rows]``); ``c`` is int64 ``[n]``."""
+    starts: list[int] = []
+    used = L
+    for i, v in enumerate(c.tolist()):
+        if used + v > L:
+            starts.append(i)
+            used = 0
+        used += v
+    return np.asarray(starts, dtype=np.int64)
 
 
 def best_fit_decreasing(costs: Sequence[int], max_seq_len: int) -> list[list[int]]:
@@ -80,8 +77,7 @@ def best_fit_decreasing(costs: Sequence[int], max_seq_len: int) -> list[list[int
     (the best-fit row for the next one is the same row while its space stays ``>= v``), so it costs one step per
     (row, distinct cost) it touches plus an O(L) scan per distinct cost.
     """
-    c = _check_costs(costs, max_seq_len)
-    return _rows_from_assignment(_bfd_assign(c, max_seq_len), len(c))
+    return _rows_from_order(*pack_order(costs, max_seq_len, "best-fit-decreasing"))
 
 
 def bfd_local_search(costs: Sequence[int], max_seq_len: int, max_work: int | None = None) -> list[list[int]]:
@@ -110,19 +106,32 @@ def bfd_local_search(costs: Sequence[int], max_seq_len: int, max_work: int | Non
     Raises:
         ValueError: when a cost is outside ``1..max_seq_len``.
     """
-    c = _check_costs(costs, max_seq_len)
+    return _rows_from_order(*_local_search_order(_check_costs(costs, max_seq_len), max_seq_len, max_work))
+
+
+def _local_search_order(c: np.ndarray, L: int, max_work: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`bfd_local_search` as ``(order, starts)`` (see :func:`pack_order`); ``c`` is int64 ``[n]``.
+
+    The rows are kept as a row id per conversation; only the rows of re-packed groups are ever Python lists.
+    """
     n = len(c)
-    assign = _bfd_assign(c, max_seq_len)
-    rows = _rows_from_assignment(assign, n)
-    bound = -(-int(c.sum()) // max_seq_len)
-    alive = len(rows)
+    assign = _bfd_assign(c, L)
+    alive = int(assign.max()) + 1 if n else 0
+    bound = -(-int(c.sum()) // L)
     if alive <= bound:
-        return rows
+        return _order_from_assignment(assign, alive)
+    by_row = np.argsort(assign, kind="stable")
+    ends = np.cumsum(np.bincount(assign, minlength=alive))
+    changed: dict[int, list[int]] = {}  # row -> its conversations after a re-pack (empty: the row was emptied)
+
+    def members(r: int) -> list[int]:
+        got = changed.get(r)
+        return got if got is not None else by_row[ends[r - 1] if r else 0:ends[r]].tolist()
+
     work = [10 * n + 50_000 if max_work is None else max_work]
-    cost = c.tolist()
-    L = max_seq_len
     space = L - np.bincount(assign, weights=c, minlength=alive).astype(np.int64)  # an emptied row gets -1
     later_first = -np.arange(alive)
+    rows_total = alive
     while alive > bound and work[0] > 0:
         by_space = np.lexsort((later_first, -space))  # most space first, ties: the later row; emptied rows last
         work[0] -= alive // 16 + 1
@@ -130,22 +139,24 @@ def bfd_local_search(costs: Sequence[int], max_seq_len: int, max_work: int | Non
         new, group = None, []
         for _ in range(_TRIES):
             group = by_space[:size].tolist()
-            items = [i for r in group for i in rows[r]]
+            items = [i for r in group for i in members(r)]
             work[0] -= len(items)
-            new = _fill_rows(items, cost, L, len(group) - 1, work)
+            new = _fill_rows(items, dict(zip(items, c[items].tolist())), L, len(group) - 1, work)
             if new is not None or size >= alive or work[0] <= 0:
                 break
             size = min(2 * size, alive)
         if new is None:
             break
         for r, row in zip(sorted(group), new + [[]] * (len(group) - len(new))):
-            rows[r] = sorted(row)
-            space[r] = L - sum(cost[i] for i in row) if row else -1
+            changed[r] = row
+            space[r] = L - int(c[row].sum()) if row else -1
             alive -= not row
-    return [r for r in rows if r]
+    for r, row in changed.items():
+        assign[row] = r
+    return _order_from_assignment(assign, rows_total)
 
 
-def _fill_rows(items: list[int], cost: list[int], L: int, n_rows: int, work: list[int]) -> list[list[int]] | None:
+def _fill_rows(items: list[int], cost: dict[int, int], L: int, n_rows: int, work: list[int]) -> list[list[int]] | None:
     """Pack ``items`` into at most ``n_rows`` rows of ``L`` by minimum bin slack: each row holds the largest
     conversation left and, beside it, the subset of the others that fills the row the most.
 
@@ -259,34 +270,61 @@ def _bfd_assign(c: np.ndarray, L: int) -> np.ndarray:
     return assign
 
 
-def _rows_from_assignment(assign: np.ndarray, n: int) -> list[list[int]]:
-    """Rows (lists of ascending indices) from a row id per conversation; row ids are ``0..max``."""
-    if n == 0:
-        return []
-    by_row = np.argsort(assign, kind="stable")
-    ends = np.cumsum(np.bincount(assign)).tolist()
-    flat = by_row.tolist()
-    return [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+def _order_from_assignment(assign: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, starts)`` of row ids ``assign`` (``0..n_rows-1``; a row with no conversation is dropped)."""
+    order = np.argsort(assign, kind="stable")  # by row, then by index
+    counts = np.bincount(assign, minlength=n_rows)
+    counts = counts[counts > 0]
+    return order, np.cumsum(counts) - counts
 
 
-def pack(costs: Sequence[int], max_seq_len: int, algorithm: str) -> list[list[int]]:
-    """Dispatch to the algorithm named ``algorithm`` (one of :data:`ALGORITHMS`).
+def _rows_from_order(order: np.ndarray, starts: np.ndarray) -> list[list[int]]:
+    """Rows as lists of indices from :func:`pack_order`'s arrays."""
+    flat = order.tolist()
+    bounds = [*starts.tolist(), len(flat)]
+    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def pack_order(costs: Sequence[int] | np.ndarray, max_seq_len: int,
+               algorithm: str) -> tuple[np.ndarray, np.ndarray]:
+    """Pack with ``algorithm`` (one of :data:`ALGORITHMS`) into flat arrays, with no Python object per conversation.
+
+    Args:
+        costs: per-conversation cost in tokens, each in ``1..max_seq_len`` (a list or an integer array).
+        max_seq_len: row capacity in tokens.
+        algorithm: the algorithm's name.
+
+    Returns:
+        ``(order, starts)``, both int64: ``order`` [n] the conversation indices of all rows one after another
+        (indices ascending within a row), ``starts`` [rows] each row's first position in ``order``. The rows are
+        those of :func:`pack`, in the same order.
 
     Raises:
         ValueError: unknown algorithm, or a cost outside ``1..max_seq_len``.
     """
-    if algorithm == "bfd-local-search":
-        return bfd_local_search(costs, max_seq_len)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown packing algorithm {algorithm!r} (choose one of {', '.join(ALGORITHMS)})")
+    c = _check_costs(costs, max_seq_len)
     if algorithm == "next-fit":
-        return next_fit(costs, max_seq_len)
+        return np.arange(len(c), dtype=np.int64), _next_fit_starts(c, max_seq_len)
     if algorithm == "best-fit-decreasing":
-        return best_fit_decreasing(costs, max_seq_len)
-    raise ValueError(f"unknown packing algorithm {algorithm!r} (choose one of {', '.join(ALGORITHMS)})")
+        assign = _bfd_assign(c, max_seq_len)
+        return _order_from_assignment(assign, int(assign.max()) + 1 if len(c) else 0)
+    return _local_search_order(c, max_seq_len)
+
+
+def pack(costs: Sequence[int], max_seq_len: int, algorithm: str) -> list[list[int]]:
+    """Dispatch to the algorithm named ``algorithm`` (one of :data:`ALGORITHMS`); rows as lists of indices.
+
+    Raises:
+        ValueError: unknown algorithm, or a cost outside ``1..max_seq_len``.
+    """
+    return _rows_from_order(*pack_order(costs, max_seq_len, algorithm))
 
 
 def lower_bound_rows(costs: Sequence[int], max_seq_len: int) -> int:
     """Fewest rows any packing can use: ``ceil(sum(costs) / max_seq_len)``."""
-    return -(-int(sum(costs)) // max_seq_len)
+    return -(-int(np.asarray(costs, dtype=np.int64).sum()) // max_seq_len)
 
 
 def _check_costs(costs: Sequence[int], max_seq_len: int) -> np.ndarray:

@@ -70,7 +70,7 @@ from packsft.io import (
     temp_path,
 )
 from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
-from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack
+from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack_order
 from packsft.packing.ray_engine import ENGINES
 from packsft.packing.sources import (
     check_source,
@@ -995,13 +995,16 @@ def _output_paths(cfg: PackConfig) -> dict[str, str]:
     return paths
 
 
-def _flatten_rows(rows: list[list[int]], np):
-    """``(order, starts)``: the conversation indices of all rows one after another (int64), each row's start."""
-    lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
-    order = np.fromiter((i for r in rows for i in r), np.int64, int(lengths.sum()))
-    starts = np.zeros(len(rows), np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    return order, starts
+def _shuffled_rows(order, starts, seed: int, np):
+    """``(order, starts)`` with the rows in the order ``random.Random(seed).shuffle`` gives a list of them."""
+    perm = list(range(len(starts)))
+    random.Random(seed).shuffle(perm)
+    perm = np.asarray(perm, dtype=np.int64)
+    lengths = np.diff(np.r_[starts, len(order)])[perm]
+    new_starts = np.cumsum(lengths) - lengths
+    # position k of new row j reads old position starts[perm[j]] + (k - new_starts[j])
+    take = np.repeat(starts[perm] - new_starts, lengths) + np.arange(len(order), dtype=np.int64)
+    return order[take], new_starts
 
 
 def _token_cache_writer(cfg: PackConfig, rows: int, counted: _Counted, temps: dict[str, Path],
@@ -1197,15 +1200,11 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 if not len(counted.num_tokens):
                     raise PackError(_nothing_to_pack(cfg, report))
                 costs = np.minimum(conversation_cost(counted.num_tokens.astype(np.int64), cp), L)
-                cost_list = costs.tolist()
-                rows = pack(cost_list, L, cfg.algorithm)
-                report.lower_bound_rows = lower_bound_rows(cost_list, L)
-                del cost_list
+                order, starts = pack_order(costs, L, cfg.algorithm)
+                report.lower_bound_rows = lower_bound_rows(costs, L)
                 if cfg.shuffle_rows:
-                    random.Random(cfg.seed).shuffle(rows)
-                order, starts = _flatten_rows(rows, np)
-                report.rows = len(rows)
-                del rows
+                    order, starts = _shuffled_rows(order, starts, cfg.seed, np)
+                report.rows = len(starts)
                 _stage("tokenized")
                 cache = _token_cache_writer(cfg, report.rows, counted, temps, np)
                 try:

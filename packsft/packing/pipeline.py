@@ -311,6 +311,14 @@ def _message_chars(m: dict[str, Any]) -> int:
     return len(json.dumps(m, ensure_ascii=False))
 
 
+def _content_chars(m: dict[str, Any]) -> int:
+    """At most :func:`_message_chars`: the string content's length (no JSON for a plain text message)."""
+    content = m.get("content")
+    if isinstance(content, str) and "tool_calls" not in m:
+        return len(content)
+    return _message_chars(m)
+
+
 def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
                   sizes: list[int] | None = None) -> tuple[list[dict[str, Any]], bool]:
     """The longest prefix of ``messages`` within ``budget`` JSON characters, the last kept content cut short.
@@ -371,8 +379,9 @@ def _tokenize_record(conv, tok, fmt, cfg: PackConfig):
 def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
     """Tokenize ``conv``, cutting it (:func:`_cut_messages`) into :func:`own_row_window` when it is longer.
 
-    Work is bounded by a few tokenizations of about ``L`` tokens, whatever the conversation's length: the
-    character budget starts at ``8 * high`` and is doubled, then bisected (with a proportional guess).
+    A conversation whose contents have at most ``8 * high`` characters is first tokenized whole (kept when it
+    fits). Work is bounded by a few tokenizations of about ``L`` tokens, whatever the conversation's length:
+    the character budget starts at ``8 * high`` and is doubled, then bisected (with a proportional guess).
 
     Returns:
         ``(messages, tokens, targets, cut)``: the messages to store and their tokenization.
@@ -381,6 +390,10 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
         PromptFormatError: the conversation (or every cut of it tried) does not tokenize.
     """
     low, high = own_row_window(cfg.max_seq_len)
+    if sum(map(_content_chars, conv.messages)) <= 8 * high:  # most conversations: tokenized whole, once
+        tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+        if len(tokens) <= high:
+            return conv.messages, tokens, targets, False
     sizes = [_message_chars(m) for m in conv.messages]
     total = sum(sizes)
     budget = min(total, 8 * high)

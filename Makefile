@@ -18,7 +18,7 @@ ALGORITHM ?= bfd-local-search
 CONFIG ?= configs/tiny_cpu.yaml
 NPROC ?= 1
 OVERRIDES ?=
-# pytest-xdist processes for `make test` (each test file runs whole in one of them)
+# pytest-xdist processes for `make test` (each test file runs whole in one of them, the longest first: tests/conftest.py)
 TEST_WORKERS ?= 2
 
 .PHONY: setup test test-fast lint pack train demo bench bench-pack bench-loader bench-loss bench-train bench-sources clean
@@ -37,7 +37,7 @@ $(PY):
 setup: $(PY)
 
 test: setup
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=20; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed"

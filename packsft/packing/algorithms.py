@@ -2,9 +2,10 @@
 
 Every function here takes per-conversation *costs* in tokens (see :func:`packsft.layout.conversation_cost`) and a row
 capacity ``max_seq_len``, and returns rows as lists of conversation indices, each list ascending (a row's
-conversations are written in input order). No text, no tokenizer: the algorithms are deterministic functions of
-their inputs (ties are broken by index, never by hash order or the clock), so the same input gives the same rows
-whatever the worker count or ``PYTHONHASHSEED``.
+conversations are written in input order); :func:`pack_order` returns the same rows as two flat int64 arrays,
+with no Python object per conversation (what the packer uses). No text, no tokenizer: the algorithms are
+deterministic functions of their inputs (ties are broken by index, never by hash order or the clock), so the same
+input gives the same rows whatever the worker count or ``PYTHONHASHSEED``.
 
 * ``next-fit`` (NeMo RL compatible): input order, one open row; the row is closed when the next
   conversation does not fit or the row is exactly full.

@@ -29,7 +29,8 @@ is noisy, CPU time less so).
 ``--scale N`` (default 1M): a synthetic file of N conversations (seeded random words; by default 2 messages of
 3-40 words, ``--scale-words``) is packed by the CLI in a child process (``--num-workers`` from
 ``--scale-workers``, default 0) at N/4 and N; the peak RSS of all its processes (sampled with psutil every
-50 ms, summed over the process tree) is printed with a linear extrapolation to 10M conversations.
+50 ms, summed over the process tree), and its anonymous part (less file-backed pages), are printed with a linear
+extrapolation to 10M conversations.
 
 Exit code 1 when an algorithm uses more rows than best-fit decreasing or the packer's counts disagree.
 """
@@ -360,8 +361,9 @@ def synthetic_file(path: Path, n: int, seed: int = 0, max_words: int = 300) -> P
     return path
 
 
-def peak_rss(argv: list[str]) -> tuple[int, float, int]:
-    """Run ``argv``; return its exit code, wall seconds and the peak RSS in bytes of its process tree (summed)."""
+def peak_rss(argv: list[str]) -> tuple[int, float, int, int]:
+    """Run ``argv``; return its exit code, wall seconds, and the peak RSS and peak anonymous RSS (RSS less its
+    file-backed and shared pages: psutil's ``rss - shared``) in bytes of its process tree (summed)."""
     import subprocess
     import threading
 
@@ -370,29 +372,30 @@ def peak_rss(argv: list[str]) -> tuple[int, float, int]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     top = psutil.Process(proc.pid)
-    peak = [0]
+    peak = [0, 0]
 
     def sample():
         while proc.poll() is None:
             try:
-                total = top.memory_info().rss + sum(c.memory_info().rss for c in top.children(recursive=True))
+                infos = [p.memory_info() for p in (top, *top.children(recursive=True))]
             except psutil.Error:
-                total = 0
-            peak[0] = max(peak[0], total)
+                infos = []
+            peak[0] = max(peak[0], sum(i.rss for i in infos))
+            peak[1] = max(peak[1], sum(i.rss - i.shared for i in infos))
             time.sleep(0.05)
 
     thread = threading.Thread(target=sample)
     thread.start()
     code = proc.wait()
     thread.join()
-    return code, time.perf_counter() - t0, peak[0]
+    return code, time.perf_counter() - t0, peak[0], peak[1]
 
 
 def print_scale(a) -> int:
     """Pack synthetic files of N/4 and N conversations; print peak RSS and its extrapolation to 10M."""
     print(f"\nscale: synthetic conversations, {a.tokenizer}, L=4096, --num-workers {a.scale_workers} "
           f"(load average {os.getloadavg()[0]:.1f})")
-    print(f"{'conversations':>13} {'input MB':>8} {'wall s':>7} {'conv/s':>7} {'peak RSS MB':>11}")
+    print(f"{'conversations':>13} {'input MB':>8} {'wall s':>7} {'conv/s':>7} {'peak RSS MB':>11} {'anon MB':>8}")
     points = []
     with tempfile.TemporaryDirectory() as d:
         for n in (max(1, a.scale // 4), a.scale):
@@ -400,17 +403,20 @@ def print_scale(a) -> int:
             argv = [sys.executable, str(REPO_ROOT / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(src),
                     "--output", str(Path(d) / f"out{n}" / "rows.jsonl.packed"), "--tokenizer", a.tokenizer,
                     "--max-seq-length", "4096", "--num-workers", str(a.scale_workers), "--no-progress"]
-            code, wall, peak = peak_rss(argv)
+            code, wall, peak, anon = peak_rss(argv)
             if code != 0:
                 print(f"error: the packer exited {code} on {n} conversations", file=sys.stderr)
                 return 1
-            points.append((n, peak))
-            print(f"{n:>13} {src.stat().st_size / 1e6:>8.1f} {wall:>7.1f} {n / wall:>7.0f} {peak / 2**20:>11.0f}")
-    (n0, r0), (n1, r1) = points
-    per = (r1 - r0) / (n1 - n0) if n1 > n0 else 0.0
-    at10m = r1 + per * (10_000_000 - n1)
-    print(f"per conversation: {per:.0f} B; extrapolated peak RSS at 10M conversations: {at10m / 2**30:.2f} GiB "
-          f"(target < 2 GB); load average after: {os.getloadavg()[0]:.1f}")
+            points.append((n, peak, anon))
+            print(f"{n:>13} {src.stat().st_size / 1e6:>8.1f} {wall:>7.1f} {n / wall:>7.0f} {peak / 2**20:>11.0f} "
+                  f"{anon / 2**20:>8.0f}")
+            Path(src).unlink()
+    (n0, r0, a0), (n1, r1, a1) = points
+    for name, lo, hi in (("RSS", r0, r1), ("anonymous RSS", a0, a1)):
+        per = (hi - lo) / (n1 - n0) if n1 > n0 else 0.0
+        print(f"{name}: {per:.0f} B per conversation; extrapolated peak at 10M conversations: "
+              f"{(hi + per * (10_000_000 - n1)) / 2**30:.2f} GiB (target < 2 GB)")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 
 

@@ -125,3 +125,34 @@ def test_own_row_cut_keeps_a_prefix_within_the_window(tmp_path, tokenizer_dir, t
     else:  # the last assistant turn lies beyond the cut: nothing is trained, as the loader's truncation would
         assert item["num_trained_tokens"] == 0
         assert [w["kind"] for w in report.warnings] == ["truncation_removes_training"]
+
+
+def test_the_row_writer_reads_the_spools_without_keeping_them_resident(tmp_path):
+    """Rows gather conversations from anywhere in the spools; the writer's resident set stays that of one group of
+    rows (a memory map of the spools kept every page it touched: about 800 bytes per conversation)."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+    import psutil
+
+    from packsft.packing.pipeline import _write_row_range
+
+    n, size = 48_000, 1024  # 47 MiB of spool, one conversation per KiB
+    path = tmp_path / "spool"
+    with open(path, "wb") as f:
+        for i in range(n):
+            f.write(b"[" + str(i).encode().rjust(size - 2, b" ") + b"]")
+    order = np.asarray(random.Random(0).sample(range(n), n), dtype=np.int64)  # rows read all over the spool
+    starts = np.arange(0, n, 4, dtype=np.int64)
+    counted = SimpleNamespace(spools=[str(path)], token_spools=None, spool=np.zeros(n, np.int64),
+                              offset=np.arange(n, dtype=np.int64) * size, size=np.full(n, size, np.int64))
+    written, peak, me = [0], [0], psutil.Process()
+
+    def sink(data: bytes) -> None:  # called once per group, while the spools are open
+        written[0] += len(data)
+        peak[0] = max(peak[0], me.memory_info().rss)
+
+    before = me.memory_info().rss
+    _write_row_range(order, starts, counted, 0, len(starts), SimpleNamespace(write=sink), None, np, block=1024)
+    assert written[0] > n * (size - 2) and peak[0] - before < 16 << 20, peak[0] - before

@@ -1032,15 +1032,6 @@ def _token_cache_writer(cfg: PackConfig, rows: int, counted: _Counted, temps: di
                             len(counted.num_tokens), cfg.max_seq_len)
 
 
-def _map_files(paths: list[str], files: list, maps: list) -> None:
-    """Open ``paths`` and memory-map each (``b""`` for an empty one), appending to ``files`` and ``maps``."""
-    import mmap
-
-    for p in paths:
-        files.append(open(p, "rb"))  # noqa: SIM115 (closed by the caller)
-        maps.append(mmap.mmap(files[-1].fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(p) else b"")
-
-
 def _row_groups(starts, r0: int, r1: int, conversations: int, block: int, np) -> list[tuple[int, int]]:
     """Rows ``r0 .. r1-1`` cut into consecutive ``(ra, rb)`` groups of about ``block`` conversations (whole rows)."""
     if r1 <= r0:
@@ -1058,23 +1049,24 @@ def _write_row_range(order, starts, counted: _Counted, r0: int, r1: int, rows_ou
     ``tokens_out`` is ``None``, their token cache bytes as ``tokens_out(data, num_tokens, row_sizes)`` (the
     arguments of :meth:`packsft.token_cache.TokenCacheWriter.add_rows`).
 
-    Rows go ``block`` conversations at a time (whole rows; Python lists only of one group). The local engine
+    Rows go ``block`` conversations at a time (whole rows; Python lists only of one group). The spools are read
+    with ``os.pread``, not memory-mapped: a row gathers conversations from anywhere in them, and the mapped
+    pages it touched would stay in the resident set (about 800 bytes per conversation). The local engine
     writes all rows in one call; the Ray engine's tasks write parts (:mod:`packsft.packing.ray_engine`).
     """
-    files: list = []
-    maps: list = []
-    token_maps: list = []
+    fds: list[int] = []
     try:
-        _map_files(counted.spools, files, maps)
-        if tokens_out is not None:
-            _map_files(counted.token_spools, files, token_maps)
+        fds += [os.open(p, os.O_RDONLY) for p in counted.spools]
+        token_fds = [os.open(p, os.O_RDONLY) for p in counted.token_spools] if tokens_out is not None else []
+        fds += token_fds
+        pread = os.pread
         ends = np.append(starts[1:], len(order))
         for ra, rb in _row_groups(starts, r0, r1, len(order), block, np):
             lo, hi = int(starts[ra]), int(ends[rb - 1])
             idx = order[lo:hi]
             spools, offsets = counted.spool[idx].tolist(), counted.offset[idx].tolist()
             sizes = counted.size[idx].tolist()
-            parts = [maps[s][o + 1 : o + n - 1] for s, o, n in zip(spools, offsets, sizes)]  # without the brackets
+            parts = [pread(fds[s], n - 2, o + 1) for s, o, n in zip(spools, offsets, sizes)]  # without the brackets
             lines, k = [], 0
             for end in (ends[ra:rb] - lo).tolist():
                 lines.append(b'{"messages": [' + b", ".join(parts[k:end]) + b"]}\n")
@@ -1084,14 +1076,11 @@ def _write_row_range(order, starts, counted: _Counted, r0: int, r1: int, rows_ou
                 ntok = counted.num_tokens[idx]
                 tok_offsets = counted.token_offset[idx].tolist()
                 tok_sizes = (8 * np.minimum(ntok, max_seq_len)).tolist()
-                data = b"".join(token_maps[s][t : t + n] for s, t, n in zip(spools, tok_offsets, tok_sizes))
+                data = b"".join(pread(token_fds[s], n, t) for s, t, n in zip(spools, tok_offsets, tok_sizes))
                 tokens_out(data, ntok, np.diff(np.append(starts[ra:rb], hi)))
     finally:
-        for m in maps + token_maps:
-            if m:
-                m.close()
-        for f in files:
-            f.close()
+        for fd in fds:
+            os.close(fd)
 
 
 def _write_rows(order, starts, counted: _Counted, tmp: Path, np, cache: TokenCacheWriter | None = None,

@@ -292,18 +292,6 @@ def _part_paths(spool_dir: str, part: int) -> tuple[str, str]:
     return os.path.join(spool_dir, f"rows.part{part}"), os.path.join(spool_dir, f"tokens.part{part}")
 
 
-@contextlib.contextmanager
-def _mapped(f):
-    """A read-only memory map of open file ``f`` (``b""`` when it is empty)."""
-    import mmap
-
-    if os.fstat(f.fileno()).st_size == 0:
-        yield b""
-        return
-    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        yield m
-
-
 def _parts(starts, conversations: int, pieces: int) -> list[tuple[int, int]]:
     """Row ranges ``(r0, r1)`` of about equal conversation counts, at least :data:`_PART_ROWS_MIN` rows each."""
     rows = len(starts)
@@ -324,6 +312,7 @@ def write_rows(cfg, order, starts, counted, tmp: Path, spool_dir: str, cache=Non
     import ray
 
     from packsft.io import HashingWriter
+    from packsft.packing.pipeline import _row_groups
 
     ends = np.append(starts[1:], len(order))
     pool = _pool_size(ray, cfg.num_workers)
@@ -346,10 +335,12 @@ def write_rows(cfg, order, starts, counted, tmp: Path, spool_dir: str, cache=Non
                         out.write(chunk)
                 os.unlink(rows_path)
                 if cache is not None:
-                    lo, hi = int(starts[r0]), int(ends[r1 - 1])
-                    idx = order[lo:hi]
-                    with open(tokens_path, "rb") as src, _mapped(src) as data:
-                        cache.add_rows(data, counted.num_tokens[idx], np.diff(np.append(starts[r0:r1], hi)))
+                    with open(tokens_path, "rb") as src:  # read by row groups: a part can be GBs
+                        for ra, rb in _row_groups(starts, r0, r1, len(order), 1 << 16, np):
+                            lo, hi = int(starts[ra]), int(ends[rb - 1])
+                            ntok = counted.num_tokens[order[lo:hi]]
+                            data = src.read(8 * int(np.minimum(ntok, cfg.max_seq_len).sum()))
+                            cache.add_rows(data, ntok, np.diff(np.append(starts[ra:rb], hi)))
                     os.unlink(tokens_path)
         except ray.exceptions.RayError as e:
             raise _task_error(e) from e

@@ -6,6 +6,8 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,8 @@ def _argv(src, out, tok, L):
 
 def _child(argv, hook, foreign_handler=False):
     os.environ[STAGE_HOOK_ENV] = hook
+    # another thread, as in a real packer (tokenizer, pools): the kernel may give it a signal sent to the process
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
     if foreign_handler:  # what ray.init leaves in a process (and so in a process forked from it)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
     raise SystemExit(cli.main(argv))

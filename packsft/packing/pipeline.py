@@ -40,6 +40,7 @@ neither the shard size nor the number of workers changes the output, and no step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
@@ -48,6 +49,7 @@ import random
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import warnings
 from array import array
@@ -280,7 +282,6 @@ def _init_worker(cfg: PackConfig, spool_dir: str, in_worker: bool, tok=None) -> 
 def _exit_with_parent(parent: int, poll: float = 0.5) -> None:
     """End this worker process soon after the packer that spawned it is gone (a ``kill -9`` of the packer
     leaves nobody to stop it): a daemon thread polls the parent pid every ``poll`` seconds."""
-    import threading
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -1288,15 +1289,38 @@ def _input_identity(cfg: PackConfig) -> dict[str, Any]:
     return {"input_identity": found} if found else {}
 
 
+@contextlib.contextmanager
+def _signals_held(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+    """Hold ``signals`` off for the block, then act on the first one that came (its handler runs after the block).
+
+    Blocking them (``pthread_sigmask``) covers only this thread, and the kernel gives a signal sent to the process
+    to any thread that does not block it (the packer has several: the tokenizer's, the pools'); CPython then runs
+    the Python handler in the main thread all the same. So in the main thread the handlers are also swapped for
+    one that only records the signal, which is raised again once the block has finished without an error.
+    """
+    got: list[int] = []
+    swapped = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in signals:
+            swapped[s] = signal.signal(s, lambda signum, frame: got.append(signum))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # one pending on this thread goes to the recorder
+        for s, handler in swapped.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    if got:
+        signal.raise_signal(got[0])  # to this thread: its handler (SIGTERM: exit 143) runs here
+
+
 def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
     """Rename the temp files over their outputs as one unit (:func:`packsft.io.publish_files`), the sidecar last,
-    with SIGTERM and SIGINT held off.
+    with SIGTERM and SIGINT held off (:func:`_signals_held`).
 
     A token cache of an earlier run that this one does not write (``token_cache=False``) is removed in the same
     unit.
     """
-    held = {signal.SIGTERM, signal.SIGINT}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     rows = Path(paths["rows"])
 
     def hook(final: Path | None) -> None:
@@ -1304,15 +1328,15 @@ def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
             _stage("journal_written" if final is None else "rows_published")
 
     journal = journal_path(paths["rows"])
-    try:
-        order = [k for k in ("histogram", "report", "token_index", "token_cache", "rows", "sidecar") if k in temps]
-        removes = () if "token_cache" in paths else tuple(cache_paths(paths["rows"]))
-        publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook, removes)
-        temps.clear()
-    except BaseException:
-        if journal.exists():  # the temps now belong to the journal: the next run or reader finishes the renames
+    with _signals_held():
+        try:
+            order = [k for k in ("histogram", "report", "token_index", "token_cache", "rows", "sidecar")
+                     if k in temps]
+            removes = () if "token_cache" in paths else tuple(cache_paths(paths["rows"]))
+            publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook, removes)
             temps.clear()
-        raise
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        except BaseException:
+            if journal.exists():  # the temps now belong to the journal: the next run or reader finishes the renames
+                temps.clear()
+            raise
     _stage("published")

@@ -305,8 +305,10 @@ def finish_interrupted_publish(path: str | Path, timeout: float = 600.0) -> bool
                 raise OSError(errno.ETIMEDOUT, f"a writer holds {lock_path(path)} and the publish journal stays",
                               str(journal)) from None
             time.sleep(0.05)
-        except PermissionError as e:
-            raise OSError(errno.EACCES, f"an interrupted write left {journal.name}, and this process cannot "
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):  # not a folder it may not write
+                raise
+            raise OSError(e.errno, f"an interrupted write left {journal.name}, and this process cannot "
                           "finish it (read-only folder); re-run the writer where the folder is writable",
                           str(journal)) from e
     return False

@@ -1,5 +1,6 @@
 """packsft.io's publish journal: several renames as one unit, finished after a kill by the next writer or reader."""
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -123,3 +124,23 @@ def test_a_reader_that_cannot_write_the_folder_says_so(tmp_path):
             finish_interrupted_publish(rows)
     finally:
         os.chmod(tmp_path, 0o755)
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
+def test_a_reader_on_a_read_only_mount_says_so(tmp_path, monkeypatch, code):
+    """A read-only mount fails the lock with EROFS (not a PermissionError): the same message, whoever runs it."""
+    import packsft.io
+
+    pairs = _new_set(tmp_path)
+    rows = tmp_path / "rows"
+    with pytest.raises(_Killed):
+        publish_files(pairs, journal_path(rows), lambda final: (_ for _ in ()).throw(_Killed()) if final else None)
+
+    class ReadOnly:
+        def __init__(self, path):
+            raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(packsft.io, "FileLock", ReadOnly)
+    with pytest.raises(OSError, match="cannot finish it") as info:
+        finish_interrupted_publish(rows)
+    assert info.value.errno == code

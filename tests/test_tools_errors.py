@@ -58,6 +58,21 @@ def test_pack(tmp_path):
                       "no such file")
 
 
+def test_pack_output_in_a_folder_that_cannot_be_written(tmp_path, tokenizer_dir):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    rows = tmp_path / "ok" / "rows.jsonl.packed"
+    for flags, flag, bad in ((["--output", blocker / "rows.jsonl.packed"], "--output", blocker / "rows.jsonl.packed"),
+                             (["--output", rows, "--report", blocker / "r.json"], "--report", blocker / "r.json")):
+        rc, err = run_tool(TOOLS / "pack_megatron_sft_jsonl.py", "--input", src, *flags, "--max-seq-length", "256",
+                           "--tokenizer", tokenizer_dir("smollm2-135m-instruct"), "--no-progress")
+        assert_user_error(rc, err, f"{flag} {bad}: cannot write in {bad.parent}")
+    assert not rows.exists()
+
+
 def test_pack_parallel_sizes_must_be_positive(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("")

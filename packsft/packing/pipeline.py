@@ -997,6 +997,27 @@ def _stage(name: str) -> None:
         time.sleep(0.2)  # let an unblocked handler run here
 
 
+def _check_writable(paths: dict[str, str]) -> None:
+    """Create the outputs' folders (as needed) and check that a file can be written in each, before any work.
+
+    Raises:
+        PackError: a folder cannot be created or written (names the output, the folder and the system's reason).
+    """
+    seen: set[Path] = set()
+    for name, path in paths.items():
+        folder = Path(path).resolve().parent
+        if folder in seen:
+            continue
+        seen.add(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            flag = {"rows": "--output", "report": "--report", "histogram": "--histogram"}.get(name, "--output")
+            raise PackError(f"{flag} {path}: cannot write in {folder}: {e.strerror or e}") from e
+
+
 def _output_paths(cfg: PackConfig) -> dict[str, str]:
     """``{rows, sidecar, report, histogram?, token_cache?, token_index?}``: the paths a run writes."""
     paths = {"rows": cfg.output, "sidecar": str(sidecar_path(cfg.output)),
@@ -1176,8 +1197,8 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                     "--no-append-eos is set: no end-of-turn or EOS token is trained, so the model will not learn "
                     "to stop")
     out_dir = Path(cfg.output).resolve().parent
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = _output_paths(cfg)
+    _check_writable(paths)
     spool_name = cfg.output + ".spool"
     with _Lock(cfg.output):
         journal = journal_path(cfg.output)

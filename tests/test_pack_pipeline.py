@@ -157,7 +157,7 @@ def test_edge_cases_get_their_documented_result(tmp_path, tokenizer_dir):
     assert "not valid JSON" in reasons[2]
     assert "messages[1].role: unknown role 'wizard'" in reasons[3]
     assert "messages[0].content: must be a string" in reasons[4]
-    assert "messages[2]: empty assistant turn" in reasons[6]
+    assert "chat-template: messages[1]: empty assistant turn" in reasons[6]  # the input's own index
     assert set(reasons) == {2, 3, 4, 6}
     assert [(o["line"], o["action"]) for o in report.oversize] == [(10, "own row, truncated by the loader")]
     # its only assistant turn lies beyond the cut: warned at pack time
@@ -359,3 +359,17 @@ def test_cli_parses_masks_kwargs_and_append_eos():
     assert parse_args(base).append_eos is None
     with pytest.raises(SystemExit):
         parse_args(base + ["--chat-template-kwargs", "[1]"])
+
+
+@pytest.mark.parametrize(("record_format", "line", "field"), [
+    ("messages", {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                               {"role": "assistant", "content": ""}]}, "messages[2]"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
+     "conversations[1]"),
+])
+def test_a_template_error_names_the_inputs_own_message(tmp_path, tokenizer_dir, record_format, line, field):
+    src = _write_lines(tmp_path / "in.jsonl", [line])
+    cfg = PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"), record_format=record_format,
+                     tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=256, progress=False, histogram="")
+    with pytest.raises(PackError, match=re.escape(f"in.jsonl:1: chat-template: {field}: empty assistant turn")):
+        run_pack(cfg)

@@ -487,7 +487,19 @@ def _process_line(path: str, line: int, text: str | None, decode_error: str | No
     except ConversationError as e:
         return None, None, f"{e.field + ': ' if e.field else ''}{e.reason}", False, None, None
     except PromptFormatError as e:
-        return None, None, f"{cfg.prompt_format}: {e}", False, None, None
+        return None, None, f"{cfg.prompt_format}: {_input_turn(e, record, source)}", False, None, None
+
+
+def _input_turn(e: PromptFormatError, record, source) -> str:
+    """``e`` with its message index in the input's own numbering: the packer's system message (added when the
+    record's ``messages`` start without one) is not counted, and a converted record names its own field."""
+    given = record.get("messages") if isinstance(record, dict) else None
+    if e.turn is None or not isinstance(given, list):
+        return str(e)
+    added = int(not (given and isinstance(given[0], dict) and given[0].get("role") == "system"))
+    if added and e.turn == 0:
+        return f"the system message the packer adds: {e.reason}"
+    return f"{source_field(_W['cfg'].record_format, source, f'messages[{e.turn - added}]')}: {e.reason}"
 
 
 @dataclass(frozen=True)

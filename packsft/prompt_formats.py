@@ -228,7 +228,12 @@ def get_prompt_format(
         if pad is None or pad == tokenizer.eos_token:
             raise ValueError(f"prompt format {canonical!r}: the tokenizer's pad token is missing or equals EOS "
                              "and it has no other unk token; choose one with --pad-token")
-    pad_id = token_id(tokenizer, pad)
+    try:
+        pad_id = token_id(tokenizer, pad)
+    except ValueError as e:
+        where = "--pad-token" if pad_token is not None else f"the {canonical} prompt format's pad token"
+        raise ValueError(f"{where}: {e}; choose one this tokenizer has with --pad-token (or the data config's "
+                         "pad_token)") from e
     if tokenizer.eos_token_id is not None and pad_id == tokenizer.eos_token_id:
         raise ValueError(f"pad token {pad!r} (id {pad_id}) equals the EOS token: padding is never trained, so "
                          "EOS would never be learned; choose another --pad-token")

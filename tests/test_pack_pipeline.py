@@ -373,3 +373,26 @@ def test_a_template_error_names_the_inputs_own_message(tmp_path, tokenizer_dir, 
                      tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=256, progress=False, histogram="")
     with pytest.raises(PackError, match=re.escape(f"in.jsonl:1: chat-template: {field}: empty assistant turn")):
         run_pack(cfg)
+
+
+def test_the_cli_prints_warnings_as_warning_lines(tmp_path, tokenizer_dir, capsys):
+    from packsft.packing import cli
+
+    src = _write_lines(tmp_path / "in.jsonl", [EDGE_LINES[-1]])  # its assistant turn lies beyond the cut
+    assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl.packed"), "--max-seq-length", "256",
+                     "--tokenizer", str(tokenizer_dir("qwen2.5")), "--no-progress", "--histogram", ""]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: ") and "in.jsonl:1: conversation has more than" in err, err
+    assert "PackWarning" not in err and "_apply_oversize" not in err, err
+
+
+def test_ctrl_c_is_an_error_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    from packsft.packing import cli
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_pack", interrupted)
+    assert cli.main(["--input", "x.jsonl", "--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer", "t",
+                     "--max-seq-length", "256"]) == 130
+    assert capsys.readouterr().err.startswith("error: interrupted (SIGINT)")

@@ -372,3 +372,12 @@ def test_mistral_multi_turn_tool_conversation_is_located_without_prefix_stabilit
         '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}, "id": "call00001"}]</s>two</s>ok</s>'
     assert tok.decode(tokens) == tok.apply_chat_template(json.loads(json.dumps(msgs).replace(
         '"{\\"x\\": 1}"', '{"x": 1}')), tools=tools, tokenize=False)
+
+
+def test_a_pad_token_the_tokenizer_lacks_says_which_and_what_to_pass(tokenizer_dir):
+    smollm2 = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))  # no <unk>
+    with pytest.raises(ValueError, match=r"the identity prompt format's pad token: token '<unk>' is not in the "
+                                         r"tokenizer's vocabulary; choose one this tokenizer has with --pad-token"):
+        get_prompt_format("identity", smollm2)
+    with pytest.raises(ValueError, match=r"^--pad-token: token '<nope>' is not"):
+        get_prompt_format("chat-template", smollm2, pad_token="<nope>")

@@ -8,9 +8,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from packsft.packing.pipeline import MAX_CONVERSATION_BYTES, OVERSIZE_POLICIES, PackConfig, PackError, run_pack
+from packsft.packing.pipeline import (
+    MAX_CONVERSATION_BYTES,
+    OVERSIZE_POLICIES,
+    PackConfig,
+    PackError,
+    PackWarning,
+    run_pack,
+)
 from packsft.packing.ray_engine import ENGINES
 from packsft.prompt_formats import PRESETS, TRAIN_ON
 from packsft.record_formats import RECORD_FORMATS
@@ -119,10 +127,23 @@ def main(argv=None) -> int:
     """Run the packer; return the process exit code."""
     cfg = parse_args(argv)
     try:
-        report = run_pack(cfg)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            report = run_pack(cfg)
     except (ValueError, PackError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: this run's temp files are already removed
+        print("error: interrupted (SIGINT); this run's temp files are removed", file=sys.stderr)
+        return 130
     print(report.summary())
     return 0
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """The packer's warnings as ``warning: ...`` lines (not Python's ``file:line: PackWarning`` with a code line)."""
+    if issubclass(category, PackWarning):
+        print(f"warning: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 

@@ -116,8 +116,8 @@ def _local_search_order(c: np.ndarray, L: int, max_work: int | None = None) -> t
     The rows are kept as a row id per conversation; only the rows of re-packed groups are ever Python lists.
     """
     n = len(c)
-    assign = _bfd_assign(c, L)
-    alive = int(assign.max()) + 1 if n else 0
+    assign, n_rows = _bfd_assign(c, L)
+    alive = n_rows
     bound = -(-int(c.sum()) // L)
     if alive <= bound:
         return _order_from_assignment(assign, alive)
@@ -132,7 +132,6 @@ def _local_search_order(c: np.ndarray, L: int, max_work: int | None = None) -> t
     work = [10 * n + 50_000 if max_work is None else max_work]
     space = L - np.bincount(assign, weights=c, minlength=alive).astype(np.int64)  # an emptied row gets -1
     later_first = -np.arange(alive)
-    rows_total = alive
     while alive > bound and work[0] > 0:
         by_space = np.lexsort((later_first, -space))  # most space first, ties: the later row; emptied rows last
         work[0] -= alive // 16 + 1
@@ -154,7 +153,7 @@ def _local_search_order(c: np.ndarray, L: int, max_work: int | None = None) -> t
             alive -= not row
     for r, row in changed.items():
         assign[row] = r
-    return _order_from_assignment(assign, rows_total)
+    return _order_from_assignment(assign, n_rows)
 
 
 def _fill_rows(items: list[int], cost: dict[int, int], L: int, n_rows: int, work: list[int]) -> list[list[int]] | None:
@@ -210,13 +209,14 @@ def _fill_rows(items: list[int], cost: dict[int, int], L: int, n_rows: int, work
     return out
 
 
-def _bfd_assign(c: np.ndarray, L: int) -> np.ndarray:
-    """Row id (in creation order) of every conversation under best-fit decreasing; ``c`` is int64 ``[n]``."""
+def _bfd_assign(c: np.ndarray, L: int) -> tuple[np.ndarray, int]:
+    """Row id (in creation order) of every conversation under best-fit decreasing, and the number of rows; ``c``
+    is int64 ``[n]``."""
     n = len(c)
     order = np.argsort(-c, kind="stable")  # decreasing cost, ties by index
     sc = c[order]
     if n == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), 0
     starts = np.flatnonzero(np.r_[True, sc[1:] != sc[:-1]])
     counts = np.diff(np.r_[starts, n])
     values = sc[starts].tolist()
@@ -268,7 +268,7 @@ def _bfd_assign(c: np.ndarray, L: int) -> np.ndarray:
                 n_rows += 1
     assign = np.empty(n, dtype=np.int64)
     assign[order] = np.repeat(np.asarray(touch_rows, dtype=np.int64), np.asarray(touch_counts, dtype=np.int64))
-    return assign
+    return assign, n_rows
 
 
 def _order_from_assignment(assign: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -309,8 +309,7 @@ def pack_order(costs: Sequence[int] | np.ndarray, max_seq_len: int,
     if algorithm == "next-fit":
         return np.arange(len(c), dtype=np.int64), _next_fit_starts(c, max_seq_len)
     if algorithm == "best-fit-decreasing":
-        assign = _bfd_assign(c, max_seq_len)
-        return _order_from_assignment(assign, int(assign.max()) + 1 if len(c) else 0)
+        return _order_from_assignment(*_bfd_assign(c, max_seq_len))
     return _local_search_order(c, max_seq_len)
 
 

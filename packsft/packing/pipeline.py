@@ -391,10 +391,11 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
         PromptFormatError: the conversation (or every cut of it tried) does not tokenize.
     """
     low, high = own_row_window(cfg.max_seq_len)
+    whole = None  # the uncut conversation's (tokens, targets), once known
     if sum(map(_content_chars, conv.messages)) <= 8 * high:  # most conversations: tokenized whole, once
-        tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
-        if len(tokens) <= high:
-            return conv.messages, tokens, targets, False
+        whole = tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+        if len(whole[0]) <= high:
+            return conv.messages, *whole, False
     sizes = [_message_chars(m) for m in conv.messages]
     total = sum(sizes)
     budget = min(total, 8 * high)
@@ -404,7 +405,8 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
     for _ in range(24):
         msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on, sizes)
         try:
-            tokens, targets = tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs)
+            tokens, targets = whole if whole is not None and not cut else \
+                tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs)
         except PromptFormatError as e:  # a cut the format cannot render: try a shorter one
             if not cut:
                 raise
@@ -487,10 +489,11 @@ def _process_line(path: str, line: int, text: str | None, decode_error: str | No
     except ConversationError as e:
         return None, None, f"{e.field + ': ' if e.field else ''}{e.reason}", False, None, None
     except PromptFormatError as e:
-        return None, None, f"{cfg.prompt_format}: {_input_turn(e, record, source)}", False, None, None
+        return (None, None, f"{cfg.prompt_format}: {_input_turn(e, record, source, cfg.record_format)}", False,
+                None, None)
 
 
-def _input_turn(e: PromptFormatError, record, source) -> str:
+def _input_turn(e: PromptFormatError, record, source, record_format: str) -> str:
     """``e`` with its message index in the input's own numbering: the packer's system message (added when the
     record's ``messages`` start without one) is not counted, and a converted record names its own field."""
     given = record.get("messages") if isinstance(record, dict) else None
@@ -499,7 +502,7 @@ def _input_turn(e: PromptFormatError, record, source) -> str:
     added = int(not (given and isinstance(given[0], dict) and given[0].get("role") == "system"))
     if added and e.turn == 0:
         return f"the system message the packer adds: {e.reason}"
-    return f"{source_field(_W['cfg'].record_format, source, f'messages[{e.turn - added}]')}: {e.reason}"
+    return f"{source_field(record_format, source, f'messages[{e.turn - added}]')}: {e.reason}"
 
 
 @dataclass(frozen=True)
@@ -1153,6 +1156,12 @@ def _on_sigterm(signum, frame):
     raise _Terminated(128 + signum)
 
 
+def _restore_handler(signum: int, handler) -> None:
+    """Put back ``handler`` (from ``signal.signal``); ``None``, a handler Python did not install, cannot be put
+    back and becomes ``SIG_DFL``."""
+    signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
 def _hold_sigterm() -> tuple[bool, Any]:
     """Install :func:`_on_sigterm` (main thread only); return ``(installed, the handler it replaced)``.
 
@@ -1194,8 +1203,8 @@ def run_pack(cfg: PackConfig) -> PackReport:
                 return _run_pack(cfg)
         return _run_pack(cfg)
     finally:
-        if held:  # None: a handler Python did not install, which it cannot put back
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if held:
+            _restore_handler(signal.SIGTERM, previous)
 
 
 def _run_pack(cfg: PackConfig) -> PackReport:
@@ -1342,7 +1351,7 @@ def _signals_held(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # one pending on this thread goes to the recorder
         for s, handler in swapped.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            _restore_handler(s, handler)
     if got:
         signal.raise_signal(got[0])  # to this thread: its handler (SIGTERM: exit 143) runs here
 

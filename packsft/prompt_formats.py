@@ -578,6 +578,17 @@ except ImportError:  # another transformers: render twice, as apply_chat_templat
     _compile_jinja_template = None
 
 
+def _template_data(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as ``apply_chat_template`` hands them to the template (``None`` values dropped, plain types).
+
+    Messages whose values are all exact ``str`` or ``None`` (most conversations) are copied directly; others go
+    through transformers' own conversion, so both give the same data.
+    """
+    if all(type(v) is str or v is None for m in msgs for v in m.values()):
+        return [{k: v for k, v in m.items() if v is not None} for m in msgs]
+    return _plain_template_data(_normalize_chat_messages(msgs))
+
+
 def _render_traced(tokenizer, fmt: PromptFormat, msgs, turns, tools, kwargs) -> str | None:
     """The rendering of ``msgs`` with each trained content wrapped in markers, or ``None``.
 
@@ -588,16 +599,16 @@ def _render_traced(tokenizer, fmt: PromptFormat, msgs, turns, tools, kwargs) -> 
     if _compile_jinja_template is None or not all(isinstance(t, dict) for t in tools or ()):
         return None
     try:
-        template = tokenizer.get_chat_template(fmt.chat_template, tools)
-        compiled = _compile_jinja_template(template)
-        chat = _alias_reasoning_fields(_plain_template_data(_normalize_chat_messages(msgs)))
+        compiled = _compile_jinja_template(tokenizer.get_chat_template(fmt.chat_template, tools))
+        chat = _alias_reasoning_fields(_template_data(msgs))
         for i in turns:
             chat[i] = dict(chat[i])
             chat[i]["content"] = _Traced(f"{_OPEN}{msgs[i]['content']}{_CLOSE}")
         _TOUCHED[0] = False
+        # special_tokens_map's values are plain str: only kwargs need converting
         text = compiled.render(messages=chat, tools=_plain_template_data(tools), documents=None,
                                add_generation_prompt=False,
-                               **_plain_template_data({**tokenizer.special_tokens_map, **kwargs}))
+                               **{**tokenizer.special_tokens_map, **(_plain_template_data(kwargs) if kwargs else {})})
     except Exception:  # the two-render path reports the template's error
         return None
     finally:

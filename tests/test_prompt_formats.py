@@ -231,6 +231,32 @@ def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_d
     assert fast == slow and len(calls) == len(convs)
 
 
+def test_template_data_equals_transformers_conversion():
+    """The direct copy of all-string messages gives what apply_chat_template hands the template."""
+    from transformers.utils.chat_template_utils import _normalize_chat_messages, _plain_template_data
+
+    from packsft.prompt_formats import _template_data
+
+    cases = [
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u", "name": None}],
+        [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "weight": 1}],
+        [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": {"x": 1, "y": None}}}]}, {"role": "tool", "content": "3"}],
+    ]
+    for msgs in cases:
+        assert _template_data(msgs) == _plain_template_data(_normalize_chat_messages(msgs))
+
+
+def test_traced_render_equals_apply_chat_template(qwen):
+    from packsft.prompt_formats import _render_traced
+
+    fmt = get_prompt_format("chat-template", qwen)
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u", "name": None},
+            {"role": "assistant", "content": "a"}]
+    marked = _render_traced(qwen, fmt, msgs, [2], None, {})
+    assert marked.replace("\ue000", "").replace("\ue001", "") == qwen.apply_chat_template(msgs, tokenize=False)
+
+
 # ---------------------------------------------------------------- per-part rule, masks, kwargs, stop signal
 def _enc(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]

@@ -60,7 +60,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from packsft.layout import IGNORE_INDEX
 from packsft.tokenizer import token_id
@@ -256,9 +256,8 @@ def _sha(text: str | None) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16] if text else ""
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A piece of a rendered conversation.
+class Segment(NamedTuple):
+    """A piece of a rendered conversation (a named tuple: one is made per turn of every conversation).
 
     Attributes:
         text: the rendered text.
@@ -329,10 +328,11 @@ def _check_megatron_order(messages: list[dict[str, Any]]) -> None:
                                    + _MEGATRON_HINT.format("AssertionError"), i)
 
 
-def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copy of ``messages`` with tool-call ``arguments`` parsed into dicts (templates expect objects)."""
+def _template_messages(messages: list[dict[str, Any]], copy_plain: bool = True) -> list[dict[str, Any]]:
+    """``messages`` with tool-call ``arguments`` parsed into dicts (templates expect objects): a deep copy when
+    there are tool calls; otherwise a shallow copy, or ``messages`` itself unless ``copy_plain``."""
     if not any(m.get("tool_calls") for m in messages):
-        return [dict(m) for m in messages]  # nothing to parse: a shallow copy renders the same
+        return [dict(m) for m in messages] if copy_plain else messages  # nothing to parse
     out = copy.deepcopy(messages)
     for m in out:
         for call in m.get("tool_calls") or []:
@@ -401,6 +401,9 @@ class TemplateShape:
 
 def template_shape(tokenizer, fmt: PromptFormat, kwargs: dict[str, Any] | None = None) -> TemplateShape:
     """The :class:`TemplateShape` of ``fmt``'s chat template (cached per template, kwargs and specials)."""
+    own = not kwargs  # only the format's own kwargs: remembered for the next call
+    if own and _LAST_SHAPE[0] is fmt and _LAST_SHAPE[1] is tokenizer:
+        return _LAST_SHAPE[2]
     kwargs = _kwargs(fmt, kwargs)
     key = (fmt.chat_template, tokenizer.eos_token, tokenizer.bos_token,
            json.dumps(kwargs, sort_keys=True) if kwargs else "{}")
@@ -415,16 +418,22 @@ def template_shape(tokenizer, fmt: PromptFormat, kwargs: dict[str, Any] | None =
         except PromptFormatError:
             eot = header = None
         _SHAPES[key] = TemplateShape(eot, header)
+    if own:
+        _LAST_SHAPE[:] = [fmt, tokenizer, _SHAPES[key]]
     return _SHAPES[key]
 
 
-def _marked_spans(turns, full: str, marked: str, eot: str) -> list[tuple[int, int]] | None:
+_LAST_SHAPE: list[Any] = [None, None, None]  # (fmt, tokenizer, shape) of the last call with only fmt's kwargs
+
+
+def _marked_spans(turns, full: str, marked: str, eot: str, derived: bool = False) -> list[tuple[int, int]] | None:
     """Assistant spans ``[start, end)`` in ``full`` from a rendering whose assistant contents carry markers.
 
-    Returns ``None`` (use the per-turn path) unless removing the markers gives exactly ``full``, every turn
-    has exactly one pair of markers, and the end-of-turn text follows each content.
+    Returns ``None`` (use the per-turn path) unless removing the markers gives exactly ``full`` (not checked
+    when ``derived``: ``full`` was made so), every turn has exactly one pair of markers, and the end-of-turn
+    text follows each content.
     """
-    if marked.replace(_OPEN, "").replace(_CLOSE, "") != full or marked.count(_OPEN) != len(turns):
+    if marked.count(_OPEN) != len(turns) or (not derived and marked.replace(_OPEN, "").replace(_CLOSE, "") != full):
         return None
     spans, removed, pos = [], 0, 0
     for _ in turns:
@@ -633,10 +642,10 @@ def _segments_from_spans(full: str, turns, spans, last: int) -> list[Segment]:
 
 def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat, kwargs=None) -> list[Segment]:
     _check_masks(messages, fmt)
-    kwargs = _kwargs(fmt, kwargs)
-    msgs = _template_messages(messages)
-    turns = trained_turns(messages, fmt.train_on)
     shape = template_shape(tokenizer, fmt, kwargs)
+    kwargs = _kwargs(fmt, kwargs)
+    msgs = _template_messages(messages, copy_plain=False)  # only read below (renderings copy what they change)
+    turns = trained_turns(messages, fmt.train_on)
     plain = all(isinstance(msgs[i].get("content"), str) and not msgs[i].get("tool_calls") for i in turns)
     clean = not any(_OPEN in str(m.get("content")) or _CLOSE in str(m.get("content")) for m in msgs)
     spans = None
@@ -645,7 +654,8 @@ def _chat_template_segments(messages, tools, tokenizer, fmt: PromptFormat, kwarg
         marked_text = _render_traced(tokenizer, fmt, msgs, turns, tools, kwargs)
         if marked_text is not None:  # the template only copied the trained contents: one render is enough
             full = marked_text.replace(_OPEN, "").replace(_CLOSE, "")
-            spans = _header_checked(_marked_spans(turns, full, marked_text, shape.end_of_turn), full, shape)
+            spans = _header_checked(_marked_spans(turns, full, marked_text, shape.end_of_turn, derived=True), full,
+                                    shape)
         fast = spans is not None
     if not fast and turns and shape.end_of_turn is not None and plain and clean:
         marked = [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") if i in turns else m

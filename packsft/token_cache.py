@@ -68,9 +68,15 @@ def encode_conversation(tokens: Sequence[int], targets: Sequence[int], max_seq_l
     if len(tokens) != len(targets):
         raise ValueError(f"tokens ({len(tokens)}) and targets ({len(targets)}) must be equally long")
     n = stored_length(len(tokens), max_seq_len)
-    pairs = np.empty((n, 2), dtype="<i4")
-    pairs[:, 0] = tokens[:n]
-    pairs[:, 1] = targets[:n]
+    return encode_pairs(tokens[:n], targets[:n])
+
+
+def encode_pairs(tokens: Sequence[int], targets: Sequence[int]) -> bytes:
+    """int32 little-endian ``[n, 2]`` (token, target) bytes of two equally long int sequences: for consecutive
+    conversations, their :func:`encode_conversation` bytes one after another."""
+    pairs = np.empty((len(tokens), 2), dtype="<i4")
+    pairs[:, 0] = tokens
+    pairs[:, 1] = targets
     return pairs.tobytes()
 
 

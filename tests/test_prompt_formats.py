@@ -226,7 +226,7 @@ def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_d
     monkeypatch.setattr(pf, "_turn_spans", lambda *a: calls.append(1) or real_turn_spans(*a))
     fast = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
     assert not calls  # the fast path was taken for every one of these conversations
-    monkeypatch.setattr(pf, "_marked_spans", lambda *a: None)
+    monkeypatch.setattr(pf, "_marked_spans", lambda *a, **k: None)
     slow = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
     assert fast == slow and len(calls) == len(convs)
 

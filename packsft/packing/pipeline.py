@@ -96,7 +96,7 @@ from packsft.prompt_formats import (
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
-from packsft.token_cache import TokenCacheWriter, cache_paths, encode_conversation
+from packsft.token_cache import TokenCacheWriter, cache_paths, encode_pairs
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
@@ -617,6 +617,19 @@ def count_shard(shard: Shard) -> ShardResult:
     def shard_lines():
         total.append((yield from read_shard(cfg, shard)))  # the reader returns the shard's line count
 
+    # spool bytes are gathered and written in blocks (a few MiB), their offsets counted here
+    msg_block, tok_block, tgt_block = [], [], []
+    spool_pos = spool.tell()
+    token_pos = token_spool.tell() if token_spool is not None else 0
+
+    def write_block() -> None:
+        spool.write(b"".join(msg_block))
+        msg_block.clear()
+        if token_spool is not None:
+            token_spool.write(encode_pairs(tok_block, tgt_block))
+            tok_block.clear()
+            tgt_block.clear()
+
     for line, nbytes, text, err in shard_lines():
         lines, conversations, nbytes_total = line, conversations + 1, nbytes_total + nbytes
         counts, msgs_json, reason, cut, tokens, targets = _process_line(path, line, text, err)
@@ -636,12 +649,18 @@ def count_shard(shard: Shard) -> ShardResult:
             oversize.append((len(ntok), line, n, cut, nbytes, (trained_in_row if trained else 1) == 0))
         data = msgs_json.encode("utf-8")
         ntok.append(n)
-        offsets.append(spool.tell())
+        offsets.append(spool_pos)
         sizes.append(len(data))
-        spool.write(data)
-        if token_spool is not None:
-            token_offsets.append(token_spool.tell())
-            token_spool.write(encode_conversation(tokens, targets, L))
+        spool_pos += len(data)
+        msg_block.append(data)
+        if token_spool is not None:  # encode_conversation's bytes: the first min(n, L) pairs
+            token_offsets.append(token_pos)
+            token_pos += 8 * min(n, L)
+            tok_block.extend(tokens if n <= L else tokens[:L])
+            tgt_block.extend(targets if n <= L else targets[:L])
+        if len(msg_block) >= 1024 or len(tok_block) >= 1 << 20:
+            write_block()
+    write_block()
     spool.flush()
     if token_spool is not None:
         token_spool.flush()

@@ -251,6 +251,30 @@ def test_output_identical_across_hash_seeds_and_worker_counts(tmp_path, shared_d
     assert outs[0][2] == outs[1][2]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_forked_workers_use_the_packers_tokenizer_and_give_the_same_rows(tmp_path, shared_data, monkeypatch):
+    import packsft.packing.pipeline as pipeline
+
+    src = _head(shared_data / "chat" / "gsm8k_test.messages.jsonl", tmp_path / "in.jsonl", 300)
+    tok = str(shared_data / "tokenizers" / "smollm2-135m-instruct")
+    rows = []
+    for workers in (0, 2):
+        main, real = os.getpid(), pipeline.load_tokenizer
+
+        def load_in_main_only(path, main=main, real=real):  # a forked worker inherits this and must not call it
+            if os.getpid() != main:
+                raise AssertionError("a worker loaded the tokenizer again")
+            return real(path)
+
+        monkeypatch.setattr(pipeline, "load_tokenizer", load_in_main_only)
+        out = tmp_path / f"w{workers}" / "o.jsonl.packed"
+        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=tok, max_seq_len=1024, num_workers=workers,
+                            shard_bytes=20_000, progress=False, histogram=""))
+        rows.append(out.read_bytes())
+    assert pipeline._worker_start_method() == "fork"
+    assert rows[0] == rows[1]
+
+
 def test_cli_exit_code_and_message_on_bad_input(tmp_path, tokenizer_dir):
     src = _write_lines(tmp_path / "a.jsonl", ["{bad"])
     r = _cli(["--input", str(src), "--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer",

@@ -48,6 +48,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -271,6 +272,7 @@ def _init_worker(cfg: PackConfig, spool_dir: str, in_worker: bool, tok=None) -> 
     if in_worker:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process stops the workers
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker inherits the packer's handler
         _exit_with_parent(os.getppid())
     tok = tok if tok is not None else load_tokenizer(cfg.tokenizer)
     fmt = _prompt_format(cfg, tok)
@@ -862,8 +864,16 @@ def _shard_progress(shard: Shard, result: ShardResult) -> int:
     return shard.end - shard.start if shard.end > shard.start else result.nbytes
 
 
-def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar):
-    """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel.
+def _worker_start_method() -> str:
+    """``fork`` on Linux: the workers inherit the packer's imports and loaded tokenizer, so none pays an
+    interpreter start, the transformers import and a tokenizer load (about a second each), as the workers of
+    ``datasets.map(num_proc=...)`` and PyTorch's ``DataLoader`` start; ``spawn`` elsewhere."""
+    return "fork" if sys.platform == "linux" else "spawn"
+
+
+def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None):
+    """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel
+    (forked workers use ``tok``, the packer's tokenizer).
 
     Raises:
         PackError: a worker process died (e.g. SIGKILL from the out-of-memory killer), naming its shard.
@@ -882,8 +892,9 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar):
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    executor = ProcessPoolExecutor(cfg.num_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                   initargs=(cfg, spool_dir, True))
+    method = _worker_start_method()
+    executor = ProcessPoolExecutor(cfg.num_workers, mp_context=mp.get_context(method), initializer=_init_worker,
+                                   initargs=(cfg, spool_dir, True, tok if method == "fork" else None))
     done = False
     try:
         futures = [executor.submit(count_shard, s) for s in shards]
@@ -939,7 +950,7 @@ class _Counted:
             self.token_offset = self.token_offset[mask]
 
 
-def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport) -> _Counted:
+def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None) -> _Counted:
     """Read and count every shard; fill the report's counts, rejections and warnings (exact line numbers)."""
     import numpy as np
 
@@ -950,7 +961,7 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport) -> _Counted:
     lines_before = {}  # file_idx -> lines of that file in the shards before
     oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, keeps_no_training)
     base = 0
-    for r in _shard_results(cfg, shards, spool_dir, bar):
+    for r in _shard_results(cfg, shards, spool_dir, bar, tok):
         path = cfg.inputs[r.shard.file_idx]
         before = lines_before.get(r.shard.file_idx, 0)
         lines_before[r.shard.file_idx] = before + r.lines
@@ -1257,7 +1268,7 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 if cfg.num_workers == 0 and cfg.engine == "local":
                     _init_worker(cfg, spool_dir, False, tok)
                 try:
-                    counted = _count_all(cfg, spool_dir, report)
+                    counted = _count_all(cfg, spool_dir, report, tok)
                 finally:
                     _close_worker()
                 L, cp = cfg.max_seq_len, cfg.context_parallel_size

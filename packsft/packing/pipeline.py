@@ -867,8 +867,12 @@ def _shard_progress(shard: Shard, result: ShardResult) -> int:
 def _worker_start_method() -> str:
     """``fork`` on Linux: the workers inherit the packer's imports and loaded tokenizer, so none pays an
     interpreter start, the transformers import and a tokenizer load (about a second each), as the workers of
-    ``datasets.map(num_proc=...)`` and PyTorch's ``DataLoader`` start; ``spawn`` elsewhere."""
-    return "fork" if sys.platform == "linux" else "spawn"
+    ``datasets.map(num_proc=...)`` and PyTorch's ``DataLoader`` start. ``spawn`` elsewhere, and in a process
+    connected to Ray (whose threads a forked child would inherit the state of)."""
+    ray = sys.modules.get("ray")
+    if sys.platform != "linux" or (ray is not None and getattr(ray, "is_initialized", lambda: False)()):
+        return "spawn"
+    return "fork"
 
 
 def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None):

@@ -25,7 +25,8 @@ included) with
 P processes; ``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loaded before timing). Each is run
 ``--repeat`` times (default 3), alternating, and its fastest run is shown. Both in
 conversations/s, with their ratio by wall time and by CPU time (all processes; on a shared machine wall time
-is noisy, CPU time less so).
+is noisy, CPU time less so), and the median ratio of the back-to-back pairs (``paired``: the machine's speed
+drifts over minutes, and a pair shares it).
 
 ``--scale N`` (default 1M): a synthetic file of N conversations (seeded random words; by default 2 messages of
 3-40 words, ``--scale-words``) is packed by the CLI in a child process (``--num-workers`` from
@@ -44,6 +45,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -312,9 +314,11 @@ def print_throughput(a, files: list[Path], tok, fmt) -> int:
           f"(load average {os.getloadavg()[0]:.1f}), fastest of {a.repeat} alternated runs each; "
           "baseline = batched apply_chat_template(tokenize=True); "
           "'start s' = the packer on one conversation (tokenizer load, process start, writing); "
-          "'steady' = baseline / (packer - start) by wall time, shown when the start is under half the packer's")
+          "'steady' = baseline / (packer - start) by wall time, shown when the start is under half the packer's; "
+          "'paired' = median over the runs of baseline / packer, each pair run back to back")
     print(f"{'input':<34} {'convs':>5} {'msgs':>5} {'procs':>5} {'base s':>7} {'base cpu':>8} {'packer s':>8} "
-          f"{'pack cpu':>8} {'pack conv/s':>11} {'start s':>7} {'wall ratio':>10} {'cpu ratio':>9} {'steady':>7}")
+          f"{'pack cpu':>8} {'pack conv/s':>11} {'start s':>7} {'wall ratio':>10} {'cpu ratio':>9} {'steady':>7} "
+          f"{'paired':>7}")
     with tempfile.TemporaryDirectory() as out_dir:
         one = head_file(files[0], 1, tempfile.mkdtemp(dir=out_dir))
         for f in files:
@@ -323,11 +327,14 @@ def print_throughput(a, files: list[Path], tok, fmt) -> int:
             msgs = sum(len(m) for m, _ in convs) / len(convs)
             for procs in a.workers:
                 base = packed = None
+                pairs = []  # baseline / packer wall seconds of each adjacent pair
                 for _ in range(a.repeat):  # alternated, the fastest of each: a shared machine's noise is one-sided
                     got = template_baseline(convs, a.tokenizer, procs)
                     base = got if base is None or got[1] < base[1] else base
+                    pair = got[1]
                     got = time_packer([str(part)], a.tokenizer, procs, L, out_dir)
                     packed = got if packed is None or got[1] < packed[1] else packed
+                    pairs.append(pair / got[1])
                 (lengths, base_s, base_cpu), (report, pack_s, pack_cpu) = base, packed
                 start_s = min(time_packer([str(one)], a.tokenizer, procs, L, out_dir)[1] for _ in range(a.repeat))
                 expected = len(pack(costs_of(lengths, L, 1), L, DEFAULT_ALGORITHM))
@@ -337,7 +344,7 @@ def print_throughput(a, files: list[Path], tok, fmt) -> int:
                 steady = f"{base_s / (pack_s - start_s):.3f}" if pack_s > 2 * start_s else "n/a"
                 print(f"{f.name[:34]:<34} {n:>5} {msgs:>5.1f} {procs:>5} {base_s:>7.2f} {base_cpu:>8.2f} "
                       f"{pack_s:>8.2f} {pack_cpu:>8.2f} {n / pack_s:>11.1f} {start_s:>7.2f} {base_s / pack_s:>10.3f} "
-                      f"{base_cpu / pack_cpu:>9.3f} {steady:>7}"
+                      f"{base_cpu / pack_cpu:>9.3f} {steady:>7} {statistics.median(pairs):>7.3f}"
                       + ("" if same else "  MISMATCH: packer counts differ from apply_chat_template's"))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 1 if mismatches else 0

@@ -7,6 +7,7 @@ roll-forward journal makes its renames one unit, finished by :func:`complete_pub
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -263,12 +264,29 @@ def complete_publish(journal: Path) -> bool:
     return True
 
 
+_LOCK_FDS: set[int] = set()  # descriptors of the FileLocks this process holds
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child: close its copies of the parent's lock descriptors (a copy would keep the ``flock``
+    after the parent closes its own; closing the child's copy leaves the parent's lock as it is)."""
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 class FileLock:
     """An exclusive ``flock`` on ``path`` (created if missing), released on exit; entering raises
-    ``BlockingIOError`` when another process holds it (callers that wait retry)."""
+    ``BlockingIOError`` when another process holds it (callers that wait retry). A forked child (the packer's
+    workers) does not keep it."""
 
     def __init__(self, path: str | Path):
-        self.path, self._fd = Path(path), None
+        self.path, self._fd, self._pid = Path(path), None, None
 
     def __enter__(self) -> FileLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -277,12 +295,17 @@ class FileLock:
         except BaseException:
             os.close(fd)
             raise
-        self._fd = fd
+        self._fd, self._pid = fd, os.getpid()
+        _LOCK_FDS.add(fd)
         return self
 
     def __exit__(self, *exc) -> None:
-        os.close(self._fd)  # releases the lock
-        self._fd = None
+        fd, self._fd = self._fd, None
+        if self._pid != os.getpid():  # a forked child: its copy was closed at the fork
+            return
+        _LOCK_FDS.discard(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # released even where another process still has a copy of fd
+        os.close(fd)
 
 
 def finish_interrupted_publish(path: str | Path, timeout: float = 600.0) -> bool:

@@ -144,3 +144,19 @@ def test_a_reader_on_a_read_only_mount_says_so(tmp_path, monkeypatch, code):
     with pytest.raises(OSError, match="cannot finish it") as info:
         finish_interrupted_publish(rows)
     assert info.value.errno == code
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    """The packer's forked workers (or another run's, in the same process) must not hold its output lock."""
+    path = tmp_path / ".rows.lock"
+    with FileLock(path):
+        pid = os.fork()
+        if pid == 0:  # the child outlives the parent's lock
+            time.sleep(2)
+            os._exit(0)
+    try:
+        with FileLock(path):  # free again although the child still runs
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0)
+    finally:
+        os.waitpid(pid, 0)

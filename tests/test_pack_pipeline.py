@@ -275,6 +275,42 @@ def test_forked_workers_use_the_packers_tokenizer_and_give_the_same_rows(tmp_pat
     assert rows[0] == rows[1]
 
 
+def test_no_more_workers_than_shards(tmp_path, shared_data, monkeypatch):
+    import concurrent.futures
+
+    sizes = []
+    real = concurrent.futures.ProcessPoolExecutor
+
+    def recording(max_workers, **kw):
+        sizes.append(max_workers)
+        return real(max_workers, **kw)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", recording)
+    src = _head(shared_data / "chat" / "gsm8k_test.messages.jsonl", tmp_path / "in.jsonl", 20)  # one shard
+    run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"),
+                        tokenizer=str(shared_data / "tokenizers" / "smollm2-135m-instruct"), max_seq_len=1024,
+                        num_workers=8, progress=False, histogram=""))
+    assert sizes == [1]
+
+
+def test_dead_worker_message_names_the_killed_worker_not_the_ones_the_pool_stopped(tmp_path):
+    from types import SimpleNamespace
+
+    from packsft.packing.pipeline import Shard, _dead_worker_message
+
+    shards = [Shard(0, 0, 0, 100), Shard(1, 0, 100, 200)]
+    (tmp_path / "worker.11").write_text("1 done")  # killed after finishing its shard
+    (tmp_path / "worker.12").write_text("0")  # stopped by the pool mid-shard
+    (tmp_path / "worker.13").write_text("0")
+    procs = {11: SimpleNamespace(exitcode=-9), 12: SimpleNamespace(exitcode=-15), 13: SimpleNamespace(exitcode=-9)}
+    cfg = PackConfig(inputs=["in.jsonl"], output="o.jsonl.packed", tokenizer="t", max_seq_len=8)
+    msg = _dead_worker_message(cfg, shards, str(tmp_path), SimpleNamespace(_processes=procs))
+    assert "worker process 11 died (killed by SIGKILL) while idle, after shard 1 of in.jsonl" in msg
+    assert "worker process 13 died (killed by SIGKILL) while reading shard 0 of in.jsonl (bytes 0-100)" in msg
+    assert "1 worker process(es) ended by SIGTERM (the pool stops the others when one dies)" in msg
+    assert "process 12" not in msg
+
+
 def test_cli_exit_code_and_message_on_bad_input(tmp_path, tokenizer_dir):
     src = _write_lines(tmp_path / "a.jsonl", ["{bad"])
     r = _cli(["--input", str(src), "--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer",

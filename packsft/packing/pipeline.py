@@ -666,6 +666,8 @@ def count_shard(shard: Shard) -> ShardResult:
     spool.flush()
     if token_spool is not None:
         token_spool.flush()
+    with open(marker, "w") as f:  # this shard is done: a death from now on is not its fault
+        f.write(f"{shard.index} done")
     if "spool_name" in _W:  # one spool per shard: closed, so that other hosts see all of it
         for key in ("spool", "token_spool"):
             if key in _W:
@@ -840,20 +842,29 @@ def _dead_worker_message(cfg: PackConfig, shards: list[Shard], spool_dir: str, e
     manager = getattr(executor, "_executor_manager_thread", None)
     if manager is not None:  # it joins the workers of a broken pool; polling them meanwhile races its waitpid
         manager.join(timeout=30)
+    stopped = 0  # workers ended by SIGTERM: what the pool sends the others once one has died
     for pid, proc in sorted((getattr(executor, "_processes", None) or {}).items()):
         code = proc.exitcode
         if code is None or code == 0:
+            continue
+        if code == -signal.SIGTERM:
+            stopped += 1
             continue
         how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
                else f"exit code {code}")
         try:
             with open(os.path.join(spool_dir, f"worker.{pid}")) as f:
-                shard = shards[int(f.read())]
+                index, _, done = f.read().partition(" ")
+            shard = shards[int(index)]
             span = "all rows" if is_row_source(cfg.inputs[shard.file_idx]) else f"bytes {shard.start}-{shard.end}"
-            at = f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})"
+            at = (f" while idle, after shard {shard.index} of {cfg.inputs[shard.file_idx]}" if done else
+                  f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})")
         except (OSError, ValueError, IndexError):
             at = " before reading a shard"
         deaths.append(f"worker process {pid} died ({how}){at}")
+    if stopped:
+        deaths.append(f"{stopped} worker process(es) ended by SIGTERM" + (" (the pool stops the others when one "
+                                                                           "dies)" if deaths else ""))
     what = "; ".join(deaths) or "a worker process died"
     return (f"{what}; SIGKILL is what the out-of-memory killer sends: use fewer --num-workers or more memory, "
             "or lower --max-conversation-bytes")
@@ -896,8 +907,9 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    method = _worker_start_method()
-    executor = ProcessPoolExecutor(cfg.num_workers, mp_context=mp.get_context(method), initializer=_init_worker,
+    method = _worker_start_method()  # a forked pool starts all its workers at once: no more than there are shards
+    executor = ProcessPoolExecutor(max(1, min(cfg.num_workers, len(shards))), mp_context=mp.get_context(method),
+                                   initializer=_init_worker,
                                    initargs=(cfg, spool_dir, True, tok if method == "fork" else None))
     done = False
     try:

@@ -456,3 +456,19 @@ def test_ctrl_c_is_an_error_line_and_exit_130(tmp_path, monkeypatch, capsys):
     assert cli.main(["--input", "x.jsonl", "--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer", "t",
                      "--max-seq-length", "256"]) == 130
     assert capsys.readouterr().err.startswith("error: interrupted (SIGINT)")
+
+
+def test_sigterm_is_an_error_line_and_exit_143(tmp_path, monkeypatch, capsys):
+    import signal
+
+    from packsft.packing import cli, pipeline
+
+    def terminated(cfg):
+        pipeline._on_sigterm(signal.SIGTERM, None)
+
+    monkeypatch.setattr(cli, "run_pack", terminated)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--input", "x.jsonl", "--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer", "t",
+                  "--max-seq-length", "256"])
+    assert e.value.code == 143
+    assert capsys.readouterr().err.startswith("error: terminated (SIGTERM)")

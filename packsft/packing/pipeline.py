@@ -977,31 +977,33 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None) ->
     lines_before = {}  # file_idx -> lines of that file in the shards before
     oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, keeps_no_training)
     base = 0
-    for r in _shard_results(cfg, shards, spool_dir, bar, tok):
-        path = cfg.inputs[r.shard.file_idx]
-        before = lines_before.get(r.shard.file_idx, 0)
-        lines_before[r.shard.file_idx] = before + r.lines
-        report.input_conversations += r.conversations
-        stats = report.per_input.setdefault(path, {"conversations": 0, "rejected": 0, "blank_lines": 0})
-        stats["conversations"] += r.conversations
-        stats["rejected"] += len(r.rejected)
-        stats["blank_lines"] += r.lines - r.conversations  # skipped, but counted: every line is accounted for
-        events = sorted([(line, 0, reason) for line, reason in r.rejected]
-                        + [(line, 1, (kind, message)) for kind, line, message in r.warnings],
-                        key=lambda e: (e[0], e[1]))
-        for line, is_warning, what in events:
-            if not is_warning:
-                if cfg.strict:
-                    raise PackError(f"{where(path, before + line)}: {what} (strict mode)")
-                report.rejected.append({"input": path, **position(path, before + line), "reason": what})
-            else:
-                report.warn(what[0], what[1], path, before + line)
-        oversize += [(base + i, r.shard.file_idx, before + line, n, cut, nbytes, none)
-                     for i, line, n, cut, nbytes, none in r.oversize]
-        base += len(r.num_tokens)
-        r.rejected, r.warnings, r.oversize = [], [], []
-        results.append(r)
-    bar.close()
+    try:  # closed on an error too, so that the bar is not redrawn after the error line
+        for r in _shard_results(cfg, shards, spool_dir, bar, tok):
+            path = cfg.inputs[r.shard.file_idx]
+            before = lines_before.get(r.shard.file_idx, 0)
+            lines_before[r.shard.file_idx] = before + r.lines
+            report.input_conversations += r.conversations
+            stats = report.per_input.setdefault(path, {"conversations": 0, "rejected": 0, "blank_lines": 0})
+            stats["conversations"] += r.conversations
+            stats["rejected"] += len(r.rejected)
+            stats["blank_lines"] += r.lines - r.conversations  # skipped, but counted: every line is accounted for
+            events = sorted([(line, 0, reason) for line, reason in r.rejected]
+                            + [(line, 1, (kind, message)) for kind, line, message in r.warnings],
+                            key=lambda e: (e[0], e[1]))
+            for line, is_warning, what in events:
+                if not is_warning:
+                    if cfg.strict:
+                        raise PackError(f"{where(path, before + line)}: {what} (strict mode)")
+                    report.rejected.append({"input": path, **position(path, before + line), "reason": what})
+                else:
+                    report.warn(what[0], what[1], path, before + line)
+            oversize += [(base + i, r.shard.file_idx, before + line, n, cut, nbytes, none)
+                         for i, line, n, cut, nbytes, none in r.oversize]
+            base += len(r.num_tokens)
+            r.rejected, r.warnings, r.oversize = [], [], []
+            results.append(r)
+    finally:
+        bar.close()
     counted = _Counted(results)
     del results
     _apply_oversize(cfg, counted, oversize, report, np)

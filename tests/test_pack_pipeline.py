@@ -472,3 +472,26 @@ def test_sigterm_is_an_error_line_and_exit_143(tmp_path, monkeypatch, capsys):
                   "--max-seq-length", "256"])
     assert e.value.code == 143
     assert capsys.readouterr().err.startswith("error: terminated (SIGTERM)")
+
+
+def test_rows_are_written_in_groups_bounded_by_bytes_with_the_same_output(tmp_path, shared_data, monkeypatch):
+    import packsft.packing.pipeline as pipeline
+
+    src = _head(shared_data / "chat" / "gpteacher.messages.jsonl", tmp_path / "in.jsonl", 300)
+    groups, real = [], pipeline._byte_groups
+
+    def recording(*a):
+        out = list(real(*a))
+        groups.append(len(out))
+        return out
+
+    monkeypatch.setattr(pipeline, "_byte_groups", recording)
+    outs = []
+    for cap in (64 << 20, 20_000):
+        monkeypatch.setattr(pipeline, "ROW_GROUP_BYTES", cap)
+        out = tmp_path / f"c{cap}" / "o.jsonl.packed"
+        run_pack(PackConfig(inputs=[str(src)], output=str(out), max_seq_len=2048, progress=False, histogram="",
+                            tokenizer=str(shared_data / "tokenizers" / "smollm2-135m-instruct")))
+        outs.append([out.read_bytes()] + [p.read_bytes() for p in cache_paths(out)])
+    assert groups[0] == 1 and groups[1] > 10  # one group, then many of at most 20 KB (a row is about 10 KB)
+    assert outs[0] == outs[1]

@@ -1128,13 +1128,32 @@ def _row_groups(starts, r0: int, r1: int, conversations: int, block: int, np) ->
     return list(zip(bounds, bounds[1:]))
 
 
+ROW_GROUP_BYTES = 64 << 20
+"""Most spool bytes (messages JSON, plus token cache bytes when written) the row writer holds at once, unless
+one row is larger: with long conversations a group of 65,536 would hold gigabytes."""
+
+
+def _byte_groups(groups, starts, ends, order, counted: _Counted, max_seq_len: int, tokens: bool, np):
+    """``groups`` of rows, each cut further (whole rows) so that its spool bytes stay under :data:`ROW_GROUP_BYTES`."""
+    for ra, rb in groups:
+        lo, hi = int(starts[ra]), int(ends[rb - 1])
+        idx = order[lo:hi]
+        nbytes = counted.size[idx] + (8 * np.minimum(counted.num_tokens[idx], max_seq_len) if tokens else 0)
+        row_end = np.cumsum(nbytes)[ends[ra:rb] - lo - 1]  # bytes through the end of each row
+        cuts = (np.searchsorted(row_end, np.arange(ROW_GROUP_BYTES, int(row_end[-1]), ROW_GROUP_BYTES), side="left")
+                + 1 + ra).tolist()
+        bounds = sorted({ra, rb, *(c for c in cuts if ra < c < rb)})
+        yield from zip(bounds, bounds[1:])
+
+
 def _write_row_range(order, starts, counted: _Counted, r0: int, r1: int, rows_out, tokens_out, np,
                      max_seq_len: int = 0, block: int = 1 << 16) -> None:
     """Write rows ``r0 .. r1-1`` from the spools: their JSON lines to ``rows_out`` (``.write(bytes)``) and, unless
     ``tokens_out`` is ``None``, their token cache bytes as ``tokens_out(data, num_tokens, row_sizes)`` (the
     arguments of :meth:`packsft.token_cache.TokenCacheWriter.add_rows`).
 
-    Rows go ``block`` conversations at a time (whole rows; Python lists only of one group). The spools are read
+    Rows go ``block`` conversations and at most :data:`ROW_GROUP_BYTES` of spool bytes at a time (whole rows;
+    Python lists only of one group). The spools are read
     with ``os.pread``, not memory-mapped: a row gathers conversations from anywhere in them, and the mapped
     pages it touched would stay in the resident set (about 800 bytes per conversation). The local engine
     writes all rows in one call; the Ray engine's tasks write parts (:mod:`packsft.packing.ray_engine`).
@@ -1146,7 +1165,8 @@ def _write_row_range(order, starts, counted: _Counted, r0: int, r1: int, rows_ou
         fds += token_fds
         pread = os.pread
         ends = np.append(starts[1:], len(order))
-        for ra, rb in _row_groups(starts, r0, r1, len(order), block, np):
+        groups = _row_groups(starts, r0, r1, len(order), block, np)
+        for ra, rb in _byte_groups(groups, starts, ends, order, counted, max_seq_len, tokens_out is not None, np):
             lo, hi = int(starts[ra]), int(ends[rb - 1])
             idx = order[lo:hi]
             spools, offsets = counted.spool[idx].tolist(), counted.offset[idx].tolist()

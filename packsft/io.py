@@ -7,7 +7,6 @@ roll-forward journal makes its renames one unit, finished by :func:`complete_pub
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import hashlib
@@ -18,7 +17,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
@@ -271,7 +270,7 @@ def _close_inherited_locks() -> None:
     """In a forked child: close its copies of the parent's lock descriptors (a copy would keep the ``flock``
     after the parent closes its own; closing the child's copy leaves the parent's lock as it is)."""
     for fd in _LOCK_FDS:
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             os.close(fd)
     _LOCK_FDS.clear()
 

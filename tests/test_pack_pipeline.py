@@ -495,3 +495,19 @@ def test_rows_are_written_in_groups_bounded_by_bytes_with_the_same_output(tmp_pa
         outs.append([out.read_bytes()] + [p.read_bytes() for p in cache_paths(out)])
     assert groups[0] == 1 and groups[1] > 10  # one group, then many of at most 20 KB (a row is about 10 KB)
     assert outs[0] == outs[1]
+
+
+def test_ctrl_c_while_the_cli_starts_is_an_error_line_not_a_traceback(tmp_path, tokenizer_dir):
+    import signal
+    import time
+
+    src = _write_lines(tmp_path / "a.jsonl", EDGE_LINES[:1])
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(src),
+                             "--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer",
+                             str(tokenizer_dir("qwen2.5")), "--max-seq-length", "512", "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.25)  # the imports take about 0.6 s
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().startswith("error: interrupted (SIGINT)") and "Traceback" not in err, err

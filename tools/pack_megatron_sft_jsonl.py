@@ -24,7 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from packsft.packing.cli import main  # noqa: E402
-
 if __name__ == "__main__":
+    try:  # Ctrl-C while the modules load: the same line and exit code as during the run
+        from packsft.packing.cli import main
+    except KeyboardInterrupt:
+        print("error: interrupted (SIGINT) before the packer started", file=sys.stderr)
+        sys.exit(130)
     sys.exit(main())

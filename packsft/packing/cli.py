@@ -17,6 +17,7 @@ from packsft.packing.pipeline import (
     PackConfig,
     PackError,
     PackWarning,
+    Terminated,
     run_pack,
 )
 from packsft.packing.ray_engine import ENGINES
@@ -136,9 +137,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: this run's temp files are already removed
         print("error: interrupted (SIGINT); this run's temp files are removed", file=sys.stderr)
         return 130
-    except SystemExit as e:  # SIGTERM (run_pack's handler raises SystemExit(143)): the same, and its exit code
-        if e.code == 143:
-            print("error: terminated (SIGTERM); this run's temp files are removed", file=sys.stderr)
+    except Terminated:  # SIGTERM: the same, and its exit code 143
+        print("error: terminated (SIGTERM); this run's temp files are removed", file=sys.stderr)
         raise
     print(report.summary())
     return 0

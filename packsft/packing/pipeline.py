@@ -97,7 +97,7 @@ from packsft.prompt_formats import (
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
-from packsft.token_cache import TokenCacheWriter, cache_paths, encode_pairs
+from packsft.token_cache import TokenCacheWriter, cache_paths, encode_pairs, stored_length
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
@@ -655,11 +655,12 @@ def count_shard(shard: Shard) -> ShardResult:
         sizes.append(len(data))
         spool_pos += len(data)
         msg_block.append(data)
-        if token_spool is not None:  # encode_conversation's bytes: the first min(n, L) pairs
+        if token_spool is not None:  # encode_conversation's bytes: the first stored_length(n, L) pairs
+            k = stored_length(n, L)
             token_offsets.append(token_pos)
-            token_pos += 8 * min(n, L)
-            tok_block.extend(tokens if n <= L else tokens[:L])
-            tgt_block.extend(targets if n <= L else targets[:L])
+            token_pos += 8 * k
+            tok_block.extend(tokens if k == n else tokens[:k])
+            tgt_block.extend(targets if k == n else targets[:k])
         if len(msg_block) >= 1024 or len(tok_block) >= 1 << 20:
             write_block()
     write_block()
@@ -1216,12 +1217,12 @@ class _Lock(FileLock):
                             "pick another --output") from e
 
 
-class _Terminated(SystemExit):
+class Terminated(SystemExit):
     """SIGTERM during :func:`run_pack`: unwinds so that every temp file is removed (exit code 143)."""
 
 
 def _on_sigterm(signum, frame):
-    raise _Terminated(128 + signum)
+    raise Terminated(128 + signum)
 
 
 def _restore_handler(signum: int, handler) -> None:

@@ -107,17 +107,21 @@ def _cpu() -> float:
 
 
 def template_baseline(convs: list[tuple[list[dict], list | None]], tokenizer: str, processes: int):
-    """Token counts, wall seconds and CPU seconds of batched ``apply_chat_template(tokenize=True)``.
+    """Token counts, wall seconds and CPU seconds of batched ``apply_chat_template(tokenize=True)``, and the
+    wall seconds of one ``load_tokenizer`` (not in the others).
 
     With ``processes > 1`` the pool is started and its tokenizers loaded before the clocks start (its CPU time
-    is counted when the pool is joined).
+    is counted when the pool is joined); the load is then timed once in this process (the pool's load theirs
+    in parallel).
     """
     batches = [convs[i : i + BATCH] for i in range(0, len(convs), BATCH)]
+    t0 = time.perf_counter()
+    _init_encoder(tokenizer)
+    load_s = time.perf_counter() - t0
     if processes == 1:
-        _init_encoder(tokenizer)
         t0, c0 = time.perf_counter(), _cpu()
         out = [_template_batch(b) for b in batches]
-        return [n for b in out for n in b], time.perf_counter() - t0, _cpu() - c0
+        return [n for b in out for n in b], time.perf_counter() - t0, _cpu() - c0, load_s
     pool = mp.get_context("spawn").Pool(processes, initializer=_init_encoder, initargs=(tokenizer,))
     pool.map(_template_batch, [[([{"role": "user", "content": "warm-up"}], None)]] * processes, chunksize=1)
     t0, c0 = time.perf_counter(), _cpu()
@@ -125,7 +129,7 @@ def template_baseline(convs: list[tuple[list[dict], list | None]], tokenizer: st
     elapsed = time.perf_counter() - t0
     pool.close()
     pool.join()
-    return [n for b in out for n in b], elapsed, _cpu() - c0
+    return [n for b in out for n in b], elapsed, _cpu() - c0, load_s
 
 
 def _encode_lengths(texts: list[str]) -> list[int]:
@@ -308,23 +312,31 @@ def _parsed(path: Path) -> list[tuple[list[dict], list | None]]:
 
 
 def print_throughput(a, files: list[Path], tok, fmt) -> int:
-    """Time the packer and the batched template baseline per file and process count; print conv/s and ratios."""
+    """Time the packer and the batched template baseline per file (and all files together, in one run) and
+    process count; print conv/s and ratios."""
     L, mismatches = a.throughput_max_seq_len, 0
     print(f"\nthroughput: first {a.throughput_limit} conversations of each file, L={L}, {DEFAULT_ALGORITHM} "
           f"(load average {os.getloadavg()[0]:.1f}), fastest of {a.repeat} alternated runs each; "
-          "baseline = batched apply_chat_template(tokenize=True); "
-          "'start s' = the packer on one conversation (tokenizer load, process start, writing); "
-          "'steady' = baseline / (packer - start) by wall time, shown when the start is under half the packer's; "
-          "'paired' = median over the runs of baseline / packer, each pair run back to back")
-    print(f"{'input':<34} {'convs':>5} {'msgs':>5} {'procs':>5} {'base s':>7} {'base cpu':>8} {'packer s':>8} "
-          f"{'pack cpu':>8} {'pack conv/s':>11} {'start s':>7} {'wall ratio':>10} {'cpu ratio':>9} {'steady':>7} "
-          f"{'paired':>7}")
+          "baseline = batched apply_chat_template(tokenize=True) (its tokenizer loaded before its clock); "
+          "'load s' = one load_tokenizer, which the packer's time includes; "
+          "'wall ratio' = baseline / packer, 'e2e ratio' = (load + baseline) / packer, by wall time; "
+          "'start s' = the packer on one conversation (tokenizer load, writing); "
+          "'steady' = baseline / (packer - start), shown when the start is under half the packer's; "
+          "'paired' = median over the runs of baseline / packer, each pair run back to back; "
+          "'x1' = the packer's 1-process wall time / this one's")
+    print(f"{'input':<34} {'convs':>6} {'msgs':>5} {'procs':>5} {'base s':>7} {'load s':>6} {'base cpu':>8} "
+          f"{'packer s':>8} {'pack cpu':>8} {'pack conv/s':>11} {'start s':>7} {'wall ratio':>10} "
+          f"{'e2e ratio':>9} {'cpu ratio':>9} {'steady':>7} {'paired':>7} {'x1':>5}")
     with tempfile.TemporaryDirectory() as out_dir:
         one = head_file(files[0], 1, tempfile.mkdtemp(dir=out_dir))
-        for f in files:
-            part = head_file(f, a.throughput_limit, out_dir)
-            convs = _parsed(part)
+        parts = [head_file(f, a.throughput_limit, out_dir) for f in files]
+        cases = [(f.name, [part]) for f, part in zip(files, parts)]
+        if len(files) > 1:
+            cases.append(("all files (one run)", parts))
+        for name, inputs in cases:
+            convs = [c for part in inputs for c in _parsed(part)]
             msgs = sum(len(m) for m, _ in convs) / len(convs)
+            single_s = None
             for procs in a.workers:
                 base = packed = None
                 pairs = []  # baseline / packer wall seconds of each adjacent pair
@@ -332,19 +344,22 @@ def print_throughput(a, files: list[Path], tok, fmt) -> int:
                     got = template_baseline(convs, a.tokenizer, procs)
                     base = got if base is None or got[1] < base[1] else base
                     pair = got[1]
-                    got = time_packer([str(part)], a.tokenizer, procs, L, out_dir)
+                    got = time_packer([str(p) for p in inputs], a.tokenizer, procs, L, out_dir)
                     packed = got if packed is None or got[1] < packed[1] else packed
                     pairs.append(pair / got[1])
-                (lengths, base_s, base_cpu), (report, pack_s, pack_cpu) = base, packed
+                (lengths, base_s, base_cpu, load_s), (report, pack_s, pack_cpu) = base, packed
                 start_s = min(time_packer([str(one)], a.tokenizer, procs, L, out_dir)[1] for _ in range(a.repeat))
                 expected = len(pack(costs_of(lengths, L, 1), L, DEFAULT_ALGORITHM))
                 same = report.real_tokens == sum(min(x, L) for x in lengths) and report.rows == expected
                 mismatches += not same
                 n = len(convs)
+                single_s = pack_s if procs == 1 else single_s
                 steady = f"{base_s / (pack_s - start_s):.3f}" if pack_s > 2 * start_s else "n/a"
-                print(f"{f.name[:34]:<34} {n:>5} {msgs:>5.1f} {procs:>5} {base_s:>7.2f} {base_cpu:>8.2f} "
+                x1 = f"{single_s / pack_s:.2f}" if single_s is not None and procs > 1 else ""
+                print(f"{name[:34]:<34} {n:>6} {msgs:>5.1f} {procs:>5} {base_s:>7.2f} {load_s:>6.2f} {base_cpu:>8.2f} "
                       f"{pack_s:>8.2f} {pack_cpu:>8.2f} {n / pack_s:>11.1f} {start_s:>7.2f} {base_s / pack_s:>10.3f} "
-                      f"{base_cpu / pack_cpu:>9.3f} {steady:>7} {statistics.median(pairs):>7.3f}"
+                      f"{(load_s + base_s) / pack_s:>9.3f} {base_cpu / pack_cpu:>9.3f} {steady:>7} "
+                      f"{statistics.median(pairs):>7.3f} {x1:>5}"
                       + ("" if same else "  MISMATCH: packer counts differ from apply_chat_template's"))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 1 if mismatches else 0

@@ -4,6 +4,7 @@
     python bench/pack.py                                   # all ../shared/data/chat/*.jsonl, SmolLM2 + Qwen2.5
     python bench/pack.py --data path/to/chat --tokenizers path/to/tok --max-seq-lens 4096 --workers 1 2
     python bench/pack.py --efficiency-only                 # skip the (slow) packer runs
+    python bench/pack.py --instructions 100 300            # instruction counts (valgrind), not seconds
 
 Efficiency (``docs/packing.md``): for every input file and for all files together, with each tokenizer's chat
 template, at each ``max_seq_len`` L and context-parallel size CP, the rows of next-fit, best-fit decreasing and
@@ -22,11 +23,18 @@ checks, pack, write rows + sidecar + token cache + report; no histogram; tokeniz
 included) with
 ``num_workers=0`` for P=1 and ``num_workers=P`` otherwise; the baseline is batched
 ``tokenizer.apply_chat_template(conversations, tokenize=True)`` (batches of 64, the parsed conversations, in
-P processes; ``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loaded before timing). Each is run
-``--repeat`` times (default 3), alternating, and its fastest run is shown. Both in
-conversations/s, with their ratio by wall time and by CPU time (all processes; on a shared machine wall time
-is noisy, CPU time less so), and the median ratio of the back-to-back pairs (``paired``: the machine's speed
-drifts over minutes, and a pair shares it).
+P processes; ``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loaded before timing; one
+``load_tokenizer`` is timed apart, ``load s``). Each is run ``--repeat`` times (default 3), alternating, and
+its fastest run is shown. Both in conversations/s, with their ratio by wall time (``wall ratio``; ``e2e
+ratio`` charges the baseline its tokenizer load too, as the packer is) and by CPU time (all processes), the
+median ratio of the back-to-back pairs (``paired``: the machine's speed drifts over minutes, and a pair shares
+it) and, with P > 1, the speed-up over the packer's own 1-process run (``x1``). With several files, all of
+them together are one more case (one packer run over all the inputs).
+
+``--instructions N1 N2``: instead, instructions counted by valgrind's callgrind (which do not drift with the
+machine's speed) of the packer (``run_pack``) and of the baseline (its tokenizer load and the batched
+template calls), one process, on the first N1 and N2 conversations of each file; printed as a fixed part and
+a part per conversation, and the baseline / packer ratio extrapolated to the whole file.
 
 ``--scale N`` (default 1M): a synthetic file of N conversations (seeded random words; by default 2 messages of
 3-40 words, ``--scale-words``) is packed by the CLI in a child process (``--num-workers`` from
@@ -260,6 +268,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3,
                    help="throughput runs of the baseline and the packer, alternated; the fastest of each is shown")
     p.add_argument("--efficiency-only", action="store_true")
+    p.add_argument("--instructions", type=int, nargs=2, metavar=("N1", "N2"), default=None,
+                   help="only the instruction counts (valgrind callgrind): the packer and the baseline, each with "
+                        "its tokenizer load, on the first N1 and N2 conversations of each file")
+    p.add_argument("--instructions-child", nargs=3, metavar=("SIDE", "FILE", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--scale", type=int, nargs="?", const=1_000_000, default=None,
                    help="only the memory run: pack N/4 and N synthetic conversations (default N 1M), peak RSS")
     p.add_argument("--scale-workers", type=int, default=0, help="--num-workers of the --scale runs")
@@ -271,11 +283,15 @@ def main(argv=None) -> int:
     a.tokenizer = a.tokenizers[0]
     if a.scale is not None:
         return print_scale(a)
+    if a.instructions_child:
+        return instructions_child(a, *a.instructions_child)
     data = Path(a.data)
     files = sorted(data.glob("*.jsonl")) if data.is_dir() else [data]
     if not files:
         print(f"error: no *.jsonl in {data}", file=sys.stderr)
         return 2
+    if a.instructions:
+        return print_instructions(a, files)
     print(f"{len(files)} files in {data}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     lengths_by_tok = {}
     for tokenizer in a.tokenizers:
@@ -363,6 +379,84 @@ def print_throughput(a, files: list[Path], tok, fmt) -> int:
                       + ("" if same else "  MISMATCH: packer counts differ from apply_chat_template's"))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 1 if mismatches else 0
+
+
+def instructions_child(a, side: str, path: str, out_dir: str) -> int:
+    """The measured work of one ``--instructions`` run, inside ``functools.reduce`` (the C function callgrind
+    collects in): ``baseline`` = ``load_tokenizer`` + the batched template calls over the parsed
+    conversations (parsed before), ``packer`` = ``run_pack`` (its load inside)."""
+    import functools
+
+    if side == "baseline":
+        convs = _parsed(Path(path))
+        batches = [convs[i : i + BATCH] for i in range(0, len(convs), BATCH)]
+
+        def work():
+            _init_encoder(a.tokenizer)
+            return [_template_batch(b) for b in batches]
+    else:
+        cfg = PackConfig(inputs=[path], output=os.path.join(out_dir, "rows.jsonl.packed"), tokenizer=a.tokenizer,
+                         max_seq_len=a.throughput_max_seq_len, histogram="", progress=False)
+
+        def work():
+            return run_pack(cfg)
+    functools.reduce(lambda _, f: f(), [work], None)
+    return 0
+
+
+def _callgrind(a, side: str, path: Path, out_dir: str) -> int:
+    """Instructions executed inside :func:`instructions_child`'s ``functools.reduce`` (valgrind callgrind)."""
+    import subprocess
+
+    out = os.path.join(out_dir, f"callgrind.{side}.out")
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--toggle-collect=functools_reduce",
+           sys.executable, __file__, "--tokenizers", a.tokenizer, "--throughput-max-seq-len",
+           str(a.throughput_max_seq_len), "--instructions-child", side, str(path), out_dir]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(out) as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    raise RuntimeError(f"no totals in {out}")
+
+
+def print_instructions(a, files: list[Path]) -> int:
+    """Instruction counts of the packer and the baseline at two sizes per file: the fixed part, the part per
+    conversation (their difference over N2 - N1) and the ratio extrapolated to the whole file (one process)."""
+    import shutil
+
+    if shutil.which("valgrind") is None:
+        print("error: --instructions needs valgrind (apt install valgrind)", file=sys.stderr)
+        return 2
+    n1, n2 = sorted(a.instructions)
+    print(f"instructions (valgrind callgrind), first {n1} and {n2} conversations of each file, L="
+          f"{a.throughput_max_seq_len}, one process, each side with its tokenizer load; 'per conv' = the increase "
+          f"per conversation from {n1} to {n2}; 'fixed' = the rest; 'whole file' = baseline / packer "
+          "instructions extrapolated to all the file's conversations")
+    print(f"{'input':<34} {'convs':>6} {'base fixed G':>12} {'base per conv M':>15} {'pack fixed G':>12} "
+          f"{'pack per conv M':>15} {'per conv ratio':>14} {'whole file ratio':>16}")
+    from concurrent.futures import ThreadPoolExecutor
+
+    def count(f: Path, side: str, n: int) -> int:
+        with tempfile.TemporaryDirectory() as out_dir:
+            return _callgrind(a, side, head_file(f, n, out_dir), out_dir)
+
+    pool = ThreadPoolExecutor(os.cpu_count() or 1)  # the counts do not depend on what else runs
+    for f in files:
+        with open(f, encoding="utf-8") as src:
+            total = sum(1 for line in src if line.strip())
+        runs = {(side, n): pool.submit(count, f, side, n) for side in ("baseline", "packer") for n in (n1, n2)}
+        fit = {}
+        for side in ("baseline", "packer"):
+            c1, c2 = runs[side, n1].result(), runs[side, n2].result()
+            per = (c2 - c1) / (n2 - n1)
+            fit[side] = (c1 - per * n1, per)
+        (bf, bp), (pf, pp) = fit["baseline"], fit["packer"]
+        whole = (bf + bp * total) / (pf + pp * total)
+        print(f"{f.name[:34]:<34} {total:>6} {bf / 1e9:>12.3f} {bp / 1e6:>15.2f} {pf / 1e9:>12.3f} "
+              f"{pp / 1e6:>15.2f} {bp / pp:>14.3f} {whole:>16.3f}", flush=True)
+    pool.shutdown()
+    return 0
 
 
 _WORDS = ("the of and to in is that it for on with as was at by an be this from or which one had not but what all "

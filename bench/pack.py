@@ -28,7 +28,8 @@ P processes; ``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loade
 its fastest run is shown. Both in conversations/s, with their ratio by wall time (``wall ratio``; ``e2e
 ratio`` charges the baseline its tokenizer load too, as the packer is) and by CPU time (all processes), the
 median ratio of the back-to-back pairs (``paired``: the machine's speed drifts over minutes, and a pair shares
-it) and, with P > 1, the speed-up over the packer's own 1-process run (``x1``). With several files, all of
+it) and, with P > 1, the speed-up over the packer's own 1-process run (``x1``: of the fastest runs, and the
+median over the repeats, each of which runs every process count in turn). With several files, all of
 them together are one more case (one packer run over all the inputs).
 
 ``--instructions N1 N2``: instead, instructions counted by valgrind's callgrind (which do not drift with the
@@ -339,10 +340,11 @@ def print_throughput(a, files: list[Path], tok, fmt) -> int:
           "'start s' = the packer on one conversation (tokenizer load, writing); "
           "'steady' = baseline / (packer - start), shown when the start is under half the packer's; "
           "'paired' = median over the runs of baseline / packer, each pair run back to back; "
-          "'x1' = the packer's 1-process wall time / this one's")
+          "'x1' = the packer's 1-process wall time / this one's, fastest runs (median of the runs paired "
+          "within a repeat)")
     print(f"{'input':<34} {'convs':>6} {'msgs':>5} {'procs':>5} {'base s':>7} {'load s':>6} {'base cpu':>8} "
           f"{'packer s':>8} {'pack cpu':>8} {'pack conv/s':>11} {'start s':>7} {'wall ratio':>10} "
-          f"{'e2e ratio':>9} {'cpu ratio':>9} {'steady':>7} {'paired':>7} {'x1':>5}")
+          f"{'e2e ratio':>9} {'cpu ratio':>9} {'steady':>7} {'paired':>7} {'x1 (paired)':>11}")
     with tempfile.TemporaryDirectory() as out_dir:
         one = head_file(files[0], 1, tempfile.mkdtemp(dir=out_dir))
         parts = [head_file(f, a.throughput_limit, out_dir) for f in files]
@@ -352,30 +354,34 @@ def print_throughput(a, files: list[Path], tok, fmt) -> int:
         for name, inputs in cases:
             convs = [c for part in inputs for c in _parsed(part)]
             msgs = sum(len(m) for m, _ in convs) / len(convs)
-            single_s = None
-            for procs in a.workers:
-                base = packed = None
-                pairs = []  # baseline / packer wall seconds of each adjacent pair
-                for _ in range(a.repeat):  # alternated, the fastest of each: a shared machine's noise is one-sided
+            best: dict[int, list] = {procs: [None, None, []] for procs in a.workers}  # baseline, packer, pairs
+            pack_runs: dict[int, list[float]] = {procs: [] for procs in a.workers}
+            for _ in range(a.repeat):  # alternated, the fastest of each: a shared machine's noise is one-sided
+                for procs in a.workers:  # each process count in turn within a repeat, so x1 can be paired too
+                    kept = best[procs]
                     got = template_baseline(convs, a.tokenizer, procs)
-                    base = got if base is None or got[1] < base[1] else base
+                    kept[0] = got if kept[0] is None or got[1] < kept[0][1] else kept[0]
                     pair = got[1]
                     got = time_packer([str(p) for p in inputs], a.tokenizer, procs, L, out_dir)
-                    packed = got if packed is None or got[1] < packed[1] else packed
-                    pairs.append(pair / got[1])
-                (lengths, base_s, base_cpu, load_s), (report, pack_s, pack_cpu) = base, packed
+                    kept[1] = got if kept[1] is None or got[1] < kept[1][1] else kept[1]
+                    kept[2].append(pair / got[1])
+                    pack_runs[procs].append(got[1])
+            for procs in a.workers:
+                (lengths, base_s, base_cpu, load_s), (report, pack_s, pack_cpu), pairs = best[procs]
                 start_s = min(time_packer([str(one)], a.tokenizer, procs, L, out_dir)[1] for _ in range(a.repeat))
                 expected = len(pack(costs_of(lengths, L, 1), L, DEFAULT_ALGORITHM))
                 same = report.real_tokens == sum(min(x, L) for x in lengths) and report.rows == expected
                 mismatches += not same
                 n = len(convs)
-                single_s = pack_s if procs == 1 else single_s
                 steady = f"{base_s / (pack_s - start_s):.3f}" if pack_s > 2 * start_s else "n/a"
-                x1 = f"{single_s / pack_s:.2f}" if single_s is not None and procs > 1 else ""
+                x1 = ""
+                if procs > 1 and 1 in pack_runs:
+                    x1 = (f"{min(pack_runs[1]) / pack_s:.2f} "
+                          f"({statistics.median(o / t for o, t in zip(pack_runs[1], pack_runs[procs])):.2f})")
                 print(f"{name[:34]:<34} {n:>6} {msgs:>5.1f} {procs:>5} {base_s:>7.2f} {load_s:>6.2f} {base_cpu:>8.2f} "
                       f"{pack_s:>8.2f} {pack_cpu:>8.2f} {n / pack_s:>11.1f} {start_s:>7.2f} {base_s / pack_s:>10.3f} "
                       f"{(load_s + base_s) / pack_s:>9.3f} {base_cpu / pack_cpu:>9.3f} {steady:>7} "
-                      f"{statistics.median(pairs):>7.3f} {x1:>5}"
+                      f"{statistics.median(pairs):>7.3f} {x1:>11}"
                       + ("" if same else "  MISMATCH: packer counts differ from apply_chat_template's"))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 1 if mismatches else 0

@@ -32,5 +32,5 @@ def test_bench_prints_throughput_per_file_and_for_all_files_with_the_counts_chec
     assert {n for n, _ in cases} == {"gsm8k_test.messages.jsonl", "hh_rlhf_harmless_base_test.message",
                                      "all files (one run)"}, proc.stdout
     for (name, procs), fields in cases.items():
-        assert len(fields) == (15 if procs == 1 else 16), (name, fields)  # x1 only with 2 processes
+        assert len(fields) == (15 if procs == 1 else 17), (name, fields)  # x1 (paired) only with 2 processes
         assert float(fields[4]) > 0 and float(fields[11]) > float(fields[10]) > 0  # load s; e2e > wall ratio

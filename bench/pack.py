@@ -108,6 +108,11 @@ def _template_batch(batch: list[tuple[list[dict], list | None]]) -> list[int]:
     return [len(tok.apply_chat_template(m, tools=t, tokenize=True, return_dict=False)) for m, t in batch]
 
 
+def _batches(convs: list) -> list[list]:
+    """The baseline's batches of :data:`BATCH` conversations."""
+    return [convs[i : i + BATCH] for i in range(0, len(convs), BATCH)]
+
+
 def _cpu() -> float:
     import resource
 
@@ -123,7 +128,7 @@ def template_baseline(convs: list[tuple[list[dict], list | None]], tokenizer: st
     is counted when the pool is joined); the load is then timed once in this process (the pool's load theirs
     in parallel).
     """
-    batches = [convs[i : i + BATCH] for i in range(0, len(convs), BATCH)]
+    batches = _batches(convs)
     t0 = time.perf_counter()
     _init_encoder(tokenizer)
     load_s = time.perf_counter() - t0
@@ -395,7 +400,7 @@ def instructions_child(a, side: str, path: str, out_dir: str) -> int:
 
     if side == "baseline":
         convs = _parsed(Path(path))
-        batches = [convs[i : i + BATCH] for i in range(0, len(convs), BATCH)]
+        batches = _batches(convs)
 
         def work():
             _init_encoder(a.tokenizer)
@@ -430,6 +435,7 @@ def print_instructions(a, files: list[Path]) -> int:
     """Instruction counts of the packer and the baseline at two sizes per file: the fixed part, the part per
     conversation (their difference over N2 - N1) and the ratio extrapolated to the whole file (one process)."""
     import shutil
+    from concurrent.futures import ThreadPoolExecutor
 
     if shutil.which("valgrind") is None:
         print("error: --instructions needs valgrind (apt install valgrind)", file=sys.stderr)
@@ -441,8 +447,6 @@ def print_instructions(a, files: list[Path]) -> int:
           "instructions extrapolated to all the file's conversations")
     print(f"{'input':<34} {'convs':>6} {'base fixed G':>12} {'base per conv M':>15} {'pack fixed G':>12} "
           f"{'pack per conv M':>15} {'per conv ratio':>14} {'whole file ratio':>16}")
-    from concurrent.futures import ThreadPoolExecutor
-
     def count(f: Path, side: str, n: int) -> int:
         with tempfile.TemporaryDirectory() as out_dir:
             return _callgrind(a, side, head_file(f, n, out_dir), out_dir)

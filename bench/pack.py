@@ -124,9 +124,9 @@ def template_baseline(convs: list[tuple[list[dict], list | None]], tokenizer: st
     """Token counts, wall seconds and CPU seconds of batched ``apply_chat_template(tokenize=True)``, and the
     wall seconds of one ``load_tokenizer`` (not in the others).
 
-    With ``processes > 1`` the pool is started and its tokenizers loaded before the clocks start (its CPU time
-    is counted when the pool is joined); the load is then timed once in this process (the pool's load theirs
-    in parallel).
+    With ``processes > 1`` the pool is started and its tokenizers loaded before the clocks start, its CPU time
+    is what its batches took (``time.process_time`` in each), and the load is timed once in this process (the
+    pool's load theirs in parallel).
     """
     batches = _batches(convs)
     t0 = time.perf_counter()
@@ -138,12 +138,18 @@ def template_baseline(convs: list[tuple[list[dict], list | None]], tokenizer: st
         return [n for b in out for n in b], time.perf_counter() - t0, _cpu() - c0, load_s
     pool = mp.get_context("spawn").Pool(processes, initializer=_init_encoder, initargs=(tokenizer,))
     pool.map(_template_batch, [[([{"role": "user", "content": "warm-up"}], None)]] * processes, chunksize=1)
-    t0, c0 = time.perf_counter(), _cpu()
-    out = pool.map(_template_batch, batches, chunksize=1)
-    elapsed = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = pool.map(_cpu_timed_batch, batches, chunksize=1)
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0 + sum(c for _, c in out)
     pool.close()
     pool.join()
-    return [n for b in out for n in b], elapsed, _cpu() - c0, load_s
+    return [n for b, _ in out for n in b], elapsed, cpu, load_s
+
+
+def _cpu_timed_batch(batch: list[tuple[list[dict], list | None]]) -> tuple[list[int], float]:
+    """:func:`_template_batch` and the CPU seconds it took in this (pool) process."""
+    c0 = time.process_time()
+    return _template_batch(batch), time.process_time() - c0
 
 
 def _encode_lengths(texts: list[str]) -> list[int]:
@@ -292,6 +298,12 @@ def main(argv=None) -> int:
     if a.instructions_child:
         return instructions_child(a, *a.instructions_child)
     data = Path(a.data)
+    if not data.exists():
+        print(f"error: --data {data}: no such file or folder", file=sys.stderr)
+        return 2
+    if a.instructions and a.instructions[0] == a.instructions[1]:
+        print(f"error: --instructions needs two different sizes, got {a.instructions[0]} twice", file=sys.stderr)
+        return 2
     files = sorted(data.glob("*.jsonl")) if data.is_dir() else [data]
     if not files:
         print(f"error: no *.jsonl in {data}", file=sys.stderr)
@@ -454,7 +466,11 @@ def print_instructions(a, files: list[Path]) -> int:
     pool = ThreadPoolExecutor(os.cpu_count() or 1)  # the counts do not depend on what else runs
     for f in files:
         with open(f, encoding="utf-8") as src:
-            total = sum(1 for line in src if line.strip())
+            blank = [not line.strip() for line in src]
+        lines, total = len(blank), len(blank) - sum(blank)
+        if lines < n2:  # head_file would give fewer lines than the fit divides by
+            print(f"{f.name[:34]:<34} skipped: {lines} lines, fewer than N2 = {n2}", flush=True)
+            continue
         runs = {(side, n): pool.submit(count, f, side, n) for side in ("baseline", "packer") for n in (n1, n2)}
         fit = {}
         for side in ("baseline", "packer"):

@@ -81,7 +81,8 @@ class Conversation:
 def iter_jsonl_lines(path: str | Path) -> Iterator[tuple[int, str | None, str | None]]:
     """Stream a JSONL file line by line without holding it in memory.
 
-    Blank (whitespace-only) lines are skipped. CRLF line endings are accepted.
+    Blank (whitespace-only) lines are skipped. CRLF line endings are accepted, and so is a UTF-8 byte order
+    mark at the start of the file (skipped, as by Python's ``utf-8-sig`` codec; Windows tools write one).
 
     Args:
         path: the file.
@@ -131,6 +132,8 @@ def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chun
                 break
             number += 1
             nbytes = len(raw)
+            if number == 1 and start == 0 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # the byte order mark (counted in nbytes, so the sizes still sum to the file's)
             if max_bytes is None or len(raw.rstrip(b"\r\n")) <= max_bytes:
                 pos += nbytes
             if max_bytes is not None and len(raw.rstrip(b"\r\n")) > max_bytes:

@@ -2,7 +2,14 @@ import json
 
 import pytest
 
-from packsft.conversation import ConversationError, iter_jsonl_lines, parse_record, split_row, validate_messages
+from packsft.conversation import (
+    ConversationError,
+    iter_jsonl_lines,
+    iter_jsonl_lines_sized,
+    parse_record,
+    split_row,
+    validate_messages,
+)
 
 
 def _err(record, **kw):
@@ -92,6 +99,18 @@ def test_jsonl_reader_keeps_line_numbers_crlf_blank_and_bad_utf8(tmp_path):
     assert [r[0] for r in rows] == [1, 4, 5]
     assert rows[1][1] is None and "UTF-8" in rows[1][2]
     assert json.loads(rows[0][1])["messages"][0]["content"] == "é 🙂"
+
+
+def test_jsonl_reader_skips_a_byte_order_mark_at_the_start_of_the_file_only(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    p.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + b"\xef\xbb\xbf" + good + b"\n")
+    rows = list(iter_jsonl_lines_sized(p))
+    assert rows[0][2] == good.decode() + "\n"  # parsed as JSON by the packer
+    assert rows[1][2].startswith("\ufeff")  # not at the start of the file: kept, and rejected as invalid JSON
+    assert sum(r[1] for r in rows) == p.stat().st_size
+    half = len(good) + 4  # a shard that starts at line 2 keeps its bytes as they are
+    assert [r[2] for r in iter_jsonl_lines_sized(p, start=half)] == [rows[1][2]]
 
 
 def test_split_row_errors_name_the_conversation():

@@ -40,7 +40,7 @@ def _check_invariants(cfg: PackConfig, report):
     expected = Counter()
     n_lines = 0
     for path in cfg.inputs:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for line_no, text in enumerate(f, start=1):
                 if not text.strip():
                     continue
@@ -150,6 +150,7 @@ EDGE_LINES = [
 
 def test_edge_cases_get_their_documented_result(tmp_path, tokenizer_dir):
     src = _write_lines(tmp_path / "edge.jsonl", EDGE_LINES)
+    src.write_bytes(b"\xef\xbb\xbf" + src.read_bytes())  # a byte order mark (Windows tools) before line 1
     cfg = PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"),
                      tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=256, progress=False, histogram="")
     report = run_pack(cfg)

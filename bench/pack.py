@@ -19,12 +19,14 @@ conversations (best of 3).
 
 Throughput, per file (its first ``--throughput-limit`` conversations), with P processes and the first tokenizer:
 the packer is :func:`packsft.packing.pipeline.run_pack` end to end (read, parse, render, tokenize with masking
-checks, pack, write rows + sidecar + token cache + report; no histogram; tokenizer load and process start
+checks, pack, write rows + sidecar + token cache + report; no histogram; tokenizer load and worker start
 included) with
 ``num_workers=0`` for P=1 and ``num_workers=P`` otherwise; the baseline is batched
 ``tokenizer.apply_chat_template(conversations, tokenize=True)`` (batches of 64, the parsed conversations, in
 P processes; ``TOKENIZERS_PARALLELISM=false``; pool started and tokenizers loaded before timing; one
-``load_tokenizer`` is timed apart, ``load s``). Each is run ``--repeat`` times (default 3), alternating, and
+``load_tokenizer`` is timed apart, ``load s``). Every timed run is a fresh Python process (as a user's run
+is; the imports, and the baseline's JSON parsing, before its clock: run in one process after each other, each
+side was 10-15 % slower after the other's run). Each is run ``--repeat`` times (default 3), alternating, and
 its fastest run is shown. Both in conversations/s, with their ratio by wall time (``wall ratio``; ``e2e
 ratio`` charges the baseline its tokenizer load too, as the packer is) and by CPU time (all processes), the
 median end-to-end ratio of the back-to-back pairs (``e2e paired``: the machine's speed drifts over minutes,
@@ -262,6 +264,31 @@ def time_packer(inputs: list[str], tokenizer: str, processes: int, max_seq_len: 
     return report, time.perf_counter() - t0, _cpu() - c0
 
 
+def throughput_child(a, side: str, procs: str, out_dir: str, *inputs: str) -> int:
+    """One timed run in a fresh process (what a user's run is; a run after the other side's in the same
+    process was 10-15 % slower): print its JSON on stdout. The imports, and the baseline's parsing, are done
+    before the clock starts."""
+    if side == "baseline":
+        convs = [c for path in inputs for c in _parsed(Path(path))]
+        lengths, wall, cpu, load = template_baseline(convs, a.tokenizer, int(procs))
+        out = {"lengths": lengths, "wall": wall, "cpu": cpu, "load": load}
+    else:
+        report, wall, cpu = time_packer(list(inputs), a.tokenizer, int(procs), a.throughput_max_seq_len, out_dir)
+        out = {"rows": report.rows, "real_tokens": report.real_tokens, "wall": wall, "cpu": cpu}
+    print(json.dumps(out))
+    return 0
+
+
+def _in_child(a, side: str, procs: int, inputs: list[Path], out_dir: str) -> dict:
+    """:func:`throughput_child` in a new Python process; its JSON."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--tokenizers", a.tokenizer, "--throughput-max-seq-len",
+           str(a.throughput_max_seq_len), "--throughput-child", side, str(procs), out_dir, *map(str, inputs)]
+    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     """Run the benchmark; return the exit code (1 when a count disagrees or an algorithm is worse than BFD)."""
     tokenizers = SHARED_DATA / "tokenizers"
@@ -284,6 +311,7 @@ def main(argv=None) -> int:
                    help="only the instruction counts (valgrind callgrind): the packer and the baseline, each with "
                         "its tokenizer load, on the first N1 and N2 conversations of each file")
     p.add_argument("--instructions-child", nargs=3, metavar=("SIDE", "FILE", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--throughput-child", nargs="+", metavar="SIDE PROCS OUT FILE", help=argparse.SUPPRESS)
     p.add_argument("--scale", type=int, nargs="?", const=1_000_000, default=None,
                    help="only the memory run: pack N/4 and N synthetic conversations (default N 1M), peak RSS")
     p.add_argument("--scale-workers", type=int, default=0, help="--num-workers of the --scale runs")
@@ -297,6 +325,8 @@ def main(argv=None) -> int:
         return print_scale(a)
     if a.instructions_child:
         return instructions_child(a, *a.instructions_child)
+    if a.throughput_child:
+        return throughput_child(a, *a.throughput_child)
     data = Path(a.data)
     if not data.exists():
         print(f"error: --data {data}: no such file or folder", file=sys.stderr)
@@ -376,18 +406,20 @@ def print_throughput(a, files: list[Path], tok, fmt) -> int:
             for _ in range(a.repeat):  # alternated, the fastest of each: a shared machine's noise is one-sided
                 for procs in a.workers:  # each process count in turn within a repeat, so x1 can be paired too
                     kept = best[procs]
-                    got = template_baseline(convs, a.tokenizer, procs)
-                    kept[0] = got if kept[0] is None or got[1] < kept[0][1] else kept[0]
-                    pair = got[3] + got[1]  # e2e: with its tokenizer load, as the packer's
-                    got = time_packer([str(p) for p in inputs], a.tokenizer, procs, L, out_dir)
-                    kept[1] = got if kept[1] is None or got[1] < kept[1][1] else kept[1]
-                    kept[2].append(pair / got[1])
-                    pack_runs[procs].append(got[1])
+                    got = _in_child(a, "baseline", procs, inputs, out_dir)
+                    kept[0] = got if kept[0] is None or got["wall"] < kept[0]["wall"] else kept[0]
+                    pair = got["load"] + got["wall"]  # e2e: with its tokenizer load, as the packer's
+                    got = _in_child(a, "packer", procs, inputs, out_dir)
+                    kept[1] = got if kept[1] is None or got["wall"] < kept[1]["wall"] else kept[1]
+                    kept[2].append(pair / got["wall"])
+                    pack_runs[procs].append(got["wall"])
             for procs in a.workers:
-                (lengths, base_s, base_cpu, load_s), (report, pack_s, pack_cpu), pairs = best[procs]
-                start_s = min(time_packer([str(one)], a.tokenizer, procs, L, out_dir)[1] for _ in range(a.repeat))
+                base, packed, pairs = best[procs]
+                lengths, base_s, base_cpu, load_s = base["lengths"], base["wall"], base["cpu"], base["load"]
+                pack_s, pack_cpu = packed["wall"], packed["cpu"]
+                start_s = min(_in_child(a, "packer", procs, [one], out_dir)["wall"] for _ in range(a.repeat))
                 expected = len(pack(costs_of(lengths, L, 1), L, DEFAULT_ALGORITHM))
-                same = report.real_tokens == sum(min(x, L) for x in lengths) and report.rows == expected
+                same = packed["real_tokens"] == sum(min(x, L) for x in lengths) and packed["rows"] == expected
                 mismatches += not same
                 n = len(convs)
                 steady = f"{base_s / (pack_s - start_s):.3f}" if pack_s > 2 * start_s else "n/a"

@@ -285,7 +285,9 @@ def _in_child(a, side: str, procs: int, inputs: list[Path], out_dir: str) -> dic
 
     cmd = [sys.executable, __file__, "--tokenizers", a.tokenizer, "--throughput-max-seq-len",
            str(a.throughput_max_seq_len), "--throughput-child", side, str(procs), out_dir, *map(str, inputs)]
-    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {side} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

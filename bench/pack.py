@@ -64,7 +64,9 @@ from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, as in the packer's workers
 
-from packsft.conversation import parse_record  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packsft, as tools/ does
+
+from packsft.conversation import ConversationError, iter_jsonl_lines, parse_record  # noqa: E402
 from packsft.io import write_json_atomic  # noqa: E402
 from packsft.layout import conversation_cost  # noqa: E402
 from packsft.packing.algorithms import DEFAULT_ALGORITHM, lower_bound_rows, pack  # noqa: E402
@@ -85,13 +87,33 @@ def render_file(path: Path, tok, fmt) -> list[str]:
     are left as the file has them (the chat files have no tool calls; the count check in
     :func:`print_throughput` would show a difference).
     """
-    texts = []
-    with open(path, encoding="utf-8") as f:
-        for line, text in enumerate(f, 1):
-            conv = parse_record(json.loads(text), path, line)
-            texts.append(tok.apply_chat_template(conv.messages, tools=conv.tools,
-                                                 chat_template=fmt.chat_template, tokenize=False))
-    return texts
+    return [tok.apply_chat_template(conv.messages, tools=conv.tools, chat_template=fmt.chat_template, tokenize=False)
+            for conv in _records(path)]
+
+
+class BenchInputError(ValueError):
+    """A line of a benchmark input the bench cannot use (``file:line: reason``): it compares counts with the
+    packer's, so every line must be a valid conversation."""
+
+
+def _records(path: Path):
+    """The conversations of JSONL ``path``, read as the packer reads it (a byte order mark and blank lines
+    skipped).
+
+    Raises:
+        BenchInputError: a line that is not UTF-8, not JSON or not a valid record.
+    """
+    for line, text, error in iter_jsonl_lines(path):
+        try:
+            if error:
+                raise ValueError(error)
+            yield parse_record(json.loads(text), path, line)
+        except ConversationError as e:
+            raise BenchInputError(str(e)) from e
+        except json.JSONDecodeError as e:
+            raise BenchInputError(f"{path}:{line}: not valid JSON: {e.msg} (column {e.colno})") from e
+        except ValueError as e:
+            raise BenchInputError(f"{path}:{line}: {e}") from e
 
 
 _TOK: dict = {}
@@ -333,6 +355,11 @@ def main(argv=None) -> int:
     if not data.exists():
         print(f"error: --data {data}: no such file or folder", file=sys.stderr)
         return 2
+    for flag, values in (("--workers", a.workers), ("--repeat", [a.repeat]),
+                         ("--throughput-limit", [a.throughput_limit])):
+        if min(values) < 1:
+            print(f"error: {flag} must be at least 1, got {min(values)}", file=sys.stderr)
+            return 2
     if a.instructions and a.instructions[0] == a.instructions[1]:
         print(f"error: --instructions needs two different sizes, got {a.instructions[0]} twice", file=sys.stderr)
         return 2
@@ -372,9 +399,7 @@ def head_file(path: Path, limit: int, out_dir: str) -> Path:
 
 
 def _parsed(path: Path) -> list[tuple[list[dict], list | None]]:
-    with open(path, encoding="utf-8") as f:
-        convs = [parse_record(json.loads(t), path, i) for i, t in enumerate(f, 1)]
-    return [(_template_messages(c.messages), c.tools) for c in convs]
+    return [(_template_messages(c.messages), c.tools) for c in _records(path)]
 
 
 def print_throughput(a, files: list[Path], tok, fmt) -> int:
@@ -606,4 +631,8 @@ def print_scale(a) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BenchInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -125,15 +125,17 @@ def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chun
         number = 0
         if start:
             f.seek(start)
-        pos = start
+        elif f.read(3) == b"\xef\xbb\xbf":  # a byte order mark: skipped, its bytes counted with line 1's
+            pending = 3
+        else:
+            f.seek(0)
+        pos = f.tell()
         while end is None or pos < end:
             raw = f.readline() if max_bytes is None else f.readline(max_bytes + 2)
             if not raw:
                 break
             number += 1
             nbytes = len(raw)
-            if number == 1 and start == 0 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]  # the byte order mark (counted in nbytes, so the sizes still sum to the file's)
             if max_bytes is None or len(raw.rstrip(b"\r\n")) <= max_bytes:
                 pos += nbytes
             if max_bytes is not None and len(raw.rstrip(b"\r\n")) > max_bytes:

@@ -34,3 +34,20 @@ def test_bench_prints_throughput_per_file_and_for_all_files_with_the_counts_chec
     for (name, procs), fields in cases.items():
         assert len(fields) == (15 if procs == 1 else 17), (name, fields)  # x1 (paired) only with 2 processes
         assert float(fields[4]) > 0 and float(fields[11]) > float(fields[10]) > 0  # load s; e2e > wall ratio
+
+
+def test_bench_input_it_cannot_use_and_bad_counts_are_error_lines(tmp_path, shared_data, tokenizer_dir):
+    data = tmp_path / "chat"
+    data.mkdir()
+    with open(shared_data / "chat" / "gsm8k_test.messages.jsonl", encoding="utf-8") as src:
+        head = "".join(line for _, line in zip(range(3), src))
+    (data / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + head.encode() + b"\n{not json\n")  # a mark and a blank: fine
+    bench = [sys.executable, str(REPO / "bench" / "pack.py"), "--data", str(data), "--tokenizers",
+             str(tokenizer_dir("smollm2-135m-instruct")), "--cache", ""]
+    proc = subprocess.run(bench + ["--efficiency-only"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"error: {data / 'a.jsonl'}:5: not valid JSON: Expecting property name enclosed in double quotes (column 2)"
+    for flag in ("--workers", "--repeat", "--throughput-limit"):
+        proc = subprocess.run(bench + [flag, "0"], capture_output=True, text=True, timeout=300)
+        assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {flag} must be at least 1, got 0")

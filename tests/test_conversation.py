@@ -111,6 +111,14 @@ def test_jsonl_reader_skips_a_byte_order_mark_at_the_start_of_the_file_only(tmp_
     assert sum(r[1] for r in rows) == p.stat().st_size
     half = len(good) + 4  # a shard that starts at line 2 keeps its bytes as they are
     assert [r[2] for r in iter_jsonl_lines_sized(p, start=half)] == [rows[1][2]]
+    # the size limit applies to the line without the mark: at the limit it is read whole, one byte over it is
+    # reported as too long (not cut in two)
+    at = list(iter_jsonl_lines_sized(p, max_bytes=len(good)))
+    assert [r[0] for r in at] == [1, 2] and at[0][2] == rows[0][2] and at[0][3] is None
+    assert at[1][2] is None and "more than" in at[1][3]  # line 2's mark is a character of it: 3 bytes over
+    over = list(iter_jsonl_lines_sized(p, max_bytes=len(good) - 1))
+    assert [r[0] for r in over] == [1, 2] and over[0][2] is None and "more than" in over[0][3]
+    assert sum(r[1] for r in over) == p.stat().st_size
 
 
 def test_split_row_errors_name_the_conversation():

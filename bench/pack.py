@@ -66,7 +66,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, as in 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packsft, as tools/ does
 
-from packsft.conversation import ConversationError, iter_jsonl_lines, parse_record  # noqa: E402
+from packsft.conversation import ConversationError, iter_jsonl_lines, loads_line, parse_record  # noqa: E402
 from packsft.io import write_json_atomic  # noqa: E402
 from packsft.layout import conversation_cost  # noqa: E402
 from packsft.packing.algorithms import DEFAULT_ALGORITHM, lower_bound_rows, pack  # noqa: E402
@@ -105,15 +105,9 @@ def _records(path: Path):
     """
     for line, text, error in iter_jsonl_lines(path):
         try:
-            if error:
-                raise ValueError(error)
-            yield parse_record(json.loads(text), path, line)
+            yield parse_record(loads_line(text, path, line, error), path, line)
         except ConversationError as e:
             raise BenchInputError(str(e)) from e
-        except json.JSONDecodeError as e:
-            raise BenchInputError(f"{path}:{line}: not valid JSON: {e.msg} (column {e.colno})") from e
-        except ValueError as e:
-            raise BenchInputError(f"{path}:{line}: {e}") from e
 
 
 _TOK: dict = {}
@@ -301,12 +295,17 @@ def throughput_child(a, side: str, procs: str, out_dir: str, *inputs: str) -> in
     return 0
 
 
+def _self_command(a, *args: str) -> list[str]:
+    """This script, run by this Python with the run's tokenizer and ``L``, and ``args`` (a hidden child mode)."""
+    return [sys.executable, __file__, "--tokenizers", a.tokenizer, "--throughput-max-seq-len",
+            str(a.throughput_max_seq_len), *args]
+
+
 def _in_child(a, side: str, procs: int, inputs: list[Path], out_dir: str) -> dict:
     """:func:`throughput_child` in a new Python process; its JSON."""
     import subprocess
 
-    cmd = [sys.executable, __file__, "--tokenizers", a.tokenizer, "--throughput-max-seq-len",
-           str(a.throughput_max_seq_len), "--throughput-child", side, str(procs), out_dir, *map(str, inputs)]
+    cmd = _self_command(a, "--throughput-child", side, str(procs), out_dir, *map(str, inputs))
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the {side} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -492,8 +491,7 @@ def _callgrind(a, side: str, path: Path, out_dir: str) -> int:
 
     out = os.path.join(out_dir, f"callgrind.{side}.out")
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--toggle-collect=functools_reduce",
-           sys.executable, __file__, "--tokenizers", a.tokenizer, "--throughput-max-seq-len",
-           str(a.throughput_max_seq_len), "--instructions-child", side, str(path), out_dir]
+           *_self_command(a, "--instructions-child", side, str(path), out_dir)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(out) as f:
         for line in f:

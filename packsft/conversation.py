@@ -163,6 +163,24 @@ def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chun
     return number
 
 
+def loads_line(text: str | None, path: str | Path, line: int, decode_error: str | None = None) -> Any:
+    """The JSON value of one input line, as :func:`iter_jsonl_lines` yields it (``text``, ``decode_error``).
+
+    Raises:
+        ConversationError: ``decode_error`` is set (not UTF-8), or the line is not valid JSON (the message
+            and column of :mod:`json`'s error, its trailing newline removed so that an error at its end is
+            on this line).
+    """
+    if decode_error:
+        raise ConversationError(path, line, "", decode_error)
+    try:
+        return json.loads(text.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
+    except RecursionError as e:
+        raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
+
+
 def _json_type(value: Any) -> str:
     """JSON name of a decoded value's type (``null``, ``array``, ``object``, ...) for error messages."""
     names = {type(None): "null", list: "array", dict: "object", str: "string", bool: "boolean", int: "number",

@@ -6,6 +6,7 @@ from packsft.conversation import (
     ConversationError,
     iter_jsonl_lines,
     iter_jsonl_lines_sized,
+    loads_line,
     parse_record,
     split_row,
     validate_messages,
@@ -119,6 +120,17 @@ def test_jsonl_reader_skips_a_byte_order_mark_at_the_start_of_the_file_only(tmp_
     over = list(iter_jsonl_lines_sized(p, max_bytes=len(good) - 1))
     assert [r[0] for r in over] == [1, 2] and over[0][2] is None and "more than" in over[0][3]
     assert sum(r[1] for r in over) == p.stat().st_size
+
+
+def test_loads_line_names_the_file_and_line_of_what_is_not_json():
+    assert loads_line('{"a": 1}\r\n', "x.jsonl", 3) == {"a": 1}
+    for text, error, reason in (('{"a": 1\n', None, "not valid JSON: Expecting ',' delimiter (column 8)"),
+                                ("[" * 100_000, None, "not valid JSON: nested too deeply"),
+                                (None, "not valid UTF-8 (invalid start byte at byte 0)",
+                                 "not valid UTF-8 (invalid start byte at byte 0)")):
+        with pytest.raises(ConversationError) as e:
+            loads_line(text, "x.jsonl", 3, error)
+        assert str(e.value) == f"x.jsonl:3: {reason}"
 
 
 def test_split_row_errors_name_the_conversation():

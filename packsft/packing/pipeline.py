@@ -61,7 +61,7 @@ from typing import Any
 from tqdm import tqdm
 
 from packsft import __version__
-from packsft.conversation import ConversationError, iter_jsonl_lines_sized, parse_record
+from packsft.conversation import ConversationError, iter_jsonl_lines_sized, loads_line, parse_record
 from packsft.io import (
     FileLock,
     HashingWriter,
@@ -454,14 +454,7 @@ def _process_line(path: str, line: int, text: str | None, decode_error: str | No
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
     try:
-        if decode_error:
-            raise ConversationError(path, line, "", decode_error)
-        try:
-            record = json.loads(text.rstrip("\r\n"))  # an error at the end is then on this line
-        except json.JSONDecodeError as e:
-            raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
-        except RecursionError as e:
-            raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
+        record = loads_line(text, path, line, decode_error)
         source = record
         if _W["convert"] is not None:
             try:

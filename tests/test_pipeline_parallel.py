@@ -22,7 +22,7 @@ from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F
 from test_parallel_checkpoint import _train, config  # noqa: F401 - fixture
 from test_parallel_parity import packed, setup  # noqa: F401 - fixtures
 
-from packsft.train.config import load_config
+from packsft.train.config import OptimizerConfig, load_config
 
 PP2, VP2 = "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"
 BASE = ("model.num_layers=4", "optimizer.backend=megatron", "optimizer.clip_grad=1e9")
@@ -355,7 +355,8 @@ def _lora_pp2_worker(rank, world_size, config_path, train_path, full):
 @pytest.mark.slow
 def test_lora_pp2_step_equals_single_process(setup, parallel_state_1proc):  # noqa: F811
     """LoRA at PP=2 (megatron optimizer, tied embeddings frozen): the step's loss, grad norm, every adapter's reduced
-    gradient and updated value equal the one-process LoRA step (within 1e-6); only adapters are trainable."""
+    gradient (within 1e-6) and updated value (within 1e-6 plus Adam's amplification of the gradient's difference)
+    equal the one-process LoRA step; only adapters are trainable."""
     from megatron.core import parallel_state
 
     config_path, paths = setup
@@ -366,14 +367,21 @@ def test_lora_pp2_step_equals_single_process(setup, parallel_state_1proc):  # no
     assert min(float(g.abs().max()) for g in ref["grads"].values()) > 0          # A and B get gradients
     per_rank = run_distributed(_lora_pp2_worker, 2, config_path, paths[1], full, timeout_s=400)
     assert [r["stages"] for r in per_rank] == [[(True, False)], [(False, True)]]
-    merged, worst = {}, 0.0
+    merged, worst, worst_after = {}, 0.0, 0.0
+    lr, eps = ref["step"]["lr"], OptimizerConfig.adam_eps
     for result in per_rank:
         assert result["step"]["trained_tokens"] == ref["step"]["trained_tokens"]
         assert abs(result["step"]["loss"] - ref["step"]["loss"]) < TOL
         assert abs(result["step"]["grad_norm"] / ref["step"]["grad_norm"] - 1) < 1e-5
-        for key in result["grads"]:
-            worst = max(worst, float((result["grads"][key] - ref["grads"][key]).abs().max()),
-                        float((result["after"][key] - ref["after"][key]).abs().max()))
-            merged[key] = result["grads"][key]
-    assert merged.keys() == ref["grads"].keys() and worst < TOL, worst
-    print("lora pp=2 vs pp=1: max |grad or updated adapter diff|", worst, "loss", ref["step"]["loss"])
+        for key, grad in result["grads"].items():
+            diff = (grad - ref["grads"][key]).abs()
+            worst = max(worst, float(diff.max()))
+            # Adam's first step moves a weight by lr * g / (|g| + eps), whose slope in g is lr * eps / (|g| + eps)^2:
+            # where |g| is near eps a float32 difference in g is amplified up to lr / eps times
+            g = torch.minimum(grad.abs(), ref["grads"][key].abs()).masked_fill(grad * ref["grads"][key] < 0, 0)
+            allowed = TOL + lr * eps * diff / (g + eps) ** 2
+            worst_after = max(worst_after, float(((result["after"][key] - ref["after"][key]).abs() / allowed).max()))
+            merged[key] = grad
+    assert merged.keys() == ref["grads"].keys() and worst < TOL and worst_after < 1, (worst, worst_after)
+    print("lora pp=2 vs pp=1: max |grad diff|", worst, "updated adapters: max |diff| / allowed", worst_after,
+          "loss", ref["step"]["loss"])

@@ -19,6 +19,7 @@ Every error is a :class:`ConversationError` that names the file, the 1-based lin
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,11 +175,45 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
     if decode_error:
         raise ConversationError(path, line, "", decode_error)
     try:
-        return json.loads(text.rstrip("\r\n"))
+        value = json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
     except RecursionError as e:
         raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # "\ud800" alone decodes to a str no UTF-8 can hold
+        try:
+            field = _lone_surrogate(value, "")
+        except RecursionError:
+            field = ""
+        if field is not None:
+            raise ConversationError(path, line, field, "a \\u escape of a lone UTF-16 surrogate (D800-DFFF not in "
+                                    "a high-low pair) is not text")
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """The field (``messages[1].content``) of the first key or string in ``value`` that UTF-8 cannot encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        bad_key = isinstance(key, str) and _lone_surrogate(key, "") is not None
+        if bad_key:
+            key = key.encode("utf-8", "backslashreplace").decode("utf-8")  # named with its \\udXXX
+        sub = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
+        if bad_key:
+            return sub
+        found = _lone_surrogate(item, sub)
+        if found is not None:
+            return found
+    return None
 
 
 def _json_type(value: Any) -> str:

@@ -133,6 +133,19 @@ def test_loads_line_names_the_file_and_line_of_what_is_not_json():
         assert str(e.value) == f"x.jsonl:3: {reason}"
 
 
+def test_loads_line_rejects_lone_surrogate_escapes_naming_the_field():
+    """JSON's "\\ud800" alone decodes to a str that UTF-8 cannot encode (the tokenizer raised TypeError on it)."""
+    bad = "a \\u escape of a lone UTF-16 surrogate (D800-DFFF not in a high-low pair) is not text"
+    for text, field in ((r'{"messages": [{"role": "user", "content": "x\ud800"}]}', "messages[0].content: "),
+                        (r'{"tools": [{"k\uDC00": 1}]}', "tools[0].k\\udc00: "),
+                        (r'"\udfff"', "")):
+        with pytest.raises(ConversationError) as e:
+            loads_line(text, "x.jsonl", 3)
+        assert str(e.value) == f"x.jsonl:3: {field}{bad}"
+    pair = r'{"a\\u": "\ud83d\ude00 and \\ud800"}'  # a surrogate pair, and an escaped backslash before "ud800"
+    assert loads_line(pair, "x.jsonl", 3) == {"a\\u": "\U0001F600 and \\ud800"}
+
+
 def test_split_row_errors_name_the_conversation():
     with pytest.raises(ConversationError, match="must start with a system"):
         split_row([{"role": "user", "content": "a"}], "rows.packed", 3)

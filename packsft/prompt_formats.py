@@ -762,20 +762,30 @@ def tokenize_segments(
         NonMegatronError: (presets, unless ``fmt.allow_non_megatron``) a token that crosses a turn boundary
             (names the message and the text on both sides), or an assistant turn not after a user/tool turn.
     """
-    segments = render_segments(messages, tools, tokenizer, fmt, chat_template_kwargs)
+    segments, texts = _segment_texts(render_segments(messages, tools, tokenizer, fmt, chat_template_kwargs), fmt)
+    return _assemble(segments, _encode(tokenizer, texts), tokenizer, fmt)
+
+
+def _segment_texts(segments: list[Segment], fmt: PromptFormat) -> tuple[list[Segment], list[str]]:
+    """The segments :func:`_assemble` takes and the texts to encode for them (presets: the whole text first)."""
     if fmt.name in ("chat-template", "passthrough"):
-        pieces = _encode(tokenizer, [s.text for s in segments])
+        return segments, [s.text for s in segments]
+    segments = [s for s in segments if s.text]
+    return segments, ["".join(s.text for s in segments)] + [s.text for s in segments]
+
+
+def _assemble(segments: list[Segment], encoded: list[list[int]], tokenizer, fmt: PromptFormat
+              ) -> list[tuple[Segment, list[int]]]:
+    """:func:`tokenize_segments`' result from :func:`_segment_texts` and the ids of its texts."""
+    if fmt.name in ("chat-template", "passthrough"):
         eos = tokenizer.eos_token
         out = []
-        for seg, piece in zip(segments, pieces):
+        for seg, piece in zip(segments, encoded):
             if seg.trained and fmt.append_eos and not seg.text.rstrip().endswith(eos):
                 piece = piece + [tokenizer.eos_token_id]
             if seg.text or piece:
                 out.append((seg, piece))
         return out
-    segments = [s for s in segments if s.text]
-    full_text = "".join(s.text for s in segments)
-    encoded = _encode(tokenizer, [full_text] + [s.text for s in segments])
     tokens, pieces = encoded[0], encoded[1:]
     pos = 0
     for k, piece in enumerate(pieces):
@@ -789,6 +799,22 @@ def tokenize_segments(
             raise NonMegatronError(f"turns cover {pos} tokens but the conversation has {len(tokens)}; "
                                    + _MEGATRON_HINT.format("AssertionError: mismatch in target masking"))
     return list(zip(segments, pieces))
+
+
+def _targets(pairs: list[tuple[Segment, list[int]]]) -> tuple[list[int], list[int]]:
+    """``(tokens, targets)`` of :func:`tokenize_segments`' result (see :func:`tokenize_conversation`)."""
+    tokens: list[int] = []
+    targets: list[int] = []
+    for seg, piece in pairs:
+        tokens += piece
+        if not seg.trained:
+            targets += [IGNORE_INDEX] * len(piece)
+        else:
+            k = min(seg.masked_prefix, len(piece))
+            targets += [IGNORE_INDEX] * k + piece[k:]
+    if not tokens:
+        raise PromptFormatError("the conversation renders to no tokens")
+    return tokens, targets
 
 
 def tokenize_conversation(
@@ -816,18 +842,44 @@ def tokenize_conversation(
         PromptFormatError: the conversation cannot be rendered, renders to no token, or (presets) a token
             crosses a turn boundary (the error names the message and the text on both sides).
     """
-    tokens: list[int] = []
-    targets: list[int] = []
-    for seg, piece in tokenize_segments(messages, tokenizer, fmt, tools, chat_template_kwargs):
-        tokens += piece
-        if not seg.trained:
-            targets += [IGNORE_INDEX] * len(piece)
-        else:
-            k = min(seg.masked_prefix, len(piece))
-            targets += [IGNORE_INDEX] * k + piece[k:]
-    if not tokens:
-        raise PromptFormatError("the conversation renders to no tokens")
-    return tokens, targets
+    return _targets(tokenize_segments(messages, tokenizer, fmt, tools, chat_template_kwargs))
+
+
+def tokenize_conversations(
+    conversations: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None]],
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: PromptFormat,
+) -> list[tuple[list[int], list[int]] | PromptFormatError]:
+    """:func:`tokenize_conversation` of each ``(messages, tools, chat_template_kwargs)``, the same results.
+
+    Each stage runs over the whole batch (render all, one encode call for all their texts, then the targets):
+    the packer's hot loop, faster than one conversation at a time as each stage's code and data stay in cache
+    (``bench/pack.py``).
+
+    Returns:
+        Per conversation, its ``(tokens, targets)`` or the :class:`PromptFormatError` it raised.
+    """
+    out: list = []
+    staged = []  # (index into out, segments, number of texts)
+    texts: list[str] = []
+    for messages, tools, kwargs in conversations:
+        try:
+            segments, own = _segment_texts(render_segments(messages, tools, tokenizer, fmt, kwargs), fmt)
+        except PromptFormatError as e:
+            out.append(e)
+            continue
+        staged.append((len(out), segments, len(own)))
+        out.append(None)
+        texts += own
+    encoded = _encode(tokenizer, texts) if texts else []
+    pos = 0
+    for i, segments, n in staged:
+        try:
+            out[i] = _targets(_assemble(segments, encoded[pos : pos + n], tokenizer, fmt))
+        except PromptFormatError as e:
+            out[i] = e
+        pos += n
+    return out
 
 
 def count_conversation_tokens(

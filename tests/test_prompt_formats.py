@@ -11,6 +11,7 @@ from packsft.prompt_formats import (
     get_prompt_format,
     render_segments,
     tokenize_conversation,
+    tokenize_conversations,
 )
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -229,6 +230,36 @@ def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_d
     monkeypatch.setattr(pf, "_marked_spans", lambda *a, **k: None)
     slow = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
     assert fast == slow and len(calls) == len(convs)
+
+
+@pytest.mark.parametrize("tok_name,fmt_name", [("qwen2.5", "chat-template"), ("nemotron-h-layout-tekken", "identity"),
+                                               ("nemotron-h-layout-tekken", "nemotron-h-aligned")])
+def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, tok_name, fmt_name):
+    """tokenize_conversations (the packer's) gives each conversation's tokenize_conversation result, or its error."""
+    tok = load_tokenizer(tokenizer_dir(tok_name))
+    fmt = get_prompt_format(fmt_name, tok)
+    convs = []
+    for ds in ("chat/hh_rlhf_harmless_base_test", "tools/glaive_toolcall_en_demo"):
+        with open(shared_data / f"{ds}.messages.jsonl") as f:
+            convs += [parse_record(json.loads(line)) for _, line in zip(range(20), f)]
+    empty_reply = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}
+    convs.insert(3, parse_record(empty_reply))
+    batch = [(c.messages, c.tools, {"x": 1} if i % 2 and fmt_name == "chat-template" else None)
+             for i, c in enumerate(convs)]
+    got = tokenize_conversations(batch, tok, fmt)
+
+    def one(messages, tools, kwargs):
+        try:
+            return tokenize_conversation(messages, tok, fmt, tools, kwargs)
+        except PromptFormatError as e:
+            return e
+
+    want = [one(*b) for b in batch]
+    assert [type(g) for g in got] == [type(w) for w in want]
+    assert [str(g) if isinstance(g, Exception) else g for g in got] == \
+        [str(w) if isinstance(w, Exception) else w for w in want]
+    assert sum(isinstance(w, PromptFormatError) for w in want) >= 1 and sum(isinstance(w, tuple) for w in want) >= 10
+    assert tokenize_conversations([], tok, fmt) == []
 
 
 def test_template_data_equals_transformers_conversion():

@@ -94,6 +94,7 @@ from packsft.prompt_formats import (
     PromptFormatError,
     get_prompt_format,
     tokenize_conversation,
+    tokenize_conversations,
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
@@ -102,6 +103,9 @@ from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
 _BATCH = 64
+_BATCH_BYTES = 1 << 20
+"""Input lines are tokenized in batches of up to :data:`_BATCH` lines and :data:`_BATCH_BYTES` bytes
+(:func:`packsft.prompt_formats.tokenize_conversations`)."""
 MAX_CONVERSATION_BYTES = 4 << 20
 """Default ``--max-conversation-bytes``: longer input lines are rejected before they are parsed (4 MiB)."""
 STAGE_HOOK_ENV = "PACKSFT_PACK_STAGE_HOOK"
@@ -365,26 +369,47 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
     return kept, True
 
 
-def _tokenize_record(conv, tok, fmt, cfg: PackConfig):
-    """``(conv, tokens, targets, cut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first)."""
+def _tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None):
+    """``(conv, tokens, targets, cut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first).
+
+    ``first``: when already computed (:func:`_process_lines`, where :func:`_tokenized_whole` is true), the
+    result of ``tokenize_conversation`` on the whole ``conv`` with ``fmt``, or the error it raised.
+    """
     cut = False
     if cfg.oversize == "own-row":
-        msgs, tokens, targets, cut = _fit_own_row(conv, tok, fmt, cfg)
+        msgs, tokens, targets, cut = _fit_own_row(conv, tok, fmt, cfg, first)
         if cut:
             conv = type(conv)(messages=msgs, tools=conv.tools, path=conv.path, line=conv.line,
                               meta=conv.meta, chat_template_kwargs=conv.chat_template_kwargs)
     else:
-        tokens, targets = tokenize_conversation(conv.messages, tok, fmt, conv.tools,
-                                                conv.chat_template_kwargs)
+        tokens, targets = _whole(conv, tok, fmt, first)
     return conv, tokens, targets, cut
 
 
-def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
+def _whole(conv, tok, fmt, first=None):
+    """``tokenize_conversation`` of the whole ``conv``: ``first`` when given (raised when an error)."""
+    if first is None:
+        return tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+    if isinstance(first, PromptFormatError):
+        raise first
+    return first
+
+
+def _tokenized_whole(conv, cfg: PackConfig) -> bool:
+    """Whether :func:`_tokenize_record` starts by tokenizing the whole ``conv`` (own-row: unless it is long)."""
+    return cfg.oversize != "own-row" or \
+        sum(map(_content_chars, conv.messages)) <= 8 * own_row_window(cfg.max_seq_len)[1]
+
+
+def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None):
     """Tokenize ``conv``, cutting it (:func:`_cut_messages`) into :func:`own_row_window` when it is longer.
 
     A conversation whose contents have at most ``8 * high`` characters is first tokenized whole (kept when it
     fits). Work is bounded by a few tokenizations of about ``L`` tokens, whatever the conversation's length:
     the character budget starts at ``8 * high`` and is doubled, then bisected (with a proportional guess).
+
+    Args:
+        first: as in :func:`_tokenize_record`.
 
     Returns:
         ``(messages, tokens, targets, cut)``: the messages to store and their tokenization.
@@ -394,8 +419,8 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
     """
     low, high = own_row_window(cfg.max_seq_len)
     whole = None  # the uncut conversation's (tokens, targets), once known
-    if sum(map(_content_chars, conv.messages)) <= 8 * high:  # most conversations: tokenized whole, once
-        whole = tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+    if _tokenized_whole(conv, cfg):  # most conversations: tokenized whole, once
+        whole = _whole(conv, tok, fmt, first)
         if len(whole[0]) <= high:
             return conv.messages, *whole, False
     sizes = [_message_chars(m) for m in conv.messages]
@@ -438,14 +463,15 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig):
     raise error or PromptFormatError("the conversation could not be cut to max_seq_len")
 
 
-def _process_line(path: str, line: int, text: str | None, decode_error: str | None):
-    """Parse, validate and tokenize one input line or row (in a worker).
+def _process_lines(path: str, items: list[tuple[int, int, str | None, str | None]]) -> list[tuple]:
+    """Parse, validate and tokenize a batch of input lines or rows (in a worker), as ``read_shard`` yields them.
 
-    Under ``own-row`` a conversation longer than :func:`own_row_window` is cut there first
+    The whole conversations are tokenized together (:func:`packsft.prompt_formats.tokenize_conversations`);
+    under ``own-row`` a conversation longer than :func:`own_row_window` is then cut there
     (:func:`_fit_own_row`), and the stored, cut conversation is the one counted.
 
     Returns:
-        ``(counts, row_messages_json, None, cut, tokens, targets)`` for a good line, with ``counts`` =
+        Per line, ``(counts, row_messages_json, None, cut, tokens, targets)`` for a good line, with ``counts`` =
         ``(num_tokens, trained, trained_in_row, non_megatron)`` (``trained``: tokens the model is trained to
         predict, or at least 1 for a cut conversation (its cut-off part is not counted); ``trained_in_row``:
         those within the first ``max_seq_len`` tokens, what the loader's truncation keeps; ``non_megatron``:
@@ -453,39 +479,66 @@ def _process_line(path: str, line: int, text: str | None, decode_error: str | No
         ``targets``: lists of int ids), or ``(None, None, reason, False, None, None)`` for a rejected line.
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
-    try:
-        record = loads_line(text, path, line, decode_error)
-        source = record
-        if _W["convert"] is not None:
-            try:
-                record = _W["convert"](record)
-            except RecordFormatError as e:
-                raise ConversationError(path, line, "", str(e)) from e
+    parsed: list = []  # per line: (conv, record, source), or its rejection
+    for line, _, text, decode_error in items:
         try:
-            conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
-                                default_system_prompt=cfg.default_system_prompt)
-        except ConversationError as e:  # name the input's own field (ShareGPT's conversations[j].value)
-            e.field = source_field(cfg.record_format, source, e.field)
-            raise
+            parsed.append(_parse_line(cfg, path, line, text, decode_error))
+        except ConversationError as e:
+            parsed.append(_rejected(f"{e.field + ': ' if e.field else ''}{e.reason}"))
+    whole = [i for i, p in enumerate(parsed) if p[0] is not None and _tokenized_whole(p[0], cfg)]
+    first = dict(zip(whole, tokenize_conversations(
+        [(parsed[i][0].messages, parsed[i][0].tools, parsed[i][0].chat_template_kwargs) for i in whole], tok, fmt)))
+    return [p if p[0] is None else _finish_line(cfg, tok, fmt, *p, first.get(i)) for i, p in enumerate(parsed)]
+
+
+def _rejected(reason: str) -> tuple:
+    return None, None, reason, False, None, None
+
+
+def _parse_line(cfg: PackConfig, path: str, line: int, text: str | None, decode_error: str | None):
+    """``(conv, record, source)`` of one input line: its :class:`Conversation`, its record (converted) and the
+    record as read.
+
+    Raises:
+        ConversationError: the line is not a valid record (naming the input's own field).
+    """
+    record = loads_line(text, path, line, decode_error)
+    source = record
+    if _W["convert"] is not None:
+        try:
+            record = _W["convert"](record)
+        except RecordFormatError as e:
+            raise ConversationError(path, line, "", str(e)) from e
+    try:
+        conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
+                            default_system_prompt=cfg.default_system_prompt)
+    except ConversationError as e:  # name the input's own field (ShareGPT's conversations[j].value)
+        e.field = source_field(cfg.record_format, source, e.field)
+        raise
+    return conv, record, source
+
+
+def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first) -> tuple:
+    """One line's :func:`_process_lines` result, from its parsed conversation and ``first`` (as in
+    :func:`_tokenize_record`)."""
+    try:
         non_megatron = None
         try:
-            conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg)
+            conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg, first)
         except NonMegatronError as e:
             if not cfg.allow_non_megatron:
                 raise
             non_megatron = str(e)
             conv, tokens, targets, cut = _tokenize_record(conv, tok, _W["lenient"], cfg)
-        n = len(tokens)
-        first = targets[0] == IGNORE_INDEX if n else 0  # counts below are of targets[1:] (C loops, not Python)
-        trained = n - 1 - (targets.count(IGNORE_INDEX) - first) if n else 0
-        in_row = len(targets[1 : cfg.max_seq_len]) - targets[1 : cfg.max_seq_len].count(IGNORE_INDEX)
-        counts = (n, max(1, in_row) if cut else trained, in_row, non_megatron)
-        return counts, json.dumps(conv.to_row_messages(), ensure_ascii=False), None, cut, tokens, targets
-    except ConversationError as e:
-        return None, None, f"{e.field + ': ' if e.field else ''}{e.reason}", False, None, None
     except PromptFormatError as e:
-        return (None, None, f"{cfg.prompt_format}: {_input_turn(e, record, source, cfg.record_format)}", False,
-                None, None)
+        return _rejected(f"{cfg.prompt_format}: {_input_turn(e, record, source, cfg.record_format)}")
+    n = len(tokens)
+    first_ignored = targets[0] == IGNORE_INDEX if n else 0  # counts below are of targets[1:] (C loops)
+    trained = n - 1 - (targets.count(IGNORE_INDEX) - first_ignored) if n else 0
+    in_row = trained if n <= cfg.max_seq_len else \
+        len(targets[1 : cfg.max_seq_len]) - targets[1 : cfg.max_seq_len].count(IGNORE_INDEX)
+    counts = (n, max(1, in_row) if cut else trained, in_row, non_megatron)
+    return counts, json.dumps(conv.to_row_messages(), ensure_ascii=False), None, cut, tokens, targets
 
 
 def _input_turn(e: PromptFormatError, record, source, record_format: str) -> str:
@@ -625,9 +678,23 @@ def count_shard(shard: Shard) -> ShardResult:
             tok_block.clear()
             tgt_block.clear()
 
-    for line, nbytes, text, err in shard_lines():
+    def batches():  # of _BATCH lines and _BATCH_BYTES at most (one longer line alone)
+        batch, size = [], 0
+        for item in shard_lines():
+            if batch and (len(batch) == _BATCH or size + item[1] > _BATCH_BYTES):
+                yield batch
+                batch, size = [], 0
+            batch.append(item)
+            size += item[1]
+        if batch:
+            yield batch
+
+    def processed():
+        for batch in batches():
+            yield from zip(batch, _process_lines(path, batch))
+
+    for (line, nbytes, _, _), (counts, msgs_json, reason, cut, tokens, targets) in processed():
         lines, conversations, nbytes_total = line, conversations + 1, nbytes_total + nbytes
-        counts, msgs_json, reason, cut, tokens, targets = _process_line(path, line, text, err)
         if reason is not None:
             rejected.append((line, reason))
             if cfg.strict:

@@ -102,6 +102,8 @@ from packsft.token_cache import TokenCacheWriter, cache_paths, encode_pairs, sto
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
+_ROW_JSON = json.JSONEncoder(ensure_ascii=False).encode
+"""``json.dumps(obj, ensure_ascii=False)`` (a row's messages), without building an encoder per call."""
 _BATCH = 64
 _BATCH_BYTES = 1 << 20
 """Input lines are tokenized in batches of up to :data:`_BATCH` lines and :data:`_BATCH_BYTES` bytes
@@ -315,7 +317,7 @@ def own_row_window(max_seq_len: int) -> tuple[int, int]:
 
 
 def _message_chars(m: dict[str, Any]) -> int:
-    return len(json.dumps(m, ensure_ascii=False))
+    return len(_ROW_JSON(m))
 
 
 def _content_chars(m: dict[str, Any]) -> int:
@@ -419,7 +421,7 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None):
     """
     low, high = own_row_window(cfg.max_seq_len)
     whole = None  # the uncut conversation's (tokens, targets), once known
-    if _tokenized_whole(conv, cfg):  # most conversations: tokenized whole, once
+    if first is not None or _tokenized_whole(conv, cfg):  # most conversations: tokenized whole, once
         whole = _whole(conv, tok, fmt, first)
         if len(whole[0]) <= high:
             return conv.messages, *whole, False
@@ -538,7 +540,7 @@ def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first) -> tupl
     in_row = trained if n <= cfg.max_seq_len else \
         len(targets[1 : cfg.max_seq_len]) - targets[1 : cfg.max_seq_len].count(IGNORE_INDEX)
     counts = (n, max(1, in_row) if cut else trained, in_row, non_megatron)
-    return counts, json.dumps(conv.to_row_messages(), ensure_ascii=False), None, cut, tokens, targets
+    return counts, _ROW_JSON(conv.to_row_messages()), None, cut, tokens, targets
 
 
 def _input_turn(e: PromptFormatError, record, source, record_format: str) -> str:

@@ -2,8 +2,8 @@
 
 The file is never held in memory: a byte-offset index of its rows is built once and cached beside it
 (``X.jsonl.packed.idx``), and ``__getitem__`` seeks to the row, parses it, splits it into conversations at
-each system message (:func:`packsft.conversation.split_row`), tokenizes each with the packer's own
-:func:`packsft.prompt_formats.tokenize_conversation`, and builds the tensors with
+each system message (:func:`packsft.conversation.split_row`), tokenizes them with the packer's own
+:func:`packsft.prompt_formats.tokenize_conversations` (``tokenize_conversation`` of each), and builds the tensors with
 :func:`packsft.data.row.build_row` (Megatron-LM ``SFTDataset`` semantics, ``docs/loader.md``).
 
 When the packer wrote a token cache beside the rows (:mod:`packsft.token_cache`) and the sidecar vouches for it,
@@ -46,7 +46,7 @@ from packsft.prompt_formats import (
     PromptFormat,
     PromptFormatError,
     get_prompt_format,
-    tokenize_conversation,
+    tokenize_conversations,
 )
 from packsft.sidecar import (
     SidecarError,
@@ -358,13 +358,11 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         """
         pos = self._position(i)
         conversations = split_row(self.read_messages(pos), self.path, self.line_number(pos), validate=False)
-        pieces = []
-        for k, conv in enumerate(conversations):
-            try:
-                pieces.append(tokenize_conversation(conv.messages, self.tokenizer, self.prompt_format, conv.tools,
-                                                    conv.chat_template_kwargs))
-            except PromptFormatError as e:
-                raise ConversationError(self.path, self.line_number(pos), f"conversation {k}", str(e)) from e
+        pieces = tokenize_conversations([(c.messages, c.tools, c.chat_template_kwargs) for c in conversations],
+                                        self.tokenizer, self.prompt_format)  # as the packer does, one batch
+        for k, got in enumerate(pieces):
+            if isinstance(got, PromptFormatError):
+                raise ConversationError(self.path, self.line_number(pos), f"conversation {k}", str(got)) from got
         return pieces
 
     def __getitem__(self, i: int) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Prompt formats: one conversation -> ``(tokens, targets)``, the single token counter of packsft.
 
-The packer counts tokens with :func:`count_conversation_tokens` and the loader builds rows with
-:func:`tokenize_conversation`; both run the same code, so a packed row is exactly as long as the packer
-said (rendered examples and masking rules: ``docs/prompt_formats.md``).
+The packer and the loader both tokenize with :func:`tokenize_conversations` (:func:`tokenize_conversation` of
+each conversation, a batch at a time), so a packed row is exactly as long as the packer said (rendered
+examples and masking rules: ``docs/prompt_formats.md``).
 
 Presets (from Megatron-LM's ``SFTTokenizer``, as used by NeMo RL's ``megatron_sft_packed``; none adds BOS
 or EOS; ``targets`` equal ``tokens`` except where masked to ``IGNORE_INDEX``):

@@ -720,9 +720,25 @@ def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: Pr
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text (no special tokens added).
+
+    Raises:
+        PromptFormatError: a text holds a lone UTF-16 surrogate, which no tokenizer encodes (the Rust
+            tokenizer raises ``TypeError``); it comes from a ``\\ud800``-style escape inside a JSON string that is
+            decoded again (tool-call ``arguments``, ShareGPT ``function_call`` values), the line's own strings
+            being checked when it is read.
+    """
     backend = tokenizer.backend_tokenizer
     encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch  # the same ids, no offsets
-    return [e.ids for e in encode(texts, add_special_tokens=False)]
+    try:
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+    except TypeError:
+        bad = next((c for t in texts for c in t if "\ud800" <= c <= "\udfff"), None)
+        if bad is None:
+            raise
+        raise PromptFormatError(f"the rendered text holds a lone UTF-16 surrogate (U+{ord(bad):04X}, from a \\u "
+                                "escape, e.g. in tool-call arguments given as a JSON string), which is not "
+                                "text") from None
 
 
 def _boundary_error(tokenizer, segments: list[Segment], pieces, tokens, k: int, pos: int) -> PromptFormatError:
@@ -871,11 +887,15 @@ def tokenize_conversations(
         staged.append((len(out), segments, len(own)))
         out.append(None)
         texts += own
-    encoded = _encode(tokenizer, texts) if texts else []
+    try:
+        encoded = _encode(tokenizer, texts) if texts else []
+    except PromptFormatError:  # a text no tokenizer encodes: each conversation's own texts, to find whose
+        encoded = None
     pos = 0
     for i, segments, n in staged:
         try:
-            out[i] = _targets(_assemble(segments, encoded[pos : pos + n], tokenizer, fmt))
+            own = encoded[pos : pos + n] if encoded is not None else _encode(tokenizer, texts[pos : pos + n])
+            out[i] = _targets(_assemble(segments, own, tokenizer, fmt))
         except PromptFormatError as e:
             out[i] = e
         pos += n

@@ -102,6 +102,16 @@ def test_pack_rejects_non_megatron_rows_or_keeps_them_as_packsft_only(tmp_path, 
         report = run_pack(PackConfig(output=str(tmp_path / "b.jsonl.packed"), allow_non_megatron=True, **cfg))
     assert not report.rejected and report.warning_counts() == {"non_megatron": 2}
     assert [w["line"] for w in report.warnings] == [2, 3]
+    kept = "kept with --allow-non-megatron (packsft-only): "  # with the input's own message index, as rejected
+    assert [w["message"][:58] for w in report.warnings] == [kept + "messages[1]", kept + "messages[3]"]
+    no_system = tmp_path / "no_system.jsonl"  # the packer adds the system message; the input's index is named
+    turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+             {"role": "assistant", "content": "b"}]
+    no_system.write_text(json.dumps({"messages": turns}) + "\n")
+    with pytest.warns(UserWarning, match="packsft-only"):
+        added = run_pack(PackConfig(output=str(tmp_path / "c.jsonl.packed"), allow_non_megatron=True,
+                                    **{**cfg, "inputs": [str(no_system)]}))
+    assert [w["message"][:58] for w in added.warnings] == [kept + "messages[2]"]
     meta = json.loads((tmp_path / "b.jsonl.packed.meta.json").read_text())
     assert meta["megatron_lm_compatible"] is False and meta["counts"]["warnings"] == {"non_megatron": 2}
     ds = PackedSFTDataset(tmp_path / "b.jsonl.packed", tok, "identity", 128)

@@ -207,6 +207,10 @@ def test_bad_settings_are_clear(tmp_path, tokenizer_dir):
         run_pack(PackConfig(max_seq_len=128, **{**base, "output": str(tmp_path)}))
     with pytest.raises(ValueError, match="max_seq_len must be positive"):
         run_pack(PackConfig(max_seq_len=0, **base))
+    for name, key, value in (("--default-system-prompt", "default_system_prompt", "\udcff"),  # a shell's \xff
+                             ("--chat-template-kwargs", "chat_template_kwargs", {"k": "\ud800"})):
+        with pytest.raises(ValueError, match=f"{name}: not valid text"):
+            run_pack(PackConfig(max_seq_len=128, **{key: value}, **base))
 
 
 def test_nothing_to_pack_is_an_error_not_an_empty_file(tmp_path, tokenizer_dir):

@@ -262,6 +262,23 @@ def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, t
     assert tokenize_conversations([], tok, fmt) == []
 
 
+def test_a_lone_surrogate_decoded_from_tool_call_arguments_is_a_prompt_format_error(qwen):
+    """Arguments given as a JSON string are decoded again for the template; a "\\ud800" there is not text (the
+    Rust tokenizer raised TypeError): that conversation fails, the others of its batch do not."""
+    fmt = get_prompt_format("chat-template", qwen)
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}
+    bad = parse_record({"messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": None, "tool_calls": [call]},
+                                     {"role": "tool", "content": "t"}, {"role": "assistant", "content": "ok"}]})
+    with pytest.raises(PromptFormatError, match="lone UTF-16 surrogate \\(U\\+D800"):
+        tokenize_conversation(bad.messages, qwen, fmt)
+    good = parse_record({"messages": CONV})
+    got = tokenize_conversations([(good.messages, None, None), (bad.messages, None, None),
+                                  (good.messages, None, None)], qwen, fmt)
+    assert got[0] == got[2] == tokenize_conversation(good.messages, qwen, fmt)
+    assert isinstance(got[1], PromptFormatError) and "surrogate" in str(got[1])
+
+
 def test_template_data_equals_transformers_conversion():
     """The direct copy of all-string messages gives what apply_chat_template hands the template."""
     from transformers.utils.chat_template_utils import _normalize_chat_messages, _plain_template_data

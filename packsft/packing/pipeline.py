@@ -224,6 +224,12 @@ class PackConfig:
             raise ValueError(f"--train-on {self.train_on!r}: choose one of {', '.join(TRAIN_ON)}")
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise ValueError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        for name, value in (("--default-system-prompt", self.default_system_prompt),
+                            ("--chat-template-kwargs", self.chat_template_kwargs)):
+            try:
+                json.dumps(value, ensure_ascii=False).encode("utf-8")
+            except (UnicodeEncodeError, TypeError) as e:
+                raise ValueError(f"{name}: not valid text ({e})") from None
         if self.engine not in ENGINES:
             raise ValueError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
         if self.ray_address is not None and self.engine != "ray":
@@ -530,7 +536,7 @@ def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first) -> tupl
         except NonMegatronError as e:
             if not cfg.allow_non_megatron:
                 raise
-            non_megatron = str(e)
+            non_megatron = _input_turn(e, record, source, cfg.record_format)  # the input's own message index
             conv, tokens, targets, cut = _tokenize_record(conv, tok, _W["lenient"], cfg)
     except PromptFormatError as e:
         return _rejected(f"{cfg.prompt_format}: {_input_turn(e, record, source, cfg.record_format)}")

@@ -778,8 +778,41 @@ def tokenize_segments(
         NonMegatronError: (presets, unless ``fmt.allow_non_megatron``) a token that crosses a turn boundary
             (names the message and the text on both sides), or an assistant turn not after a user/tool turn.
     """
-    segments, texts = _segment_texts(render_segments(messages, tools, tokenizer, fmt, chat_template_kwargs), fmt)
-    return _assemble(segments, _encode(tokenizer, texts), tokenizer, fmt)
+    got = _segments_batch([(messages, tools, chat_template_kwargs)], tokenizer, fmt)[0]
+    if isinstance(got, PromptFormatError):
+        raise got
+    return got
+
+
+def _segments_batch(conversations, tokenizer, fmt: PromptFormat) -> list:
+    """:func:`tokenize_segments` of each ``(messages, tools, chat_template_kwargs)``, stage by stage over the
+    batch (render all, one encode call for all their texts, then each one's pieces); per conversation its
+    result or the :class:`PromptFormatError` it raised."""
+    out: list = []
+    staged = []  # (index into out, segments, number of texts)
+    texts: list[str] = []
+    for messages, tools, kwargs in conversations:
+        try:
+            segments, own = _segment_texts(render_segments(messages, tools, tokenizer, fmt, kwargs), fmt)
+        except PromptFormatError as e:
+            out.append(e)
+            continue
+        staged.append((len(out), segments, len(own)))
+        out.append(None)
+        texts += own
+    try:
+        encoded = _encode(tokenizer, texts) if texts else []
+    except PromptFormatError:  # a text no tokenizer encodes: each conversation's own texts, to find whose
+        encoded = None
+    pos = 0
+    for i, segments, n in staged:
+        try:
+            own = encoded[pos : pos + n] if encoded is not None else _encode(tokenizer, texts[pos : pos + n])
+            out[i] = _assemble(segments, own, tokenizer, fmt)
+        except PromptFormatError as e:
+            out[i] = e
+        pos += n
+    return out
 
 
 def _segment_texts(segments: list[Segment], fmt: PromptFormat) -> tuple[list[Segment], list[str]]:
@@ -876,29 +909,11 @@ def tokenize_conversations(
         Per conversation, its ``(tokens, targets)`` or the :class:`PromptFormatError` it raised.
     """
     out: list = []
-    staged = []  # (index into out, segments, number of texts)
-    texts: list[str] = []
-    for messages, tools, kwargs in conversations:
+    for got in _segments_batch(conversations, tokenizer, fmt):
         try:
-            segments, own = _segment_texts(render_segments(messages, tools, tokenizer, fmt, kwargs), fmt)
-        except PromptFormatError as e:
+            out.append(got if isinstance(got, PromptFormatError) else _targets(got))
+        except PromptFormatError as e:  # renders to no tokens
             out.append(e)
-            continue
-        staged.append((len(out), segments, len(own)))
-        out.append(None)
-        texts += own
-    try:
-        encoded = _encode(tokenizer, texts) if texts else []
-    except PromptFormatError:  # a text no tokenizer encodes: each conversation's own texts, to find whose
-        encoded = None
-    pos = 0
-    for i, segments, n in staged:
-        try:
-            own = encoded[pos : pos + n] if encoded is not None else _encode(tokenizer, texts[pos : pos + n])
-            out[i] = _targets(_assemble(segments, own, tokenizer, fmt))
-        except PromptFormatError as e:
-            out[i] = e
-        pos += n
     return out
 
 

@@ -764,6 +764,7 @@ def tokenize_segments(
     fmt: PromptFormat,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    known: dict[str, list[int]] | None = None,
 ) -> list[tuple[Segment, list[int]]]:
     """Each rendered segment with its token ids, in order (their concatenation is the conversation).
 
@@ -773,42 +774,53 @@ def tokenize_segments(
     equal its slice (Megatron-LM tokenizes the whole string and asserts this); with
     ``fmt.allow_non_megatron`` a conversation that fails the check gets each segment's own tokens instead.
 
+    Args:
+        known: text -> ids of texts already encoded (each text is encoded alone), taken from it and extended
+            with the new ones, so that tokenizing variants of one conversation (the packer's own-row cuts)
+            encodes each text once.
+
     Raises:
         PromptFormatError: as :func:`render_segments`.
         NonMegatronError: (presets, unless ``fmt.allow_non_megatron``) a token that crosses a turn boundary
             (names the message and the text on both sides), or an assistant turn not after a user/tool turn.
     """
-    got = _segments_batch([(messages, tools, chat_template_kwargs)], tokenizer, fmt)[0]
+    got = _segments_batch([(messages, tools, chat_template_kwargs)], tokenizer, fmt, [known])[0]
     if isinstance(got, PromptFormatError):
         raise got
     return got
 
 
-def _segments_batch(conversations, tokenizer, fmt: PromptFormat) -> list:
+def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | None = None) -> list:
     """:func:`tokenize_segments` of each ``(messages, tools, chat_template_kwargs)``, stage by stage over the
-    batch (render all, one encode call for all their texts, then each one's pieces); per conversation its
-    result or the :class:`PromptFormatError` it raised."""
+    batch (render all, one encode call for all their new texts, then each one's pieces); per conversation its
+    result or the :class:`PromptFormatError` it raised. ``known``: per conversation ``None`` or its own dict
+    (as in :func:`tokenize_segments`)."""
     out: list = []
-    staged = []  # (index into out, segments, number of texts)
-    texts: list[str] = []
-    for messages, tools, kwargs in conversations:
+    staged = []  # (index into out, segments, texts, dict, number of them encoded)
+    todo: list[str] = []
+    for (messages, tools, kwargs), memo in zip(conversations, known or [None] * len(conversations)):
         try:
             segments, own = _segment_texts(render_segments(messages, tools, tokenizer, fmt, kwargs), fmt)
         except PromptFormatError as e:
             out.append(e)
             continue
-        staged.append((len(out), segments, len(own)))
+        new = own if memo is None else [t for t in own if t not in memo]
+        staged.append((len(out), segments, own, memo, len(new)))
         out.append(None)
-        texts += own
+        todo += new
     try:
-        encoded = _encode(tokenizer, texts) if texts else []
+        encoded = _encode(tokenizer, todo) if todo else []
     except PromptFormatError:  # a text no tokenizer encodes: each conversation's own texts, to find whose
         encoded = None
     pos = 0
-    for i, segments, n in staged:
+    for i, segments, own, memo, n in staged:
         try:
-            own = encoded[pos : pos + n] if encoded is not None else _encode(tokenizer, texts[pos : pos + n])
-            out[i] = _assemble(segments, own, tokenizer, fmt)
+            ids = encoded[pos : pos + n] if encoded is not None else _encode(tokenizer, todo[pos : pos + n])
+            if memo is not None:
+                fresh = iter(ids)
+                ids = [memo[t] if t in memo else next(fresh) for t in own]
+                memo.update(zip(own, ids))
+            out[i] = _assemble(segments, ids, tokenizer, fmt)
         except PromptFormatError as e:
             out[i] = e
         pos += n
@@ -872,6 +884,7 @@ def tokenize_conversation(
     fmt: PromptFormat,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    known: dict[str, list[int]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Tokenize one conversation and build its targets (Megatron-LM ``SFTTokenizer.tokenize_conversation``).
 
@@ -881,6 +894,7 @@ def tokenize_conversation(
         fmt: prompt format bound to ``tokenizer`` (:func:`get_prompt_format`).
         tools: the conversation's tool schemas (``chat-template`` renders them).
         chat_template_kwargs: this conversation's ``apply_chat_template`` keyword arguments.
+        known: as in :func:`tokenize_segments`.
 
     Returns:
         ``(tokens, targets)``: two equally long lists of int token ids; ``targets[i]`` is ``tokens[i]`` where
@@ -891,13 +905,14 @@ def tokenize_conversation(
         PromptFormatError: the conversation cannot be rendered, renders to no token, or (presets) a token
             crosses a turn boundary (the error names the message and the text on both sides).
     """
-    return _targets(tokenize_segments(messages, tokenizer, fmt, tools, chat_template_kwargs))
+    return _targets(tokenize_segments(messages, tokenizer, fmt, tools, chat_template_kwargs, known))
 
 
 def tokenize_conversations(
     conversations: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None]],
     tokenizer: PreTrainedTokenizerBase,
     fmt: PromptFormat,
+    known: list[dict[str, list[int]] | None] | None = None,
 ) -> list[tuple[list[int], list[int]] | PromptFormatError]:
     """:func:`tokenize_conversation` of each ``(messages, tools, chat_template_kwargs)``, the same results.
 
@@ -905,11 +920,16 @@ def tokenize_conversations(
     the packer's hot loop, faster than one conversation at a time as each stage's code and data stay in cache
     (``bench/pack.py``).
 
+    Args:
+        known: per conversation, ``None`` or its own dict as ``known`` in :func:`tokenize_segments` (distinct
+            dicts): the packer keeps each conversation's segment ids, so that cutting it does not encode its
+            kept turns again.
+
     Returns:
         Per conversation, its ``(tokens, targets)`` or the :class:`PromptFormatError` it raised.
     """
     out: list = []
-    for got in _segments_batch(conversations, tokenizer, fmt):
+    for got in _segments_batch(conversations, tokenizer, fmt, known):
         try:
             out.append(got if isinstance(got, PromptFormatError) else _targets(got))
         except PromptFormatError as e:  # renders to no tokens

@@ -260,6 +260,41 @@ def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, t
         [str(w) if isinstance(w, Exception) else w for w in want]
     assert sum(isinstance(w, PromptFormatError) for w in want) >= 1 and sum(isinstance(w, tuple) for w in want) >= 10
     assert tokenize_conversations([], tok, fmt) == []
+    known = [{} for _ in batch]
+    with_known = tokenize_conversations(batch, tok, fmt, known)
+    assert [str(g) if isinstance(g, Exception) else g for g in with_known] == \
+        [str(w) if isinstance(w, Exception) else w for w in want]
+    assert all(d for d, w in zip(known, want) if isinstance(w, tuple))
+
+
+@pytest.mark.parametrize("tok_name,fmt_name", [("qwen2.5", "chat-template"), ("nemotron-h-layout-tekken", "identity")])
+def test_known_segment_ids_are_reused_and_give_the_same_tokens(tokenizer_dir, shared_data, tok_name, fmt_name,
+                                                               monkeypatch):
+    """The packer's own-row cuts tokenize prefixes of a conversation with its ``known`` ids: the same result as
+    without them, and only the texts the cut changed are encoded again."""
+    import packsft.prompt_formats as pf
+
+    tok = load_tokenizer(tokenizer_dir(tok_name))
+    fmt = get_prompt_format(fmt_name, tok)
+    with open(shared_data / "chat/chitchat.messages.jsonl") as f:
+        conv = parse_record(json.loads(next(f)))
+    known: dict = {}
+    whole = tokenize_conversations([(conv.messages, None, None)], tok, fmt, [known])[0]
+    assert whole == tokenize_conversation(conv.messages, tok, fmt) and known
+    encoded: list[str] = []
+    encode = pf._encode
+    monkeypatch.setattr(pf, "_encode", lambda t, texts: (encoded.extend(texts), encode(t, texts))[1])
+    for keep in (len(conv.messages) - 1, 9, 4):  # prefixes, the last kept message cut short (as the packer cuts)
+        msgs = conv.messages[:keep] + [{**conv.messages[keep], "content": conv.messages[keep]["content"][:7]}]
+        seen = set(known)
+        encoded.clear()
+        got = tokenize_conversation(msgs, tok, fmt, known=known)
+        assert encoded and not seen & set(encoded)  # only new texts
+        monkeypatch.setattr(pf, "_encode", encode)
+        assert got == tokenize_conversation(msgs, tok, fmt)
+        monkeypatch.setattr(pf, "_encode", lambda t, texts: (encoded.extend(texts), encode(t, texts))[1])
+    if fmt_name == "chat-template":  # segments encoded alone: the kept turns were not encoded again
+        assert sum(map(len, encoded)) < sum(len(m["content"]) for m in msgs) / 2
 
 
 def test_a_lone_surrogate_decoded_from_tool_call_arguments_is_a_prompt_format_error(qwen):

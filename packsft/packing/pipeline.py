@@ -377,15 +377,16 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
     return kept, True
 
 
-def _tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None):
+def _tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     """``(conv, tokens, targets, cut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first).
 
     ``first``: when already computed (:func:`_process_lines`, where :func:`_tokenized_whole` is true), the
-    result of ``tokenize_conversation`` on the whole ``conv`` with ``fmt``, or the error it raised.
+    result of ``tokenize_conversation`` on the whole ``conv`` with ``fmt``, or the error it raised; ``known``:
+    the ids of its segment texts (``known`` of ``tokenize_conversation``), reused by the cuts.
     """
     cut = False
     if cfg.oversize == "own-row":
-        msgs, tokens, targets, cut = _fit_own_row(conv, tok, fmt, cfg, first)
+        msgs, tokens, targets, cut = _fit_own_row(conv, tok, fmt, cfg, first, known)
         if cut:
             conv = type(conv)(messages=msgs, tools=conv.tools, path=conv.path, line=conv.line,
                               meta=conv.meta, chat_template_kwargs=conv.chat_template_kwargs)
@@ -409,15 +410,17 @@ def _tokenized_whole(conv, cfg: PackConfig) -> bool:
         sum(map(_content_chars, conv.messages)) <= 8 * own_row_window(cfg.max_seq_len)[1]
 
 
-def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None):
+def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     """Tokenize ``conv``, cutting it (:func:`_cut_messages`) into :func:`own_row_window` when it is longer.
 
     A conversation whose contents have at most ``8 * high`` characters is first tokenized whole (kept when it
     fits). Work is bounded by a few tokenizations of about ``L`` tokens, whatever the conversation's length:
     the character budget starts at ``8 * high`` and is doubled, then bisected (with a proportional guess).
+    Each try renders the cut conversation but encodes only the segment texts not encoded before (``known``):
+    mostly the one cut message.
 
     Args:
-        first: as in :func:`_tokenize_record`.
+        first, known: as in :func:`_tokenize_record`.
 
     Returns:
         ``(messages, tokens, targets, cut)``: the messages to store and their tokenization.
@@ -437,11 +440,12 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None):
     lo, hi = 0, None  # budgets known to give fewer than `low` tokens / more than `high`
     best = None  # the smallest cut seen above `low` (used if the window is never hit)
     error = None
+    known = {} if known is None else known  # each segment text's ids: a cut encodes only the texts it changed
     for _ in range(24):
         msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on, sizes)
         try:
             tokens, targets = whole if whole is not None and not cut else \
-                tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs)
+                tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs, known)
         except PromptFormatError as e:  # a cut the format cannot render: try a shorter one
             if not cut:
                 raise
@@ -494,9 +498,13 @@ def _process_lines(path: str, items: list[tuple[int, int, str | None, str | None
         except ConversationError as e:
             parsed.append(_rejected(f"{e.field + ': ' if e.field else ''}{e.reason}"))
     whole = [i for i, p in enumerate(parsed) if p[0] is not None and _tokenized_whole(p[0], cfg)]
+    known = [{} for _ in whole] if cfg.oversize == "own-row" else None  # kept for the cuts of long ones
     first = dict(zip(whole, tokenize_conversations(
-        [(parsed[i][0].messages, parsed[i][0].tools, parsed[i][0].chat_template_kwargs) for i in whole], tok, fmt)))
-    return [p if p[0] is None else _finish_line(cfg, tok, fmt, *p, first.get(i)) for i, p in enumerate(parsed)]
+        [(parsed[i][0].messages, parsed[i][0].tools, parsed[i][0].chat_template_kwargs) for i in whole], tok, fmt,
+        known)))
+    memo = dict(zip(whole, known)) if known else {}
+    return [p if p[0] is None else _finish_line(cfg, tok, fmt, *p, first.get(i), memo.get(i))
+            for i, p in enumerate(parsed)]
 
 
 def _rejected(reason: str) -> tuple:
@@ -526,13 +534,13 @@ def _parse_line(cfg: PackConfig, path: str, line: int, text: str | None, decode_
     return conv, record, source
 
 
-def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first) -> tuple:
-    """One line's :func:`_process_lines` result, from its parsed conversation and ``first`` (as in
+def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first, known=None) -> tuple:
+    """One line's :func:`_process_lines` result, from its parsed conversation, ``first`` and ``known`` (as in
     :func:`_tokenize_record`)."""
     try:
         non_megatron = None
         try:
-            conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg, first)
+            conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg, first, known)
         except NonMegatronError as e:
             if not cfg.allow_non_megatron:
                 raise

@@ -862,20 +862,42 @@ def _assemble(segments: list[Segment], encoded: list[list[int]], tokenizer, fmt:
     return list(zip(segments, pieces))
 
 
-def _targets(pairs: list[tuple[Segment, list[int]]]) -> tuple[list[int], list[int]]:
-    """``(tokens, targets)`` of :func:`tokenize_segments`' result (see :func:`tokenize_conversation`)."""
+def _target_runs(pairs: list[tuple[Segment, list[int]]]) -> tuple[list[int], list[int]]:
+    """``(tokens, runs)`` of :func:`tokenize_segments`' result: ``runs`` cover ``tokens`` in order, ``+k`` for
+    ``k`` trained tokens (their targets are the tokens), ``-k`` for ``k`` masked ones (:data:`IGNORE_INDEX`).
+
+    Raises:
+        PromptFormatError: no tokens.
+    """
     tokens: list[int] = []
-    targets: list[int] = []
+    runs: list[int] = []
     for seg, piece in pairs:
         tokens += piece
-        if not seg.trained:
-            targets += [IGNORE_INDEX] * len(piece)
-        else:
-            k = min(seg.masked_prefix, len(piece))
-            targets += [IGNORE_INDEX] * k + piece[k:]
+        k = min(seg.masked_prefix, len(piece)) if seg.trained else len(piece)
+        if k:
+            runs.append(-k)
+        if len(piece) > k:
+            runs.append(len(piece) - k)
     if not tokens:
         raise PromptFormatError("the conversation renders to no tokens")
-    return tokens, targets
+    return tokens, runs
+
+
+def targets_of_runs(tokens: list[int], runs: list[int]) -> list[int]:
+    """The targets list of ``tokens`` and their runs (as :func:`tokenize_conversations` returns them with
+    ``runs=True``): each token where its run is trained, else :data:`IGNORE_INDEX`."""
+    targets: list[int] = []
+    pos = 0
+    for r in runs:
+        targets += tokens[pos : pos + r] if r > 0 else [IGNORE_INDEX] * -r
+        pos += abs(r)
+    return targets
+
+
+def _targets(pairs: list[tuple[Segment, list[int]]]) -> tuple[list[int], list[int]]:
+    """``(tokens, targets)`` of :func:`tokenize_segments`' result (see :func:`tokenize_conversation`)."""
+    tokens, runs = _target_runs(pairs)
+    return tokens, targets_of_runs(tokens, runs)
 
 
 def tokenize_conversation(
@@ -913,6 +935,7 @@ def tokenize_conversations(
     tokenizer: PreTrainedTokenizerBase,
     fmt: PromptFormat,
     known: list[dict[str, list[int]] | None] | None = None,
+    runs: bool = False,
 ) -> list[tuple[list[int], list[int]] | PromptFormatError]:
     """:func:`tokenize_conversation` of each ``(messages, tools, chat_template_kwargs)``, the same results.
 
@@ -924,14 +947,19 @@ def tokenize_conversations(
         known: per conversation, ``None`` or its own dict as ``known`` in :func:`tokenize_segments` (distinct
             dicts): the packer keeps each conversation's segment ids, so that cutting it does not encode its
             kept turns again.
+        runs: give each conversation's targets as runs, ``(tokens, runs)``: ``+k`` for ``k`` trained tokens,
+            ``-k`` for ``k`` masked ones, in order (:func:`targets_of_runs` makes the list; the packer's token
+            cache makes them in numpy).
 
     Returns:
-        Per conversation, its ``(tokens, targets)`` or the :class:`PromptFormatError` it raised.
+        Per conversation, its ``(tokens, targets)`` (or ``(tokens, runs)``) or the :class:`PromptFormatError`
+        it raised.
     """
     out: list = []
+    finish = _target_runs if runs else _targets
     for got in _segments_batch(conversations, tokenizer, fmt, known):
         try:
-            out.append(got if isinstance(got, PromptFormatError) else _targets(got))
+            out.append(got if isinstance(got, PromptFormatError) else finish(got))
         except PromptFormatError as e:  # renders to no tokens
             out.append(e)
     return out

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.lib.format as npy_format
 
 from packsft.io import HashingWriter
+from packsft.layout import IGNORE_INDEX
 
 TOKENS_SUFFIX = ".tokens.npy"
 INDEX_SUFFIX = ".tokens-index.npy"
@@ -77,6 +78,23 @@ def encode_pairs(tokens: Sequence[int], targets: Sequence[int]) -> bytes:
     pairs = np.empty((len(tokens), 2), dtype="<i4")
     pairs[:, 0] = tokens
     pairs[:, 1] = targets
+    return pairs.tobytes()
+
+
+def encode_runs(tokens: Sequence[int], runs: Sequence[int]) -> bytes:
+    """:func:`encode_pairs` of ``tokens`` and the targets their ``runs`` give (``+k``: ``k`` trained tokens,
+    their own ids; ``-k``: ``k`` masked ones, ``IGNORE_INDEX``), built in numpy from the runs.
+
+    Raises:
+        ValueError: the runs do not cover ``tokens``.
+    """
+    pairs = np.empty((len(tokens), 2), dtype="<i4")
+    pairs[:, 0] = tokens
+    r = np.array(runs, dtype=np.int64)
+    lengths = np.abs(r)
+    if int(lengths.sum()) != len(tokens):
+        raise ValueError(f"runs cover {int(lengths.sum())} tokens, not {len(tokens)}")
+    pairs[:, 1] = np.where(np.repeat(r > 0, lengths), pairs[:, 0], IGNORE_INDEX)
     return pairs.tobytes()
 
 

@@ -243,3 +243,30 @@ def test_sidecar_records_sizes_and_hashes_of_the_cache(tmp_path, small):
         assert entry[key] == {"file": path.name, "size": path.stat().st_size, "blake2b": file_blake2b(path),
                               "ends_blake2b": ends_blake2b(path)}
     assert sidecar_path(out).is_file()
+
+
+def test_targets_as_runs_give_the_same_bytes_and_counts():
+    """The packer spools targets as runs (+k trained, -k masked): the bytes, the targets list and the trained
+    counts and truncations built from runs equal those of the targets list, on random runs."""
+    from packsft.layout import IGNORE_INDEX
+    from packsft.packing.pipeline import _runs_head, _trained_in
+    from packsft.prompt_formats import targets_of_runs
+    from packsft.token_cache import encode_pairs, encode_runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        runs = [int(k) * (1 if rng.random() < 0.5 else -1) for k in rng.integers(1, 6, rng.integers(1, 8))]
+        n = sum(map(abs, runs))
+        tokens = rng.integers(0, 50_000, n).tolist()
+        targets = [t if r > 0 else IGNORE_INDEX for r in runs for t in [0] * abs(r)]
+        targets = [tok if tgt != IGNORE_INDEX else IGNORE_INDEX for tok, tgt in zip(tokens, targets)]
+        assert targets_of_runs(tokens, runs) == targets
+        assert encode_runs(tokens, runs) == encode_pairs(tokens, targets)
+        for start, end in ((1, n), (0, n), (1, max(1, n // 2)), (2, n + 5)):
+            assert _trained_in(runs, start, end) == sum(t != IGNORE_INDEX for t in targets[start:end])
+        for k in range(n + 1):
+            head = _runs_head(runs, k)
+            assert sum(map(abs, head)) == k and all(head)
+            assert targets_of_runs(tokens[:k], head) == targets[:k]
+    with pytest.raises(ValueError, match="runs cover 3 tokens, not 2"):
+        encode_runs([1, 2], [2, -1])

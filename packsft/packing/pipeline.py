@@ -72,7 +72,7 @@ from packsft.io import (
     stale_temps,
     temp_path,
 )
-from packsft.layout import IGNORE_INDEX, check_max_seq_len, conversation_cost
+from packsft.layout import check_max_seq_len, conversation_cost
 from packsft.packing.algorithms import ALGORITHMS, lower_bound_rows, pack_order
 from packsft.packing.ray_engine import ENGINES
 from packsft.packing.sources import (
@@ -93,12 +93,11 @@ from packsft.prompt_formats import (
     NonMegatronError,
     PromptFormatError,
     get_prompt_format,
-    tokenize_conversation,
     tokenize_conversations,
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
-from packsft.token_cache import TokenCacheWriter, cache_paths, encode_pairs, stored_length
+from packsft.token_cache import TokenCacheWriter, cache_paths, encode_runs, stored_length
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
@@ -378,27 +377,41 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
 
 
 def _tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
-    """``(conv, tokens, targets, cut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first).
+    """``(conv, tokens, runs, cut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first), its
+    targets as runs (:func:`_tokenize`).
 
     ``first``: when already computed (:func:`_process_lines`, where :func:`_tokenized_whole` is true), the
-    result of ``tokenize_conversation`` on the whole ``conv`` with ``fmt``, or the error it raised; ``known``:
-    the ids of its segment texts (``known`` of ``tokenize_conversation``), reused by the cuts.
+    result of :func:`_tokenize` on the whole ``conv`` with ``fmt``, or the error it raised; ``known``: the ids
+    of its segment texts (``known`` of ``tokenize_conversation``), reused by the cuts.
     """
     cut = False
     if cfg.oversize == "own-row":
-        msgs, tokens, targets, cut = _fit_own_row(conv, tok, fmt, cfg, first, known)
+        msgs, tokens, runs, cut = _fit_own_row(conv, tok, fmt, cfg, first, known)
         if cut:
             conv = type(conv)(messages=msgs, tools=conv.tools, path=conv.path, line=conv.line,
                               meta=conv.meta, chat_template_kwargs=conv.chat_template_kwargs)
     else:
-        tokens, targets = _whole(conv, tok, fmt, first)
-    return conv, tokens, targets, cut
+        tokens, runs = _whole(conv, tok, fmt, first)
+    return conv, tokens, runs, cut
+
+
+def _tokenize(messages, tok, fmt, tools, kwargs, known=None) -> tuple[list[int], list[int]]:
+    """``tokenize_conversation`` with the targets as runs: ``(tokens, runs)`` (``tokenize_conversations`` with
+    ``runs=True``), as the packer spools them.
+
+    Raises:
+        PromptFormatError: as ``tokenize_conversation``.
+    """
+    got = tokenize_conversations([(messages, tools, kwargs)], tok, fmt, [known], runs=True)[0]
+    if isinstance(got, PromptFormatError):
+        raise got
+    return got
 
 
 def _whole(conv, tok, fmt, first=None):
-    """``tokenize_conversation`` of the whole ``conv``: ``first`` when given (raised when an error)."""
+    """:func:`_tokenize` of the whole ``conv``: ``first`` when given (raised when an error)."""
     if first is None:
-        return tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+        return _tokenize(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
     if isinstance(first, PromptFormatError):
         raise first
     return first
@@ -423,13 +436,13 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         first, known: as in :func:`_tokenize_record`.
 
     Returns:
-        ``(messages, tokens, targets, cut)``: the messages to store and their tokenization.
+        ``(messages, tokens, runs, cut)``: the messages to store and their tokenization (:func:`_tokenize`).
 
     Raises:
         PromptFormatError: the conversation (or every cut of it tried) does not tokenize.
     """
     low, high = own_row_window(cfg.max_seq_len)
-    whole = None  # the uncut conversation's (tokens, targets), once known
+    whole = None  # the uncut conversation's (tokens, runs), once known
     if first is not None or _tokenized_whole(conv, cfg):  # most conversations: tokenized whole, once
         whole = _whole(conv, tok, fmt, first)
         if len(whole[0]) <= high:
@@ -444,8 +457,8 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     for _ in range(24):
         msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on, sizes)
         try:
-            tokens, targets = whole if whole is not None and not cut else \
-                tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs, known)
+            tokens, runs = whole if whole is not None and not cut else \
+                _tokenize(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs, known)
         except PromptFormatError as e:  # a cut the format cannot render: try a shorter one
             if not cut:
                 raise
@@ -453,13 +466,13 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         else:
             n = len(tokens)
             if not cut and n <= high:
-                return msgs, tokens, targets, False
+                return msgs, tokens, runs, False
             if low <= n <= high:
-                return msgs, tokens, targets, True
+                return msgs, tokens, runs, True
             if n > high:
                 hi = budget
                 if best is None or n < len(best[1]):
-                    best = (msgs, tokens, targets, cut)
+                    best = (msgs, tokens, runs, cut)
             else:
                 lo = budget
         if hi is None:
@@ -483,12 +496,13 @@ def _process_lines(path: str, items: list[tuple[int, int, str | None, str | None
     (:func:`_fit_own_row`), and the stored, cut conversation is the one counted.
 
     Returns:
-        Per line, ``(counts, row_messages_json, None, cut, tokens, targets)`` for a good line, with ``counts`` =
+        Per line, ``(counts, row_messages_json, None, cut, tokens, runs)`` for a good line, with ``counts`` =
         ``(num_tokens, trained, trained_in_row, non_megatron)`` (``trained``: tokens the model is trained to
         predict, or at least 1 for a cut conversation (its cut-off part is not counted); ``trained_in_row``:
         those within the first ``max_seq_len`` tokens, what the loader's truncation keeps; ``non_megatron``:
-        the reason with ``--allow-non-megatron``, else ``None``; ``cut``: the packer cut it; ``tokens`` and
-        ``targets``: lists of int ids), or ``(None, None, reason, False, None, None)`` for a rejected line.
+        the reason with ``--allow-non-megatron``, else ``None``; ``cut``: the packer cut it; ``tokens``: list
+        of int ids, ``runs``: their targets as runs, :func:`_tokenize`), or ``(None, None, reason, False, None,
+        None)`` for a rejected line.
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
     parsed: list = []  # per line: (conv, record, source), or its rejection
@@ -501,7 +515,7 @@ def _process_lines(path: str, items: list[tuple[int, int, str | None, str | None
     known = [{} for _ in whole] if cfg.oversize == "own-row" else None  # kept for the cuts of long ones
     first = dict(zip(whole, tokenize_conversations(
         [(parsed[i][0].messages, parsed[i][0].tools, parsed[i][0].chat_template_kwargs) for i in whole], tok, fmt,
-        known)))
+        known, runs=True)))
     memo = dict(zip(whole, known)) if known else {}
     return [p if p[0] is None else _finish_line(cfg, tok, fmt, *p, first.get(i), memo.get(i))
             for i, p in enumerate(parsed)]
@@ -540,21 +554,46 @@ def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first, known=N
     try:
         non_megatron = None
         try:
-            conv, tokens, targets, cut = _tokenize_record(conv, tok, fmt, cfg, first, known)
+            conv, tokens, runs, cut = _tokenize_record(conv, tok, fmt, cfg, first, known)
         except NonMegatronError as e:
             if not cfg.allow_non_megatron:
                 raise
             non_megatron = _input_turn(e, record, source, cfg.record_format)  # the input's own message index
-            conv, tokens, targets, cut = _tokenize_record(conv, tok, _W["lenient"], cfg)
+            conv, tokens, runs, cut = _tokenize_record(conv, tok, _W["lenient"], cfg)
     except PromptFormatError as e:
         return _rejected(f"{cfg.prompt_format}: {_input_turn(e, record, source, cfg.record_format)}")
     n = len(tokens)
-    first_ignored = targets[0] == IGNORE_INDEX if n else 0  # counts below are of targets[1:] (C loops)
-    trained = n - 1 - (targets.count(IGNORE_INDEX) - first_ignored) if n else 0
-    in_row = trained if n <= cfg.max_seq_len else \
-        len(targets[1 : cfg.max_seq_len]) - targets[1 : cfg.max_seq_len].count(IGNORE_INDEX)
+    trained = _trained_in(runs, 1, n)  # targets[1:], the tokens predicted
+    in_row = trained if n <= cfg.max_seq_len else _trained_in(runs, 1, cfg.max_seq_len)
     counts = (n, max(1, in_row) if cut else trained, in_row, non_megatron)
-    return counts, _ROW_JSON(conv.to_row_messages()), None, cut, tokens, targets
+    return counts, _ROW_JSON(conv.to_row_messages()), None, cut, tokens, runs
+
+
+def _trained_in(runs: list[int], start: int, end: int) -> int:
+    """Trained tokens among positions ``[start, end)`` of a conversation whose targets are ``runs``."""
+    count = pos = 0
+    for r in runs:
+        nxt = pos + abs(r)
+        if r > 0 and nxt > start:
+            count += min(nxt, end) - max(pos, start)
+        pos = nxt
+        if pos >= end:
+            break
+    return count
+
+
+def _runs_head(runs: list[int], k: int) -> list[int]:
+    """The runs of the first ``k`` tokens."""
+    out: list[int] = []
+    pos = 0
+    for r in runs:
+        if pos + abs(r) >= k:
+            if k > pos:
+                out.append(k - pos if r > 0 else pos - k)
+            return out
+        out.append(r)
+        pos += abs(r)
+    return out
 
 
 def _input_turn(e: PromptFormatError, record, source, record_format: str) -> str:
@@ -682,7 +721,7 @@ def count_shard(shard: Shard) -> ShardResult:
         total.append((yield from read_shard(cfg, shard)))  # the reader returns the shard's line count
 
     # spool bytes are gathered and written in blocks (a few MiB), their offsets counted here
-    msg_block, tok_block, tgt_block = [], [], []
+    msg_block, tok_block, run_block = [], [], []
     spool_pos = spool.tell()
     token_pos = token_spool.tell() if token_spool is not None else 0
 
@@ -690,9 +729,9 @@ def count_shard(shard: Shard) -> ShardResult:
         spool.write(b"".join(msg_block))
         msg_block.clear()
         if token_spool is not None:
-            token_spool.write(encode_pairs(tok_block, tgt_block))
+            token_spool.write(encode_runs(tok_block, run_block))
             tok_block.clear()
-            tgt_block.clear()
+            run_block.clear()
 
     def batches():  # of _BATCH lines and _BATCH_BYTES at most (one longer line alone)
         batch, size = [], 0
@@ -709,7 +748,7 @@ def count_shard(shard: Shard) -> ShardResult:
         for batch in batches():
             yield from zip(batch, _process_lines(path, batch))
 
-    for (line, nbytes, _, _), (counts, msgs_json, reason, cut, tokens, targets) in processed():
+    for (line, nbytes, _, _), (counts, msgs_json, reason, cut, tokens, runs) in processed():
         lines, conversations, nbytes_total = line, conversations + 1, nbytes_total + nbytes
         if reason is not None:
             rejected.append((line, reason))
@@ -736,7 +775,7 @@ def count_shard(shard: Shard) -> ShardResult:
             token_offsets.append(token_pos)
             token_pos += 8 * k
             tok_block.extend(tokens if k == n else tokens[:k])
-            tgt_block.extend(targets if k == n else targets[:k])
+            run_block.extend(runs if k == n else _runs_head(runs, k))
         if len(msg_block) >= 1024 or len(tok_block) >= 1 << 20:
             write_block()
     write_block()

@@ -775,9 +775,10 @@ def tokenize_segments(
     ``fmt.allow_non_megatron`` a conversation that fails the check gets each segment's own tokens instead.
 
     Args:
-        known: text -> ids of texts already encoded (each text is encoded alone), taken from it and extended
+        known: text -> ids of segment texts already encoded (each is encoded alone), taken from it and extended
             with the new ones, so that tokenizing variants of one conversation (the packer's own-row cuts)
-            encodes each text once.
+            encodes each segment text once (the presets also encode their whole text each time). The pieces
+            returned are then the dict's own lists: do not change them in place.
 
     Raises:
         PromptFormatError: as :func:`render_segments`.
@@ -794,9 +795,12 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
     """:func:`tokenize_segments` of each ``(messages, tools, chat_template_kwargs)``, stage by stage over the
     batch (render all, one encode call for all their new texts, then each one's pieces); per conversation its
     result or the :class:`PromptFormatError` it raised. ``known``: per conversation ``None`` or its own dict
-    (as in :func:`tokenize_segments`)."""
+    (as in :func:`tokenize_segments`); the presets' whole text, which a cut always changes, is not kept."""
+    if known is not None and len(known) != len(conversations):
+        raise ValueError(f"known has {len(known)} entries for {len(conversations)} conversations")
+    whole = 0 if fmt.name in ("chat-template", "passthrough") else 1  # texts before the segments' own
     out: list = []
-    staged = []  # (index into out, segments, texts, dict, number of them encoded)
+    staged = []  # (index into out, segments, texts, dict, number of them encoded, dict was used)
     todo: list[str] = []
     for (messages, tools, kwargs), memo in zip(conversations, known or [None] * len(conversations)):
         try:
@@ -804,8 +808,8 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
         except PromptFormatError as e:
             out.append(e)
             continue
-        new = own if memo is None else [t for t in own if t not in memo]
-        staged.append((len(out), segments, own, memo, len(new)))
+        new = own[:whole] + [t for t in own[whole:] if t not in memo] if memo else own
+        staged.append((len(out), segments, own, memo, len(new), bool(memo)))
         out.append(None)
         todo += new
     try:
@@ -813,13 +817,15 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
     except PromptFormatError:  # a text no tokenizer encodes: each conversation's own texts, to find whose
         encoded = None
     pos = 0
-    for i, segments, own, memo, n in staged:
+    for i, segments, own, memo, n, used in staged:
         try:
             ids = encoded[pos : pos + n] if encoded is not None else _encode(tokenizer, todo[pos : pos + n])
-            if memo is not None:
+            if used:
                 fresh = iter(ids)
-                ids = [memo[t] if t in memo else next(fresh) for t in own]
-                memo.update(zip(own, ids))
+                ids = [*(next(fresh) for _ in own[:whole]),
+                       *(memo[t] if t in memo else next(fresh) for t in own[whole:])]
+            if memo is not None:
+                memo.update(zip(own[whole:], ids[whole:]))
             out[i] = _assemble(segments, ids, tokenizer, fmt)
         except PromptFormatError as e:
             out[i] = e

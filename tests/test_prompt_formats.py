@@ -295,6 +295,10 @@ def test_known_segment_ids_are_reused_and_give_the_same_tokens(tokenizer_dir, sh
         monkeypatch.setattr(pf, "_encode", lambda t, texts: (encoded.extend(texts), encode(t, texts))[1])
     if fmt_name == "chat-template":  # segments encoded alone: the kept turns were not encoded again
         assert sum(map(len, encoded)) < sum(len(m["content"]) for m in msgs) / 2
+    else:  # the presets' whole text changes with every cut: not kept
+        assert max(map(len, known)) < len(encoded[0])
+    with pytest.raises(ValueError, match="known has 1 entries for 2 conversations"):
+        tokenize_conversations([(msgs, None, None)] * 2, tok, fmt, [{}])
 
 
 def test_a_lone_surrogate_decoded_from_tool_call_arguments_is_a_prompt_format_error(qwen):

@@ -408,10 +408,10 @@ def _tokenize(messages, tok, fmt, tools, kwargs, known=None) -> tuple[list[int],
     return got
 
 
-def _whole(conv, tok, fmt, first=None):
+def _whole(conv, tok, fmt, first=None, known=None):
     """:func:`_tokenize` of the whole ``conv``: ``first`` when given (raised when an error)."""
     if first is None:
-        return _tokenize(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs)
+        return _tokenize(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs, known)
     if isinstance(first, PromptFormatError):
         raise first
     return first
@@ -430,7 +430,8 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     fits). Work is bounded by a few tokenizations of about ``L`` tokens, whatever the conversation's length:
     the character budget starts at ``8 * high`` and is doubled, then bisected (with a proportional guess).
     Each try renders the cut conversation but encodes only the segment texts not encoded before (``known``):
-    mostly the one cut message.
+    with ``chat-template`` and ``passthrough`` mostly the segment the cut falls in (the presets also encode
+    each try's whole text).
 
     Args:
         first, known: as in :func:`_tokenize_record`.
@@ -442,9 +443,10 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         PromptFormatError: the conversation (or every cut of it tried) does not tokenize.
     """
     low, high = own_row_window(cfg.max_seq_len)
+    known = {} if known is None else known  # each segment text's ids: a cut encodes only the texts it changed
     whole = None  # the uncut conversation's (tokens, runs), once known
     if first is not None or _tokenized_whole(conv, cfg):  # most conversations: tokenized whole, once
-        whole = _whole(conv, tok, fmt, first)
+        whole = _whole(conv, tok, fmt, first, known)
         if len(whole[0]) <= high:
             return conv.messages, *whole, False
     sizes = [_message_chars(m) for m in conv.messages]
@@ -453,7 +455,6 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     lo, hi = 0, None  # budgets known to give fewer than `low` tokens / more than `high`
     best = None  # the smallest cut seen above `low` (used if the window is never hit)
     error = None
-    known = {} if known is None else known  # each segment text's ids: a cut encodes only the texts it changed
     for _ in range(24):
         msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on, sizes)
         try:
@@ -559,7 +560,7 @@ def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first, known=N
             if not cfg.allow_non_megatron:
                 raise
             non_megatron = _input_turn(e, record, source, cfg.record_format)  # the input's own message index
-            conv, tokens, runs, cut = _tokenize_record(conv, tok, _W["lenient"], cfg)
+            conv, tokens, runs, cut = _tokenize_record(conv, tok, _W["lenient"], cfg, known=known)
     except PromptFormatError as e:
         return _rejected(f"{cfg.prompt_format}: {_input_turn(e, record, source, cfg.record_format)}")
     n = len(tokens)

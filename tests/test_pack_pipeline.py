@@ -10,7 +10,7 @@ import pytest
 
 from packsft.conversation import parse_record, split_row
 from packsft.layout import conversation_cost
-from packsft.packing.pipeline import PackConfig, PackError, own_row_window, run_pack
+from packsft.packing.pipeline import PackConfig, PackError, own_row_window, plan_shards, run_pack
 from packsft.prompt_formats import count_conversation_tokens, get_prompt_format
 from packsft.token_cache import cache_paths
 from packsft.tokenizer import load_tokenizer
@@ -293,11 +293,13 @@ def test_no_more_workers_than_shards(tmp_path, shared_data, monkeypatch):
         return real(max_workers, **kw)
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", recording)
-    src = _head(shared_data / "chat" / "gsm8k_test.messages.jsonl", tmp_path / "in.jsonl", 20)  # one shard
+    src = _head(shared_data / "chat" / "gsm8k_test.messages.jsonl", tmp_path / "in.jsonl", 20)
+    shards = len(plan_shards([str(src)], 5_000))
+    assert 1 < shards < 8
     run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"),
                         tokenizer=str(shared_data / "tokenizers" / "smollm2-135m-instruct"), max_seq_len=1024,
-                        num_workers=8, progress=False, histogram=""))
-    assert sizes == [1]
+                        num_workers=8, shard_bytes=5_000, progress=False, histogram=""))
+    assert sizes == [shards]
 
 
 def test_dead_worker_message_names_the_killed_worker_not_the_ones_the_pool_stopped(tmp_path):

@@ -133,6 +133,24 @@ def test_output_is_the_same_for_any_worker_count_and_shard_size(shared_data, tok
     assert first[7] == {str(src): {"conversations": 88, "rejected": 6, "blank_lines": 3}}  # every line accounted
 
 
+def test_a_single_small_shard_is_read_without_workers(shared_data, tokenizer_dir, tmp_path, monkeypatch):
+    """One JSONL shard: --num-workers 2 starts no process (it would only add its start) and gives the same
+    outputs as --num-workers 0."""
+    import concurrent.futures
+
+    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
+    assert len(plan_shards([str(src)])) == 1
+    got = {}
+    for workers in (0, 2):
+        out = tmp_path / f"w{workers}" / "rows.jsonl.packed"
+        if workers:
+            monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", None)  # fails if a pool is started
+        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+                            max_seq_len=1024, num_workers=workers, progress=False, histogram=""))
+        got[workers] = _outputs(out)
+    assert got[0] == got[2] and len(got[0][0]) > 1000
+
+
 def test_shards_are_line_aligned_and_cover_the_file(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b"".join(b"x" * (i % 17) + b"\n" for i in range(500)) + b"tail")

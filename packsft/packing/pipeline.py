@@ -1007,7 +1007,8 @@ def _worker_start_method() -> str:
 
 def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None):
     """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel
-    (forked workers use ``tok``, the packer's tokenizer).
+    (forked workers use ``tok``, the packer's tokenizer). One JSONL shard in all (by default, one input of at
+    most 256 KiB) is read in this process: one worker would do the same work after its start.
 
     Raises:
         PackError: a worker process died (e.g. SIGKILL from the out-of-memory killer), naming its shard.
@@ -1017,7 +1018,10 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
 
         yield from ray_engine.shard_results(cfg, shards, spool_dir, bar)
         return
-    if cfg.num_workers == 0:
+    one_small = len(shards) == 1 and not is_row_source(cfg.inputs[shards[0].file_idx])
+    if cfg.num_workers == 0 or one_small:  # one small JSONL shard: a worker would only add its start
+        if cfg.num_workers:
+            _init_worker(cfg, spool_dir, False, tok)  # closed by the caller of _count_all, as without workers
         for shard in shards:
             result = count_shard(shard)
             bar.update(_shard_progress(shard, result))

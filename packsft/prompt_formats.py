@@ -825,7 +825,7 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
                 ids = [*(next(fresh) for _ in own[:whole]),
                        *(memo[t] if t in memo else next(fresh) for t in own[whole:])]
             if memo is not None:
-                memo.update(zip(own[whole:], ids[whole:]))
+                memo.update(zip(own[whole:], ids[whole:]) if whole else zip(own, ids))
             out[i] = _assemble(segments, ids, tokenizer, fmt)
         except PromptFormatError as e:
             out[i] = e

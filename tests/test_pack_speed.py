@@ -151,6 +151,31 @@ def test_a_single_small_shard_is_read_without_workers(shared_data, tokenizer_dir
     assert got[0] == got[2] and len(got[0][0]) > 1000
 
 
+def test_with_workers_the_tokenizer_fingerprint_is_taken_while_they_count(shared_data, tokenizer_dir, tmp_path,
+                                                                          monkeypatch):
+    """The main process takes the sidecar's tokenizer fingerprint before the first shard's result is merged
+    (with workers it would only wait), once, and the sidecar has the same value as without workers."""
+    import packsft.packing.pipeline as pipeline
+    from packsft.sidecar import read_sidecar
+
+    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
+    merged, taken = [], []
+    progress, fingerprint = pipeline._shard_progress, pipeline.tokenizer_fingerprint
+    monkeypatch.setattr(pipeline, "_shard_progress", lambda *a: (merged.append(1), progress(*a))[1])
+    monkeypatch.setattr(pipeline, "tokenizer_fingerprint", lambda tok: (taken.append(len(merged)), fingerprint(tok))[1])
+    metas = []
+    for workers in (0, 2):
+        out = tmp_path / f"w{workers}" / "rows.jsonl.packed"
+        merged.clear()
+        taken.clear()
+        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+                            max_seq_len=1024, num_workers=workers, shard_bytes=20_000, progress=False, histogram=""))
+        shards = len(merged)
+        assert shards >= 4 and taken == ([0] if workers else [shards])
+        metas.append(read_sidecar(str(out))["tokenizer_fingerprint"])
+    assert metas[0] == metas[1]
+
+
 def test_shards_are_line_aligned_and_cover_the_file(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b"".join(b"x" * (i % 17) + b"\n" for i in range(500)) + b"tail")

@@ -1005,10 +1005,14 @@ def _worker_start_method() -> str:
     return "fork"
 
 
-def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None):
+def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None, while_waiting=None):
     """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel
     (forked workers use ``tok``, the packer's tokenizer). One JSONL shard in all (by default, one input of at
     most 256 KiB) is read in this process: one worker would do the same work after its start.
+
+    Args:
+        while_waiting: called once in this process after the workers have their shards (not without workers):
+            work for the otherwise idle main process.
 
     Raises:
         PackError: a worker process died (e.g. SIGKILL from the out-of-memory killer), naming its shard.
@@ -1037,6 +1041,8 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
     done = False
     try:
         futures = [executor.submit(count_shard, s) for s in shards]
+        if while_waiting is not None:
+            while_waiting()
         for shard, future in zip(shards, futures):
             try:
                 result = future.result()
@@ -1089,8 +1095,9 @@ class _Counted:
             self.token_offset = self.token_offset[mask]
 
 
-def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None) -> _Counted:
-    """Read and count every shard; fill the report's counts, rejections and warnings (exact line numbers)."""
+def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, while_waiting=None) -> _Counted:
+    """Read and count every shard; fill the report's counts, rejections and warnings (exact line numbers).
+    ``while_waiting``: as in :func:`_shard_results`."""
     import numpy as np
 
     shards = plan_shards(cfg.inputs, cfg.shard_bytes)
@@ -1101,7 +1108,7 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None) ->
     oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, keeps_no_training)
     base = 0
     try:  # closed on an error too, so that the bar is not redrawn after the error line
-        for r in _shard_results(cfg, shards, spool_dir, bar, tok):
+        for r in _shard_results(cfg, shards, spool_dir, bar, tok, while_waiting):
             path = cfg.inputs[r.shard.file_idx]
             before = lines_before.get(r.shard.file_idx, 0)
             lines_before[r.shard.file_idx] = before + r.lines
@@ -1429,7 +1436,9 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 if cfg.num_workers == 0 and cfg.engine == "local":
                     _init_worker(cfg, spool_dir, False, tok)
                 try:
-                    counted = _count_all(cfg, spool_dir, report, tok)
+                    fingerprint: list[str] = []  # the sidecar's, taken while the workers count
+                    counted = _count_all(cfg, spool_dir, report, tok,
+                                         lambda: fingerprint.append(tokenizer_fingerprint(tok)))
                 finally:
                     _close_worker()
                 L, cp = cfg.max_seq_len, cfg.context_parallel_size
@@ -1462,7 +1471,8 @@ def _run_pack(cfg: PackConfig) -> PackReport:
             report.real_tokens = int(np.minimum(lengths, L).sum())
             report.padding_tokens = report.rows * L - report.real_tokens
             row_fill = np.add.reduceat(costs[order], starts) if report.rows else costs[:0]
-            _write_outputs(cfg, fmt, tok, report, lengths, row_fill, paths, temps, size, digest, cache_fields)
+            _write_outputs(cfg, fmt, tok, report, lengths, row_fill, paths, temps, size, digest, cache_fields,
+                           fingerprint[0] if fingerprint else None)
         finally:
             for tmp in temps.values():
                 tmp.unlink(missing_ok=True)
@@ -1470,7 +1480,9 @@ def _run_pack(cfg: PackConfig) -> PackReport:
 
 
 def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, temps, size, digest,
-                   cache_fields=None) -> None:
+                   cache_fields=None, fingerprint: str | None = None) -> None:
+    """Write the sidecar, the report and the histogram to temp names and publish the set (``fingerprint``: the
+    tokenizer's, when already taken)."""
     report.outputs = dict(paths)
     report.rows_file = {"size": size, "blake2b": digest}
     sidecar = {
@@ -1482,7 +1494,7 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, 
         "megatron_lm_compatible": (None if fmt.name not in MEGATRON_PRESETS
                                    else "non_megatron" not in report.warning_counts()),
         **(adapter_identity(cfg.adapter) if cfg.adapter else {}),
-        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "tokenizer_fingerprint": fingerprint or tokenizer_fingerprint(tok),
         "tokenizer": str(cfg.tokenizer),
         "prompt_format": fmt.spec(),
         "max_seq_len": cfg.max_seq_len,

@@ -913,6 +913,7 @@ def tokenize_conversation(
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     known: dict[str, list[int]] | None = None,
+    runs: bool = False,
 ) -> tuple[list[int], list[int]]:
     """Tokenize one conversation and build its targets (Megatron-LM ``SFTTokenizer.tokenize_conversation``).
 
@@ -923,6 +924,7 @@ def tokenize_conversation(
         tools: the conversation's tool schemas (``chat-template`` renders them).
         chat_template_kwargs: this conversation's ``apply_chat_template`` keyword arguments.
         known: as in :func:`tokenize_segments`.
+        runs: give the targets as runs, ``(tokens, runs)`` (as :func:`tokenize_conversations`).
 
     Returns:
         ``(tokens, targets)``: two equally long lists of int token ids; ``targets[i]`` is ``tokens[i]`` where
@@ -933,7 +935,8 @@ def tokenize_conversation(
         PromptFormatError: the conversation cannot be rendered, renders to no token, or (presets) a token
             crosses a turn boundary (the error names the message and the text on both sides).
     """
-    return _targets(tokenize_segments(messages, tokenizer, fmt, tools, chat_template_kwargs, known))
+    pairs = tokenize_segments(messages, tokenizer, fmt, tools, chat_template_kwargs, known)
+    return _target_runs(pairs) if runs else _targets(pairs)
 
 
 def tokenize_conversations(

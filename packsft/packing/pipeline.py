@@ -93,6 +93,7 @@ from packsft.prompt_formats import (
     NonMegatronError,
     PromptFormatError,
     get_prompt_format,
+    tokenize_conversation,
     tokenize_conversations,
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
@@ -378,11 +379,11 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
 
 def _tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     """``(conv, tokens, runs, cut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first), its
-    targets as runs (:func:`_tokenize`).
+    targets as runs (``tokenize_conversation(..., runs=True)``).
 
     ``first``: when already computed (:func:`_process_lines`, where :func:`_tokenized_whole` is true), the
-    result of :func:`_tokenize` on the whole ``conv`` with ``fmt``, or the error it raised; ``known``: the ids
-    of its segment texts (``known`` of ``tokenize_conversation``), reused by the cuts.
+    result of ``tokenize_conversation(..., runs=True)`` on the whole ``conv`` with ``fmt``, or the error it
+    raised; ``known``: the ids of its segment texts (``known`` of ``tokenize_conversation``), reused by the cuts.
     """
     cut = False
     if cfg.oversize == "own-row":
@@ -395,23 +396,11 @@ def _tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     return conv, tokens, runs, cut
 
 
-def _tokenize(messages, tok, fmt, tools, kwargs, known=None) -> tuple[list[int], list[int]]:
-    """``tokenize_conversation`` with the targets as runs: ``(tokens, runs)`` (``tokenize_conversations`` with
-    ``runs=True``), as the packer spools them.
-
-    Raises:
-        PromptFormatError: as ``tokenize_conversation``.
-    """
-    got = tokenize_conversations([(messages, tools, kwargs)], tok, fmt, [known], runs=True)[0]
-    if isinstance(got, PromptFormatError):
-        raise got
-    return got
-
-
 def _whole(conv, tok, fmt, first=None, known=None):
-    """:func:`_tokenize` of the whole ``conv``: ``first`` when given (raised when an error)."""
+    """``tokenize_conversation(..., runs=True)`` of the whole ``conv``: ``first`` when given (raised when an error)."""
     if first is None:
-        return _tokenize(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs, known)
+        return tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs, known,
+                                     runs=True)
     if isinstance(first, PromptFormatError):
         raise first
     return first
@@ -437,7 +426,7 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         first, known: as in :func:`_tokenize_record`.
 
     Returns:
-        ``(messages, tokens, runs, cut)``: the messages to store and their tokenization (:func:`_tokenize`).
+        ``(messages, tokens, runs, cut)``: the messages to store and their tokenization (targets as runs).
 
     Raises:
         PromptFormatError: the conversation (or every cut of it tried) does not tokenize.
@@ -459,7 +448,7 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on, sizes)
         try:
             tokens, runs = whole if whole is not None and not cut else \
-                _tokenize(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs, known)
+                tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs, known, runs=True)
         except PromptFormatError as e:  # a cut the format cannot render: try a shorter one
             if not cut:
                 raise
@@ -502,8 +491,8 @@ def _process_lines(path: str, items: list[tuple[int, int, str | None, str | None
         predict, or at least 1 for a cut conversation (its cut-off part is not counted); ``trained_in_row``:
         those within the first ``max_seq_len`` tokens, what the loader's truncation keeps; ``non_megatron``:
         the reason with ``--allow-non-megatron``, else ``None``; ``cut``: the packer cut it; ``tokens``: list
-        of int ids, ``runs``: their targets as runs, :func:`_tokenize`), or ``(None, None, reason, False, None,
-        None)`` for a rejected line.
+        of int ids, ``runs``: their targets as runs, ``tokenize_conversation(..., runs=True)``), or
+        ``(None, None, reason, False, None, None)`` for a rejected line.
     """
     cfg, tok, fmt = _W["cfg"], _W["tok"], _W["fmt"]
     parsed: list = []  # per line: (conv, record, source), or its rejection

@@ -1150,7 +1150,7 @@ def _apply_oversize(cfg: PackConfig, counted: _Counted, oversize: list[tuple], r
             report.warn("truncation_removes_training",
                         f"conversation has {'more than ' if cut else ''}{n} tokens; truncated "
                         f"to max_seq_len {cfg.max_seq_len} "
-                        "in its own row, it keeps no trained token (its assistant turns all lie beyond the "
+                        "in its own row, it keeps no trained token (its trained assistant turns all lie beyond the "
                         "cut); use --oversize drop or a larger --max-seq-length", cfg.inputs[file_idx], line)
     if drop:
         mask = np.ones(len(counted.num_tokens), bool)

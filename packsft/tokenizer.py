@@ -66,9 +66,15 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """SHA-256 (hex, first 16 chars) of the tokenizer's vocabulary, merges, normalizer and special tokens.
 
     Two tokenizers with the same fingerprint produce the same ids for the same text. The chat template is
-    not part of it (the prompt format records its own template hash).
+    not part of it (the prompt format records its own template hash). The bytes hashed are those of
+    ``backend_tokenizer.to_str()``, taken as the pickle state (the same JSON as UTF-8 bytes, without building
+    and re-encoding a ``str``: 16 against 22 ms for SmolLM2, 147 against 172 ms for Qwen2.5).
     """
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+    backend = tokenizer.backend_tokenizer
+    state = backend.__getstate__()
+    if not isinstance(state, bytes):  # another tokenizers: the documented text
+        state = backend.to_str().encode("utf-8")
+    return hashlib.sha256(state).hexdigest()[:16]
 
 
 def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:

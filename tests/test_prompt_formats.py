@@ -211,6 +211,28 @@ def test_fingerprint_differs_between_tokenizers(tokenizer_dir, nemo, qwen):
     assert tokenizer_fingerprint(file_tok) == tokenizer_fingerprint(qwen)
 
 
+def test_fingerprint_hashes_the_serialized_tokenizer(qwen, nemo):
+    """The fingerprint is the SHA-256 of ``to_str()``'s JSON however it is taken (pickle state or text), so
+    sidecars written before and after agree."""
+    import hashlib
+
+    class TextOnly:  # a backend whose pickle state is not the JSON bytes
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getstate__(self):
+            return {"json": self.backend.to_str()}
+
+        def to_str(self):
+            return self.backend.to_str()
+
+    for tok in (qwen, nemo):
+        want = hashlib.sha256(tok.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+        assert tokenizer_fingerprint(tok) == want
+        text_only = type("Tok", (), {"backend_tokenizer": TextOnly(tok.backend_tokenizer)})()
+        assert tokenizer_fingerprint(text_only) == want
+
+
 @pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo"])
 def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_dir, shared_data, name):
     """The one-render marker path gives exactly the spans of the per-turn generation-prompt rendering."""

@@ -694,9 +694,11 @@ def count_shard(shard: Shard) -> ShardResult:
     import numpy as np
 
     cfg = _W["cfg"]
-    marker = os.path.join(_W["spool_dir"], f"worker.{os.getpid()}")
-    with open(marker, "w") as f:  # which shard this process reads, should it die
-        f.write(str(shard.index))
+    # which shard this worker reads, should it die (an in-process run has nobody to tell)
+    marker = os.path.join(_W["spool_dir"], f"worker.{os.getpid()}") if _W["in_worker"] else None
+    if marker:
+        with open(marker, "w") as f:
+            f.write(str(shard.index))
     _worker_hook(shard.index)
     spool, spool_path = _worker_spool()
     token_spool, token_spool_path = _worker_spool("token_spool") if cfg.token_cache else (None, None)
@@ -772,8 +774,9 @@ def count_shard(shard: Shard) -> ShardResult:
     spool.flush()
     if token_spool is not None:
         token_spool.flush()
-    with open(marker, "w") as f:  # this shard is done: a death from now on is not its fault
-        f.write(f"{shard.index} done")
+    if marker:
+        with open(marker, "w") as f:  # this shard is done: a death from now on is not its fault
+            f.write(f"{shard.index} done")
     if "spool_name" in _W:  # one spool per shard: closed, so that other hosts see all of it
         for key in ("spool", "token_spool"):
             if key in _W:

@@ -176,6 +176,32 @@ def test_with_workers_the_tokenizer_fingerprint_is_taken_while_they_count(shared
     assert metas[0] == metas[1]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_forked_workers_start_with_the_inherited_objects_frozen(shared_data, tokenizer_dir, tmp_path, monkeypatch):
+    """The workers are forked with the garbage collector's objects frozen (their collections then leave the
+    inherited pages alone), and the main process unfreezes them once the workers are started."""
+    import gc
+
+    import packsft.packing.pipeline as pipeline
+
+    seen = tmp_path / "frozen"
+    init = pipeline._init_worker
+
+    def recording_init(cfg, spool_dir, in_worker, tok=None):
+        with open(seen, "a") as f:
+            f.write(f"{int(in_worker)} {gc.get_freeze_count()}\n")
+        init(cfg, spool_dir, in_worker, tok)
+
+    monkeypatch.setattr(pipeline, "_init_worker", recording_init)
+    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
+    run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "rows.jsonl.packed"),
+                        tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=1024, num_workers=2, shard_bytes=20_000,
+                        progress=False, histogram=""))
+    workers = [line.split() for line in seen.read_text().splitlines()]
+    assert len(workers) == 2 and all(w == "1" and int(n) > 0 for w, n in workers)
+    assert gc.get_freeze_count() == 0
+
+
 def test_shards_are_line_aligned_and_cover_the_file(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b"".join(b"x" * (i % 17) + b"\n" for i in range(500)) + b"tail")

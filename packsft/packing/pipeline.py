@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -997,6 +998,21 @@ def _worker_start_method() -> str:
     return "fork"
 
 
+@contextlib.contextmanager
+def _frozen_gc(active: bool = True):
+    """With ``active``, the garbage collector's objects frozen while forking (:func:`gc.freeze`): a forked
+    worker's collections then leave the objects it inherits alone, instead of writing to (and so copying) every
+    page holding one. The workers' first shard took about 0.04 s longer without (2-core machine)."""
+    if not active:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None, while_waiting=None):
     """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel
     (forked workers use ``tok``, the packer's tokenizer). One JSONL shard in all (by default, one input of at
@@ -1032,7 +1048,8 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
                                    initargs=(cfg, spool_dir, True, tok if method == "fork" else None))
     done = False
     try:
-        futures = [executor.submit(count_shard, s) for s in shards]
+        with _frozen_gc(method == "fork"):  # the pool forks its workers at the first submit
+            futures = [executor.submit(count_shard, s) for s in shards]
         if while_waiting is not None:
             while_waiting()
         for shard, future in zip(shards, futures):

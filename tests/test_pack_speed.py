@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import packsft.prompt_formats as pf
@@ -211,6 +212,28 @@ def test_shards_are_line_aligned_and_cover_the_file(tmp_path):
         data = src.read_bytes()
         for a, b in zip(shards, shards[1:]):
             assert a.end == b.start and data[b.start - 1 : b.start] == b"\n"
+
+
+def test_the_default_plan_cuts_the_last_two_shards_of_bytes_finer(tmp_path, monkeypatch):
+    """By default the last ``2 * shard size`` bytes of all the inputs are cut in quarter shards (the workers then
+    finish together), across files; a given shard size, and an input of one shard, are cut evenly."""
+    import packsft.packing.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "SHARD_BYTES_MIN", 4000)
+    files = []
+    for name, lines in (("a", 500), ("b", 60)):  # 10 and 1.2 shards of 4000 bytes
+        files.append(tmp_path / f"{name}.jsonl")
+        files[-1].write_bytes(b"".join(b"y" * 79 + b"\n" for _ in range(lines)))
+    total = sum(f.stat().st_size for f in files)
+    shards = plan_shards([str(f) for f in files])
+    sizes = np.array([s.end - s.start for s in shards])
+    starts = np.cumsum(sizes) - sizes  # in all the inputs' bytes
+    assert set(sizes[starts + sizes <= total - 8000]) == {4000}  # before the tail: whole shards
+    assert len(sizes[starts >= total - 8000]) >= 4 and max(sizes[starts >= total - 8000]) <= 1040  # in it: quarters
+    assert [s.end - s.start for s in plan_shards([str(files[0])], 4000)] == [4000] * 10
+    assert len(plan_shards([str(files[1])])) >= 4  # 4800 bytes: more than one shard, all in the tail
+    files[1].write_bytes(b"z" * 3999 + b"\n")
+    assert len(plan_shards([str(files[1])])) == 1
 
 
 @pytest.mark.slow

@@ -892,30 +892,40 @@ class PackReport:
 
 
 # ---------------------------------------------------------------- main side
-SHARD_BYTES_MIN, SHARD_BYTES_MAX, SHARDS = 256 << 10, 64 << 20, 64
-"""Shard size: ``total input bytes / SHARDS``, within ``[SHARD_BYTES_MIN, SHARD_BYTES_MAX]`` (not the worker count).
-A shard costs about a millisecond of its own (a marker file, a result); 256 KiB (about 0.1-0.3 s of work)
-keeps a few-MB input in enough shards that the workers finish together."""
+SHARD_BYTES_MIN, SHARD_BYTES_MAX, SHARDS, TAIL_SPLIT = 256 << 10, 64 << 20, 64, 4
+"""Shard size: ``total input bytes / SHARDS``, within ``[SHARD_BYTES_MIN, SHARD_BYTES_MAX]`` (not the worker count);
+the last ``2 * shard size`` bytes of inputs larger than one shard go in shards ``TAIL_SPLIT`` times smaller, so
+that the workers finish together (the last shards a worker takes are short). A shard costs about a millisecond
+of its own (a marker file, a result); 256 KiB is about 0.1-0.3 s of work."""
 
 
 def plan_shards(inputs: list[str], shard_bytes: int | None = None) -> list[Shard]:
-    """Cut the inputs into line-aligned byte ranges of about ``shard_bytes`` (default: see :data:`SHARDS`).
+    """Cut the inputs into line-aligned byte ranges of about ``shard_bytes`` (default: see :data:`SHARDS`, with a
+    tail of smaller shards; a given ``shard_bytes`` is used throughout).
 
     The cut depends on the inputs (and ``shard_bytes``) only, never on the number of workers. A boundary is
     moved to the start of the line it falls in, found by reading forward to the next newline. A row source
     (:func:`packsft.packing.sources.is_row_source`) is one shard ``Shard(i, file_idx, 0, 0)``, read whole.
     """
     sizes = [0 if is_row_source(p) else os.path.getsize(p) for p in inputs]
+    tail = 0  # bytes at the end of all the inputs cut TAIL_SPLIT times finer
     if shard_bytes is None:
         shard_bytes = min(SHARD_BYTES_MAX, max(SHARD_BYTES_MIN, sum(sizes) // SHARDS))
+        tail = 2 * shard_bytes if sum(sizes) > shard_bytes else 0  # an input of one shard stays one
     shards: list[Shard] = []
+    after = sum(sizes)  # bytes of the inputs from this file's start on
     for file_idx, (path, size) in enumerate(zip(inputs, sizes)):
+        after -= size  # now: bytes of the files after this one
         if is_row_source(path):
             shards.append(Shard(len(shards), file_idx, 0, 0))
             continue
+
+        def step(pos: int, size=size, after=after) -> int:
+            return shard_bytes if size - pos + after > tail else max(1, shard_bytes // TAIL_SPLIT)
+
         starts = [0]
         with open(path, "rb") as f:
-            target = shard_bytes
+            target = step(0)
             while target < size:
                 f.seek(target - 1)  # a boundary right after a newline stays where it is
                 pos = target - 1
@@ -933,7 +943,7 @@ def plan_shards(inputs: list[str], shard_bytes: int | None = None) -> list[Shard
                     break
                 if pos > starts[-1]:
                     starts.append(pos)
-                target = max(pos, target) + shard_bytes
+                target = max(pos, target) + step(max(pos, target))
         for start, end in zip(starts, starts[1:] + [size]):
             if end > start or size == 0:
                 shards.append(Shard(len(shards), file_idx, start, end))

@@ -152,29 +152,33 @@ def test_a_single_small_shard_is_read_without_workers(shared_data, tokenizer_dir
     assert got[0] == got[2] and len(got[0][0]) > 1000
 
 
-def test_with_workers_the_tokenizer_fingerprint_is_taken_while_they_count(shared_data, tokenizer_dir, tmp_path,
-                                                                          monkeypatch):
-    """The main process takes the sidecar's tokenizer fingerprint before the first shard's result is merged
-    (with workers it would only wait), once, and the sidecar has the same value as without workers."""
+def test_with_workers_the_tokenizer_fingerprint_is_taken_by_a_worker(shared_data, tokenizer_dir, tmp_path,
+                                                                     monkeypatch):
+    """With workers, a worker takes the sidecar's tokenizer fingerprint (in the main process it would hold the
+    GIL that the thread handing out shards needs), once; without, the main process; the same value."""
     import packsft.packing.pipeline as pipeline
     from packsft.sidecar import read_sidecar
 
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
-    merged, taken = [], []
-    progress, fingerprint = pipeline._shard_progress, pipeline.tokenizer_fingerprint
-    monkeypatch.setattr(pipeline, "_shard_progress", lambda *a: (merged.append(1), progress(*a))[1])
-    monkeypatch.setattr(pipeline, "tokenizer_fingerprint", lambda tok: (taken.append(len(merged)), fingerprint(tok))[1])
+    taken = tmp_path / "taken"
+    fingerprint = pipeline.tokenizer_fingerprint
+
+    def recording(tok):
+        with open(taken, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return fingerprint(tok)
+
+    monkeypatch.setattr(pipeline, "tokenizer_fingerprint", recording)
     metas = []
     for workers in (0, 2):
         out = tmp_path / f"w{workers}" / "rows.jsonl.packed"
-        merged.clear()
-        taken.clear()
+        taken.unlink(missing_ok=True)
         run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
                             max_seq_len=1024, num_workers=workers, shard_bytes=20_000, progress=False, histogram=""))
-        shards = len(merged)
-        assert shards >= 4 and taken == ([0] if workers else [shards])
+        pids = taken.read_text().split()
+        assert len(pids) == 1 and (pids[0] == str(os.getpid())) == (workers == 0)
         metas.append(read_sidecar(str(out))["tokenizer_fingerprint"])
-    assert metas[0] == metas[1]
+    assert metas[0] == metas[1] == fingerprint(load_tokenizer(tokenizer_dir("qwen2.5")))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")

@@ -1008,6 +1008,11 @@ def _worker_start_method() -> str:
     return "fork"
 
 
+def _worker_fingerprint() -> str:
+    """:func:`packsft.tokenizer.tokenizer_fingerprint` of this worker's tokenizer (a pool task)."""
+    return tokenizer_fingerprint(_W["tok"])
+
+
 @contextlib.contextmanager
 def _frozen_gc(active: bool = True):
     """With ``active``, the garbage collector's objects frozen while forking (:func:`gc.freeze`): a forked
@@ -1023,14 +1028,15 @@ def _frozen_gc(active: bool = True):
         gc.unfreeze()
 
 
-def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None, while_waiting=None):
+def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None, fingerprint=None):
     """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel
     (forked workers use ``tok``, the packer's tokenizer). One JSONL shard in all (by default, one input of at
     most 256 KiB) is read in this process: one worker would do the same work after its start.
 
     Args:
-        while_waiting: called once in this process after the workers have their shards (not without workers):
-            work for the otherwise idle main process.
+        fingerprint: a list; with workers, a worker appends the tokenizer's fingerprint to it (a task before the
+            shards: in this process it would hold the GIL for its whole serialization, and the thread that hands
+            the workers their shards would wait for it).
 
     Raises:
         PackError: a worker process died (e.g. SIGKILL from the out-of-memory killer), naming its shard.
@@ -1059,9 +1065,8 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
     done = False
     try:
         with _frozen_gc(method == "fork"):  # the pool forks its workers at the first submit
+            taken = executor.submit(_worker_fingerprint) if fingerprint is not None else None
             futures = [executor.submit(count_shard, s) for s in shards]
-        if while_waiting is not None:
-            while_waiting()
         for shard, future in zip(shards, futures):
             try:
                 result = future.result()
@@ -1069,6 +1074,8 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
                 raise PackError(_dead_worker_message(cfg, shards, spool_dir, executor)) from e
             bar.update(_shard_progress(shard, result))
             yield result
+        if taken is not None:
+            fingerprint.append(taken.result())
         done = True
     finally:
         if done:
@@ -1114,9 +1121,9 @@ class _Counted:
             self.token_offset = self.token_offset[mask]
 
 
-def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, while_waiting=None) -> _Counted:
+def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fingerprint=None) -> _Counted:
     """Read and count every shard; fill the report's counts, rejections and warnings (exact line numbers).
-    ``while_waiting``: as in :func:`_shard_results`."""
+    ``fingerprint``: as in :func:`_shard_results`."""
     import numpy as np
 
     shards = plan_shards(cfg.inputs, cfg.shard_bytes)
@@ -1127,7 +1134,7 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, wh
     oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, keeps_no_training)
     base = 0
     try:  # closed on an error too, so that the bar is not redrawn after the error line
-        for r in _shard_results(cfg, shards, spool_dir, bar, tok, while_waiting):
+        for r in _shard_results(cfg, shards, spool_dir, bar, tok, fingerprint):
             path = cfg.inputs[r.shard.file_idx]
             before = lines_before.get(r.shard.file_idx, 0)
             lines_before[r.shard.file_idx] = before + r.lines
@@ -1455,9 +1462,8 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 if cfg.num_workers == 0 and cfg.engine == "local":
                     _init_worker(cfg, spool_dir, False, tok)
                 try:
-                    fingerprint: list[str] = []  # the sidecar's, taken while the workers count
-                    counted = _count_all(cfg, spool_dir, report, tok,
-                                         lambda: fingerprint.append(tokenizer_fingerprint(tok)))
+                    fingerprint: list[str] = []  # the sidecar's, taken by a worker when there are workers
+                    counted = _count_all(cfg, spool_dir, report, tok, fingerprint)
                 finally:
                     _close_worker()
                 L, cp = cfg.max_seq_len, cfg.context_parallel_size

@@ -89,8 +89,8 @@ def parse_args(argv=None) -> PackConfig:
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to join with --engine ray (e.g. auto; default: $RAY_ADDRESS, else a local one)")
     p.add_argument("--shard-bytes", type=int, default=None,
-                   help="input bytes per shard, a worker's unit of work (default: 1/64 of the input, 256 KiB-64 MiB); "
-                        "the output does not depend on it")
+                   help="input bytes per shard, a worker's unit of work (default: 1/64 of the input, 256 KiB-64 MiB, "
+                        "the last 2 shards' worth cut in quarters); the output does not depend on it")
     p.add_argument("--format", dest="record_format", default="messages", choices=RECORD_FORMATS,
                    help="record shape: messages (OpenAI), input-output (with --input-key/--output-key), sharegpt "
                         "(conversations: [{from, value}]) or alpaca (instruction, input, output)")

@@ -1016,8 +1016,9 @@ def _worker_fingerprint() -> str:
 @contextlib.contextmanager
 def _frozen_gc(active: bool = True):
     """With ``active``, the garbage collector's objects frozen while forking (:func:`gc.freeze`): a forked
-    worker's collections then leave the objects it inherits alone, instead of writing to (and so copying) every
-    page holding one. The workers' first shard took about 0.04 s longer without (2-core machine)."""
+    worker's collections then leave the objects it inherits alone, instead of going through them all and
+    writing to (so copying) the pages holding them. The workers' first shard took about 0.04 s longer without
+    (2-core machine)."""
     if not active:
         yield
         return

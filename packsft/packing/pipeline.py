@@ -920,8 +920,9 @@ def plan_shards(inputs: list[str], shard_bytes: int | None = None) -> list[Shard
             shards.append(Shard(len(shards), file_idx, 0, 0))
             continue
 
-        def step(pos: int, size=size, after=after) -> int:
-            return shard_bytes if size - pos + after > tail else max(1, shard_bytes // TAIL_SPLIT)
+        def step(pos: int, size=size, after=after) -> int:  # the next shard's bytes from pos: up to the tail, in it
+            before_tail, quarter = size - pos + after - tail, max(1, shard_bytes // TAIL_SPLIT)
+            return quarter if before_tail <= 0 else min(shard_bytes, max(before_tail, quarter))
 
         starts = [0]
         with open(path, "rb") as f:
@@ -1018,8 +1019,9 @@ def _frozen_gc(active: bool = True):
     """With ``active``, the garbage collector's objects frozen while forking (:func:`gc.freeze`): a forked
     worker's collections then leave the objects it inherits alone, instead of going through them all and
     writing to (so copying) the pages holding them. The workers' first shard took about 0.04 s longer without
-    (2-core machine)."""
-    if not active:
+    (2-core machine). Nothing is done when the caller has frozen objects already: :func:`gc.unfreeze` would
+    release theirs too."""
+    if not active or gc.get_freeze_count():
         yield
         return
     gc.freeze()
@@ -1035,9 +1037,10 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
     most 256 KiB) is read in this process: one worker would do the same work after its start.
 
     Args:
-        fingerprint: a list; with workers, a worker appends the tokenizer's fingerprint to it (a task before the
-            shards: in this process it would hold the GIL for its whole serialization, and the thread that hands
-            the workers their shards would wait for it).
+        fingerprint: a list, to which the tokenizer's fingerprint is appended when worker processes read the
+            shards: one of them takes it, as a task before the shards (in this process it would hold the GIL for
+            its whole serialization, and the thread that hands the workers their shards would wait for it).
+            Otherwise (no workers, one small shard, Ray) the list stays empty.
 
     Raises:
         PackError: a worker process died (e.g. SIGKILL from the out-of-memory killer), naming its shard.
@@ -1068,15 +1071,18 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
         with _frozen_gc(method == "fork"):  # the pool forks its workers at the first submit
             taken = executor.submit(_worker_fingerprint) if fingerprint is not None else None
             futures = [executor.submit(count_shard, s) for s in shards]
-        for shard, future in zip(shards, futures):
+        def result_of(future):
             try:
-                result = future.result()
+                return future.result()
             except BrokenProcessPool as e:
                 raise PackError(_dead_worker_message(cfg, shards, spool_dir, executor)) from e
+
+        for shard, future in zip(shards, futures):
+            result = result_of(future)
             bar.update(_shard_progress(shard, result))
             yield result
         if taken is not None:
-            fingerprint.append(taken.result())
+            fingerprint.append(result_of(taken))
         done = True
     finally:
         if done:
@@ -1463,7 +1469,7 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 if cfg.num_workers == 0 and cfg.engine == "local":
                     _init_worker(cfg, spool_dir, False, tok)
                 try:
-                    fingerprint: list[str] = []  # the sidecar's, taken by a worker when there are workers
+                    fingerprint: list[str] = []  # the sidecar's, when a worker process took it
                     counted = _count_all(cfg, spool_dir, report, tok, fingerprint)
                 finally:
                     _close_worker()

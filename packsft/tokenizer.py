@@ -72,7 +72,7 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """
     backend = tokenizer.backend_tokenizer
     state = backend.__getstate__()
-    if not isinstance(state, bytes):  # another tokenizers: the documented text
+    if not isinstance(state, bytes):  # another tokenizers version: to_str's text
         state = backend.to_str().encode("utf-8")
     return hashlib.sha256(state).hexdigest()[:16]
 

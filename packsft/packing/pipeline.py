@@ -920,7 +920,7 @@ def plan_shards(inputs: list[str], shard_bytes: int | None = None) -> list[Shard
             shards.append(Shard(len(shards), file_idx, 0, 0))
             continue
 
-        def step(pos: int, size=size, after=after) -> int:  # the next shard's bytes from pos: up to the tail, in it
+        def step(pos: int, size=size, after=after) -> int:  # bytes of the shard at pos: whole ones, then quarters
             before_tail, quarter = size - pos + after - tail, max(1, shard_bytes // TAIL_SPLIT)
             return quarter if before_tail <= 0 else min(shard_bytes, max(before_tail, quarter))
 
@@ -1071,6 +1071,7 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
         with _frozen_gc(method == "fork"):  # the pool forks its workers at the first submit
             taken = executor.submit(_worker_fingerprint) if fingerprint is not None else None
             futures = [executor.submit(count_shard, s) for s in shards]
+
         def result_of(future):
             try:
                 return future.result()

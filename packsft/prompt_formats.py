@@ -800,7 +800,7 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
         raise ValueError(f"known has {len(known)} entries for {len(conversations)} conversations")
     whole = 0 if fmt.name in ("chat-template", "passthrough") else 1  # texts before the segments' own
     out: list = []
-    staged = []  # (index into out, segments, texts, dict, number of them encoded, dict was used)
+    staged = []  # (index into out, segments, texts, dict, number of them encoded)
     todo: list[str] = []
     for (messages, tools, kwargs), memo in zip(conversations, known or [None] * len(conversations)):
         try:
@@ -809,7 +809,7 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
             out.append(e)
             continue
         new = own[:whole] + [t for t in own[whole:] if t not in memo] if memo else own
-        staged.append((len(out), segments, own, memo, len(new), bool(memo)))
+        staged.append((len(out), segments, own, memo, len(new)))
         out.append(None)
         todo += new
     try:
@@ -817,15 +817,15 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
     except PromptFormatError:  # a text no tokenizer encodes: each conversation's own texts, to find whose
         encoded = None
     pos = 0
-    for i, segments, own, memo, n, used in staged:
+    for i, segments, own, memo, n in staged:
         try:
             ids = encoded[pos : pos + n] if encoded is not None else _encode(tokenizer, todo[pos : pos + n])
-            if used:
+            if memo:  # (each conversation's own dict: as it was when its new texts were chosen)
                 fresh = iter(ids)
                 ids = [*(next(fresh) for _ in own[:whole]),
                        *(memo[t] if t in memo else next(fresh) for t in own[whole:])]
             if memo is not None:
-                memo.update(zip(own[whole:], ids[whole:]) if whole else zip(own, ids))
+                memo.update(zip(own[whole:], ids[whole:]))
             out[i] = _assemble(segments, ids, tokenizer, fmt)
         except PromptFormatError as e:
             out[i] = e

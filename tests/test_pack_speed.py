@@ -297,20 +297,65 @@ def test_the_default_plan_cuts_the_last_two_shards_of_bytes_finer(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_a_killed_worker_fails_the_run_naming_its_shard_and_leaves_no_temp_files(shared_data, tokenizer_dir,
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_killed_worker_fails_the_run_naming_its_shard_and_leaves_no_temp_files(sig, shared_data, tokenizer_dir,
                                                                                    tmp_path):
+    """SIGKILL (the out-of-memory killer) or SIGTERM (from outside: the pool ends the other workers with it too).
+    The workers are forked with SIGTERM blocked: one that did not unblock it would go on reading."""
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
     out = tmp_path / "out" / "rows.jsonl.packed"
-    env = {**os.environ, WORKER_HOOK_ENV: "2:SIGKILL"}
+    env = {**os.environ, WORKER_HOOK_ENV: f"2:{sig}"}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(src),
                            "--output", str(out), "--tokenizer", str(tokenizer_dir("smollm2-135m-instruct")),
                            "--max-seq-length", "1024", "--num-workers", "2", "--shard-bytes", "20000",
                            "--no-progress"], capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 2, proc.stderr
-    assert "error: worker process" in proc.stderr and "SIGKILL" in proc.stderr
+    if sig == "SIGKILL":
+        assert "error: worker process" in proc.stderr and "died (killed by SIGKILL)" in proc.stderr
+    else:
+        assert proc.stderr.startswith("error: SIGTERM from outside the packer ended a worker process"), proc.stderr
+        assert "out-of-memory" not in proc.stderr
     assert f"shard 2 of {src}" in proc.stderr
     assert time.monotonic() - t0 < 200
+    assert sorted(os.listdir(out.parent)) == [".rows.jsonl.packed.lock"]
+
+
+_SIGNAL_AT_FORK = """
+import os, signal, sys
+
+def send():  # at the fork of the pool's first worker: the signal is handled inside the at-fork hooks
+    frames, f = [], sys._getframe()
+    while f is not None:
+        frames.append(f.f_code.co_name)
+        f = f.f_back
+    if "_shard_results" in frames and not os.environ.get("SENT"):
+        os.environ["SENT"] = "1"
+        print("sent at the fork", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+
+os.register_at_fork(before=send)
+from packsft.packing.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_stop_signal_while_the_workers_are_forked_stops_the_run(sig, code, shared_data, tokenizer_dir, tmp_path):
+    """Handled while the pool forked, the signal's exception was raised inside Python's at-fork hooks, which ignore
+    it: the run published its outputs and exited 0 (or, between two forks, hung at exit on a worker the pool did
+    not know of). It is held until the workers are started, then stops the run as anywhere else."""
+    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
+    out = tmp_path / "out" / "rows.jsonl.packed"
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_AT_FORK, sig, "--input", str(src), "--output", str(out),
+                           "--tokenizer", str(tokenizer_dir("smollm2-135m-instruct")), "--max-seq-length", "1024",
+                           "--num-workers", "2", "--shard-bytes", "20000", "--no-progress"],
+                          capture_output=True, text=True, timeout=240)
+    assert "sent at the fork" in proc.stderr
+    assert proc.returncode == code, proc.stderr
+    assert "Exception ignored" not in proc.stderr, proc.stderr
     assert sorted(os.listdir(out.parent)) == [".rows.jsonl.packed.lock"]
 
 

@@ -116,6 +116,8 @@ STAGE_HOOK_ENV = "PACKSFT_PACK_STAGE_HOOK"
 STAGES = ("tokenized", "rows_written", "sidecar_written", "report_written", "journal_written", "rows_published",
           "published")
 """The packer's publication stages, in order (see :func:`_stage`)."""
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What stops a run: held off (:func:`_signals_held`) while the workers are forked and while outputs are published."""
 
 
 @dataclass
@@ -286,6 +288,7 @@ def _init_worker(cfg: PackConfig, spool_dir: str, in_worker: bool, tok=None) -> 
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process stops the workers
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker inherits the packer's handler
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while the packer forked (_shard_results)
         _exit_with_parent(os.getppid())
     tok = tok if tok is not None else load_tokenizer(cfg.tokenizer)
     fmt = _prompt_format(cfg, tok)
@@ -960,37 +963,47 @@ def _abort_workers(executor) -> None:
 
 
 def _dead_worker_message(cfg: PackConfig, shards: list[Shard], spool_dir: str, executor) -> str:
-    """Which worker died and which shard it was reading (from the marker file each worker writes per shard)."""
-    deaths = []
+    """Which worker died and which shard it was reading (from the marker file each worker writes per shard).
+
+    The pool ends the other workers with SIGTERM once one has died, so those are only counted, unless SIGTERM
+    ended them all: then one of them was sent it from outside the packer, and each is named with its shard."""
     manager = getattr(executor, "_executor_manager_thread", None)
     if manager is not None:  # it joins the workers of a broken pool; polling them meanwhile races its waitpid
         manager.join(timeout=30)
-    stopped = 0  # workers ended by SIGTERM: what the pool sends the others once one has died
+    deaths, stopped = [], []  # stopped: the workers ended by SIGTERM
     for pid, proc in sorted((getattr(executor, "_processes", None) or {}).items()):
         code = proc.exitcode
         if code is None or code == 0:
             continue
+        at = _worker_whereabouts(cfg, shards, spool_dir, pid)
         if code == -signal.SIGTERM:
-            stopped += 1
+            stopped.append(f"worker process {pid}{at}")
             continue
         how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
                else f"exit code {code}")
-        try:
-            with open(os.path.join(spool_dir, f"worker.{pid}")) as f:
-                index, _, done = f.read().partition(" ")
-            shard = shards[int(index)]
-            span = "all rows" if is_row_source(cfg.inputs[shard.file_idx]) else f"bytes {shard.start}-{shard.end}"
-            at = (f" while idle, after shard {shard.index} of {cfg.inputs[shard.file_idx]}" if done else
-                  f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})")
-        except (OSError, ValueError, IndexError):
-            at = " before reading a shard"
         deaths.append(f"worker process {pid} died ({how}){at}")
-    if stopped:
-        deaths.append(f"{stopped} worker process(es) ended by SIGTERM" + (" (the pool stops the others when one "
-                                                                           "dies)" if deaths else ""))
+    if stopped and deaths:
+        deaths.append(f"{len(stopped)} worker process(es) ended by SIGTERM (the pool stops the others when one dies)")
+    elif stopped:
+        return ("SIGTERM from outside the packer ended a worker process (the pool then stops the others with it): "
+                + "; ".join(stopped))
     what = "; ".join(deaths) or "a worker process died"
     return (f"{what}; SIGKILL is what the out-of-memory killer sends: use fewer --num-workers or more memory, "
             "or lower --max-conversation-bytes")
+
+
+def _worker_whereabouts(cfg: PackConfig, shards: list[Shard], spool_dir: str, pid: int) -> str:
+    """`` while reading shard K of FILE (bytes A-B)``, `` while idle, after shard K of FILE`` or `` before reading a
+    shard``: what worker ``pid`` was doing, from its marker file."""
+    try:
+        with open(os.path.join(spool_dir, f"worker.{pid}")) as f:
+            index, _, done = f.read().partition(" ")
+        shard = shards[int(index)]
+    except (OSError, ValueError, IndexError):
+        return " before reading a shard"
+    span = "all rows" if is_row_source(cfg.inputs[shard.file_idx]) else f"bytes {shard.start}-{shard.end}"
+    return (f" while idle, after shard {shard.index} of {cfg.inputs[shard.file_idx]}" if done else
+            f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})")
 
 
 def _shard_progress(shard: Shard, result: ShardResult) -> int:
@@ -1068,7 +1081,11 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
                                    initargs=(cfg, spool_dir, True, tok if method == "fork" else None))
     done = False
     try:
-        with _frozen_gc(method == "fork"):  # the pool forks its workers at the first submit
+        # The pool forks its workers at the first submit. A SIGTERM/SIGINT handled meanwhile would raise inside the
+        # at-fork hooks, where Python ignores the exception (the run went on and exited 0), or between two forks,
+        # leaving a worker the pool does not know of (the packer hung waiting for it at exit): it is held until the
+        # pool is consistent, then raised here, and the `finally` stops the workers.
+        with _signals_held(_STOP_SIGNALS), _frozen_gc(method == "fork"):
             taken = executor.submit(_worker_fingerprint) if fingerprint is not None else None
             futures = [executor.submit(count_shard, s) for s in shards]
 
@@ -1568,7 +1585,7 @@ def _input_identity(cfg: PackConfig) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _signals_held(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+def _signals_held(signals: tuple[int, ...] = _STOP_SIGNALS):
     """Hold ``signals`` off for the block, then act on the first one that came (its handler runs after the block).
 
     Blocking them (``pthread_sigmask``) covers only this thread, and the kernel gives a signal sent to the process

@@ -146,8 +146,9 @@ def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chun
                         break
                     nbytes += len(raw)
                 pos += nbytes
-                yield number, pending + nbytes, None, (
-                    f"line has {nbytes} bytes, more than --max-conversation-bytes {max_bytes}; not tokenized")
+                ending = len(raw) - len(raw.rstrip(b"\r\n"))  # the line ending, not counted against the limit
+                yield number, pending + nbytes, None, (f"line has {nbytes - ending} bytes, more than "
+                                                       f"--max-conversation-bytes {max_bytes}; not tokenized")
                 pending = 0
                 continue
             try:

@@ -93,6 +93,7 @@ def test_max_conversation_bytes_rejects_before_parsing_and_is_exact(tmp_path, to
                                  max_conversation_bytes=limit))
     assert [(r["line"], f"more than --max-conversation-bytes {limit}" in r["reason"]) for r in report.rejected] \
         == [(2, True), (3, True)]
+    assert report.rejected[0]["reason"].startswith(f"line has {len(_line(1)) + 50} bytes,")  # not its newline
     assert report.packed_conversations == 2
 
 

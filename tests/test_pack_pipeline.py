@@ -203,6 +203,13 @@ def test_bad_settings_are_clear(tmp_path, tokenizer_dir):
         run_pack(PackConfig(max_seq_len=128, algorithm="magic", **base))
     with pytest.raises(ValueError, match="no such file"):
         run_pack(PackConfig(max_seq_len=128, **{**base, "inputs": [str(tmp_path / "nope.jsonl")]}))
+    os.symlink(tmp_path / "nope.jsonl", tmp_path / "link.jsonl")
+    with pytest.raises(ValueError, match="link.jsonl: a broken symbolic link"):
+        run_pack(PackConfig(max_seq_len=128, **{**base, "inputs": [str(tmp_path / "link.jsonl")]}))
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "pipe.jsonl")
+        with pytest.raises(ValueError, match="pipe.jsonl: not a regular file .* write the stream to a file first"):
+            run_pack(PackConfig(max_seq_len=128, **{**base, "inputs": [str(tmp_path / "pipe.jsonl")]}))
     with pytest.raises(ValueError, match="is a directory"):
         run_pack(PackConfig(max_seq_len=128, **{**base, "output": str(tmp_path)}))
     with pytest.raises(ValueError, match="max_seq_len must be positive"):
@@ -453,6 +460,27 @@ def test_the_cli_prints_warnings_as_warning_lines(tmp_path, tokenizer_dir, capsy
     err = capsys.readouterr().err
     assert err.startswith("warning: ") and "in.jsonl:1: conversation has more than" in err, err
     assert "PackWarning" not in err and "_apply_oversize" not in err, err
+
+
+def test_the_progress_bar_counts_bytes_and_conversations(tmp_path, tokenizer_dir, capsys):
+    src = _write_lines(tmp_path / "in.jsonl", EDGE_LINES[:1] * 3)
+    run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "o.jsonl.packed"), max_seq_len=1024,
+                        tokenizer=str(tokenizer_dir("qwen2.5")), histogram=""))
+    last = capsys.readouterr().err.rstrip().split("\r")[-1]
+    assert last.startswith("reading: 100%") and last.endswith(" 3 conversations]"), last
+
+
+def test_the_first_five_warnings_of_a_kind_are_printed_and_the_report_has_them_all():
+    from packsft.packing.pipeline import PackReport, PackWarning
+
+    report = PackReport()
+    with pytest.warns(PackWarning) as caught:
+        for i in range(1, 7):
+            report.warn("no_trained_token", "nothing trained", "in.jsonl", i)
+    assert [str(w.message) for w in caught][3:] == [
+        "in.jsonl:4: nothing trained",
+        "in.jsonl:5: nothing trained (only the first 5 of each kind are printed; the report lists them all)"]
+    assert report.warning_counts() == {"no_trained_token": 6}
 
 
 def test_ctrl_c_is_an_error_line_and_exit_130(tmp_path, monkeypatch, capsys):

@@ -134,19 +134,20 @@ def test_output_is_the_same_for_any_worker_count_and_shard_size(shared_data, tok
     assert first[7] == {str(src): {"conversations": 88, "rejected": 6, "blank_lines": 3}}  # every line accounted
 
 
-def test_a_single_small_shard_is_read_without_workers(shared_data, tokenizer_dir, tmp_path, monkeypatch):
-    """One JSONL shard: --num-workers 2 starts no process (it would only add its start) and gives the same
-    outputs as --num-workers 0."""
+@pytest.mark.parametrize("files", [1, 2])
+def test_small_inputs_are_read_without_workers(files, shared_data, tokenizer_dir, tmp_path, monkeypatch):
+    """One JSONL shard, or small files (a shard each) of at most 256 KiB in all: --num-workers 2 starts no
+    process (it would only add its start) and gives the same outputs as --num-workers 0."""
     import concurrent.futures
 
-    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
-    assert len(plan_shards([str(src)])) == 1
+    src = [str(_mixed_input(shared_data, tmp_path / f"in{i}.jsonl")) for i in range(files)]
+    assert len(plan_shards(src)) == files
     got = {}
     for workers in (0, 2):
         out = tmp_path / f"w{workers}" / "rows.jsonl.packed"
         if workers:
             monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", None)  # fails if a pool is started
-        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+        run_pack(PackConfig(inputs=src, output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
                             max_seq_len=1024, num_workers=workers, progress=False, histogram=""))
         got[workers] = _outputs(out)
     assert got[0] == got[2] and len(got[0][0]) > 1000

@@ -863,7 +863,7 @@ class PackReport:
                               "message": message})
         self._seen[kind] = seen = self._seen.get(kind, 0) + 1
         if seen <= 5:
-            more = " (further ones of this kind are only listed in the report)" if seen == 5 else ""
+            more = " (only the first 5 of each kind are printed; the report lists them all)" if seen == 5 else ""
             warnings.warn((f"{where(input, line)}: {message}" if input else message) + more, PackWarning,
                           stacklevel=3)
 
@@ -1046,8 +1046,8 @@ def _frozen_gc(active: bool = True):
 
 def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None, fingerprint=None):
     """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel
-    (forked workers use ``tok``, the packer's tokenizer). One JSONL shard in all (by default, one input of at
-    most 256 KiB) is read in this process: one worker would do the same work after its start.
+    (forked workers use ``tok``, the packer's tokenizer). One JSONL shard in all, or by default JSONL inputs of at
+    most 256 KiB in all, are read in this process: one worker would do the same work after its start.
 
     Args:
         fingerprint: a list, to which the tokenizer's fingerprint is appended when worker processes read the
@@ -1063,8 +1063,10 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
 
         yield from ray_engine.shard_results(cfg, shards, spool_dir, bar)
         return
-    one_small = len(shards) == 1 and not is_row_source(cfg.inputs[shards[0].file_idx])
-    if cfg.num_workers == 0 or one_small:  # one small JSONL shard: a worker would only add its start
+    # one JSONL shard, or by default JSONL inputs of at most a shard's bytes in all: a worker would only add its start
+    small = not any(is_row_source(cfg.inputs[s.file_idx]) for s in shards) and (
+        len(shards) == 1 or (cfg.shard_bytes is None and sum(s.end - s.start for s in shards) <= SHARD_BYTES_MIN))
+    if cfg.num_workers == 0 or small:
         if cfg.num_workers:
             _init_worker(cfg, spool_dir, False, tok)  # closed by the caller of _count_all, as without workers
         for shard in shards:
@@ -1164,6 +1166,7 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
             before = lines_before.get(r.shard.file_idx, 0)
             lines_before[r.shard.file_idx] = before + r.lines
             report.input_conversations += r.conversations
+            bar.set_postfix_str(f"{report.input_conversations} conversations", refresh=False)  # shown with the next
             stats = report.per_input.setdefault(path, {"conversations": 0, "rejected": 0, "blank_lines": 0})
             stats["conversations"] += r.conversations
             stats["rejected"] += len(r.rejected)

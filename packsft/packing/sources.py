@@ -115,17 +115,24 @@ def check_source(path: str | Path, split: str | None = None) -> None:
     """Check that ``path`` exists and can be read (the libraries a row source needs are importable).
 
     Raises:
-        SourceError: no such file, a folder that is not a ``save_to_disk`` folder, a ``DatasetDict`` folder
-            without ``split`` (the message names its splits), or the ``packsft[datasets]`` extra missing.
+        SourceError: no such file (or a broken link), not a regular file (a pipe), a folder that is not a
+            ``save_to_disk`` folder, a ``DatasetDict`` folder without ``split`` (the message names its splits), or
+            the ``packsft[datasets]`` extra missing.
     """
     p = Path(path)
     if p.is_dir():
         _dataset_dir(p, split)
         _import("datasets")
-    elif not p.is_file():
+    elif p.is_file():
+        if is_row_source(p):
+            _import("pyarrow")
+    elif p.exists():  # a pipe, /dev/stdin, a device
+        raise SourceError(f"--input {path}: not a regular file (a pipe or a device); the packer reads its inputs "
+                          "at byte offsets, so write the stream to a file first")
+    elif p.is_symlink():
+        raise SourceError(f"--input {path}: a broken symbolic link (to {os.readlink(p)})")
+    else:
         raise SourceError(f"--input {path}: no such file")
-    elif is_row_source(p):
-        _import("pyarrow")
 
 
 def input_bytes(paths: list[str]) -> int | None:

@@ -59,8 +59,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from packsft import __version__
 from packsft.conversation import ConversationError, iter_jsonl_lines_sized, loads_line, parse_record
 from packsft.io import (
@@ -1148,6 +1146,19 @@ class _Counted:
             self.token_offset = self.token_offset[mask]
 
 
+class _NoBar:
+    """The progress bar's methods the packer calls, doing nothing (``progress=False``)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fingerprint=None) -> _Counted:
     """Read and count every shard; fill the report's counts, rejections and warnings (exact line numbers).
     ``fingerprint``: as in :func:`_shard_results`."""
@@ -1155,7 +1166,12 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
 
     shards = plan_shards(cfg.inputs, cfg.shard_bytes)
     total = input_bytes(cfg.inputs)
-    bar = tqdm(desc="reading", total=total, unit="B", unit_scale=True, disable=not cfg.progress, mininterval=1.0)
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="reading", total=total, unit="B", unit_scale=True, mininterval=1.0)
+    else:  # a disabled tqdm still starts its monitor thread and a multiprocessing lock (about 10 ms)
+        bar = _NoBar()
     results: list[ShardResult] = []
     lines_before = {}  # file_idx -> lines of that file in the shards before
     oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, keeps_no_training)

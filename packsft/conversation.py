@@ -140,13 +140,15 @@ def iter_jsonl_lines_sized(path: str | Path, max_bytes: int | None = None, _chun
             if max_bytes is None or len(raw.rstrip(b"\r\n")) <= max_bytes:
                 pos += nbytes
             if max_bytes is not None and len(raw.rstrip(b"\r\n")) > max_bytes:
+                tail = raw[-2:]  # the line's last bytes, across reads (a "\r\n" can be split between two)
                 while not raw.endswith(b"\n"):
                     raw = f.readline(_chunk)
                     if not raw:
                         break
                     nbytes += len(raw)
+                    tail = (tail + raw)[-2:]
                 pos += nbytes
-                ending = len(raw) - len(raw.rstrip(b"\r\n"))  # the line ending, not counted against the limit
+                ending = len(tail) - len(tail.rstrip(b"\r\n"))  # the line ending, not counted against the limit
                 yield number, pending + nbytes, None, (f"line has {nbytes - ending} bytes, more than "
                                                        f"--max-conversation-bytes {max_bytes}; not tokenized")
                 pending = 0

@@ -122,6 +122,18 @@ def test_jsonl_reader_skips_a_byte_order_mark_at_the_start_of_the_file_only(tmp_
     assert sum(r[1] for r in over) == p.stat().st_size
 
 
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b""])
+def test_an_overlong_line_is_reported_with_its_bytes_without_the_line_ending(tmp_path, ending):
+    """The first read of an overlong line ends between its "\r" and "\n" (limit + 2 bytes) or within it; the count
+    is the same as without a line ending."""
+    p = tmp_path / "long.jsonl"
+    for n in (21, 22, 23, 40):
+        p.write_bytes(b"{}\n" + b"x" * n + ending)  # the last line, with or without its line ending
+        rows = list(iter_jsonl_lines_sized(p, max_bytes=20))
+        assert rows[1][2] is None and rows[1][3].startswith(f"line has {n} bytes, more than"), (n, rows[1][3])
+        assert len(rows) == 2 and sum(r[1] for r in rows) == p.stat().st_size
+
+
 def test_loads_line_names_the_file_and_line_of_what_is_not_json():
     assert loads_line('{"a": 1}\r\n', "x.jsonl", 3) == {"a": 1}
     for text, error, reason in (('{"a": 1\n', None, "not valid JSON: Expecting ',' delimiter (column 8)"),

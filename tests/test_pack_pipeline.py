@@ -511,6 +511,31 @@ def test_sigterm_is_an_error_line_and_exit_143(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("error: terminated (SIGTERM)")
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_the_spool_folder_is_removed_leaves_nothing(sig, tmp_path, tokenizer_dir, monkeypatch):
+    """Handled inside ``shutil.rmtree``, the signal's exception stopped the removal halfway."""
+    import shutil
+    import signal
+
+    from packsft.packing import pipeline
+
+    real = shutil.rmtree
+
+    def signalled(path, *a, **k):
+        if ".spool." in str(path):
+            os.kill(os.getpid(), getattr(signal, sig))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(pipeline.shutil, "rmtree", signalled)
+    src = _write_lines(tmp_path / "in.jsonl", EDGE_LINES[:1] * 3)
+    out = tmp_path / "out" / "o.jsonl.packed"
+    with pytest.raises(pipeline.Terminated if sig == "SIGTERM" else KeyboardInterrupt) as e:
+        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+                            max_seq_len=256, progress=False))
+    assert not getattr(e.value, "published", False)
+    assert os.listdir(out.parent) == [".o.jsonl.packed.lock"]
+
+
 def test_rows_are_written_in_groups_bounded_by_bytes_with_the_same_output(tmp_path, shared_data, monkeypatch):
     import packsft.packing.pipeline as pipeline
 

@@ -37,8 +37,10 @@ def _argv(src, out, tok, L):
             "--no-progress"]
 
 
-def _child(argv, hook, foreign_handler=False):
+def _child(argv, hook, foreign_handler=False, err=None):
     os.environ[STAGE_HOOK_ENV] = hook
+    if err is not None:
+        sys.stderr = open(err, "w", buffering=1)
     # another thread, as in a real packer (tokenizer, pools): the kernel may give it a signal sent to the process
     threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
     if foreign_handler:  # what ray.init leaves in a process (and so in a process forked from it)
@@ -82,7 +84,8 @@ def test_repack_killed_at_every_stage_leaves_the_old_or_the_new_set(tmp_path, pa
     for stage in STAGES:
         out = tmp_path / stage / "rows.jsonl.packed"
         assert cli.main(_argv(src, out, tok, 128)) == 0  # the old set
-        p = ctx.Process(target=_child, args=(_argv(src, out, tok, 256), f"{stage}:{sig}"))
+        err = tmp_path / f"{stage}.err"
+        p = ctx.Process(target=_child, args=(_argv(src, out, tok, 256), f"{stage}:{sig}", False, err))
         p.start()
         p.join(120)
         code = p.exitcode
@@ -96,6 +99,10 @@ def test_repack_killed_at_every_stage_leaves_the_old_or_the_new_set(tmp_path, pa
             assert leftovers == [], (stage, leftovers)  # SIGTERM removes its own temp files
         # a reader sees the old complete set or the new one: killed once the journal is written, the new one
         new = stage in ("journal_written", "rows_published", "published")
+        if sig == "SIGTERM":  # and the message says which
+            assert err.read_text().startswith("error: terminated (SIGTERM); " + (
+                "it came while the outputs were published: the new ones are complete and in place" if new else
+                "this run's temp files are removed")), (stage, err.read_text())
         ds = _load(out, tok)  # finishes an interrupted publish first
         assert not journal.exists()
         assert ds.max_seq_len == (256 if new else 128) and ds.rows_hash_checked, (stage, sig)

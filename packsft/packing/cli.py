@@ -134,14 +134,21 @@ def main(argv=None) -> int:
     except (ValueError, PackError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: this run's temp files are already removed
-        print("error: interrupted (SIGINT); this run's temp files are removed", file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C: this run's temp files are already removed
+        print(f"error: interrupted (SIGINT); {_stopped(e)}", file=sys.stderr)
         return 130
-    except Terminated:  # SIGTERM: the same, and its exit code 143
-        print("error: terminated (SIGTERM); this run's temp files are removed", file=sys.stderr)
+    except Terminated as e:  # SIGTERM: the same, and its exit code 143
+        print(f"error: terminated (SIGTERM); {_stopped(e)}", file=sys.stderr)
         raise
     print(report.summary())
     return 0
+
+
+def _stopped(e: BaseException) -> str:
+    """What a stop signal left: the new outputs (it came while they were renamed into place), or no trace."""
+    if getattr(e, "published", False):
+        return "it came while the outputs were published: the new ones are complete and in place"
+    return "this run's temp files are removed"
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

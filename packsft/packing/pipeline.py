@@ -1004,9 +1004,12 @@ def _worker_whereabouts(cfg: PackConfig, shards: list[Shard], spool_dir: str, pi
             f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})")
 
 
-def _shard_progress(shard: Shard, result: ShardResult) -> int:
-    """Bytes a finished shard advances the progress bar: its byte range, or a row source's records' JSON bytes."""
-    return shard.end - shard.start if shard.end > shard.start else result.nbytes
+def _shard_progress(bar, shard: Shard, result: ShardResult) -> None:
+    """Advance the progress bar by a finished shard: its byte range, or a row source's records' JSON bytes; and
+    show the conversations read so far."""
+    bar.conversations = getattr(bar, "conversations", 0) + result.conversations
+    bar.set_postfix_str(f"{bar.conversations} conversations", refresh=False)  # drawn by the update
+    bar.update(shard.end - shard.start if shard.end > shard.start else result.nbytes)
 
 
 def _worker_start_method() -> str:
@@ -1051,7 +1054,7 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
         fingerprint: a list, to which the tokenizer's fingerprint is appended when worker processes read the
             shards: one of them takes it, as a task before the shards (in this process it would hold the GIL for
             its whole serialization, and the thread that hands the workers their shards would wait for it).
-            Otherwise (no workers, one small shard, Ray) the list stays empty.
+            Otherwise (no workers, small inputs read in this process, Ray) the list stays empty.
 
     Raises:
         PackError: a worker process died (e.g. SIGKILL from the out-of-memory killer), naming its shard.
@@ -1069,7 +1072,7 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
             _init_worker(cfg, spool_dir, False, tok)  # closed by the caller of _count_all, as without workers
         for shard in shards:
             result = count_shard(shard)
-            bar.update(_shard_progress(shard, result))
+            _shard_progress(bar, shard, result)
             yield result
         return
     from concurrent.futures import ProcessPoolExecutor
@@ -1097,7 +1100,7 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
 
         for shard, future in zip(shards, futures):
             result = result_of(future)
-            bar.update(_shard_progress(shard, result))
+            _shard_progress(bar, shard, result)
             yield result
         if taken is not None:
             fingerprint.append(result_of(taken))
@@ -1182,7 +1185,6 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
             before = lines_before.get(r.shard.file_idx, 0)
             lines_before[r.shard.file_idx] = before + r.lines
             report.input_conversations += r.conversations
-            bar.set_postfix_str(f"{report.input_conversations} conversations", refresh=False)  # shown with the next
             stats = report.per_input.setdefault(path, {"conversations": 0, "rejected": 0, "blank_lines": 0})
             stats["conversations"] += r.conversations
             stats["rejected"] += len(r.rejected)
@@ -1533,7 +1535,8 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                     if cache is not None:
                         cache.close()
             finally:
-                shutil.rmtree(spool_dir, ignore_errors=True)
+                with _signals_held():  # a stop signal inside rmtree would leave the folder half removed
+                    shutil.rmtree(spool_dir, ignore_errors=True)
             _stage("rows_written")
             lengths = counted.num_tokens
             report.packed_conversations = len(lengths)
@@ -1543,8 +1546,9 @@ def _run_pack(cfg: PackConfig) -> PackReport:
             _write_outputs(cfg, fmt, tok, report, lengths, row_fill, paths, temps, size, digest, cache_fields,
                            fingerprint[0] if fingerprint else None)
         finally:
-            for tmp in temps.values():
-                tmp.unlink(missing_ok=True)
+            with _signals_held():
+                for tmp in temps.values():
+                    tmp.unlink(missing_ok=True)
     return report
 
 
@@ -1605,7 +1609,8 @@ def _input_identity(cfg: PackConfig) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _signals_held(signals: tuple[int, ...] = _STOP_SIGNALS):
-    """Hold ``signals`` off for the block, then act on the first one that came (its handler runs after the block).
+    """Hold ``signals`` off for the block, then act on one that came (its handler runs after the block; of two
+    different ones, CPython runs the lower-numbered handler first: SIGINT's).
 
     Blocking them (``pthread_sigmask``) covers only this thread, and the kernel gives a signal sent to the process
     to any thread that does not block it (the packer has several: the tokenizer's, the pools'); CPython then runs
@@ -1642,15 +1647,19 @@ def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
             _stage("journal_written" if final is None else "rows_published")
 
     journal = journal_path(paths["rows"])
-    with _signals_held():
-        try:
-            order = [k for k in ("histogram", "report", "token_index", "token_cache", "rows", "sidecar")
-                     if k in temps]
-            removes = () if "token_cache" in paths else tuple(cache_paths(paths["rows"]))
-            publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook, removes)
-            temps.clear()
-        except BaseException:
-            if journal.exists():  # the temps now belong to the journal: the next run or reader finishes the renames
+    try:
+        with _signals_held():
+            try:
+                order = [k for k in ("histogram", "report", "token_index", "token_cache", "rows", "sidecar")
+                         if k in temps]
+                removes = () if "token_cache" in paths else tuple(cache_paths(paths["rows"]))
+                publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook, removes)
                 temps.clear()
-            raise
-    _stage("published")
+            except BaseException:
+                if journal.exists():  # the temps belong to the journal: the next run or reader finishes the renames
+                    temps.clear()
+                raise
+        _stage("published")
+    except (Terminated, KeyboardInterrupt) as e:  # held while publishing, raised after: the new set is out
+        e.published = True
+        raise

@@ -239,7 +239,7 @@ def shard_results(cfg, shards, spool_dir: str, bar):
         for row in ds.iter_rows():
             _raised(row["error"])
             result = _decode(row)
-            bar.update(_shard_progress(result.shard, result))
+            _shard_progress(bar, result.shard, result)
             yield result
     except ray.exceptions.RayError as e:  # e.g. a worker killed (the OOM killer), a node lost
         raise _task_error(e, cfg, shards, spool_dir) from e

@@ -130,7 +130,10 @@ def check_source(path: str | Path, split: str | None = None) -> None:
         raise SourceError(f"--input {path}: not a regular file (a pipe or a device); the packer reads its inputs "
                           "at byte offsets, so write the stream to a file first")
     elif p.is_symlink():
-        raise SourceError(f"--input {path}: a broken symbolic link (to {os.readlink(p)})")
+        raise SourceError(f"--input {path}: a broken symbolic link (to {os.readlink(p)}: missing, or a loop)")
+    elif str(path) == "-":
+        raise SourceError("--input -: standard input is not read (the packer reads its inputs at byte offsets); "
+                          "write the stream to a file first")
     else:
         raise SourceError(f"--input {path}: no such file")
 

@@ -115,7 +115,8 @@ STAGES = ("tokenized", "rows_written", "sidecar_written", "report_written", "jou
           "published")
 """The packer's publication stages, in order (see :func:`_stage`)."""
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""What stops a run: held off (:func:`_signals_held`) while the workers are forked and while outputs are published."""
+"""What stops a run; held off (:func:`_signals_held`) where their exception would leave work half done: while the
+workers are forked, while temp files are removed and while the outputs are published."""
 
 
 @dataclass

@@ -195,6 +195,10 @@ def test_missing_or_unrecorded_cache_is_re_tokenized_with_one_notice(tmp_path, s
         ds = PackedSFTDataset(out, tok, "chat-template", 128)
     assert len(record) == 1 and "\n" not in str(record[0].message)
     assert "rows.jsonl.packed.tokens.npy is missing; rows are re-tokenized" in str(record[0].message)
+    tokens_path.mkdir()
+    with pytest.warns(TokenCacheNotice, match="tokens.npy is not a file; rows are re-tokenized"):
+        PackedSFTDataset(out, tok, "chat-template", 128)
+    tokens_path.rmdir()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further notice per row
         for i, row in enumerate(reference):

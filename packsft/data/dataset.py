@@ -298,7 +298,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             reason = "its sidecar records no token cache (packed by an earlier packsft or with --no-token-cache)"
         elif not (tokens_path.is_file() and index_path.is_file()):
             missing = tokens_path if not tokens_path.is_file() else index_path
-            reason = f"its token cache {missing.name} is missing"
+            reason = f"its token cache {missing.name} is " + ("not a file" if missing.exists() else "missing")
         else:
             hashed = check_token_cache(self.sidecar, self.path, verify_hash)
             try:

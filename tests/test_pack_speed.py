@@ -238,11 +238,11 @@ def test_a_worker_that_dies_taking_the_fingerprint_after_the_shards_is_reported(
     progress = pipeline._shard_progress
     merged = []
 
-    def counting(bar, shard, result):
-        merged.append(shard.index)
+    def counting(bar, result, conversations):
+        merged.append(result.shard.index)
         if len(merged) == len(pipeline.plan_shards([str(src)], 20_000)):
             flag.touch()
-        progress(bar, shard, result)
+        progress(bar, result, conversations)
 
     def dies_after_the_shards(tok):  # in the worker: waits for the main process to merge every shard
         deadline = time.monotonic() + 60

@@ -1005,11 +1005,11 @@ def _worker_whereabouts(cfg: PackConfig, shards: list[Shard], spool_dir: str, pi
             f" while reading shard {shard.index} of {cfg.inputs[shard.file_idx]} ({span})")
 
 
-def _shard_progress(bar, shard: Shard, result: ShardResult) -> None:
-    """Advance the progress bar by a finished shard: its byte range, or a row source's records' JSON bytes; and
-    show the conversations read so far."""
-    bar.conversations = getattr(bar, "conversations", 0) + result.conversations
-    bar.set_postfix_str(f"{bar.conversations} conversations", refresh=False)  # drawn by the update
+def _shard_progress(bar, result: ShardResult, conversations: int) -> None:
+    """Advance the progress bar by a merged shard (its byte range, or a row source's records' JSON bytes) and show
+    the ``conversations`` read so far."""
+    shard = result.shard
+    bar.set_postfix_str(f"{conversations} conversations", refresh=False)  # drawn by the update
     bar.update(shard.end - shard.start if shard.end > shard.start else result.nbytes)
 
 
@@ -1046,7 +1046,7 @@ def _frozen_gc(active: bool = True):
         gc.unfreeze()
 
 
-def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, tok=None, fingerprint=None):
+def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, tok=None, fingerprint=None):
     """Yield :class:`ShardResult` in shard order; with workers, ``num_workers`` processes read shards in parallel
     (forked workers use ``tok``, the packer's tokenizer). One JSONL shard in all, or by default JSONL inputs of at
     most 256 KiB in all, are read in this process: one worker would do the same work after its start.
@@ -1063,7 +1063,7 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
     if cfg.engine == "ray":
         from packsft.packing import ray_engine
 
-        yield from ray_engine.shard_results(cfg, shards, spool_dir, bar)
+        yield from ray_engine.shard_results(cfg, shards, spool_dir)
         return
     # one JSONL shard, or by default JSONL inputs of at most a shard's bytes in all: a worker would only add its start
     small = not any(is_row_source(cfg.inputs[s.file_idx]) for s in shards) and (
@@ -1072,9 +1072,7 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
         if cfg.num_workers:
             _init_worker(cfg, spool_dir, False, tok)  # closed by the caller of _count_all, as without workers
         for shard in shards:
-            result = count_shard(shard)
-            _shard_progress(bar, shard, result)
-            yield result
+            yield count_shard(shard)
         return
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
@@ -1099,10 +1097,8 @@ def _shard_results(cfg: PackConfig, shards: list[Shard], spool_dir: str, bar, to
             except BrokenProcessPool as e:
                 raise PackError(_dead_worker_message(cfg, shards, spool_dir, executor)) from e
 
-        for shard, future in zip(shards, futures):
-            result = result_of(future)
-            _shard_progress(bar, shard, result)
-            yield result
+        for future in futures:
+            yield result_of(future)
         if taken is not None:
             fingerprint.append(result_of(taken))
         done = True
@@ -1181,11 +1177,12 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
     oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, keeps_no_training)
     base = 0
     try:  # closed on an error too, so that the bar is not redrawn after the error line
-        for r in _shard_results(cfg, shards, spool_dir, bar, tok, fingerprint):
+        for r in _shard_results(cfg, shards, spool_dir, tok, fingerprint):
             path = cfg.inputs[r.shard.file_idx]
             before = lines_before.get(r.shard.file_idx, 0)
             lines_before[r.shard.file_idx] = before + r.lines
             report.input_conversations += r.conversations
+            _shard_progress(bar, r, report.input_conversations)
             stats = report.per_input.setdefault(path, {"conversations": 0, "rejected": 0, "blank_lines": 0})
             stats["conversations"] += r.conversations
             stats["rejected"] += len(r.rejected)

@@ -219,7 +219,7 @@ def _raised(error: str) -> None:
         raise ValueError(message) if kind == "ValueError" else PackError(message)
 
 
-def shard_results(cfg, shards, spool_dir: str, bar):
+def shard_results(cfg, shards, spool_dir: str):
     """Yield each shard's :class:`~packsft.packing.pipeline.ShardResult` in shard order, counted by Ray Data
     actors (``cfg.num_workers`` of them, default one per cluster CPU).
 
@@ -229,7 +229,7 @@ def shard_results(cfg, shards, spool_dir: str, bar):
     """
     import ray
 
-    from packsft.packing.pipeline import WORKER_HOOK_ENV, _shard_progress
+    from packsft.packing.pipeline import WORKER_HOOK_ENV
 
     items = [{"index": s.index, "file_idx": s.file_idx, "start": s.start, "end": s.end} for s in shards]
     hook = {"runtime_env": {"env_vars": {WORKER_HOOK_ENV: os.environ[WORKER_HOOK_ENV]}}} \
@@ -238,9 +238,7 @@ def shard_results(cfg, shards, spool_dir: str, bar):
     try:
         for row in ds.iter_rows():
             _raised(row["error"])
-            result = _decode(row)
-            _shard_progress(bar, result.shard, result)
-            yield result
+            yield _decode(row)
     except ray.exceptions.RayError as e:  # e.g. a worker killed (the OOM killer), a node lost
         raise _task_error(e, cfg, shards, spool_dir) from e
 

@@ -111,6 +111,11 @@ def test_checkpoints_hold_adapters_and_base_identity_and_resume_exactly(lora_run
     error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert error and str(base.resolve()) in error[0] and str(other.resolve()) in error[0], proc.stderr[-3000:]
     print(error[0])
+    proc = _train(parts, "lora.alpha=16", check=False)   # the same weights, scaled otherwise: refused by name
+    last = tmp / "parts" / "checkpoints" / "iter_0000004"
+    expected = f"error: lora.alpha is 16.0 but checkpoint {last} was trained with 8.0;"
+    assert proc.returncode == 2 and any(line.startswith(expected) for line in proc.stderr.splitlines()), \
+        proc.stderr[-3000:]
 
 
 def _packsft_lora_logits(lora_run, tokens: torch.Tensor) -> torch.Tensor:
@@ -124,10 +129,12 @@ def _packsft_lora_logits(lora_run, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens, torch.arange(tokens.shape[1])[None], None)[0]
 
 
-def _export(lora_run, *flags, checkpoint=None, nproc=1):
+def _export(lora_run, *flags, checkpoint=None, nproc=1, config=True, check=True):
+    """``export`` of the run's last checkpoint; ``config``: pass the run's config.yaml (else the recorded one)."""
     checkpoint = checkpoint or _last(lora_run["run"])
-    return _run(REPO / "tools" / "convert_checkpoint.py", "export", "--megatron", checkpoint, "--config",
-                checkpoint.parents[1] / "config.yaml", *flags, nproc=nproc)
+    config = ("--config", checkpoint.parents[1] / "config.yaml") if config is True else config or ()
+    return _run(REPO / "tools" / "convert_checkpoint.py", "export", "--megatron", checkpoint, *config, *flags,
+                nproc=nproc, check=check)
 
 
 def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed):  # noqa: F811
@@ -142,7 +149,14 @@ def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed):  # 
     with torch.no_grad():
         base_logits = lora_run["hf"](tokens).logits[0]
     assert (expected - base_logits).abs().max() > 1e-3                      # the trained adapters matter
-    _export(lora_run, "--out", tmp / "merged", "--merge-lora", *tokenizer)
+    _export(lora_run, "--out", tmp / "merged", "--merge-lora", *tokenizer, config=False)    # as train_state records
+    other = yaml.safe_load((lora_run["run"] / "config.yaml").read_text())
+    other["lora"]["alpha"] = 16.0
+    (tmp / "other.yaml").write_text(yaml.safe_dump(other))
+    proc = _export(lora_run, "--out", tmp / "wrong", "--merge-lora", config=("--config", tmp / "other.yaml"),
+                   check=False)
+    assert proc.returncode == 2 and "error: lora.alpha is 16.0 but checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp / "wrong").exists()
     _export(lora_run, "--out", tmp / "hf_base", "--lora-adapter", tmp / "adapter", *tokenizer)
     merged = AutoModelForCausalLM.from_pretrained(tmp / "merged", dtype=torch.float32).eval()
     hf_base = AutoModelForCausalLM.from_pretrained(tmp / "hf_base", dtype=torch.float32).eval()

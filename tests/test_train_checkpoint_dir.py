@@ -134,3 +134,16 @@ def test_resume_none_refuses_a_folder_with_an_earlier_run(tmp_path):
     (ckpt_dir / "latest").write_text("iter_0000004\n")
     with pytest.raises(ckpt.CheckpointDirError, match="latest names iter_0000004"):
         ckpt.check_fresh_start("none", out, ckpt_dir)
+
+
+def test_partial_checkpoints_of_killed_saves_are_removed(tmp_path):
+    assert ckpt.remove_partial_checkpoints(tmp_path / "missing") == []
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "iter_0000002" / ckpt.TRAIN_STATE).write_text("{}")
+    (tmp_path / "iter_0000004.tmp").mkdir()                                    # a save killed half-way
+    (tmp_path / "iter_0000004.tmp" / "__0_0.distcp").write_bytes(b"x")
+    (tmp_path / "notes.tmp").mkdir()                                           # not a checkpoint's: kept
+    (tmp_path / "latest").write_text("iter_0000002\n")
+    removed = ckpt.remove_partial_checkpoints(tmp_path)
+    assert [p.name for p in removed] == ["iter_0000004.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "latest", "notes.tmp"]

@@ -116,3 +116,26 @@ def test_lora_demo_config_loads():
     assert cfg.model.hidden_size == 576 and cfg.logging.output_dir == "out/demo/lora"
     with pytest.raises(ValueError, match="lora.rank"):
         load_config(Path(__file__).resolve().parents[1] / "configs" / "smollm2_135m_lora_cpu.yaml", ["lora.rank=0"])
+
+
+def test_a_checkpoint_refuses_another_architecture():
+    from packsft.train.checkpoint import CheckpointError
+    from packsft.train.config import check_recorded_architecture, recorded_architecture
+
+    cfg = load_config(TINY, ["lora.enabled=true", "lora.alpha=16"])
+    recorded = recorded_architecture({"config": config_to_yaml(cfg)}, "ck")
+    check_recorded_architecture(cfg.model, cfg.lora, recorded, "ck", fix="FIX")
+    free = load_config(TINY, ["lora.enabled=true", "lora.dropout=0.1", "model.init_method_std=0.01",
+                              "model.recompute_granularity=selective"])
+    check_recorded_architecture(free.model, free.lora, recorded, "ck", fix="FIX")     # no weight depends on them
+    for override, message in (("model.rotary_base=10000", r"model.rotary_base is 10000.0 but checkpoint ck was "
+                                                          r"trained with 100000.0; FIX"),
+                              ("model.num_layers=3", "model.num_layers is 3 but"),
+                              ("lora.alpha=32", "lora.alpha is 32.0 but checkpoint ck was trained with 16.0"),
+                              ("lora.enabled=false", "lora.enabled is False but checkpoint ck was trained with True")):
+        other = load_config(TINY, ["lora.enabled=true", "lora.alpha=16", override])
+        with pytest.raises(CheckpointError, match=message):
+            check_recorded_architecture(other.model, other.lora if other.lora.enabled else None, recorded, "ck",
+                                        fix="FIX")
+    with pytest.raises(CheckpointError, match="records no config with a model section"):
+        recorded_architecture({}, "ck")

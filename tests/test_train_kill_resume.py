@@ -1,5 +1,6 @@
 """A training process killed with SIGKILL after a checkpoint resumes to the uninterrupted run's losses and weights."""
 
+import json
 import os
 import signal
 import subprocess
@@ -39,5 +40,13 @@ def test_sigkilled_run_resumes_bit_exact(tmp_path, packed, parallel_state_1proc,
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "checkpoints" / "iter_0000008").exists()
+    (killed / "checkpoints" / "iter_0000006.tmp").mkdir(exist_ok=True)   # as a save killed half-way leaves it
+    with open(killed / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 5, "loss": 1.0}\n{"kind": "tra')   # steps past the checkpoint, a cut line
     train(cfg)  # checkpoint.resume=auto: continues from `latest`
     assert_same_run(full, killed, steps=8)
+    records = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 9))   # each step once
+    discarded = (killed / "metrics.discarded.jsonl").read_text().splitlines()
+    assert discarded[-2:] == ['{"kind": "train", "step": 5, "loss": 1.0}', '{"kind": "tra']
+    assert not list((killed / "checkpoints").glob("*.tmp"))

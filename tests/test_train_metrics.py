@@ -29,3 +29,23 @@ def test_without_a_bar_warnings_are_left_alone(tmp_path):
     logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, progress=False, initial_step=0, total_steps=4)
     assert warnings.showwarning is before
     logger.close()
+
+
+def test_records_past_the_restart_step_are_set_aside(tmp_path):
+    lines = ['{"kind": "summary", "step": 0}', '{"kind": "train", "step": 1}', '{"kind": "validation", "step": 2}',
+             '{"kind": "train", "step": 2}', '{"kind": "train", "step": 3}', '{"kind": "tr']   # killed mid-line
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, progress=False, initial_step=2,
+                           total_steps=4, restart_step=2)
+    assert logger.set_aside == 2
+    logger.log({"kind": "summary", "step": 2})
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [*lines[:4], '{"kind": "summary", "step": 2}']
+    assert (tmp_path / "metrics.discarded.jsonl").read_text().splitlines() == lines[4:]
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, progress=False, initial_step=0,
+                           total_steps=4, restart_step=-1)                # a start without a checkpoint
+    logger.close()
+    assert logger.set_aside == 5 and (tmp_path / "metrics.jsonl").read_text() == ""
+    assert len((tmp_path / "metrics.discarded.jsonl").read_text().splitlines()) == 7
+    assert MetricsLogger(tmp_path / "new", enabled=True, tensorboard=False, progress=False, initial_step=0,
+                         total_steps=4, restart_step=-1).set_aside == 0

@@ -104,7 +104,7 @@ def _worker(run_id: str, local_rank: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("kill", ["sigterm", "sigkill_worker", "sigkill_group"])
+@pytest.mark.parametrize("kill", ["sigterm", "sigint", "sigkill_worker", "sigkill_group"])
 def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill):  # noqa: F811
     run_id = uuid.uuid4().hex
     out = tmp_path / "run"
@@ -116,10 +116,14 @@ def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill):  # noqa:
         _wait_for(lambda: latest.exists() and max(_train_steps(out), default=0) > 2, proc, "a step after a checkpoint")
         helpers = [cmd for cmd in _marked(run_id).values() if "multiprocessing" in cmd]
         assert len(helpers) >= 2, _marked(run_id)                 # Manager(s) + resource tracker(s)
-        if kill == "sigterm":
-            os.kill(proc.pid, signal.SIGTERM)                     # torchrun forwards it to the workers
+        if kill in ("sigterm", "sigint"):    # torchrun forwards either to the workers; SIGINT: a terminal's Ctrl-C
+            if kill == "sigterm":
+                os.kill(proc.pid, signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGINT)
             text, _ = proc.communicate(timeout=240)
-            assert "stopped by SIGTERM after step" in text, text[-3000:]
+            assert f"stopped by {kill.upper()} after step" in text, text[-3000:]
+            assert not list((out / "checkpoints").glob("*.tmp")), text[-3000:]
             step = int(latest.read_text().strip().removeprefix("iter_"))
             assert step == max(_train_steps(out)) and step < 60
         elif kill == "sigkill_worker":
@@ -137,8 +141,8 @@ def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill):  # noqa:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-    if kill == "sigterm":                                           # the stopped run resumes to the end
+    if kill in ("sigterm", "sigint"):                               # the stopped run resumes to the end
         again = _torchrun(cfg, uuid.uuid4().hex)
         text, _ = again.communicate(timeout=300)
         assert again.returncode == 0, text[-3000:]
-        assert max(_train_steps(out)) == 60 and "resumed_from" in text
+        assert _train_steps(out) == list(range(1, 61)) and "resumed_from" in text

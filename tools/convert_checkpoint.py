@@ -41,13 +41,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packsft.model.config import read_model_config  # noqa: E402
+from packsft.model.config import ModelConfig, read_model_config  # noqa: E402
 from packsft.model.gpt import build_gpt_model  # noqa: E402
 from packsft.model.hf_config import model_config_from_hf  # noqa: E402
 from packsft.model.hf_io import (  # noqa: E402
@@ -59,8 +60,9 @@ from packsft.model.hf_io import (  # noqa: E402
     save_peft_adapter,
     stage_hf_names,
 )
-from packsft.model.lora import apply_lora, merge_lora, read_lora_config  # noqa: E402
+from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.train.checkpoint import LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
+from packsft.train.config import check_recorded_architecture, recorded_architecture  # noqa: E402
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
 from packsft.train.model_checkpoint import (  # noqa: E402
     check_lora_base,
@@ -136,6 +138,39 @@ def main(argv=None) -> int:
         stop_checkpoint_writer()
 
 
+def export_sections(megatron: Path, config: str | None, saved: dict | None) -> tuple[ModelConfig, LoraConfig | None]:
+    """The model and LoRA (None: off) sections to export ``megatron`` with.
+
+    A training checkpoint (``saved``: its ``train_state.json``) records the config it was trained with: that is used
+    when ``config`` is None, and ``config`` must agree with it otherwise. Other folders: ``config``, else the
+    folder's ``model_config.json``.
+
+    Raises:
+        ValueError: ``config`` differs from the recorded architecture (naming the key), or unknown fields.
+    """
+    if saved is None:
+        return read_model_config(config or megatron), read_lora_config(config) if config else None
+    recorded = recorded_architecture(saved, megatron)
+    if config is None:
+        model = _known_fields(ModelConfig, recorded["model"], f"{megatron / TRAIN_STATE} model")
+        lora = recorded["lora"]
+        where = f"{megatron / TRAIN_STATE} lora"
+        return model, (_known_fields(LoraConfig, lora, where) if lora.get("enabled") else None)
+    model, lora = read_model_config(config), read_lora_config(config)
+    check_recorded_architecture(model, lora, recorded, megatron,
+                                fix="pass that run's config.yaml as --config, or leave --config out to use the "
+                                    "recorded one")
+    return model, lora
+
+
+def _known_fields(cls, values: dict, where: str):
+    """``cls(**values)``; ValueError naming unknown fields."""
+    unknown = set(values) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
+    return cls(**values)
+
+
 def _run(args: argparse.Namespace) -> int:
     """``import`` or ``export`` (errors propagate to :func:`main`)."""
     pp = args.pipeline_model_parallel_size
@@ -151,12 +186,9 @@ def _run(args: argparse.Namespace) -> int:
         save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
     else:
         megatron = Path(args.megatron)
-        recorded = load_train_state(megatron).get(LORA_BASE) if (megatron / TRAIN_STATE).is_file() else None
-        if recorded is not None and not args.config:
-            raise ValueError(f"{megatron} holds only LoRA adapters (base {recorded.get('path')}): pass --config "
-                             "<run>/config.yaml and --merge-lora or --lora-adapter DIR")
-        cfg = read_model_config(args.config or args.megatron)
-        lora = read_lora_config(args.config) if args.config else None
+        saved = load_train_state(megatron) if (megatron / TRAIN_STATE).is_file() else None
+        recorded = saved.get(LORA_BASE) if saved is not None else None
+        cfg, lora = export_sections(megatron, args.config, saved)
         if (args.merge_lora or args.lora_adapter) and lora is None:
             raise ValueError("--merge-lora / --lora-adapter need --config with lora.enabled: true")
         if lora is not None and not (args.merge_lora or args.lora_adapter):

@@ -20,9 +20,10 @@ Arguments after ``--config`` are dotted overrides (``optimizer.lr=1e-3 train.glo
 described in docs/training.md. Outputs: ``<logging.output_dir>/metrics.jsonl``, ``tensorboard/``, ``config.yaml``
 and ``checkpoints/``.
 
-Preemption: SIGTERM (``train.save_on_sigterm: true``, the default) finishes the current step, writes a checkpoint
-and exits 0 (``stopped by SIGTERM after step N ...``); rerun the same command to resume. Under torchrun every worker
-dies with torchrun (``prctl(PR_SET_PDEATHSIG)``), and the checkpoint writer's helper process dies with its trainer.
+Preemption: SIGTERM or SIGINT (Ctrl-C) (``train.save_on_sigterm: true``, the default) finishes the current step,
+writes a checkpoint and exits 0 (``stopped by SIGTERM after step N ...``); rerun the same command to resume (torchrun
+itself then exits 1: it re-raises the signal it forwarded). Under torchrun every worker dies with torchrun
+(``prctl(PR_SET_PDEATHSIG)``), and the checkpoint writer's helper process dies with its trainer.
 
 Trust: packsft's own checkpoint files (``train_state.json``, ``dataloader_dp*.pt``, ``rng_rank*.pt``) are read
 without running code (JSON, ``torch.load(weights_only=True)``). The ``dist_checkpointing`` files of a checkpoint
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun worker: end with torchrun, even on its SIGKILL
         process_guard.die_with_parent()
-    if cfg.train.save_on_sigterm:                 # a SIGTERM during start-up is kept for the loop's first check
-        process_guard.SIGTERM_STOP.install()
+    if cfg.train.save_on_sigterm:                 # a stop signal during start-up is kept for the loop's first check
+        process_guard.STOP_SIGNAL.install()
     try:
         try:
             trainer = Trainer(cfg)
@@ -88,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err.strerror}", file=sys.stderr)
             return 1
         if trainer.ctx.rank == 0:
-            if trainer.stopped_by_sigterm:
+            if trainer.stopped_by:
                 saved = (f"checkpoint {trainer.last_checkpoint} written" if trainer.last_checkpoint
                          else "nothing new to save")
-                print(f"stopped by SIGTERM after step {state.step}: {saved}; rerun the same command to resume")
+                print(f"stopped by {trainer.stopped_by} after step {state.step}: {saved}; rerun the same command to "
+                      "resume")
             else:
                 print(f"done: step {state.step}, {state.consumed_samples} rows, {state.trained_tokens} trained "
                       f"tokens; outputs in {cfg.logging.output_dir}")

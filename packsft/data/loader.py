@@ -36,6 +36,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,7 +248,14 @@ def _make_loader(dataset: Any, batch_sampler: Any, config: DataLoaderConfig, col
         collate_fn=collate_fn if collate_fn is not None else _default_collate(),
         generator=torch.Generator().manual_seed(config.seed),
         snapshot_every_n_steps=1,
+        worker_init_fn=ignore_sigint if workers > 0 else None,
     )
+
+
+def ignore_sigint(worker_id: int) -> None:
+    """Loader worker initializer: ignore SIGINT. A terminal's Ctrl-C reaches every process of its group; the trainer
+    handles it (finishes the step, saves), which needs its workers alive."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _batch_sampler_of(dataloader: StatefulDataLoader) -> ResumableBatchSampler:

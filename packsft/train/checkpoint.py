@@ -416,6 +416,23 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
     return removed
 
 
+def remove_partial_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Delete the ``iter_XXXXXXX.tmp`` folders of saves that were killed (never published: ``latest`` and every
+    complete checkpoint are untouched); call on one rank, before any save of this run.
+
+    Returns:
+        The folders removed.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    partial = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.suffix == ".tmp"
+                     and _CHECKPOINT_NAME.fullmatch(p.stem))
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
+
+
 def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
     """Resolve ``checkpoint.resume``: ``none`` -> None; ``auto`` -> ``latest`` in ``ckpt_dir`` or None; else a path.
 

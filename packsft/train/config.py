@@ -291,8 +291,8 @@ class TrainConfig:
     """Steps in a row whose loss or gradient norm is not finite that are skipped (no update, counted in
     ``skipped_steps``) before the run stops with an error; 0 stops at the first."""
     save_on_sigterm: bool = True
-    """On SIGTERM (what Slurm and torchrun send before killing) finish the current step, write a checkpoint and exit
-    0; false leaves SIGTERM's default (the process ends at once, no checkpoint)."""
+    """On SIGTERM (what Slurm and torchrun send before killing) or SIGINT (Ctrl-C) finish the current step, write a
+    checkpoint and exit 0; false leaves the signals' defaults (the process ends at once, no checkpoint)."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
@@ -517,27 +517,87 @@ def read_init_model_fields(init_from: str | Path) -> dict:
     return json.loads(file.read_text())
 
 
-def check_init_model(cfg: Config, imported: dict) -> None:
-    """Refuse a ``model`` section that contradicts the ``checkpoint.init_from`` weights.
+def _first_difference(current: dict, reference: dict, free: tuple[str, ...] = ()) -> str | None:
+    """The first key of ``reference`` (not in ``free``) whose value ``current`` does not share, or None.
 
     Floats agree within a relative 1e-6 (an imported GGUF's ``norm_epsilon`` 1e-5 reads back as float32).
+    """
+    for key, value in reference.items():
+        if key in free:
+            continue
+        if isinstance(value, float) and isinstance(current.get(key), float):
+            same = math.isclose(current[key], value, rel_tol=1e-6)
+        else:
+            same = current.get(key) == value
+        if not same:
+            return key
+    return None
+
+
+def check_init_model(cfg: Config, imported: dict) -> None:
+    """Refuse a ``model`` section that contradicts the ``checkpoint.init_from`` weights.
 
     Raises:
         ValueError: a ``model`` field (other than ``INIT_FROM_FREE_MODEL_KEYS``) differs from ``imported``; the
             message names the field and both values.
     """
     current = asdict(cfg.model)
-    for key, value in imported.items():
-        if key in INIT_FROM_FREE_MODEL_KEYS:
-            continue
-        if isinstance(value, float) and isinstance(current.get(key), float):   # a GGUF stores 1e-5 as float32
-            same = math.isclose(current[key], value, rel_tol=1e-6)
-        else:
-            same = current.get(key) == value
-        if not same:
-            raise ValueError(f"model.{key} ({current.get(key)!r}) differs from checkpoint.init_from's "
-                             f"{MODEL_CONFIG_FILE} ({value!r}): the weights have the latter; drop model.{key} from "
-                             "the config or set it to match")
+    key = _first_difference(current, imported, INIT_FROM_FREE_MODEL_KEYS)
+    if key is not None:
+        raise ValueError(f"model.{key} ({current.get(key)!r}) differs from checkpoint.init_from's "
+                         f"{MODEL_CONFIG_FILE} ({imported[key]!r}): the weights have the latter; drop model.{key} "
+                         "from the config or set it to match")
+
+
+RESUME_FREE_LORA_KEYS = ("dropout", "seed")
+"""``lora`` keys that may change when a checkpoint is resumed or exported (they shape no weight and no output)."""
+
+
+def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str, dict]:
+    """The ``model`` and ``lora`` sections of the config a checkpoint was trained with (its ``train_state.json``).
+
+    Returns:
+        ``{"model": {...}, "lora": {...}}`` (``lora`` empty when the run predates it), plain YAML values.
+
+    Raises:
+        CheckpointError: ``train_state.json`` has no ``config`` with a ``model`` section.
+    """
+    import yaml
+
+    from packsft.train.checkpoint import TRAIN_STATE, CheckpointError
+
+    recorded = yaml.safe_load(train_state.get("config") or "") or {}
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("model"), dict):
+        raise CheckpointError(f"{Path(checkpoint) / TRAIN_STATE} records no config with a model section")
+    return {"model": recorded["model"], "lora": recorded.get("lora") or {}}
+
+
+def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, recorded: dict[str, dict],
+                                checkpoint: str | Path, *, fix: str) -> None:
+    """Refuse a ``model`` / ``lora`` section that differs from what a checkpoint was trained with.
+
+    ``model`` keys in ``INIT_FROM_FREE_MODEL_KEYS`` (no weight depends on them) and ``lora`` keys in
+    ``RESUME_FREE_LORA_KEYS`` may differ; every other key the checkpoint records must agree (a changed
+    ``rotary_base`` or ``lora.alpha`` would load cleanly and silently compute another function).
+
+    Args:
+        model, lora: the current sections (``lora`` None: LoRA off).
+        recorded: :func:`recorded_architecture` of the checkpoint.
+        checkpoint: the checkpoint folder, named in the message. fix: how to proceed, appended to the message.
+
+    Raises:
+        CheckpointError: naming the first differing dotted key and both values.
+    """
+    from packsft.train.checkpoint import CheckpointError
+
+    current_lora = asdict(lora) if lora is not None else {"enabled": False}
+    recorded_lora = recorded["lora"] if recorded["lora"].get("enabled") else {"enabled": False}
+    for section, current, reference, free in (("model", asdict(model), recorded["model"], INIT_FROM_FREE_MODEL_KEYS),
+                                              ("lora", current_lora, recorded_lora, RESUME_FREE_LORA_KEYS)):
+        key = _first_difference(current, reference, free)
+        if key is not None:
+            raise CheckpointError(f"{section}.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained "
+                                  f"with {reference[key]!r}; {fix}")
 
 
 def config_to_yaml(cfg: Config) -> str:

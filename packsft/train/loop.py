@@ -9,16 +9,18 @@ Flow of ``Trainer(cfg).run()``:
    group when it has more than one rank, and ``torch.optim.AdamW``; ``megatron``: ``Float16Module`` when
    ``train.bf16``, Megatron ``DistributedDataParallel`` (always; fp32 ``main_grad`` buffers) and
    ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training loader.
-3. Resume (``checkpoint.resume``), before the loader's first ``iter()``; with nothing to resume, the model weights of
-   ``checkpoint.init_from`` (an imported HF model) when set. A LoRA run from ``init_from`` checkpoints only its
-   adapters and the base's identity; its resume loads the base (``init_from``, else the recorded path) after
-   checking the fingerprint, then the adapters and optimizer state.
+3. Resume (``checkpoint.resume``), before the loader's first ``iter()``, after comparing the checkpoint's recorded
+   ``model``/``lora`` sections with the config (:func:`~packsft.train.config.check_recorded_architecture`); with
+   nothing to resume, the model weights of ``checkpoint.init_from`` (an imported HF model) when set. A LoRA run from
+   ``init_from`` checkpoints only its adapters and the base's identity; its resume loads the base (``init_from``,
+   else the recorded path) after checking the fingerprint, then the adapters and optimizer state.
 4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
    all-reduced over DP x CP, then each micro-batch runs forward + backward on ``sum(token loss) * dp * cp / count``;
    gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
-5. Logging, validation and checkpoints on their periods; a final validation and checkpoint. With
-   ``train.save_on_sigterm`` a SIGTERM (``packsft.train.process_guard``) stops the loop before the next step, on every
-   rank at the same step (a CPU all-reduce of the flag per step), and the run ends with a checkpoint.
+5. Logging, validation and checkpoints on their periods; a final validation (after ``train_steps`` only) and
+   checkpoint. With ``train.save_on_sigterm`` a SIGTERM or SIGINT (``packsft.train.process_guard``) stops the loop
+   before the next step, on every rank at the same step (a CPU all-reduce of the flag per step), and the run ends
+   with a checkpoint.
 
 Pipeline parallelism (``parallel.pipeline_model_parallel_size`` P > 1, megatron backend only): the model is this
 rank's stage (``build_gpt_stages``: one chunk, or one per virtual stage), each wrapped in Megatron DDP. Every stage
@@ -77,10 +79,16 @@ from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
 from packsft.train import process_guard
-from packsft.train.config import Config, check_parallel_layout, config_to_yaml
+from packsft.train.config import (
+    Config,
+    check_parallel_layout,
+    check_recorded_architecture,
+    config_to_yaml,
+    recorded_architecture,
+)
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
-from packsft.train.metrics import MetricsLogger, format_summary, peak_memory_gib
+from packsft.train.metrics import DISCARDED_FILE, MetricsLogger, format_summary, peak_memory_gib
 from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
 from packsft.train.optim import (
     ParamGroupSchedule,
@@ -95,6 +103,9 @@ from packsft.train.optim import (
     set_schedule_step,
 )
 from packsft.train.token_loss import gpt_token_loss
+
+RESUME_FIX = ("a resumed run keeps the architecture it was trained with: set the recorded value, or start a new run "
+              "in another logging.output_dir (or with checkpoint.resume=none)")
 
 
 @dataclass
@@ -159,7 +170,7 @@ class Trainer:
         self.lora_base: dict[str, str] | None = None    # identity of the base an adapters-only LoRA run trains on
         self.resumed_from = self._resume()
         self._checkpoint_bytes = self._check_checkpoint_dir()
-        self.stopped_by_sigterm, self.last_checkpoint = False, None
+        self.stopped_by, self.last_checkpoint = None, None
         self._stop_group = (dist.new_group(backend="gloo") if cfg.train.save_on_sigterm and self.ctx.world_size > 1
                             and dist.get_backend() != "gloo" else None)
         self._batches = None
@@ -245,6 +256,8 @@ class Trainer:
                 self.initialized_from = init_from
             return None
         saved = ckpt.load_train_state(path)
+        check_recorded_architecture(self.cfg.model, self.cfg.lora if self.cfg.lora.enabled else None,
+                                    recorded_architecture(saved, path), path, fix=RESUME_FIX)
         recorded = saved.get(ckpt.LORA_BASE)
         if recorded is not None:
             if not self.cfg.lora.enabled:
@@ -274,6 +287,9 @@ class Trainer:
         c = self.cfg.checkpoint
         if not (c.save_interval or c.save_at_end or self.cfg.train.save_on_sigterm):
             return None
+        if self.ctx.rank == 0:       # no save of this run has started: every .tmp is a killed save's
+            for partial in ckpt.remove_partial_checkpoints(self.cfg.checkpoint_dir):
+                print(f"removed {partial}: a checkpoint save that was interrupted (never published)", flush=True)
         saved = [p for n, p in self.gpt.named_parameters() if self.lora_base is None or ".lora_" in n]
         need = ckpt.checkpoint_bytes_estimate(saved, tp_size=self.ctx.tensor_model_parallel_size,
                                               megatron_optimizer=self.megatron)
@@ -538,20 +554,25 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         last = cfg.train.stop_at_step or cfg.train.train_steps
         self._last_step, self._logged_step, self._logged_at = last, self.state.step, time.perf_counter()
+        restart = self.state.step if self.resumed_from else -1
         logger = MetricsLogger(cfg.logging.output_dir, enabled=ctx.rank == 0, tensorboard=cfg.logging.tensorboard,
-                               progress=cfg.logging.progress, initial_step=self.state.step, total_steps=last)
+                               progress=cfg.logging.progress, initial_step=self.state.step, total_steps=last,
+                               restart_step=restart)
         summary = self.summary()
         logger.log(summary)
         logger.message(format_summary(summary))
+        if logger.set_aside:
+            logger.message(f"{logger.set_aside} metrics record(s) of an interrupted run, past step {max(restart, 0)}, "
+                           f"moved to {Path(cfg.logging.output_dir) / DISCARDED_FILE}")
         if cfg.validation.val_at_start and self.state.step == 0:
             logger.log({"kind": "validation", "step": 0, **self.validate()})
         saved_at = validated_at = None
         started_at = self.state.step
-        installed = cfg.train.save_on_sigterm and process_guard.SIGTERM_STOP.install()
+        installed = cfg.train.save_on_sigterm and process_guard.STOP_SIGNAL.install()
         try:
             while self.state.step < last:
                 if cfg.train.save_on_sigterm and self._stop_requested():
-                    self.stopped_by_sigterm = True
+                    self.stopped_by = process_guard.STOP_SIGNAL.received or "a stop signal on another rank"
                     break
                 self._one_step(logger)
                 step = self.state.step
@@ -561,24 +582,25 @@ class Trainer:
                 if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                     self.save()
                     saved_at = step
-            if self.stopped_by_sigterm:
+            if self.stopped_by:
                 if saved_at != self.state.step and self.state.step > started_at:
                     self.save()
-            else:
-                if cfg.validation.val_at_end and validated_at != self.state.step:
+            else:   # a stop at train.stop_at_step is not the end of the run: no final validation
+                at_end = self.state.step == cfg.train.train_steps
+                if cfg.validation.val_at_end and at_end and validated_at != self.state.step:
                     logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
                 if cfg.checkpoint.save_at_end and saved_at != self.state.step:
                     self.save()
         finally:
             if installed:  # also when a step raises: the process keeps no handler of this run
-                process_guard.SIGTERM_STOP.uninstall()
+                process_guard.STOP_SIGNAL.uninstall()
         self._sync_counters()
         logger.close()
         return self.state
 
     def _stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM (a MAX all-reduce of a CPU flag over all ranks, gloo)."""
-        flag = process_guard.SIGTERM_STOP.received
+        """Whether any rank got SIGTERM or SIGINT (a MAX all-reduce of a CPU flag over all ranks, gloo)."""
+        flag = process_guard.STOP_SIGNAL.received is not None
         if self.ctx.world_size == 1:
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int32)

@@ -14,8 +14,10 @@
 While the bar is shown, Python warnings (``warnings.showwarning``) and ``logging`` records go through ``tqdm.write``,
 so a warning (e.g. a row truncated by the loader in this process) prints on its own line instead of breaking the bar.
 
-A resumed run appends records for the steps after the checkpoint; a step logged by a run that was killed before
-its checkpoint appears twice (the later record is the one of the resumed run).
+A resumed run appends records for the steps after its checkpoint. Records an interrupted run wrote past the
+checkpoint it resumes from (steps the checkpoint does not hold, and a line cut by a kill) are first moved to
+``metrics.discarded.jsonl`` (:func:`set_aside_records_after`), so every step is logged once; a run that starts from
+step 0 with no checkpoint sets aside every earlier record. TensorBoard hides the same steps (``purge_step``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,39 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
+METRICS_FILE, DISCARDED_FILE = "metrics.jsonl", "metrics.discarded.jsonl"
+
+
+def set_aside_records_after(output_dir: str | Path, step: int) -> int:
+    """Move ``metrics.jsonl`` records past ``step`` (and lines that are not JSON) to ``metrics.discarded.jsonl``.
+
+    Args:
+        output_dir: run folder. step: the step training restarts from (-1: set aside every record).
+
+    Returns:
+        Lines moved (appended to ``metrics.discarded.jsonl``; ``metrics.jsonl`` is rewritten atomically).
+    """
+    from packsft.io import atomic_open
+
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, moved = [], []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        (kept if keep else moved).append(line)
+    if moved:
+        with open(Path(output_dir) / DISCARDED_FILE, "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in moved))
+        with atomic_open(path) as f:
+            f.write("".join(line + "\n" for line in kept))
+    return len(moved)
+
+
 class MetricsLogger:
     """Write metrics records on the main rank (every method is a no-op on other ranks).
 
@@ -46,21 +81,25 @@ class MetricsLogger:
         enabled: True on global rank 0 only.
         tensorboard: also write TensorBoard scalars (``torch.utils.tensorboard.SummaryWriter``).
         progress: show a tqdm bar from ``initial_step`` to ``total_steps``.
+        restart_step: the step a checkpoint restarts from (-1: a start without one); records past it are set aside
+            (:func:`set_aside_records_after`) and hidden in TensorBoard. None: append to the files as they are.
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, progress: bool,
-                 initial_step: int, total_steps: int) -> None:
-        self.enabled = enabled
+                 initial_step: int, total_steps: int, restart_step: int | None = None) -> None:
+        self.enabled, self.set_aside = enabled, 0
         self._file = self._tb = self._bar = self._redirect = self._show_warning = None
         if not enabled:
             return
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self._file = open(out / "metrics.jsonl", "a", encoding="utf-8")
+        self.set_aside = set_aside_records_after(out, restart_step) if restart_step is not None else 0
+        self._file = open(out / METRICS_FILE, "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(out / "tensorboard"))
+            purge = None if restart_step is None else restart_step + 1
+            self._tb = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
         if progress:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm

@@ -1,7 +1,8 @@
-"""What a cluster does to a job: SIGTERM as a request to stop, and no process left behind after a kill.
+"""What a cluster does to a job: SIGTERM (or Ctrl-C's SIGINT) as a request to stop, and no process left behind after
+a kill.
 
-* :data:`SIGTERM_STOP`: once installed, the first SIGTERM only sets a flag (the trainer finishes its step, saves
-  and exits 0); a second SIGTERM takes the default action (the process ends at once).
+* :data:`STOP_SIGNAL`: once installed, the first SIGTERM or SIGINT only sets a flag (the trainer finishes its step,
+  saves and exits 0); a second one takes the signal's default action (the process ends at once).
 * :func:`die_with_parent`: ``prctl(PR_SET_PDEATHSIG)`` (Linux), so a process is killed when the one that started it
   dies, even by SIGKILL. ``tools/train.py`` sets it in torchrun's workers (torchrun starts them in their own
   sessions, so killing torchrun's process group misses them).
@@ -52,40 +53,41 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
     return True
 
 
-class SigtermStop:
-    """A SIGTERM handler that records the signal instead of ending the process (see the module docstring)."""
+class StopSignal:
+    """A SIGTERM and SIGINT handler that records the signal instead of ending the process (module docstring)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
-        self.received = False
-        self._previous = None
-        self._installed = False
+        self.received: str | None = None
+        """Name of the first signal received (``"SIGTERM"``, ``"SIGINT"``), or None."""
+        self._previous: dict[int, object] = {}
 
     def install(self) -> bool:
         """Install the handler (main thread only); return whether this call installed it."""
-        if self._installed or threading.current_thread() is not threading.main_thread():
+        if self._previous or threading.current_thread() is not threading.main_thread():
             return False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-        self._installed = True
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return True
 
     def uninstall(self) -> None:
-        """Restore the previous SIGTERM handler and clear the flag."""
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous)
-        self._installed, self.received, self._previous = False, False, None
+        """Restore the previous handlers and clear the flag."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous, self.received = {}, None
 
     def _handle(self, signum, frame) -> None:
-        if self.received:                     # a second SIGTERM: end now, as without the handler
+        if self.received:                     # a second stop signal: end now, as without the handler
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.received = True
-        print(f"packsft: SIGTERM received (pid {os.getpid()}): finishing the current step, then saving and "
+        self.received = signal.Signals(signum).name
+        print(f"packsft: {self.received} received (pid {os.getpid()}): finishing the current step, then saving and "
               "exiting; send it again to end at once", file=sys.stderr, flush=True)
 
 
-SIGTERM_STOP = SigtermStop()
-"""The process-wide SIGTERM handler."""
+STOP_SIGNAL = StopSignal()
+"""The process-wide SIGTERM/SIGINT handler."""
 
 _writer_manager = None
 

@@ -13,7 +13,8 @@ dequantizing GGUF loader) into a Megatron ``dist_checkpointing`` folder::
 The written checkpoint does not depend on the layout: it loads at any TP and PP size. Export a Megatron
 checkpoint (at any TP and PP size, the same files; ``--config`` defaults to the folder's ``model_config.json``,
 the HF config to its ``hf_config.json``) back to an HF folder that ``AutoModelForCausalLM.from_pretrained``
-loads, with the tokenizer files and chat template of ``--tokenizer``::
+loads, with the tokenizer files and chat template of ``--tokenizer``, whose bos/eos/pad ids fill ``config.json``
+where the HF config lacks them (a tokenizer with more tokens than the model's ``vocab_size`` is refused)::
 
     python tools/convert_checkpoint.py export --megatron ckpt/smollm2 --out hf/smollm2-sft \\
         --tokenizer ~/models/SmolLM2-135M-Instruct --dtype bfloat16
@@ -58,6 +59,7 @@ from packsft.model.hf_io import (  # noqa: E402
     save_hf_checkpoint,
     save_peft_adapter,
     stage_hf_names,
+    tokenizer_token_ids,
 )
 from packsft.model.lora import apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.train.checkpoint import LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
@@ -102,7 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     exp.add_argument("--out", required=True, help="HF folder to write (replaced atomically)")
     exp.add_argument("--config", default=None, help="model_config.json or a YAML with a model: section")
     exp.add_argument("--hf-config", default=None, help="config.json of the original HF model (optional)")
-    exp.add_argument("--tokenizer", default=None, help="folder with tokenizer files and chat template to copy")
+    exp.add_argument("--tokenizer", default=None,
+                     help="folder with tokenizer files and chat template to copy; its bos/eos/pad ids fill "
+                          "config.json where the HF config lacks them")
     exp.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                      help="dtype of the safetensors (default: the model's)")
     lora = exp.add_mutually_exclusive_group()
@@ -156,6 +160,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"{megatron} holds only LoRA adapters (base {recorded.get('path')}): pass --config "
                              "<run>/config.yaml and --merge-lora or --lora-adapter DIR")
         cfg = read_model_config(args.config or args.megatron)
+        # before the model is read: a tokenizer the model cannot embed is refused, its ids fill config.json
+        token_ids = tokenizer_token_ids(args.tokenizer, cfg.vocab_size) if args.tokenizer else None
         lora = read_lora_config(args.config) if args.config else None
         if (args.merge_lora or args.lora_adapter) and lora is None:
             raise ValueError("--merge-lora / --lora-adapter need --config with lora.enabled: true")
@@ -182,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
             merge_lora(model)
         dtype = getattr(torch, args.dtype) if args.dtype else None
         save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
-                           tp_group=ctx.tp_group, pp_group=ctx.pp_group, dtype=dtype)
+                           tp_group=ctx.tp_group, pp_group=ctx.pp_group, dtype=dtype, token_ids=token_ids)
     if ctx.rank == 0:
         print(f"{args.command}: wrote {args.out}")
     return 0

@@ -5,8 +5,8 @@ An input record is one JSON object per line (``docs/formats.md``)::
     {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str | null, ...}, ...],
      "tools": [{"type": "function", "function": {"name": str, "description": str, "parameters": {...}}}]}
 
-``content`` may be null only on an assistant turn that carries ``tool_calls``. An assistant turn may
-carry ``"weight": 0`` (context only, not trained) or ``1``. A ``system`` message may only come first. A
+``content`` may be null or absent only on an assistant turn that carries ``tool_calls``. An assistant turn
+may carry ``"weight": 0`` (context only, not trained) or ``1``. A ``system`` message may only come first. A
 record may carry ``chat_template_kwargs`` (an object passed to ``apply_chat_template`` for it). A packed
 row (``.jsonl.packed``) holds several conversations one after another, each starting with a ``system``
 message that carries the conversation's ``tools`` and ``chat_template_kwargs``; :func:`split_row` cuts it
@@ -279,10 +279,10 @@ def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> No
 def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0) -> None:
     """Check roles, contents, tool calls and ordering of one conversation's messages.
 
-    Rules: roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string,
-    or null only on an assistant turn with ``tool_calls``; ``weight`` is 0 or 1, on assistant turns only;
-    ``system`` only as the first message; a ``tool`` message follows an assistant turn with ``tool_calls``
-    (or another ``tool`` message); at least one non-system message.
+    Rules: roles are ``system``, ``user``, ``assistant``, ``tool``; ``content`` is a string, or null or absent
+    only on an assistant turn with ``tool_calls`` (as OpenAI's chat format allows); ``weight`` is 0 or 1, on
+    assistant turns only; ``system`` only as the first message; a ``tool`` message follows an assistant turn
+    with ``tool_calls`` (or another ``tool`` message); at least one non-system message.
 
     Raises:
         ConversationError: naming ``path``, ``line`` and the field (``messages[i].role`` ...).
@@ -306,7 +306,9 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
         if content is None:
             if not has_calls:
                 raise _fail(path, line, f"{where}.content",
-                            "is null; null content is allowed only on an assistant turn with tool_calls")
+                            "is null; null content is allowed only on an assistant turn with tool_calls"
+                            if "content" in m else
+                            "missing; content may be left out only on an assistant turn with tool_calls")
         elif not isinstance(content, str):
             parts = isinstance(content, list)
             why = " (lists of content parts are not supported; join the text parts)" if parts else ""

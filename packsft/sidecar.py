@@ -27,6 +27,10 @@ through a journal that :func:`read_sidecar` finishes after a kill; the sidecar l
 :func:`check_rows_file` compares the size always and the hash for files up to :data:`HASH_AUTO_LIMIT` bytes
 (or always / never on request). Sidecars written before this field existed carry none and are not checked.
 
+:func:`repack_hint` writes the packer command for a refused file; the run's options the sidecar does not hold
+(``--oversize``, ...) it reads from the report beside the rows (:func:`packing_settings`), the sidecar layout
+unchanged.
+
 ``token_cache`` (optional, :mod:`packsft.token_cache`) does the same for the two token cache files beside the rows:
 :func:`check_token_cache` compares their sizes and the BLAKE2b of their first and last MiB always, and their whole
 hash under the rows file's policy. A sidecar without it (older packsft, or ``--no-token-cache``) reads as before:
@@ -36,6 +40,8 @@ the loader re-tokenizes.
 from __future__ import annotations
 
 import json
+import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,8 @@ from packsft.prompt_formats import PromptFormat
 from packsft.token_cache import cache_paths, ends_blake2b
 
 SIDECAR_SUFFIX = ".meta.json"
+REPORT_SUFFIX = ".report.json"
+"""The packer's report beside the rows by default (``X.jsonl.packed.report.json``); its ``settings`` are the run's."""
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 CHECKED_FIELDS = (
@@ -62,6 +70,26 @@ V1_DEFAULTS = {"train_on": "all", "chat_template_kwargs": {}, "append_eos": Fals
 """``prompt_format`` fields a version 1 sidecar lacks, with what version 1 packed."""
 PACK_TOOL = "tools/pack_megatron_sft_jsonl.py"
 HASH_AUTO_LIMIT = 256 << 20
+REPACK_OPTIONS = (
+    ("split", "--split", None),
+    ("record_format", "--format", "messages"),
+    ("adapter", "--adapter", None),
+    ("input_key", "--input-key", None),
+    ("output_key", "--output-key", None),
+    ("default_system_prompt", "--default-system-prompt", ""),
+    ("oversize", "--oversize", "own-row"),
+    ("max_conversation_bytes", "--max-conversation-bytes", 4 << 20),
+    ("allow_non_megatron", "--allow-non-megatron", False),
+    ("strict", "--strict", False),
+    ("shuffle_rows", "--shuffle-rows", False),
+    ("token_cache", "--no-token-cache", True),
+    ("report", "--report", None),
+    ("histogram", "--histogram", None),
+)
+"""``(PackConfig field, packer flag, packer default)`` of the packing choices the re-pack command repeats besides
+the loader's own (tokenizer, prompt format, ``max_seq_len``, CP size) and the sidecar's algorithm, seed and sequence
+parallelism; a boolean default means a flag without a value. Speed-only options (workers, engine, shard size) are
+left out."""
 """Rows files up to this size (bytes) have their hash checked by default (about 0.3 s at 1 GB/s)."""
 
 
@@ -178,40 +206,82 @@ def loader_expectation(fingerprint: str, fmt: PromptFormat, max_seq_len: int,
             "context_parallel_size": context_parallel_size}
 
 
+def packing_settings(packed_path: str | Path, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``settings`` of the packing run that wrote ``packed_path`` (every ``PackConfig`` field), or ``None``.
+
+    Read from the report beside the rows (``<packed_path>.report.json``, the packer's default ``--report``) when its
+    ``rows_file`` equals the sidecar's, i.e. the same run wrote both; ``None`` when there is no such report (another
+    ``--report`` path, not copied along, or written by another run), it is unreadable, or the sidecar records no
+    ``rows_file`` (packsft before it).
+    """
+    rows_file = meta.get("rows_file")
+    path = Path(str(rows_path(packed_path)) + REPORT_SUFFIX)
+    if not isinstance(rows_file, dict) or not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(report, dict) or report.get("rows_file") != rows_file:
+        return None
+    settings = report.get("settings")
+    return settings if isinstance(settings, dict) else None
+
+
 def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat, tokenizer_path: str,
                 max_seq_len: int, context_parallel_size: int, custom_template: bool = False) -> str:
     """The packer command (``tools/pack_megatron_sft_jsonl.py`` flags) that produces a file this loader accepts.
 
-    The input files come from the sidecar's ``inputs`` (or ``input``) when it records them; the algorithm and
-    seed are the sidecar's, so only the loader's fields change. ``custom_template``: the loader uses a chat
-    template other than the tokenizer's own, which must be passed again.
+    The loader's tokenizer, prompt format options, ``max_seq_len`` and CP size; the sidecar's inputs (or a
+    placeholder), algorithm, seed and sequence parallelism; and the other packing choices of :data:`REPACK_OPTIONS`
+    (``--oversize``, ``--format``, ``--input-key``, ...) that differ from the packer's defaults, from the run's
+    report (:func:`packing_settings`, which has them all) or else the sidecar (which has some). Without that report
+    a second line says which options may be missing. Values are shell-quoted (``shlex.quote``).
+    ``custom_template``: the loader uses a chat template other than the tokenizer's own, which must be passed again.
     """
-    source = meta.get("inputs") or meta.get("input") or "<your input .jsonl>"
-    source = " ".join(map(str, source)) if isinstance(source, list) else source
-    hint = (f"python {PACK_TOOL} --input {source} --output {packed_path} --tokenizer {tokenizer_path} "
-            f"--prompt-format {fmt.name} --max-seq-length {max_seq_len} "
-            f"--context-parallel-size {context_parallel_size} --pad-token '{fmt.pad_token}'")
+    settings = packing_settings(packed_path, meta)
+    options = {**meta, **(settings or {})}
+    source = options.get("inputs") or meta.get("input")
+    source = (" ".join(shlex.quote(str(s)) for s in source) if isinstance(source, list)
+              else shlex.quote(str(source)) if source else "<your input .jsonl>")
+    hint = (f"python {PACK_TOOL} --input {source} --output {shlex.quote(str(packed_path))} "
+            f"--tokenizer {shlex.quote(str(tokenizer_path))} --prompt-format {fmt.name} "
+            f"--max-seq-length {max_seq_len} --context-parallel-size {context_parallel_size} "
+            f"--pad-token {shlex.quote(fmt.pad_token)}")
     if custom_template:
         hint += " --chat-template <the same template>"
     if fmt.train_on != "all":
         hint += f" --train-on {fmt.train_on}"
     if fmt.chat_template_kwargs:
-        hint += f" --chat-template-kwargs '{json.dumps(fmt.chat_template_kwargs, sort_keys=True)}'"
+        hint += f" --chat-template-kwargs {shlex.quote(json.dumps(fmt.chat_template_kwargs, sort_keys=True))}"
     if fmt.name in ("chat-template", "passthrough"):
         hint += " --append-eos" if fmt.append_eos else " --no-append-eos"
-    if "algorithm" in meta:
-        hint += f" --algorithm {meta['algorithm']} --seed {meta.get('seed', 1234)}"
+    if "algorithm" in options:
+        hint += f" --algorithm {options['algorithm']} --seed {options.get('seed', 1234)}"
+    if (options.get("sequence_parallel_size") or 1) > 1:
+        hint += f" --tensor-model-parallel-size {options['sequence_parallel_size']} --sequence-parallel"
+    for field, flag, default in REPACK_OPTIONS:
+        value = options.get(field, default)
+        if value == default:
+            continue
+        hint += f" {flag}" if isinstance(default, bool) else f" {flag} {shlex.quote(str(value))}"
+    if settings is None:
+        hint += (f"\n  (no report of this packing run beside it ({rows_path(packed_path).name}{REPORT_SUFFIX}): add "
+                 "the original run's --oversize, --input-key/--output-key, --max-conversation-bytes, "
+                 "--allow-non-megatron, --strict, --no-token-cache, --report, --histogram if it used them)")
     return hint
 
 
-def check_sidecar(meta: dict[str, Any], expected: dict[str, Any], packed_path: str | Path, hint: str) -> None:
+def check_sidecar(meta: dict[str, Any], expected: dict[str, Any], packed_path: str | Path,
+                  hint: str | Callable[[], str]) -> None:
     """Refuse a packed file whose sidecar contradicts the loader's configuration.
 
     Args:
         meta: the sidecar (:func:`read_sidecar`).
         expected: the loader's values (:func:`loader_expectation`).
         packed_path: the packed file, for the message.
-        hint: the re-pack command (:func:`repack_hint`).
+        hint: the re-pack command (:func:`repack_hint`), or a function returning it, called only on a refusal
+            (the hint may read the packing report).
 
     Raises:
         SidecarError: naming every differing field with the packed and the loader's value, e.g.
@@ -225,7 +295,7 @@ def check_sidecar(meta: dict[str, Any], expected: dict[str, Any], packed_path: s
     if diffs:
         raise SidecarError(f"{packed_path} was packed for another configuration "
                            f"({sidecar_path(packed_path).name} disagrees with the loader):\n" + "\n".join(diffs)
-                           + f"\nRe-pack it for this configuration:\n  {hint}")
+                           + f"\nRe-pack it for this configuration:\n  {hint() if callable(hint) else hint}")
 
 
 def rows_file_fields(size: int, blake2b: str) -> dict[str, Any]:

@@ -45,7 +45,10 @@ def test_missing_system_gets_default_and_tools_ride_on_it():
          "got array (lists of content parts"),
         ({"messages": [{"content": "a"}]}, "messages[0].role", "missing"),
         (None, "", "JSON object, got null"),
-        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "null"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "is null;"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content",
+         "missing; content may be left out only on an assistant turn with tool_calls"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, "messages[1].content", "missing;"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}, "messages[1].role",
          "only come first"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}, "messages[1].role",
@@ -81,6 +84,8 @@ def test_tool_calls_with_string_or_object_arguments_are_valid():
                  "tool_calls": [{"id": "call00001", "type": "function", "function": {"name": "f", "arguments": args}}]},
                 {"role": "tool", "tool_call_id": "call00001", "content": "2"},
                 {"role": "assistant", "content": "done"}]
+        validate_messages(msgs)
+        del msgs[1]["content"]                                 # OpenAI: null or left out beside tool_calls
         validate_messages(msgs)
 
 

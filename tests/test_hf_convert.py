@@ -129,7 +129,7 @@ def test_packed_row_logits_equal_each_conversation_alone(parallel_state_1proc, f
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_export_loads_in_transformers_and_reimports_exactly(parallel_state_1proc, family, tmp_path,  # noqa: F811
                                                             tokenizer_dir):
-    model = hf_model(family, seed=4)
+    model = hf_model(family, seed=4, vocab_size=49152)          # the tokenizer's 49152 tokens, or export refuses it
     megatron, cfg = megatron_from_hf(model)
     source_tok = tokenizer_dir("smollm2-135m-instruct")
     out = save_hf_checkpoint(megatron, cfg, tmp_path / "hf", hf_config=model.config, tokenizer_dir=source_tok)
@@ -164,6 +164,30 @@ def test_export_without_original_config_builds_llama(parallel_state_1proc, tmp_p
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(reloaded).__name__ == "LlamaForCausalLM" and reloaded.dtype == torch.bfloat16
     assert model_config_from_hf(reloaded.config) == cfg
+
+
+def test_export_without_original_config_takes_token_ids_from_tokenizer(parallel_state_1proc, tmp_path,  # noqa: F811
+                                                                       tokenizer_dir):
+    # Qwen2.5's eos <|im_end|> is 151645, no bos, pad <|endoftext|>; LlamaConfig's defaults would say bos 1 / eos 2
+    model = hf_model("llama", seed=7, vocab_size=151936)
+    megatron, cfg = megatron_from_hf(model)
+    out = save_hf_checkpoint(megatron, cfg, tmp_path / "hf", tokenizer_dir=tokenizer_dir("qwen2.5"))
+    written = json.loads((out / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"], written["pad_token_id"]) == (None, 151645, 151643)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == tok.eos_token_id == 151645
+    kept = save_hf_checkpoint(megatron, cfg, tmp_path / "kept", hf_config={**model.config.to_dict(), "eos_token_id": 7},
+                              tokenizer_dir=tokenizer_dir("qwen2.5"))
+    assert json.loads((kept / "config.json").read_text())["eos_token_id"] == 7      # the HF config's ids win
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(parallel_state_1proc, tmp_path,  # noqa: F811
+                                                               tokenizer_dir):
+    megatron, cfg = megatron_from_hf(hf_model("llama", seed=8))
+    with pytest.raises(ValueError, match=r"model.vocab_size \(256\) is smaller than the tokenizer .*qwen2.5 "
+                                         r"\(151665 tokens\)"):
+        save_hf_checkpoint(megatron, cfg, tmp_path / "hf", tokenizer_dir=tokenizer_dir("qwen2.5"))
+    assert not (tmp_path / "hf").exists()
 
 
 def test_sharded_safetensors_have_an_index(tmp_path):

@@ -1,12 +1,15 @@
 """Sidecar: atomic write, read errors, and the field-by-field refusal message."""
 
+import dataclasses
 import json
+import shlex
 
 import pytest
 
 from packsft.prompt_formats import PromptFormat
 from packsft.sidecar import (
     CHECKED_FIELDS,
+    REPACK_OPTIONS,
     SidecarError,
     check_sidecar,
     loader_expectation,
@@ -91,11 +94,67 @@ def test_every_checked_field_is_compared_and_named(field):
 def test_repack_hint_gives_the_loader_configuration():
     hint = repack_hint("out/x.jsonl.packed", {"inputs": ["a.jsonl", "b.jsonl"], "algorithm": "next-fit", "seed": 7},
                        FMT, "tok/dir", 8192, 4)
-    assert hint == ("python tools/pack_megatron_sft_jsonl.py --input a.jsonl b.jsonl --output out/x.jsonl.packed "
-                    "--tokenizer tok/dir --prompt-format nemotron-h-aligned --max-seq-length 8192 "
-                    "--context-parallel-size 4 --pad-token '<SPECIAL_233>' --algorithm next-fit --seed 7")
+    command, note = hint.split("\n")
+    assert command == ("python tools/pack_megatron_sft_jsonl.py --input a.jsonl b.jsonl --output out/x.jsonl.packed "
+                       "--tokenizer tok/dir --prompt-format nemotron-h-aligned --max-seq-length 8192 "
+                       "--context-parallel-size 4 --pad-token '<SPECIAL_233>' --algorithm next-fit --seed 7")
+    assert note.startswith("  (no report of this packing run beside it (x.jsonl.packed.report.json): add the "
+                           "original run's --oversize")
     assert repack_hint("x", {}, FMT, "t", 8, 1).startswith("python tools/pack_megatron_sft_jsonl.py --input "
                                                            "<your input .jsonl> --output x")
+
+
+def _options(cfg):
+    """The PackConfig fields a re-pack must repeat: all but the loader's own, the paths and the speed options."""
+    skip = {"output", "tokenizer", "max_seq_len", "context_parallel_size", "prompt_format", "pad_token",
+            "chat_template", "chat_template_kwargs", "train_on", "append_eos", "progress", "num_workers", "engine",
+            "ray_address", "shard_bytes"}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+
+
+def test_repack_hint_repeats_every_packing_option_of_the_report(tmp_path):
+    from packsft.packing.cli import parse_args
+    from packsft.packing.pipeline import PackConfig
+
+    packed = tmp_path / "x.jsonl.packed"
+    cfg = PackConfig(inputs=["a b.jsonl", "c.jsonl"], output=str(packed), tokenizer="tok", max_seq_len=64,
+                     split="train", record_format="input-output", input_key="q", output_key="a",
+                     default_system_prompt="Be 'brief'.", oversize="drop", max_conversation_bytes=1000,
+                     allow_non_megatron=True, strict=True, shuffle_rows=True, seed=7, algorithm="next-fit",
+                     token_cache=False, report=str(tmp_path / "x.jsonl.packed.report.json"), histogram="",
+                     sequence_parallel_size=2)
+    rows_file = {"size": 10, "blake2b": "ab"}
+    report = {"settings": dataclasses.asdict(cfg), "rows_file": rows_file}
+    (tmp_path / "x.jsonl.packed.report.json").write_text(json.dumps(report))
+    fields = {"inputs": cfg.inputs, "algorithm": "next-fit", "seed": 7, "rows_file": rows_file}
+    hint = repack_hint(packed, meta(**fields), FMT, "tok", 128, 2)
+    again = parse_args(shlex.split(hint)[2:])
+    assert (again.max_seq_len, again.context_parallel_size, again.pad_token) == (128, 2, "<SPECIAL_233>")
+    assert _options(again) == _options(cfg), hint
+    defaults = PackConfig(inputs=["a.jsonl"], output=str(packed), tokenizer="tok", max_seq_len=64)
+    assert {f: d for f, _, d in REPACK_OPTIONS} == {f: getattr(defaults, f) for f, _, _ in REPACK_OPTIONS}
+    (tmp_path / "x.jsonl.packed.report.json").write_text(json.dumps({**report, "rows_file": {"size": 11}}))
+    other_run = repack_hint(packed, meta(**fields), FMT, "tok", 128, 2)   # a report of another run is not read
+    assert "--oversize drop" not in other_run and "(no report of this packing run beside it" in other_run
+
+
+def test_trainer_refusal_repeats_oversize_drop(tmp_path, tokenizer_dir):
+    """A file packed with --oversize drop, opened at another max_seq_len: the re-pack command keeps the policy."""
+    from packsft.data.dataset import PackedSFTDataset
+    from packsft.packing.pipeline import PackConfig, run_pack
+
+    src = tmp_path / "in.jsonl"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    long = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
+    src.write_text("\n".join(json.dumps({"messages": m}) for m in (chat, long)) + "\n")
+    packed = tmp_path / "rows.jsonl.packed"
+    tok = tokenizer_dir("smollm2-135m-instruct")
+    run_pack(PackConfig(inputs=[str(src)], output=str(packed), tokenizer=str(tok), max_seq_len=64,
+                        oversize="drop", histogram="", progress=False))
+    with pytest.raises(SidecarError, match="max_seq_len: packed for 64, loader has 128") as err:
+        PackedSFTDataset(packed, str(tok), "chat-template", 128)
+    command = str(err.value).split("Re-pack it for this configuration:\n  ")[1]
+    assert "\n" not in command and " --oversize drop" in command and " --max-seq-length 128" in command
 
 
 def test_version_1_sidecars_read_with_the_defaults_version_1_packed(tmp_path):

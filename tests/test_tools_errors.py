@@ -41,6 +41,20 @@ def test_convert_checkpoint(tmp_path, args, message):
     assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", *fill), message.format(tmp=tmp_path))
 
 
+def test_convert_checkpoint_export_refuses_a_tokenizer_larger_than_the_model(tmp_path, tokenizer_dir):
+    from dataclasses import asdict
+
+    from packsft.model.config import ModelConfig
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=49152, max_position_embeddings=128)
+    (tmp_path / "model_config.json").write_text(json.dumps(asdict(cfg)))     # refused before any weight is read
+    assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", "export", "--megatron", tmp_path, "--out",
+                                tmp_path / "out", "--tokenizer", tokenizer_dir("qwen2.5")),
+                      f"model.vocab_size (49152) is smaller than the tokenizer {tokenizer_dir('qwen2.5')} "
+                      "(151665 tokens)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_inspect_packed(tmp_path):
     assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.packed", "--tokenizer",
                                 tmp_path, "--prompt-format", "chat-template", "--max-seq-len", "256"),

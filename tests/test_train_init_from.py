@@ -118,6 +118,16 @@ def test_first_loss_is_the_hf_models_and_resume_wins(setup):
     assert parts[2]["loss"] == train[2]["loss"] and parts[2]["grad_norm"] == train[2]["grad_norm"]
     assert train[2]["loss"] != train[1]["loss"]
 
+    # export without --config / --hf-config: the recorded model section, the HF config of the folder it started from
+    hf_config = setup["imported"] / "hf_config.json"
+    hf_config.write_text(json.dumps({**json.loads(hf_config.read_text()), "initializer_range": 0.0123}))
+    run("tools/convert_checkpoint.py", "export", "--megatron", str(full / "checkpoints" / "iter_0000002"),
+        "--out", str(setup["dir"] / "hf_out"), "--tokenizer", str(setup["tokenizer"]))
+    exported = json.loads((setup["dir"] / "hf_out" / "config.json").read_text())
+    assert exported["model_type"] == "llama" and exported["rms_norm_eps"] == 1e-6
+    assert exported["initializer_range"] == 0.0123                        # from init_from's hf_config.json
+    assert 50000.0 in (exported.get("rope_theta"), (exported.get("rope_parameters") or {}).get("rope_theta"))
+
 
 def test_model_section_comes_from_the_checkpoint_and_must_agree(setup):
     cfg = load_config(write_config(setup, "fill"))

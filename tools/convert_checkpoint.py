@@ -13,7 +13,8 @@ dequantizing GGUF loader) into a Megatron ``dist_checkpointing`` folder::
 The written checkpoint does not depend on the layout: it loads at any TP and PP size. Export a Megatron
 checkpoint (at any TP and PP size, the same files; ``--config`` defaults to the folder's ``model_config.json``,
 the HF config to its ``hf_config.json``) back to an HF folder that ``AutoModelForCausalLM.from_pretrained``
-loads, with the tokenizer files and chat template of ``--tokenizer``::
+loads, with the tokenizer files and chat template of ``--tokenizer``, whose bos/eos/pad ids fill ``config.json``
+where the HF config lacks them (a tokenizer with more tokens than the model's ``vocab_size`` is refused)::
 
     python tools/convert_checkpoint.py export --megatron ckpt/smollm2 --out hf/smollm2-sft \\
         --tokenizer ~/models/SmolLM2-135M-Instruct --dtype bfloat16
@@ -59,6 +60,7 @@ from packsft.model.hf_io import (  # noqa: E402
     save_hf_checkpoint,
     save_peft_adapter,
     stage_hf_names,
+    tokenizer_token_ids,
 )
 from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.train.checkpoint import LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
@@ -104,7 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     exp.add_argument("--out", required=True, help="HF folder to write (replaced atomically)")
     exp.add_argument("--config", default=None, help="model_config.json or a YAML with a model: section")
     exp.add_argument("--hf-config", default=None, help="config.json of the original HF model (optional)")
-    exp.add_argument("--tokenizer", default=None, help="folder with tokenizer files and chat template to copy")
+    exp.add_argument("--tokenizer", default=None,
+                     help="folder with tokenizer files and chat template to copy; its bos/eos/pad ids fill "
+                          "config.json where the HF config lacks them")
     exp.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                      help="dtype of the safetensors (default: the model's)")
     lora = exp.add_mutually_exclusive_group()
@@ -163,6 +167,14 @@ def export_sections(megatron: Path, config: str | None, saved: dict | None) -> t
     return model, lora
 
 
+def recorded_init_from(saved: dict | None) -> Path | None:
+    """``checkpoint.init_from`` of the config a training checkpoint records, when that folder still exists."""
+    import yaml
+
+    init_from = ((yaml.safe_load((saved or {}).get("config") or "") or {}).get("checkpoint") or {}).get("init_from")
+    return Path(init_from) if init_from and Path(init_from).is_dir() else None
+
+
 def _known_fields(cls, values: dict, where: str):
     """``cls(**values)``; ValueError naming unknown fields."""
     unknown = set(values) - {f.name for f in fields(cls)}
@@ -189,16 +201,20 @@ def _run(args: argparse.Namespace) -> int:
         saved = load_train_state(megatron) if (megatron / TRAIN_STATE).is_file() else None
         recorded = saved.get(LORA_BASE) if saved is not None else None
         cfg, lora = export_sections(megatron, args.config, saved)
+        # before the model is read: a tokenizer the model cannot embed is refused, its ids fill config.json
+        token_ids = tokenizer_token_ids(args.tokenizer, cfg.vocab_size) if args.tokenizer else None
         if (args.merge_lora or args.lora_adapter) and lora is None:
-            raise ValueError("--merge-lora / --lora-adapter need --config with lora.enabled: true")
+            raise ValueError("--merge-lora / --lora-adapter need a LoRA run's checkpoint (or --config with "
+                             "lora.enabled: true)")
         if lora is not None and not (args.merge_lora or args.lora_adapter):
             raise ValueError("the checkpoint holds LoRA adapters: pass --merge-lora or --lora-adapter DIR")
         if lora is not None and pp > 1:
             raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
         base_dir = check_lora_base(recorded, args.lora_base, megatron) if recorded is not None else None
         hf_config = read_hf_config(args.hf_config or megatron)
-        if hf_config is None and base_dir is not None:      # the imported base's HF config
-            hf_config = read_hf_config(base_dir)
+        start = base_dir or recorded_init_from(saved)   # the imported folder the run started from
+        if hf_config is None and start is not None:      # its original HF config (model type, metadata)
+            hf_config = read_hf_config(start)
         model = build_gpt_model(cfg)
         if lora is not None:
             apply_lora(model, lora)
@@ -214,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
             merge_lora(model)
         dtype = getattr(torch, args.dtype) if args.dtype else None
         save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
-                           tp_group=ctx.tp_group, pp_group=ctx.pp_group, dtype=dtype)
+                           tp_group=ctx.tp_group, pp_group=ctx.pp_group, dtype=dtype, token_ids=token_ids)
     if ctx.rank == 0:
         print(f"{args.command}: wrote {args.out}")
     return 0

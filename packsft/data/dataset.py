@@ -268,23 +268,26 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         expected = loader_expectation(tokenizer_fingerprint(self.tokenizer), self.prompt_format, self.max_seq_len,
                                       self.context_parallel_size)
         template = self.prompt_format.chat_template
-        hint = repack_hint(self.path, meta or {}, self.prompt_format,
-                           str(getattr(self.tokenizer, "name_or_path", "") or "<tokenizer>"),
-                           self.max_seq_len, self.context_parallel_size,
-                           custom_template=template is not None and template != self.tokenizer.chat_template)
+
+        def hint() -> str:  # only for a refusal: it may read the packing report
+            return repack_hint(self.path, meta or {}, self.prompt_format,
+                               str(getattr(self.tokenizer, "name_or_path", "") or "<tokenizer>"),
+                               self.max_seq_len, self.context_parallel_size,
+                               custom_template=template is not None and template != self.tokenizer.chat_template)
+
         if meta is None:
             message = (f"{self.path} has no sidecar {sidecar_path(self.path).name}: its tokenizer, prompt format, "
                        f"pad, max_seq_len and context_parallel_size cannot be checked against the loader's (and "
                        f"its rows are re-tokenized: a token cache is used only with a sidecar)")
             if require:
-                raise SidecarError(f"{message}. Re-pack it:\n  {hint}")
+                raise SidecarError(f"{message}. Re-pack it:\n  {hint()}")
             warnings.warn(message, PackedDataWarning, stacklevel=3)
             return None
         check_sidecar(meta, expected, self.path, hint)
         if self.prompt_format.name == "identity" and meta.get("format_version") == 1:
             raise SidecarError(f"{self.path} was packed for identity by an earlier packsft, which trained every "
                                "token; identity now trains only assistant turns, as Megatron-LM does, so its rows "
-                               f"would be masked differently from what was packed. Re-pack it:\n  {hint}")
+                               f"would be masked differently from what was packed. Re-pack it:\n  {hint()}")
         return meta
 
     def _open_token_cache(self, use: bool, verify_hash: bool | None) -> tuple[TokenCache | None, str]:

@@ -25,6 +25,8 @@ GEMMA3_MISSING = ("GeGLU MLP (gelu_pytorch_tanh)", "embeddings scaled by sqrt(hi
                   "alternating sliding-window / global attention layers",
                   "separate RoPE bases for local and global layers", "query_pre_attn_scalar attention scale")
 """What packsft's Megatron GPT model would need to reproduce Gemma 3 text models (``Gemma3ForCausalLM``)."""
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The special-token ids of an exported ``config.json`` that the tokenizer supplies when the HF config does not."""
 # Megatron's fixed Llama-3.1 scaling constants (megatron.core RotaryEmbedding._apply_scaling).
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -137,7 +139,7 @@ def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention
     )
 
 
-def hf_config_from_model_config(cfg: ModelConfig, base=None):
+def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | None = None):
     """The transformers config that describes ``cfg``, for export.
 
     Args:
@@ -145,6 +147,10 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None):
         base: the original HF config (``PretrainedConfig`` or its ``to_dict()``) to keep model_type,
             token ids, sliding window and other metadata from; ``None`` builds a fresh ``Qwen2Config``
             when ``cfg.add_qkv_bias``, a ``Qwen3Config`` when ``cfg.qk_layernorm``, else a ``LlamaConfig``.
+        token_ids: ``{field: id or None}`` for :data:`TOKEN_ID_FIELDS` (the export tokenizer's,
+            ``hf_io.tokenizer_token_ids``), written where ``base`` lacks the field or holds null; a None
+            there replaces the config class's default (``LlamaConfig``'s bos 1 / eos 2). Without it the
+            fields the base lacks keep the class defaults.
 
     Returns:
         ``PretrainedConfig`` with ``architectures`` set and the shape fields taken from ``cfg``.
@@ -163,6 +169,9 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None):
         raise ValueError(f"model.qk_layernorm={cfg.qk_layernorm} cannot be exported as model_type {model_type!r}")
     for key in ("model_type", "transformers_version", "architectures", "rope_scaling", "rope_theta"):
         base.pop(key, None)
+    for key, value in (token_ids or {}).items():
+        if base.get(key) is None:
+            base[key] = value
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling_factor is not None:
         rope = {**rope, "rope_type": "llama3", "factor": cfg.rope_scaling_factor, **MEGATRON_LLAMA3_ROPE}

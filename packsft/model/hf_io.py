@@ -27,7 +27,7 @@ from torch import Tensor
 
 from packsft.io import atomic_dir
 from packsft.model.config import ModelConfig
-from packsft.model.hf_config import hf_config_from_model_config
+from packsft.model.hf_config import TOKEN_ID_FIELDS, hf_config_from_model_config
 from packsft.model.state_dict_adapter import hf_to_megatron_state_dict, megatron_to_hf_state_dict
 from packsft.process_groups import barrier, global_rank, rank_and_size
 
@@ -146,37 +146,71 @@ def _write_safetensors(state: dict[str, Tensor], directory: Path, max_shard_byte
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _tokenizer_files(tokenizer_dir: str | Path) -> list[Path]:
+    """The files of ``TOKENIZER_FILES`` present in ``tokenizer_dir``.
+
+    Raises:
+        FileNotFoundError: if it holds none of ``tokenizer.json``/``tokenizer.model``/``vocab.json``.
+    """
+    files = [Path(tokenizer_dir) / n for n in TOKENIZER_FILES if (Path(tokenizer_dir) / n).is_file()]
+    if not {f.name for f in files} & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
+        raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} has no tokenizer.json, tokenizer.model "
+                                "or vocab.json")
+    return files
+
+
+def tokenizer_token_ids(tokenizer_dir: str | Path, vocab_size: int) -> dict[str, int | None]:
+    """The export tokenizer's ``TOKEN_ID_FIELDS`` (bos/eos/pad id, None where it has none), for ``config.json``.
+
+    The tokenizer is loaded as training loads it (``packsft.tokenizer.load_tokenizer``).
+
+    Raises:
+        FileNotFoundError: if ``tokenizer_dir`` holds no tokenizer file (see :func:`_tokenizer_files`).
+        ValueError: if ``len(tokenizer)`` exceeds ``vocab_size`` (the model has no row for its top ids;
+            training refuses the same tokenizer).
+    """
+    from packsft.tokenizer import load_tokenizer
+
+    _tokenizer_files(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer {tokenizer_dir} "
+                         f"({len(tokenizer)} tokens): its top ids have no embedding row")
+    return {field: getattr(tokenizer, field) for field in TOKEN_ID_FIELDS}
+
+
 def write_hf_checkpoint(hf_state: dict[str, Tensor], hf_config, out_dir: str | Path,
                         tokenizer_dir: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write an HF checkpoint folder atomically (a temp folder beside ``out_dir``, then a rename).
 
     Files: ``model.safetensors`` (or shards + ``model.safetensors.index.json`` past ``max_shard_bytes``),
-    ``config.json`` (``hf_config.save_pretrained``), ``generation_config.json``
-    (``GenerationConfig.from_model_config``) and, from ``tokenizer_dir``, every file of
-    ``TOKENIZER_FILES`` present there (tokenizer, its config with the embedded chat template, and
-    ``chat_template.jinja``). Modes: the folder ``0777 & ~umask`` (0755), every file ``0666 & ~umask`` (0644),
-    whatever the tokenizer files' own modes. A ``quantization_config`` (e.g. of a GGUF source) is dropped when no
-    tensor is quantized (all floating point), so loaders do not try to dequantize plain weights.
+    ``config.json`` (``hf_config.save_pretrained``), ``generation_config.json`` and, from ``tokenizer_dir``, every
+    file of ``TOKENIZER_FILES`` present there (tokenizer, its config with the embedded chat template, and
+    ``chat_template.jinja``). ``generation_config.json`` is ``tokenizer_dir``'s own when it holds one (the original
+    model's folder: its stop tokens and sampling defaults, which transformers' ``generate`` used for it), read and
+    rewritten by ``GenerationConfig``; else ``GenerationConfig.from_model_config(hf_config)``. Modes: the folder
+    ``0777 & ~umask`` (0755), every file ``0666 & ~umask`` (0644), whatever the tokenizer files' own modes. A
+    ``quantization_config`` (e.g. of a GGUF source) is dropped when no tensor is quantized (all floating point),
+    so loaders do not try to dequantize plain weights.
 
     Raises:
         FileNotFoundError: if ``tokenizer_dir`` holds none of ``tokenizer.json``/``tokenizer.model``/``vocab.json``.
+        OSError: if its ``generation_config.json`` is not valid.
     """
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
-    tok_files = []
-    if tokenizer_dir is not None:
-        tok_files = [Path(tokenizer_dir) / n for n in TOKENIZER_FILES if (Path(tokenizer_dir) / n).is_file()]
-        if not {f.name for f in tok_files} & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
-            raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} has no tokenizer.json, tokenizer.model "
-                                    "or vocab.json")
+    tok_files = _tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
+    generation = GenerationConfig.from_model_config(hf_config)
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(str(tokenizer_dir), local_files_only=True)
     if hasattr(hf_config, "quantization_config") and all(t.is_floating_point() for t in hf_state.values()):
         hf_config = copy.deepcopy(hf_config)
         del hf_config.quantization_config
     with atomic_dir(out_dir) as tmp:
         _write_safetensors(hf_state, tmp, max_shard_bytes)
         hf_config.save_pretrained(str(tmp))
-        GenerationConfig.from_model_config(hf_config).save_pretrained(str(tmp))
+        generation.save_pretrained(str(tmp))
         for f in tok_files:
             shutil.copyfile(f, tmp / f.name)
         umask = os.umask(0)
@@ -309,7 +343,7 @@ def gather_model_shards(model, tp_group=None, pp_group=None) -> list[dict[str, T
 
 def save_hf_checkpoint(model, cfg: ModelConfig, out_dir: str | Path, *, hf_config=None,
                        tokenizer_dir: str | Path | None = None, tp_group=None, pp_group=None,
-                       dtype: torch.dtype | None = None) -> Path | None:
+                       dtype: torch.dtype | None = None, token_ids: dict | None = None) -> Path | None:
     """Export a (possibly TP- and PP-sharded) ``GPTModel`` as an HF checkpoint folder; global rank 0 writes.
 
     Collective over ``tp_group`` and ``pp_group`` (every rank must call it; :func:`gather_model_shards`); see
@@ -318,17 +352,24 @@ def save_hf_checkpoint(model, cfg: ModelConfig, out_dir: str | Path, *, hf_confi
 
     Args:
         dtype: tensor dtype in the safetensors files (default: as the model holds them).
+        token_ids: bos/eos/pad ids written where ``hf_config`` lacks them (default: ``tokenizer_dir``'s,
+            :func:`tokenizer_token_ids`, checked on every rank before any collective).
 
     Returns:
         ``out_dir`` on global rank 0, ``None`` elsewhere.
+
+    Raises:
+        ValueError: if the tokenizer has more tokens than ``cfg.vocab_size``.
     """
+    if token_ids is None and tokenizer_dir is not None:
+        token_ids = tokenizer_token_ids(tokenizer_dir, cfg.vocab_size)
     shards = gather_model_shards(model, tp_group, pp_group)
     out = None
     if global_rank() == 0:
         hf_state = megatron_to_hf_state_dict(shards, cfg)
         if dtype is not None:
             hf_state = {k: v.to(dtype) for k, v in hf_state.items()}
-        config = hf_config_from_model_config(cfg, base=hf_config)
+        config = hf_config_from_model_config(cfg, base=hf_config, token_ids=token_ids)
         if dtype is not None:
             config.dtype = str(dtype).removeprefix("torch.")
         out = write_hf_checkpoint(hf_state, config, out_dir, tokenizer_dir)

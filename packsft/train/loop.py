@@ -562,8 +562,10 @@ class Trainer:
         logger.log(summary)
         logger.message(format_summary(summary))
         if logger.set_aside:
-            logger.message(f"{logger.set_aside} metrics record(s) of an interrupted run, past step {max(restart, 0)}, "
-                           f"moved to {Path(cfg.logging.output_dir) / DISCARDED_FILE}")
+            which = (f"past step {restart} (logged after the checkpoint this run resumes from)" if restart >= 0
+                     else "of an earlier run that left no checkpoint")
+            logger.message(f"{logger.set_aside} metrics record(s) {which} moved to "
+                           f"{Path(cfg.logging.output_dir) / DISCARDED_FILE}")
         if cfg.validation.val_at_start and self.state.step == 0:
             logger.log({"kind": "validation", "step": 0, **self.validate()})
         saved_at = validated_at = None

@@ -70,6 +70,7 @@ V1_DEFAULTS = {"train_on": "all", "chat_template_kwargs": {}, "append_eos": Fals
 """``prompt_format`` fields a version 1 sidecar lacks, with what version 1 packed."""
 PACK_TOOL = "tools/pack_megatron_sft_jsonl.py"
 HASH_AUTO_LIMIT = 256 << 20
+"""Rows files up to this size (bytes) have their hash checked by default (about 0.3 s at 1 GB/s)."""
 REPACK_OPTIONS = (
     ("split", "--split", None),
     ("record_format", "--format", "messages"),
@@ -90,7 +91,6 @@ REPACK_OPTIONS = (
 the loader's own (tokenizer, prompt format, ``max_seq_len``, CP size) and the sidecar's algorithm, seed and sequence
 parallelism; a boolean default means a flag without a value. Speed-only options (workers, engine, shard size) are
 left out."""
-"""Rows files up to this size (bytes) have their hash checked by default (about 0.3 s at 1 GB/s)."""
 
 
 class SidecarError(ValueError):

@@ -96,7 +96,7 @@ from packsft.prompt_formats import (
     tokenize_conversations,
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
-from packsft.sidecar import efficiency, rows_file_fields, sidecar_path, sidecar_text
+from packsft.sidecar import REPORT_SUFFIX, efficiency, rows_file_fields, sidecar_path, sidecar_text
 from packsft.token_cache import TokenCacheWriter, cache_paths, encode_runs, stored_length
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -245,7 +245,7 @@ class PackConfig:
         if self.max_conversation_bytes < 1:
             raise ValueError(f"--max-conversation-bytes must be >= 1, got {self.max_conversation_bytes}")
         written = {"--output": self.output, "sidecar": str(sidecar_path(self.output)),
-                   "--report": self.report or self.output + ".report.json"}
+                   "--report": self.report or self.output + REPORT_SUFFIX}
         if self.histogram != "":
             written["--histogram"] = self.histogram or self.output + ".lengths.png"
         if self.token_cache:
@@ -1284,7 +1284,7 @@ def _check_writable(paths: dict[str, str]) -> None:
 def _output_paths(cfg: PackConfig) -> dict[str, str]:
     """``{rows, sidecar, report, histogram?, token_cache?, token_index?}``: the paths a run writes."""
     paths = {"rows": cfg.output, "sidecar": str(sidecar_path(cfg.output)),
-             "report": cfg.report or cfg.output + ".report.json"}
+             "report": cfg.report or cfg.output + REPORT_SUFFIX}
     histogram = cfg.histogram if cfg.histogram is not None else cfg.output + ".lengths.png"
     if histogram:
         paths["histogram"] = histogram

@@ -262,6 +262,8 @@ def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat
         hint += f" --tensor-model-parallel-size {options['sequence_parallel_size']} --sequence-parallel"
     for field, flag, default in REPACK_OPTIONS:
         value = options.get(field, default)
+        if field == "token_cache" and isinstance(value, dict):   # the sidecar's: the cache's fields, so it was on
+            value = True
         if value == default:
             continue
         hint += f" {flag}" if isinstance(default, bool) else f" {flag} {shlex.quote(str(value))}"

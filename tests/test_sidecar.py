@@ -136,6 +136,8 @@ def test_repack_hint_repeats_every_packing_option_of_the_report(tmp_path):
     (tmp_path / "x.jsonl.packed.report.json").write_text(json.dumps({**report, "rows_file": {"size": 11}}))
     other_run = repack_hint(packed, meta(**fields), FMT, "tok", 128, 2)   # a report of another run is not read
     assert "--oversize drop" not in other_run and "(no report of this packing run beside it" in other_run
+    cached = repack_hint(packed, meta(**fields, token_cache={"tokens": {"size": 8}}), FMT, "tok", 128, 2)
+    assert "--no-token-cache" not in cached.splitlines()[0]        # the sidecar records a cache: it was on
 
 
 def test_trainer_refusal_repeats_oversize_drop(tmp_path, tokenizer_dir):

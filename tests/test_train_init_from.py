@@ -2,6 +2,7 @@
 the same row, a found resume checkpoint wins over ``init_from``, and a contradicting ``model`` section is refused."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,9 @@ def tiny_hf_llama(seed: int = 0):
     return model
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run a repository tool in a fresh process (dist_checkpointing's save needs a ``__main__`` guard)."""
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -107,22 +108,28 @@ def test_first_loss_is_the_hf_models_and_resume_wins(setup):
     assert train[1]["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert train[1]["trained_tokens"] == row["num_trained_tokens"]
 
-    # stop after step 1, then rerun: the checkpoint found by resume=auto wins over init_from (same step 2 as `full`)
+    # stop after step 1, then rerun: the checkpoint found by resume=auto wins over init_from (same step 2 as `full`);
+    # init_from given relative to the folder training runs in
     parts_cfg = write_config(setup, "parts")
+    relative = os.path.relpath(setup["imported"], REPO)
+    parts_cfg.write_text(parts_cfg.read_text().replace(str(setup["imported"]), relative))
     run("tools/train.py", "--config", str(parts_cfg), "train.stop_at_step=1")
     run("tools/train.py", "--config", str(parts_cfg))
     first, second = records(setup["dir"] / "parts", "summary")
-    assert first["initialized_from"] == str(setup["imported"]) and first["resumed_from"] is None
+    assert first["initialized_from"] == relative and first["resumed_from"] is None
     assert second["initialized_from"] is None and second["resumed_from"].endswith("iter_0000001")
     parts = {r["step"]: r for r in records(setup["dir"] / "parts", "train")}
     assert parts[2]["loss"] == train[2]["loss"] and parts[2]["grad_norm"] == train[2]["grad_norm"]
     assert train[2]["loss"] != train[1]["loss"]
 
-    # export without --config / --hf-config: the recorded model section, the HF config of the folder it started from
+    # export without --config / --hf-config, from another folder: the recorded model section, the HF config of the
+    # folder the run started from (train_state.json records it as an absolute path)
     hf_config = setup["imported"] / "hf_config.json"
     hf_config.write_text(json.dumps({**json.loads(hf_config.read_text()), "initializer_range": 0.0123}))
-    run("tools/convert_checkpoint.py", "export", "--megatron", str(full / "checkpoints" / "iter_0000002"),
-        "--out", str(setup["dir"] / "hf_out"), "--tokenizer", str(setup["tokenizer"]))
+    last = setup["dir"] / "parts" / "checkpoints" / "iter_0000002"
+    assert json.loads((last / "train_state.json").read_text())["init_from"] == str(setup["imported"].resolve())
+    run(str(REPO / "tools" / "convert_checkpoint.py"), "export", "--megatron", str(last),
+        "--out", str(setup["dir"] / "hf_out"), "--tokenizer", str(setup["tokenizer"]), cwd=setup["dir"])
     exported = json.loads((setup["dir"] / "hf_out" / "config.json").read_text())
     assert exported["model_type"] == "llama" and exported["rms_norm_eps"] == 1e-6
     assert exported["initializer_range"] == 0.0123                        # from init_from's hf_config.json

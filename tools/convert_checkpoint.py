@@ -63,7 +63,7 @@ from packsft.model.hf_io import (  # noqa: E402
     tokenizer_token_ids,
 )
 from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
-from packsft.train.checkpoint import LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
+from packsft.train.checkpoint import INIT_FROM, LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
 from packsft.train.config import check_recorded_architecture, recorded_architecture  # noqa: E402
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
 from packsft.train.model_checkpoint import (  # noqa: E402
@@ -168,11 +168,25 @@ def export_sections(megatron: Path, config: str | None, saved: dict | None) -> t
 
 
 def recorded_init_from(saved: dict | None) -> Path | None:
-    """``checkpoint.init_from`` of the config a training checkpoint records, when that folder still exists."""
+    """The imported folder a training checkpoint's run started from (its ``init_from``), or None.
+
+    ``train_state.json`` records it as an absolute path (older checkpoints: only the config's, maybe relative to the
+    training folder). A recorded folder that no longer exists is named in a note on stderr.
+    """
     import yaml
 
-    init_from = ((yaml.safe_load((saved or {}).get("config") or "") or {}).get("checkpoint") or {}).get("init_from")
-    return Path(init_from) if init_from and Path(init_from).is_dir() else None
+    if not saved:
+        return None
+    init_from = saved.get(INIT_FROM) or (
+        (yaml.safe_load(saved.get("config") or "") or {}).get("checkpoint") or {}).get("init_from")
+    if not init_from:
+        return None
+    if not Path(init_from).is_dir():
+        print(f"note: the run started from {init_from}, which is not found here: config.json is built from the "
+              "model config alone (pass --hf-config <original>/config.json to keep the original's fields)",
+              file=sys.stderr)
+        return None
+    return Path(init_from)
 
 
 def _known_fields(cls, values: dict, where: str):
@@ -212,9 +226,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
         base_dir = check_lora_base(recorded, args.lora_base, megatron) if recorded is not None else None
         hf_config = read_hf_config(args.hf_config or megatron)
-        start = base_dir or recorded_init_from(saved)   # the imported folder the run started from
-        if hf_config is None and start is not None:      # its original HF config (model type, metadata)
-            hf_config = read_hf_config(start)
+        if hf_config is None:       # the original HF config of the imported folder the run started from
+            start = base_dir or recorded_init_from(saved)
+            hf_config = read_hf_config(start) if start is not None else None
         model = build_gpt_model(cfg)
         if lora is not None:
             apply_lora(model, lora)

@@ -6,14 +6,15 @@ Layout of ``<checkpoint_dir>``::
     iter_0000020/
       .metadata, __*_*.distcp   # torch_dist shards of {"model": ..., "optimizer": ...} (dist_checkpointing)
       common.pt, metadata.json  # dist_checkpointing common state (optimizer param_groups, common_step)
-      train_state.json          # rank 0: step and counters, scheduler, config, layout (+ lora_base)
+      train_state.json          # rank 0: step and counters, scheduler, config, layout (+ lora_base, init_from)
       dataloader_dp{d}.pt       # one per data-parallel rank d (written by its TP=CP=0 rank): loader_state_dict
       rng_rank{r}.pt            # one per global rank r: torch, numpy (as tensors), python (JSON text), CUDA RNG states
 
 Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames it to ``iter_XXXXXXX`` and
 then rewrites ``latest`` through a temp file + ``os.replace``. A process killed during a save leaves a ``.tmp``
-folder that is never read (and is deleted by the next save of that step) and ``latest`` still names the previous
-complete checkpoint. With ``keep_last`` rank 0 then prunes older complete checkpoints (:func:`prune_checkpoints`).
+folder that is never read (:func:`remove_partial_checkpoints` deletes it when the next run starts) and ``latest``
+still names the previous complete checkpoint. With ``keep_last`` rank 0 then prunes older complete checkpoints
+(:func:`prune_checkpoints`).
 
 LoRA runs started from a base folder (``lora.enabled`` with ``checkpoint.init_from``): ``"model"`` holds only the
 adapter tensors (``adapters_only``) and ``train_state.json`` has ``"lora_base": {"path", "fingerprint"}``
@@ -76,6 +77,8 @@ OLD_TRAIN_STATE = "train_state.pt"
 """The pickled train state of checkpoints written before ``train_state.json``; such checkpoints are refused."""
 COMMON_STEP = "common_step"
 LORA_BASE = "lora_base"
+INIT_FROM = "init_from"
+"""``train_state.json`` key: the absolute path of ``checkpoint.init_from`` (export reads its ``hf_config.json``)."""
 """``train_state.json`` key of an adapters-only LoRA checkpoint: the base's ``{"path", "fingerprint"}``."""
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""

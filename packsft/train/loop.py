@@ -303,6 +303,8 @@ class Trainer:
                        "config": config_to_yaml(self.cfg), "layout": self.layout()}
         if self.lora_base is not None:
             train_state[ckpt.LORA_BASE] = self.lora_base
+        if self.cfg.checkpoint.init_from:   # absolute: the config's path may be relative to the training folder
+            train_state[ckpt.INIT_FROM] = str(Path(self.cfg.checkpoint.init_from).resolve())
         first_of_dp = dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0 and self.ctx.pp_rank == 0
         self.last_checkpoint = ckpt.save_checkpoint(
             self.cfg.checkpoint_dir, self.state.step, self.model, self.optimizer, train_state=train_state,

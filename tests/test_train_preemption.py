@@ -146,3 +146,40 @@ def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill):  # noqa:
         text, _ = again.communicate(timeout=300)
         assert again.returncode == 0, text[-3000:]
         assert _train_steps(out) == list(range(1, 61)) and "resumed_from" in text
+
+
+GUARDED_FORK = """
+import multiprocessing, os, sys, time
+sys.path.insert(0, {repo!r})
+from packsft.train import process_guard
+if {guard}:
+    process_guard.forked_children_die_with_this_process()
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+child.start()
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_forked_child_dies_with_the_trainer(guard):
+    """dist_checkpointing forks its file writers during a save; a trainer SIGKILLed then must not leave them."""
+    proc = subprocess.Popen([sys.executable, "-c", GUARDED_FORK.format(repo=str(REPO), guard=guard)],
+                            stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + (10 if guard else 1)
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert alive != guard               # the control (no guard): the orphan lives on

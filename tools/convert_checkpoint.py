@@ -71,7 +71,7 @@ from packsft.train.model_checkpoint import (  # noqa: E402
     load_megatron_checkpoint,
     save_megatron_checkpoint,
 )
-from packsft.train.process_guard import stop_checkpoint_writer  # noqa: E402
+from packsft.train.process_guard import forked_children_die_with_this_process, stop_checkpoint_writer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,6 +132,7 @@ def main(argv=None) -> int:
         print(f"error: {'--hf' if args.command == 'import' else '--megatron'} {source} does not exist",
               file=sys.stderr)
         return 2
+    forked_children_die_with_this_process()    # import saves through dist_checkpointing's forked writers
     try:
         return _run(args)
     except (ValueError, OSError, CheckpointingException) as err:   # unsupported model, bad file or folder, TP layout

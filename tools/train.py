@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun worker: end with torchrun, even on its SIGKILL
         process_guard.die_with_parent()
+    process_guard.forked_children_die_with_this_process()   # the checkpoint writer's forked processes
     if cfg.train.save_on_sigterm:                 # a stop signal during start-up is kept for the loop's first check
         process_guard.STOP_SIGNAL.install()
     try:

@@ -5,7 +5,8 @@ a kill.
   saves and exits 0); a second one takes the signal's default action (the process ends at once).
 * :func:`die_with_parent`: ``prctl(PR_SET_PDEATHSIG)`` (Linux), so a process is killed when the one that started it
   dies, even by SIGKILL. ``tools/train.py`` sets it in torchrun's workers (torchrun starts them in their own
-  sessions, so killing torchrun's process group misses them).
+  sessions, so killing torchrun's process group misses them), and :func:`forked_children_die_with_this_process`
+  in every process the trainer forks (``dist_checkpointing``'s file writers are forked during a save).
 * :func:`start_checkpoint_writer`: the spawn-context ``multiprocessing`` Manager whose queue ``dist_checkpointing``'s
   file writer uses, started here with :func:`die_with_parent` as its initializer (and SIGTERM/SIGINT ignored, so a
   signal sent to every process of the job does not break the save that follows) (Megatron-Core would start it
@@ -88,6 +89,38 @@ class StopSignal:
 
 STOP_SIGNAL = StopSignal()
 """The process-wide SIGTERM/SIGINT handler."""
+
+_fork_parent: int | None = None
+_fork_guard = False
+
+
+def forked_children_die_with_this_process() -> bool:
+    """Set :func:`die_with_parent` in every child this process forks from its main thread (``os.register_at_fork``).
+
+    ``dist_checkpointing``'s writer forks one process per write bucket during a save; without this, a trainer
+    killed mid-save (a second signal, SIGKILL) leaves them blocked forever. Forks from other threads are left alone
+    (the death signal follows the forking thread, which may end first). Linux only; once per process.
+
+    Returns:
+        True when installed by this call.
+    """
+    global _fork_guard
+    if _fork_guard or not sys.platform.startswith("linux"):
+        return False
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    _fork_guard = True
+    return True
+
+
+def _before_fork() -> None:
+    global _fork_parent
+    _fork_parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
+
+
+def _after_fork_in_child() -> None:
+    if _fork_parent is not None:
+        die_with_parent(signal.SIGKILL, _fork_parent)
+
 
 _writer_manager = None
 

@@ -157,7 +157,8 @@ def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed):  # 
                    check=False)
     assert proc.returncode == 2 and "error: lora.alpha is 16.0 but checkpoint" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp / "wrong").exists()
-    _export(lora_run, "--out", tmp / "hf_base", "--lora-adapter", tmp / "adapter", *tokenizer)
+    _export(lora_run, "--out", tmp / "hf_base", "--lora-adapter", tmp / "adapter", *tokenizer,
+            config=("--config", lora_run["base"] / "model_config.json"))    # no lora section: the recorded one
     merged = AutoModelForCausalLM.from_pretrained(tmp / "merged", dtype=torch.float32).eval()
     hf_base = AutoModelForCausalLM.from_pretrained(tmp / "hf_base", dtype=torch.float32).eval()
     assert all(torch.equal(hf_base.state_dict()[k], v) for k, v in lora_run["hf"].state_dict().items())

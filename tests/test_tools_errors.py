@@ -108,3 +108,14 @@ def test_train_resume_none_over_an_earlier_run(tmp_path, packed):  # noqa: F811
     assert_user_error(*run_tool(TOOLS / "train.py", "--config", cfg, "checkpoint.resume=none"),
                       "checkpoint.resume=none but the run folder holds an earlier run")
     assert (out / "metrics.jsonl").read_text() == '{"kind": "train", "step": 1}\n'      # nothing appended
+
+
+def test_train_te_backend_without_transformer_engine(tmp_path, packed):  # noqa: F811
+    try:
+        import transformer_engine  # noqa: F401
+        pytest.skip("TransformerEngine is installed")
+    except ImportError:
+        pass
+    cfg = write_config(tmp_path / "c.yaml", packed, tmp_path / "run")
+    assert_user_error(*run_tool(TOOLS / "train.py", "--config", cfg, "model.attention_backend=te"),
+                      "model.attention_backend='te' needs TransformerEngine")

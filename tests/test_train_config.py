@@ -128,6 +128,12 @@ def test_a_checkpoint_refuses_another_architecture():
     free = load_config(TINY, ["lora.enabled=true", "lora.dropout=0.1", "model.init_method_std=0.01",
                               "model.recompute_granularity=selective"])
     check_recorded_architecture(free.model, free.lora, recorded, "ck", fix="FIX")     # no weight depends on them
+    modules = list(reversed(cfg.lora.target_modules))
+    reordered = load_config(TINY, ["lora.enabled=true", f"lora.target_modules={modules}"])
+    check_recorded_architecture(reordered.model, reordered.lora, recorded, "ck", fix="FIX")   # the same set
+    plain = recorded_architecture({"config": config_to_yaml(load_config(TINY))}, "ck")
+    check_recorded_architecture(load_config(TINY, ["lora.alpha=32"]).model, None, plain, "ck",
+                                fix="FIX")      # LoRA off on both sides: lora.* not compared
     for override, message in (("model.rotary_base=10000", r"model.rotary_base is 10000.0 but checkpoint ck was "
                                                           r"trained with 100000.0; FIX"),
                               ("model.num_layers=3", "model.num_layers is 3 but"),

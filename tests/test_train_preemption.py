@@ -183,3 +183,27 @@ def test_a_forked_child_dies_with_the_trainer(guard):
     if alive:
         os.kill(child, signal.SIGKILL)
     assert alive != guard               # the control (no guard): the orphan lives on
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether ``pid`` has a handler for SIGTERM (``SigCgt`` of ``/proc/<pid>/status``)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_start_up_stops_cleanly_before_step_1(tmp_path, packed):  # noqa: F811
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", packed, out, **{**COMMON, "data": {"train_path": str(packed["many"])}})
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "train.py"), "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env("startup"))
+    _wait_for(lambda: _catches_sigterm(proc.pid), proc, "the stop handler", seconds=60)   # before the heavy imports
+    proc.send_signal(signal.SIGINT)
+    text, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, text[-3000:]
+    assert "stopped by SIGINT after step 0: nothing new to save" in text and "Traceback" not in text, text[-3000:]
+    assert _train_steps(out) == [] and not (out / "checkpoints" / "latest").exists()

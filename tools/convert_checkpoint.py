@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     forked_children_die_with_this_process()    # import saves through dist_checkpointing's forked writers
     try:
         return _run(args)
-    except (ValueError, OSError, CheckpointingException) as err:   # unsupported model, bad file or folder, TP layout
+    except (ValueError, OSError, ImportError, CheckpointingException) as err:   # unsupported model, bad file or
+        # folder, TP layout, an optional dependency the model needs (TransformerEngine)
         print(f"error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
         return 2
     finally:
@@ -161,7 +162,11 @@ def export_sections(megatron: Path, config: str | None, saved: dict | None) -> t
         lora = recorded["lora"]
         where = f"{megatron / TRAIN_STATE} lora"
         return model, (_known_fields(LoraConfig, lora, where) if lora.get("enabled") else None)
-    model, lora = read_model_config(config), read_lora_config(config)
+    model = read_model_config(config)
+    if Path(config).suffix in (".yaml", ".yml"):
+        lora = read_lora_config(config)
+    else:                       # a model_config.json has no lora section: the recorded one
+        lora = _known_fields(LoraConfig, recorded["lora"], str(megatron)) if recorded["lora"].get("enabled") else None
     check_recorded_architecture(model, lora, recorded, megatron,
                                 fix="pass that run's config.yaml as --config, or leave --config out to use the "
                                     "recorded one")

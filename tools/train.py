@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Load the config, train, tear down; return the exit status (2 on a config error)."""
     args = parse_args(argv)
+    from packsft.train import process_guard  # standard library only: the stop signal is held from here on
+
+    process_guard.STOP_SIGNAL.install()          # a stop signal during start-up is kept for the loop's first check
     from packsft.train.config import config_to_yaml, load_config
 
     try:
@@ -60,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not cfg.train.save_on_sigterm:             # the signals' defaults, and one that came meanwhile acts now
+        received = process_guard.STOP_SIGNAL.received
+        process_guard.STOP_SIGNAL.uninstall()
+        if received:
+            os.kill(os.getpid(), getattr(signal, received))
 
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from packsft.io import atomic_open
-    from packsft.train import process_guard
     from packsft.train.checkpoint import CheckpointSpaceError
     from packsft.train.distributed import destroy_distributed
     from packsft.train.loop import Trainer
@@ -72,13 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun worker: end with torchrun, even on its SIGKILL
         process_guard.die_with_parent()
     process_guard.forked_children_die_with_this_process()   # the checkpoint writer's forked processes
-    if cfg.train.save_on_sigterm:                 # a stop signal during start-up is kept for the loop's first check
-        process_guard.STOP_SIGNAL.install()
     try:
         try:
             trainer = Trainer(cfg)
-        except (ValueError, FileNotFoundError, CheckpointingException) as err:
-            # layout, data, sidecar, vocabulary, resume (old format, another architecture), checkpoint.dir
+        except (ValueError, FileNotFoundError, ImportError, CheckpointingException) as err:
+            # layout, data, sidecar, vocabulary, resume (old format, another architecture), checkpoint.dir, an
+            # optional dependency the config needs (TransformerEngine)
             print(f"error: {err}", file=sys.stderr)
             return 2
         if trainer.ctx.rank == 0:

@@ -572,12 +572,19 @@ def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str
     return {"model": recorded["model"], "lora": recorded.get("lora") or {}}
 
 
+def _lora_fields(lora: dict) -> dict:
+    """``lora`` fields as compared: ``target_modules`` as a sorted list (their order changes no weight)."""
+    modules = lora.get("target_modules")
+    return {**lora, "target_modules": sorted(modules)} if isinstance(modules, list) else lora
+
+
 def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, recorded: dict[str, dict],
                                 checkpoint: str | Path, *, fix: str) -> None:
     """Refuse a ``model`` / ``lora`` section that differs from what a checkpoint was trained with.
 
     ``model`` keys in ``INIT_FROM_FREE_MODEL_KEYS`` (no weight depends on them) and ``lora`` keys in
-    ``RESUME_FREE_LORA_KEYS`` may differ; every other key the checkpoint records must agree (a changed
+    ``RESUME_FREE_LORA_KEYS`` may differ (``lora`` keys are compared only when either side has LoRA on, and
+    ``target_modules`` as a set); every other key the checkpoint records must agree (a changed
     ``rotary_base`` or ``lora.alpha`` would load cleanly and silently compute another function).
 
     Args:
@@ -590,8 +597,8 @@ def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, rec
     """
     from packsft.train.checkpoint import CheckpointError
 
-    current_lora = asdict(lora) if lora is not None else {"enabled": False}
-    recorded_lora = recorded["lora"] if recorded["lora"].get("enabled") else {"enabled": False}
+    current_lora = _lora_fields(asdict(lora)) if lora is not None else {"enabled": False}
+    recorded_lora = _lora_fields(recorded["lora"]) if recorded["lora"].get("enabled") else {"enabled": False}
     for section, current, reference, free in (("model", asdict(model), recorded["model"], INIT_FROM_FREE_MODEL_KEYS),
                                               ("lora", current_lora, recorded_lora, RESUME_FREE_LORA_KEYS)):
         key = _first_difference(current, reference, free)

@@ -105,7 +105,7 @@ from packsft.train.optim import (
 from packsft.train.token_loss import gpt_token_loss
 
 RESUME_FIX = ("a resumed run keeps the architecture it was trained with: set the recorded value, or start a new run "
-              "in another logging.output_dir (or with checkpoint.resume=none)")
+              "in another logging.output_dir")
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """LoRA on Megatron's parallel linears (one process): zero init is the base model, merge, PEFT export, checkpoints."""
 
+import dataclasses
+
 import pytest
 import torch
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
@@ -7,8 +9,15 @@ from test_hf_convert import VOCAB, hf_model, megatron_from_hf, megatron_logits
 from transformers import AutoModelForCausalLM
 
 from packsft.model.gpt import build_gpt_model
-from packsft.model.hf_io import save_hf_checkpoint, save_peft_adapter
-from packsft.model.lora import LoraConfig, apply_lora, lora_parameters, merge_lora, read_lora_config
+from packsft.model.hf_io import load_hf_state_into_model, save_hf_checkpoint, save_peft_adapter
+from packsft.model.lora import (
+    LoraConfig,
+    apply_lora,
+    enable_input_gradients,
+    lora_parameters,
+    merge_lora,
+    read_lora_config,
+)
 from packsft.train.config import OptimizerConfig
 from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
 from packsft.train.optim import build_optimizer
@@ -117,3 +126,26 @@ def test_lora_config_is_validated(tmp_path):
     assert read_lora_config(path) == LoraConfig(enabled=True, rank=2, alpha=4, target_modules=["linear_qkv"])
     path.write_text("model: {}\n")
     assert read_lora_config(path) is None
+
+
+@pytest.mark.parametrize("recompute", [{"recompute_granularity": "full", "recompute_method": "uniform",
+                                        "recompute_num_layers": 1},
+                                       {"recompute_granularity": "selective"}], ids=["full", "selective"])
+def test_recompute_gives_the_adapter_gradients_of_no_recompute(parallel_state_1proc, recompute):  # noqa: F811
+    """The frozen base gives the first layer an input that needs no gradient; full recompute must still
+    back-propagate to the adapters (Megatron's reentrant checkpoint drops outputs of such inputs)."""
+    hf = hf_model("llama")
+    grads = []
+    for extra in ({}, recompute):
+        _, cfg = megatron_from_hf(hf)
+        model = build_gpt_model(dataclasses.replace(cfg, **extra))
+        load_hf_state_into_model(model, hf.state_dict(), cfg)
+        apply_lora(model, LORA)
+        enable_input_gradients(model)
+        _perturb_adapters(model)
+        model.train()
+        model(_tokens(), torch.arange(20)[None], None).float().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)

@@ -212,6 +212,20 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> dict[str, torch.nn.M
     return modules
 
 
+def enable_input_gradients(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle | None:
+    """Make the embedding output of ``model`` (a first-stage ``GPTModel``) require a gradient.
+
+    With the base frozen the first layer's input needs no gradient, so Megatron's full activation recompute (a
+    reentrant ``CheckpointFunction``) would return outputs that do not either and the adapters would get none
+    (``element 0 of tensors does not require grad``); transformers' ``enable_input_require_grads`` does the same
+    for gradient checkpointing. Returns the forward hook's handle (None: not a first stage).
+    """
+    embedding = getattr(model, "embedding", None)
+    if embedding is None:
+        return None
+    return embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+
+
 def lora_parameters(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
     """The adapter parameters (those :func:`apply_lora` left trainable)."""
     return [p for n, p in model.named_parameters() if ".lora_" in n]

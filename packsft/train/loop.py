@@ -74,7 +74,7 @@ from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_w
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.gpt import build_gpt_stages, unwrap_model
-from packsft.model.lora import apply_lora
+from packsft.model.lora import apply_lora, enable_input_gradients
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
@@ -206,6 +206,8 @@ class Trainer:
         for gpt in chunks:
             if self.cfg.lora.enabled:   # before DDP and the optimizer: only the adapters are trainable
                 apply_lora(gpt, self.cfg.lora)
+                if self.cfg.model.recompute_granularity == "full":
+                    enable_input_gradients(gpt)
             gpt.to(self.ctx.device)
             if gpt.post_process:
                 use_hidden_state_output(gpt)

@@ -368,3 +368,13 @@ def test_te_backend_uses_fused_norm_names():
     assert not [k for k in state if "input_layernorm" in k or "pre_mlp_layernorm" in k]
     back = megatron_to_hf_state_dict([state], cfg)
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+def test_export_keeps_the_original_context_length():
+    cfg = ModelConfig(num_layers=1, hidden_size=8, ffn_hidden_size=8, num_attention_heads=2, num_query_groups=2,
+                      vocab_size=16, max_position_embeddings=512)        # trained on shorter rows than the original
+    base = {"model_type": "llama", "max_position_embeddings": 2048}
+    assert hf_config_from_model_config(cfg, base=base).max_position_embeddings == 2048
+    assert hf_config_from_model_config(cfg).max_position_embeddings == 512
+    longer = {**base, "max_position_embeddings": 256}
+    assert hf_config_from_model_config(cfg, base=longer).max_position_embeddings == 512

@@ -153,7 +153,9 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
             fields the base lacks keep the class defaults.
 
     Returns:
-        ``PretrainedConfig`` with ``architectures`` set and the shape fields taken from ``cfg``.
+        ``PretrainedConfig`` with ``architectures`` set and the shape fields taken from ``cfg``;
+        ``max_position_embeddings`` is the larger of ``cfg``'s and the base's (a run that trained with a shorter
+        ``model.max_position_embeddings`` keeps the original model's context).
 
     Raises:
         ValueError: if ``cfg.add_qkv_bias`` or ``cfg.qk_layernorm`` disagrees with the base's ``model_type``
@@ -180,7 +182,8 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
     shape = dict(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                  intermediate_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_attention_heads,
                  num_key_value_heads=cfg.num_query_groups, vocab_size=cfg.vocab_size,
-                 max_position_embeddings=cfg.max_position_embeddings, head_dim=cfg.head_dim,
+                 max_position_embeddings=max(cfg.max_position_embeddings, base.get("max_position_embeddings") or 0),
+                 head_dim=cfg.head_dim,
                  rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_word_embeddings,
                  rope_parameters=rope, hidden_act="silu", dtype=cfg.params_dtype)
     if cfg.kv_channels is None and "head_dim" not in base and model_type != "qwen3":

@@ -77,9 +77,9 @@ OLD_TRAIN_STATE = "train_state.pt"
 """The pickled train state of checkpoints written before ``train_state.json``; such checkpoints are refused."""
 COMMON_STEP = "common_step"
 LORA_BASE = "lora_base"
+"""``train_state.json`` key of an adapters-only LoRA checkpoint: the base's ``{"path", "fingerprint"}``."""
 INIT_FROM = "init_from"
 """``train_state.json`` key: the absolute path of ``checkpoint.init_from`` (export reads its ``hf_config.json``)."""
-"""``train_state.json`` key of an adapters-only LoRA checkpoint: the base's ``{"path", "fingerprint"}``."""
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
 

@@ -135,13 +135,13 @@ def test_a_checkpoint_refuses_another_architecture():
     check_recorded_architecture(load_config(TINY, ["lora.alpha=32"]).model, None, plain, "ck",
                                 fix="FIX")      # LoRA off on both sides: lora.* not compared
     for override, message in (("model.rotary_base=10000", r"model.rotary_base is 10000.0 but checkpoint ck was "
-                                                          r"trained with 100000.0; FIX"),
+                                                          r"trained with 100000.0; FIX model.rotary_base=100000.0$"),
                               ("model.num_layers=3", "model.num_layers is 3 but"),
                               ("lora.alpha=32", "lora.alpha is 32.0 but checkpoint ck was trained with 16.0"),
                               ("lora.enabled=false", "lora.enabled is False but checkpoint ck was trained with True")):
         other = load_config(TINY, ["lora.enabled=true", "lora.alpha=16", override])
         with pytest.raises(CheckpointError, match=message):
             check_recorded_architecture(other.model, other.lora if other.lora.enabled else None, recorded, "ck",
-                                        fix="FIX")
+                                        fix="FIX {key}={value}")
     with pytest.raises(CheckpointError, match="records no config with a model section"):
         recorded_architecture({}, "ck")

@@ -207,3 +207,22 @@ def test_ctrl_c_during_start_up_stops_cleanly_before_step_1(tmp_path, packed):  
     assert proc.returncode == 0, text[-3000:]
     assert "stopped by SIGINT after step 0: nothing new to save" in text and "Traceback" not in text, text[-3000:]
     assert _train_steps(out) == [] and not (out / "checkpoints" / "latest").exists()
+
+
+IGNORED_SIGINT = """
+import signal, sys
+sys.path.insert(0, {repo!r})
+from packsft.train.process_guard import STOP_SIGNAL
+signal.signal(signal.SIGINT, signal.SIG_IGN)          # a background job of a script: SIGINT ignored on entry
+assert STOP_SIGNAL.install()
+assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == STOP_SIGNAL._handle
+STOP_SIGNAL.uninstall()
+assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+print("ok")
+"""
+
+
+def test_an_ignored_sigint_stays_ignored():
+    proc = subprocess.run([sys.executable, "-c", IGNORED_SIGINT.format(repo=str(REPO))], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from packsft.train import process_guard  # standard library only: the stop signal is held from here on
 
-    process_guard.STOP_SIGNAL.install()          # a stop signal during start-up is kept for the loop's first check
+    stop = process_guard.STOP_SIGNAL
+    stop.install()                               # a stop signal during start-up is kept for the loop's first check
+    stop.action = "stopping once the configuration is read (before the first step)"
     from packsft.train.config import config_to_yaml, load_config
 
     try:
@@ -64,12 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not cfg.train.save_on_sigterm:             # the signals' defaults, and one that came meanwhile acts now
-        received = process_guard.STOP_SIGNAL.received
-        process_guard.STOP_SIGNAL.uninstall()
+    if not cfg.train.save_on_sigterm:             # the signals' defaults; one that came meanwhile ends the run now
+        received = stop.received
+        stop.uninstall()
         if received:
-            os.kill(os.getpid(), getattr(signal, received))
-
+            print(f"stopped by {received} during start-up", file=sys.stderr)
+            return 128 + getattr(signal, received)
+    stop.action = stop.ACTION                    # from here on the run stops after a step and saves
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from packsft.io import atomic_open

@@ -590,7 +590,8 @@ def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, rec
     Args:
         model, lora: the current sections (``lora`` None: LoRA off).
         recorded: :func:`recorded_architecture` of the checkpoint.
-        checkpoint: the checkpoint folder, named in the message. fix: how to proceed, appended to the message.
+        checkpoint: the checkpoint folder, named in the message. fix: how to proceed, appended to the message
+            (``{key}`` and ``{value}`` are replaced by the dotted key and the recorded value).
 
     Raises:
         CheckpointError: naming the first differing dotted key and both values.
@@ -603,8 +604,9 @@ def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, rec
                                               ("lora", current_lora, recorded_lora, RESUME_FREE_LORA_KEYS)):
         key = _first_difference(current, reference, free)
         if key is not None:
+            how = fix.format(key=f"{section}.{key}", value=reference[key])
             raise CheckpointError(f"{section}.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained "
-                                  f"with {reference[key]!r}; {fix}")
+                                  f"with {reference[key]!r}; {how}")
 
 
 def config_to_yaml(cfg: Config) -> str:

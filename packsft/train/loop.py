@@ -104,8 +104,9 @@ from packsft.train.optim import (
 )
 from packsft.train.token_loss import gpt_token_loss
 
-RESUME_FIX = ("a resumed run keeps the architecture it was trained with: set the recorded value, or start a new run "
-              "in another logging.output_dir")
+RESUME_FIX = ("a resumed run keeps the architecture it was trained with: set {key}={value}; for another "
+              "architecture start a new run in a new logging.output_dir, with a checkpoint.dir that does not hold this "
+              "checkpoint (the default is inside logging.output_dir) and no checkpoint.resume=<path>")
 
 
 @dataclass

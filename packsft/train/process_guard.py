@@ -58,24 +58,31 @@ class StopSignal:
     """A SIGTERM and SIGINT handler that records the signal instead of ending the process (module docstring)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    ACTION = "finishing the current step, then saving and exiting"
 
     def __init__(self) -> None:
         self.received: str | None = None
         """Name of the first signal received (``"SIGTERM"``, ``"SIGINT"``), or None."""
+        self.action = self.ACTION
+        """What the process does next, as the line printed on the first signal says."""
         self._previous: dict[int, object] = {}
+        self._installed = False
 
     def install(self) -> bool:
-        """Install the handler (main thread only); return whether this call installed it."""
-        if self._previous or threading.current_thread() is not threading.main_thread():
+        """Install the handler (main thread only) for each signal not ignored (``SIG_IGN``: e.g. SIGINT of a
+        background job of a script, which stays ignored); return whether this call installed it."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
             return False
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS
+                          if signal.getsignal(sig) is not signal.SIG_IGN}
+        self._installed = True
         return True
 
     def uninstall(self) -> None:
         """Restore the previous handlers and clear the flag."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
-        self._previous, self.received = {}, None
+        self._previous, self.received, self._installed, self.action = {}, None, False, self.ACTION
 
     def _handle(self, signum, frame) -> None:
         if self.received:                     # a second stop signal: end now, as without the handler
@@ -83,8 +90,8 @@ class StopSignal:
             os.kill(os.getpid(), signum)
             return
         self.received = signal.Signals(signum).name
-        print(f"packsft: {self.received} received (pid {os.getpid()}): finishing the current step, then saving and "
-              "exiting; send it again to end at once", file=sys.stderr, flush=True)
+        print(f"packsft: {self.received} received (pid {os.getpid()}): {self.action}; send it again to end at once",
+              file=sys.stderr, flush=True)
 
 
 STOP_SIGNAL = StopSignal()

@@ -126,6 +126,9 @@ def test_lora_config_is_validated(tmp_path):
     assert read_lora_config(path) == LoraConfig(enabled=True, rank=2, alpha=4, target_modules=["linear_qkv"])
     path.write_text("model: {}\n")
     assert read_lora_config(path) is None
+    path.write_text("lora: {enabled: true, ranks: 2}\n")
+    with pytest.raises(ValueError, match=r"c.yaml lora: unknown LoraConfig fields \['ranks'\]"):
+        read_lora_config(path)
 
 
 @pytest.mark.parametrize("recompute", [{"recompute_granularity": "full", "recompute_method": "uniform",

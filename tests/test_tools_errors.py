@@ -29,7 +29,9 @@ TOOLS = REPO / "tools"
     (["import", "--hf", "{tmp}/gpt2", "--out", "{tmp}/out"], "unsupported model_type 'gpt2'"),
     (["export", "--megatron", "{tmp}", "--out", "{tmp}/out"],
      "{tmp} has no model_config.json: not a packsft checkpoint folder"),
-], ids=["missing", "unsupported", "not_a_checkpoint"])
+    (["export", "--megatron", "{tmp}", "--config", "{tmp}/c.yaml", "--out", "{tmp}/out"],
+     "{tmp}/c.yaml: unknown ModelConfig fields ['num_layer']"),
+], ids=["missing", "unsupported", "not_a_checkpoint", "unknown_field"])
 def test_convert_checkpoint(tmp_path, args, message):
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2,
@@ -37,6 +39,7 @@ def test_convert_checkpoint(tmp_path, args, message):
     import torch
     from safetensors.torch import save_file
     save_file({"w": torch.zeros(2)}, tmp_path / "gpt2" / "model.safetensors")
+    (tmp_path / "c.yaml").write_text("model: {num_layer: 2}\n")         # a typo of num_layers
     fill = [a.format(tmp=tmp_path) for a in args]
     assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", *fill), message.format(tmp=tmp_path))
 

@@ -42,14 +42,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packsft.model.config import ModelConfig, read_model_config  # noqa: E402
+from packsft.model.config import ModelConfig, config_from_dict, read_model_config  # noqa: E402
 from packsft.model.gpt import build_gpt_model  # noqa: E402
 from packsft.model.hf_config import model_config_from_hf  # noqa: E402
 from packsft.model.hf_io import (  # noqa: E402
@@ -158,15 +157,17 @@ def export_sections(megatron: Path, config: str | None, saved: dict | None) -> t
         return read_model_config(config or megatron), read_lora_config(config) if config else None
     recorded = recorded_architecture(saved, megatron)
     if config is None:
-        model = _known_fields(ModelConfig, recorded["model"], f"{megatron / TRAIN_STATE} model")
+        model = config_from_dict(ModelConfig, recorded["model"], f"{megatron / TRAIN_STATE} model")
         lora = recorded["lora"]
         where = f"{megatron / TRAIN_STATE} lora"
-        return model, (_known_fields(LoraConfig, lora, where) if lora.get("enabled") else None)
+        return model, (config_from_dict(LoraConfig, lora, where) if lora.get("enabled") else None)
     model = read_model_config(config)
     if Path(config).suffix in (".yaml", ".yml"):
         lora = read_lora_config(config)
-    else:                       # a model_config.json has no lora section: the recorded one
-        lora = _known_fields(LoraConfig, recorded["lora"], str(megatron)) if recorded["lora"].get("enabled") else None
+    elif recorded["lora"].get("enabled"):   # a model_config.json has no lora section: the recorded one
+        lora = config_from_dict(LoraConfig, recorded["lora"], f"{megatron / TRAIN_STATE} lora")
+    else:
+        lora = None
     check_recorded_architecture(model, lora, recorded, megatron,
                                 fix="pass that run's config.yaml as --config, or leave --config out to use the "
                                     "recorded one")
@@ -193,14 +194,6 @@ def recorded_init_from(saved: dict | None) -> Path | None:
               file=sys.stderr)
         return None
     return Path(init_from)
-
-
-def _known_fields(cls, values: dict, where: str):
-    """``cls(**values)``; ValueError naming unknown fields."""
-    unknown = set(values) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
-    return cls(**values)
 
 
 def _run(args: argparse.Namespace) -> int:

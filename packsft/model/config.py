@@ -277,7 +277,16 @@ def read_model_config(path: str | Path) -> ModelConfig:
         data = data.get("model", data)
     else:
         data = json.loads(path.read_text())
-    unknown = set(data) - {f.name for f in fields(ModelConfig)}
+    return config_from_dict(ModelConfig, data, str(path))
+
+
+def config_from_dict(cls, values: dict, where: str):
+    """``cls(**values)`` for a config dataclass (``ModelConfig``, ``LoraConfig``) read from a file.
+
+    Raises:
+        ValueError: ``"{where}: unknown <cls> fields [...]"`` for keys that are not fields of ``cls``.
+    """
+    unknown = set(values) - {f.name for f in fields(cls)}
     if unknown:
-        raise ValueError(f"{path}: unknown ModelConfig fields {sorted(unknown)}")
-    return ModelConfig(**data)
+        raise ValueError(f"{where}: unknown {cls.__name__} fields {sorted(unknown)}")
+    return cls(**values)

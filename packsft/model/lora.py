@@ -250,8 +250,9 @@ def read_lora_config(path) -> LoraConfig | None:
     Raises:
         ValueError: naming unknown ``lora.*`` keys.
     """
-    from dataclasses import fields
     from pathlib import Path
+
+    from packsft.model.config import config_from_dict
 
     path = Path(path)
     if path.suffix not in (".yaml", ".yml"):
@@ -259,8 +260,5 @@ def read_lora_config(path) -> LoraConfig | None:
     import yaml
 
     section = (yaml.safe_load(path.read_text()) or {}).get("lora") or {}
-    unknown = set(section) - {f.name for f in fields(LoraConfig)}
-    if unknown:
-        raise ValueError(f"{path}: unknown lora fields {sorted(unknown)}")
-    lora = LoraConfig(**section)
+    lora = config_from_dict(LoraConfig, section, f"{path} lora")
     return lora if lora.enabled else None

@@ -13,8 +13,6 @@ sequence parallelism, PP=2 x CP=2, and the isolation check at PP=4); the stop/re
 ``tools/train.py`` (``tests/test_parallel_checkpoint.py``'s ``_train``).
 """
 
-import re
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,18 +25,15 @@ from packsft.train.config import OptimizerConfig, load_config
 PP2, VP2 = "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"
 BASE = ("model.num_layers=4", "optimizer.backend=megatron", "optimizer.clip_grad=1e9")
 TOL = 1e-6
-LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 
 
 def _global_name(gpt, name: str) -> str:
     """``decoder.layers.<local>.`` -> ``decoder.layers.<global>.``; a last stage's tied output weight -> embedding."""
+    from packsft.model.gpt import global_layer_name
+
     if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
-    match = LAYER.match(name)
-    if match:
-        number = gpt.decoder.layers[int(match.group(1))].layer_number - 1     # 1-based global layer number
-        return f"decoder.layers.{number}." + name[match.end():]
-    return name
+    return global_layer_name(gpt, name)
 
 
 def _tp_shard(full: torch.Tensor, p, name: str, tp_group) -> torch.Tensor:
@@ -220,7 +215,9 @@ def _isolation_worker(rank, world_size, config_path, train_path):
 
         trainer._stage_forward = without_cu_seqlens
         broken = [out["logits"][0] for out in trainer.run_pipeline([batch, edited], forward_only=True, logits=True)]
-    return {"stage": trainer.ctx.pp_rank, "cu": cu, "changed": changed, "logits": logits, "broken": broken}
+    init = {n: p.detach().clone() for n, p in trainer.gpts[0].decoder.layers[0].named_parameters()}
+    return {"stage": trainer.ctx.pp_rank, "cu": cu, "changed": changed, "logits": logits, "broken": broken,
+            "init": init}
 
 
 @pytest.mark.distributed
@@ -245,6 +242,9 @@ def test_pp4_middle_stages_keep_conversations_apart(setup):  # noqa: F811
     assert diff[other].max().item() <= 1e-6 and diff[before].max().item() <= 1e-6
     assert diff[after].max().item() > 1e-3
     assert broken[index >= cu[2]].max().item() > 1e-3              # the check would catch the cross-attention
+    middle = [per_rank[1]["init"], per_rank[2]["init"]]           # layers 1 and 2, randomly initialised
+    drawn = [n for n in middle[0] if "linear" in n]
+    assert drawn and all(not torch.equal(middle[0][n], middle[1][n]) for n in drawn)    # seed + 100 x stage
 
 
 def _records(output_dir) -> dict[str, dict[int, float]]:
@@ -330,6 +330,7 @@ def _lora_weights(config_path: str, train_path: str) -> dict[str, torch.Tensor]:
 
     trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}", *LORA]))
     weights = {_global_name(g, n): p.detach().clone() for g in trainer.gpts for n, p in g.named_parameters()}
+    weights["#initial adapters"] = {k: v.clone() for k, v in weights.items() if ".lora_" in k}
     for i, name in enumerate(sorted(k for k in weights if ".lora_" in k)):
         weights[name] += 0.05 * torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(i))
     return weights
@@ -339,12 +340,14 @@ def _lora_step(config_path: str, train_path: str, overrides: tuple[str, ...], fu
     from packsft.train.loop import Trainer
 
     trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}", *LORA, *overrides]))
-    load_full_weights(trainer, full)
+    initial = {_global_name(g, n): p.detach().clone() for g in trainer.gpts for n, p in g.named_parameters()
+               if ".lora_" in n}
+    load_full_weights(trainer, {k: v for k, v in full.items() if not k.startswith("#")})
     result = trainer.train_step(trainer.next_micro_batches())
     trainable = {_global_name(g, n): p for g in trainer.gpts for n, p in g.named_parameters() if p.requires_grad}
     return {"step": result, "grads": {k: p.main_grad.detach().clone() for k, p in trainable.items()},
             "after": {k: p.detach().clone() for k, p in trainable.items()}, "layout": trainer.layout(),
-            "stages": [(g.pre_process, g.post_process) for g in trainer.gpts]}
+            "stages": [(g.pre_process, g.post_process) for g in trainer.gpts], "initial": initial}
 
 
 def _lora_pp2_worker(rank, world_size, config_path, train_path, full):
@@ -356,7 +359,8 @@ def _lora_pp2_worker(rank, world_size, config_path, train_path, full):
 def test_lora_pp2_step_equals_single_process(setup, parallel_state_1proc):  # noqa: F811
     """LoRA at PP=2 (megatron optimizer, tied embeddings frozen): the step's loss, grad norm, every adapter's reduced
     gradient (within 1e-6) and updated value (within 1e-6 plus Adam's amplification of the gradient's difference)
-    equal the one-process LoRA step; only adapters are trainable."""
+    equal the one-process LoRA step; only adapters are trainable; each stage starts from the adapters one process
+    draws."""
     from megatron.core import parallel_state
 
     config_path, paths = setup
@@ -367,6 +371,9 @@ def test_lora_pp2_step_equals_single_process(setup, parallel_state_1proc):  # no
     assert min(float(g.abs().max()) for g in ref["grads"].values()) > 0          # A and B get gradients
     per_rank = run_distributed(_lora_pp2_worker, 2, config_path, paths[1], full, timeout_s=400)
     assert [r["stages"] for r in per_rank] == [[(True, False)], [(False, True)]]
+    initial = {k: v for r in per_rank for k, v in r["initial"].items()}     # the adapters each stage drew
+    assert initial.keys() == full["#initial adapters"].keys()
+    assert all(torch.equal(v, full["#initial adapters"][k]) for k, v in initial.items())     # as one process drew
     merged, worst, worst_after = {}, 0.0, 0.0
     lr, eps = ref["step"]["lr"], OptimizerConfig.adam_eps
     for result in per_rank:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -169,3 +171,18 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def global_layer_name(model: GPTModel, name: str) -> str:
+    """``name`` of a parameter or module of ``model`` (one pipeline stage or virtual chunk) with its local layer
+    index ``decoder.layers.<i>.`` replaced by the layer's global 0-based number; other names unchanged.
+
+    The same layer has the same name in every pipeline layout (``layer_number`` is Megatron's global, 1-based one).
+    """
+    match = _LAYER.match(name)
+    if not match:
+        return name
+    return f"decoder.layers.{model.decoder.layers[int(match.group(1))].layer_number - 1}." + name[match.end():]

@@ -10,8 +10,9 @@ Per target, with ``r`` the rank (shapes on TP rank ``r_tp`` of ``tp``)::
                                                    lora_B nn.Linear [out, r] (replicated)
 
 ``y = base(x) + lora_B(lora_A(dropout(x))) * alpha / r``; ``lora_B`` starts at zero, ``lora_A`` at peft's default
-(``kaiming_uniform_(a=sqrt(5))`` of the full ``[r, in]`` matrix, drawn once from a generator seeded with
-``LoraConfig.seed`` and sliced, so every TP size starts from the same adapter). Adapter weights are fp32.
+(``kaiming_uniform_(a=sqrt(5))`` of the full ``[r, in]`` matrix, drawn from a generator seeded with
+``LoraConfig.seed`` and the module's global name (:func:`adapter_seed`) and sliced, so every TP size and pipeline
+layout starts from the same adapters). Adapter weights are fp32.
 
 Checkpoints: :meth:`MegatronLoraLinear.sharded_state_dict` keeps the base weight under its own Megatron key (so an
 imported base checkpoint loads into a LoRA model, and resharding works) and adds ``<module>.lora_A.default.weight``
@@ -28,6 +29,7 @@ The ``te`` backend's fused linears are not supported (``NotImplementedError``).
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -50,7 +52,7 @@ class LoraConfig:
         alpha: scaling numerator; the update is scaled by ``alpha / rank``.
         dropout: dropout on the adapter input (training only); 0 keeps TP runs equal to TP=1 exactly.
         target_modules: Megatron module names from :data:`LORA_TARGETS`.
-        seed: seed of the generator that draws ``lora_A``.
+        seed: seeds the ``lora_A`` draw of every adapter (with its module name, :func:`adapter_seed`).
     """
 
     enabled: bool = False
@@ -166,6 +168,12 @@ def lora_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
+def adapter_seed(seed: int, name: str) -> int:
+    """Seed of the ``lora_A`` initialisation of the adapter at global module name ``name`` (64 bits of SHA-256 of
+    ``"<seed>:<name>"``): each adapter draws its own numbers, the same in every pipeline layout."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> dict[str, torch.nn.Module]:
     """Inject LoRA adapters into ``model`` (a ``GPTModel`` of the ``torch`` backend) in place and freeze the base.
 
@@ -183,6 +191,8 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> dict[str, torch.nn.M
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
+    from packsft.model.gpt import global_layer_name
+
     targets = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in lora.target_modules]
     unsupported = {type(m).__name__ for m in targets if not isinstance(m, ColumnParallelLinear | RowParallelLinear)}
     if unsupported:
@@ -196,9 +206,9 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> dict[str, torch.nn.M
     modules = lora_modules(model)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    generator = torch.Generator().manual_seed(lora.seed)
-    for module in modules.values():
+    for name, module in modules.items():
         lora_a, lora_b = module.lora_A[ADAPTER], module.lora_B[ADAPTER]
+        generator = torch.Generator().manual_seed(adapter_seed(lora.seed, global_layer_name(model, name)))
         full = torch.empty(lora.rank, module.in_features).uniform_(
             -1 / math.sqrt(module.in_features), 1 / math.sqrt(module.in_features), generator=generator)
         with torch.no_grad():

@@ -278,7 +278,8 @@ class TrainConfig:
     """Stop (after checkpointing) once this step is done, before ``train_steps``; the schedule is unchanged.
     For time-limited jobs: resume later with ``checkpoint.resume=auto``."""
     seed: int = 1234
-    """Seeds weight init (``torch.manual_seed``) and ``random``; the data order uses ``loader.seed``."""
+    """Seeds weight init (``torch.manual_seed``) and ``random``, plus 100 x the pipeline rank (as Megatron-LM); the
+    data order uses ``loader.seed``."""
     autocast_dtype: str | None = None
     """``bfloat16``/``float16``: ``torch.autocast`` on CUDA with fp32 master weights; null = no autocast (fp32).
     CPU autocast is refused (Megatron's backward fails in ``LinearWithGradAccumulationAndAsyncCommunication``)."""

@@ -86,9 +86,11 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
         pipeline_model_parallel_size, virtual_pipeline_model_parallel_size: PP degree and model chunks per
             pipeline rank (None: not interleaved), Megatron's names.
         backend: ``"nccl"`` or ``"gloo"``; default NCCL with CUDA, else gloo.
-        seed: seeds ``random`` and ``torch.manual_seed`` identically on every rank (so
-            ``use_cpu_initialization`` builds identical full weights before TP slicing), and Megatron's
-            ``model_parallel_cuda_manual_seed`` (its RNG tracker; CPU-shimmed without CUDA).
+        seed: seeds ``random`` and ``torch.manual_seed`` with ``seed + 100 * pipeline rank``, as Megatron-LM's
+            ``_set_random_seed`` does (the same on every TP, CP and DP rank of a stage, so ``use_cpu_initialization``
+            builds identical full weights before TP slicing; another for each stage, so two stages' layers do
+            not start identical), and Megatron's ``model_parallel_cuda_manual_seed`` with it (its RNG tracker;
+            CPU-shimmed without CUDA).
 
     Returns:
         :class:`DistributedContext`.
@@ -125,6 +127,7 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
             tensor_model_parallel_size=tensor_model_parallel_size, context_parallel_size=context_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
+    seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     torch.manual_seed(seed)
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -173,5 +173,11 @@ def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:
         if not isinstance(out, dict) or not isinstance(out.get("messages"), list):
             raise RecordFormatError(f"adapter {name} must return a dict with a 'messages' list, got "
                                     f"{type(out).__name__}")
-        return out
+        try:  # the row is written as JSON and read back from it: pack what the loader will read
+            return json.loads(_ADAPTER_JSON(out))
+        except (TypeError, ValueError, RecursionError) as err:  # e.g. a numpy int64, a set, a datetime
+            raise RecordFormatError(f"adapter {name} returned a record that is not JSON: {err}") from err
     return convert
+
+
+_ADAPTER_JSON = json.JSONEncoder(ensure_ascii=False).encode

@@ -220,6 +220,32 @@ def test_bad_settings_are_clear(tmp_path, tokenizer_dir):
             run_pack(PackConfig(max_seq_len=128, **{key: value}, **base))
 
 
+def test_outputs_that_would_replace_each_other_or_a_folder_or_device_are_refused(tmp_path, tokenizer_dir):
+    src = _write_lines(tmp_path / "a.jsonl", EDGE_LINES[:1])
+    out = tmp_path / "o.jsonl.packed"
+    base = dict(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=128,
+                progress=False, histogram="")
+    # before: rc 0, and the report was silently replaced by the rows, the sidecar or the token cache
+    for clash in (out, Path(str(out) + ".meta.json"), Path(str(out) + ".tokens.npy"), tmp_path / "." / out.name):
+        with pytest.raises(ValueError, match="is also the .* path: one output would replace the other"):
+            run_pack(PackConfig(**{**base, "report": str(clash)}))
+    with pytest.raises(ValueError, match="--histogram .* is also the --report path"):
+        run_pack(PackConfig(**{**base, "report": str(tmp_path / "r.json"), "histogram": str(tmp_path / "r.json")}))
+    # before: a traceback after all the work, leaving a publish journal every later run and load tripped over
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(ValueError, match="--report .*adir is a directory"):
+        run_pack(PackConfig(**{**base, "report": str(tmp_path / "adir")}))
+    # before: the rename replaced the device or pipe with a regular file (as root, /dev/null itself)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        with pytest.raises(ValueError, match="--output .*fifo is not a regular file"):
+            run_pack(PackConfig(**{**base, "output": str(tmp_path / "fifo")}))
+        with pytest.raises(ValueError, match="--histogram .*fifo is not a regular file"):
+            run_pack(PackConfig(**{**base, "histogram": str(tmp_path / "fifo")}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "adir", "fifo"]
+    assert run_pack(PackConfig(**base)).packed_conversations == 1
+
+
 def test_nothing_to_pack_is_an_error_not_an_empty_file(tmp_path, tokenizer_dir):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -115,3 +115,30 @@ def test_pack_reports_sharegpt_errors_by_conversations_index(tmp_path, tokenizer
     report, _ = _pack(tmp_path, tokenizer_dir, [SHAREGPT, bad], record_format="sharegpt")
     assert report.rejected[0]["line"] == 2 and report.rejected[0]["reason"].startswith("conversations[1].value"), \
         report.rejected
+
+
+NON_JSON_ADAPTER = '''
+import numpy as np
+
+def to_messages(record):
+    user = {"role": "user", "content": record["q"]}
+    if record["q"] == "numpy":
+        user["id"] = np.int64(7)                       # e.g. a value taken from a pandas frame
+    if record["q"] == "set":
+        user["tags"] = {"a", "b"}
+    return {"messages": [user, {"role": "assistant", "content": "yes"}]}
+'''
+
+
+def test_adapter_returning_non_json_values_rejects_the_line(tmp_path, tokenizer_dir, monkeypatch):
+    pkg = tmp_path / "adapters"
+    pkg.mkdir()
+    (pkg / "non_json_adapter.py").write_text(NON_JSON_ADAPTER)
+    monkeypatch.syspath_prepend(str(pkg))
+    sys.modules.pop("non_json_adapter", None)
+    report, out = _pack(tmp_path, tokenizer_dir, [{"q": "ok"}, {"q": "numpy"}, {"q": "set"}],
+                        adapter="non_json_adapter:to_messages")
+    assert report.packed_conversations == 1                 # before: TypeError traceback, no output at all
+    assert [(r["line"], "returned a record that is not JSON" in r["reason"]) for r in report.rejected] \
+        == [(2, True), (3, True)]
+    assert len(out.read_text().splitlines()) == 1

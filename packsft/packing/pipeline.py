@@ -49,6 +49,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -255,6 +256,29 @@ class PackConfig:
                 if _same_file(p, out):
                     raise ValueError(f"--input {p} is also the {what} path {out}: packing would overwrite its "
                                      "own input; write the output elsewhere")
+        targets: dict[tuple[Path, str], str] = {}
+        for what, out in written.items():
+            _check_output_target(what, out)
+            key = (Path(out).parent.resolve(), Path(out).name)  # the entry a rename replaces
+            if key in targets:
+                raise ValueError(f"{what} {out} is also the {targets[key]} path: one output would replace the "
+                                 "other; give each its own path")
+            targets[key] = what
+
+
+def _check_output_target(what: str, path: str) -> None:
+    """Refuse an output path whose existing entry a rename cannot or must not replace (a folder, a device)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return  # nothing there yet (or a folder that _check_writable reports)
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{what} {path} is a directory; give the file to write")
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        hint = " (--histogram '' writes none)" if what == "--histogram" else ""
+        raise ValueError(f"{what} {path} is not a regular file (a device, pipe or socket): the packer publishes "
+                         f"its outputs by renaming files over their paths, which would replace it; give a file "
+                         f"path{hint}")
 
 
 def _same_file(a: str, b: str) -> bool:

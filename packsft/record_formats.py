@@ -171,8 +171,8 @@ def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:
         except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's adapter: any failure rejects the line
             raise RecordFormatError(f"adapter {name} failed: {type(err).__name__}: {err}") from err
         if not isinstance(out, dict) or not isinstance(out.get("messages"), list):
-            raise RecordFormatError(f"adapter {name} must return a dict with a 'messages' list, got "
-                                    f"{type(out).__name__}")
+            got = f"'messages' {type(out.get('messages')).__name__}" if isinstance(out, dict) else type(out).__name__
+            raise RecordFormatError(f"adapter {name} must return a dict with a 'messages' list, got {got}")
         try:  # the row is written as JSON and read back from it: pack what the loader will read
             return json.loads(_ADAPTER_JSON(out))
         except (TypeError, ValueError, RecursionError) as err:  # e.g. a numpy int64, a set, a datetime

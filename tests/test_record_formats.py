@@ -26,6 +26,8 @@ def to_messages(record):
         raise KeyError("no answer")
     if record.get("q") == "exit":
         raise SystemExit(3)
+    if record.get("q") == "tuple":
+        return {"messages": ({"role": "user", "content": "x"},)}
     return {"messages": [{"role": "user", "content": record["q"]}, {"role": "assistant", "content": record["a"]}]}
 '''
 
@@ -73,11 +75,13 @@ def test_adapter_from_pythonpath_reports_failures_per_line(tmp_path, tokenizer_d
     (pkg / "my_adapter.py").write_text(ADAPTER)
     monkeypatch.syspath_prepend(str(pkg))
     sys.modules.pop("my_adapter", None)
-    lines = [{"q": "2+2?", "a": "4"}, {"q": "boom"}, {"q": "hi", "a": "yo"}, {"q": "exit"}]
+    lines = [{"q": "2+2?", "a": "4"}, {"q": "boom"}, {"q": "hi", "a": "yo"}, {"q": "exit"}, {"q": "tuple"}]
     report, out = _pack(tmp_path, tokenizer_dir, lines, adapter="my_adapter:to_messages")
     assert report.packed_conversations == 2
-    assert [(r["line"], "adapter my_adapter:to_messages failed: " in r["reason"]) for r in report.rejected] \
+    assert [(r["line"], "adapter my_adapter:to_messages failed: " in r["reason"]) for r in report.rejected[:2]] \
         == [(2, True), (4, True)]                      # an exception and a SystemExit: the line, not the run
+    assert report.rejected[2]["line"] == 5 and report.rejected[2]["reason"].endswith(
+        "must return a dict with a 'messages' list, got 'messages' tuple")
     meta = read_sidecar(out)
     assert meta["adapter"] == "my_adapter:to_messages" and len(meta["adapter_sha256"]) == 16
     with pytest.raises(ValueError, match="--adapter replaces --format"):

@@ -251,7 +251,11 @@ class PackConfig:
             written["--histogram"] = self.histogram or self.output + ".lengths.png"
         if self.token_cache:
             written.update(zip(("token cache", "token cache index"), map(str, cache_paths(self.output))))
-        for p in self.inputs:
+        for i, p in enumerate(self.inputs):
+            for q in self.inputs[:i]:
+                if _same_file(q, p):
+                    raise ValueError(f"--input {p} is given twice (also as {q}): its conversations would be packed "
+                                     "twice; to train on a source more often, weight it in the training mixture")
             for what, out in written.items():
                 if _same_file(p, out):
                     raise ValueError(f"--input {p} is also the {what} path {out}: packing would overwrite its "

@@ -1306,7 +1306,9 @@ def _check_writable(paths: dict[str, str]) -> None:
                 pass
         except OSError as e:
             flag = {"rows": "--output", "report": "--report", "histogram": "--histogram"}.get(name, "--output")
-            raise PackError(f"{flag} {path}: cannot write in {folder}: {e.strerror or e}") from e
+            blocking = next((p for p in (folder, *folder.parents) if p.exists()), folder)
+            reason = f"{blocking} is a file, not a folder" if not blocking.is_dir() else e.strerror or e
+            raise PackError(f"{flag} {path}: cannot write in {folder}: {reason}") from e
 
 
 def _output_paths(cfg: PackConfig) -> dict[str, str]:

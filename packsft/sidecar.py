@@ -12,14 +12,17 @@ Sidecar fields (JSON object, ``format_version`` 2)::
      "prompt_format": {"name": str, "pad_token": str, "pad_token_id": int,
                        "chat_template_sha256": str | null, "train_on": "all" | "last",
                        "chat_template_kwargs": {...}, "append_eos": bool},   # PromptFormat.spec()
+     "special_tokens": {"bos_token": str | null, "bos_token_id": int | null,
+                        "eos_token": str | null, "eos_token_id": int | null},   # optional (older files lack it)
      "max_seq_len": int, "context_parallel_size": int,
      "algorithm": str, "seed": int, "counts": {...}, ...,
      "rows_file": {"size": int, "blake2b": str},   # the rows file's bytes (BLAKE2b-160, 40 hex)
      "token_cache": {"format_version": 1, "rows": int, "conversations": int, "stored_tokens": int,
                      "tokens": {"file", "size", "blake2b", "ends_blake2b"}, "index": {...}}}  # optional
 
-Only the tokenizer, prompt format, ``max_seq_len`` and CP size are checked (:data:`CHECKED_FIELDS`); the
-rest describe the packing run. A version 1 sidecar (before ``train_on``, ``chat_template_kwargs`` and
+Only the tokenizer, prompt format, ``max_seq_len`` and CP size are checked (:data:`CHECKED_FIELDS`), and the
+tokenizer's BOS/EOS when recorded (``special_tokens``, :data:`OPTIONAL_CHECKED_FIELDS`); the rest describe the
+packing run. A version 1 sidecar (before ``train_on``, ``chat_template_kwargs`` and
 ``append_eos``) is read with their defaults, ``all``, ``{}`` and ``false``: what version 1 packed.
 
 ``rows_file`` ties the sidecar to the rows it was written with (the packer publishes its outputs as one unit,
@@ -66,6 +69,10 @@ CHECKED_FIELDS = (
     "max_seq_len",
     "context_parallel_size",
 )
+OPTIONAL_CHECKED_FIELDS = ("special_tokens",)
+"""Checked like :data:`CHECKED_FIELDS` when the sidecar records them (packsft before them did not): the tokenizer's
+BOS and EOS (:func:`special_tokens`), which ``tokenizer_config.json`` sets beside an unchanged ``tokenizer.json`` (so
+the fingerprint misses them) and which change the ids (``--append-eos``, a template's ``eos_token``/``bos_token``)."""
 V1_DEFAULTS = {"train_on": "all", "chat_template_kwargs": {}, "append_eos": False}
 """``prompt_format`` fields a version 1 sidecar lacks, with what version 1 packed."""
 PACK_TOOL = "tools/pack_megatron_sft_jsonl.py"
@@ -199,11 +206,22 @@ def _get(meta: dict[str, Any], dotted: str) -> Any:
     return value
 
 
+def special_tokens(tokenizer: Any) -> dict[str, Any]:
+    """The sidecar's ``special_tokens``: the tokenizer's ``bos_token``, ``bos_token_id``, ``eos_token``,
+    ``eos_token_id`` (``None`` where it has none)."""
+    return {"bos_token": tokenizer.bos_token, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token": tokenizer.eos_token, "eos_token_id": tokenizer.eos_token_id}
+
+
 def loader_expectation(fingerprint: str, fmt: PromptFormat, max_seq_len: int,
-                       context_parallel_size: int) -> dict[str, Any]:
-    """The checked sidecar fields as the loader's configuration sets them (same layout as the sidecar)."""
-    return {"tokenizer_fingerprint": fingerprint, "prompt_format": fmt.spec(), "max_seq_len": max_seq_len,
-            "context_parallel_size": context_parallel_size}
+                       context_parallel_size: int, specials: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checked sidecar fields as the loader's configuration sets them (same layout as the sidecar);
+    ``specials``: the loader tokenizer's :func:`special_tokens` (checked when the sidecar records them)."""
+    expected = {"tokenizer_fingerprint": fingerprint, "prompt_format": fmt.spec(), "max_seq_len": max_seq_len,
+                "context_parallel_size": context_parallel_size}
+    if specials is not None:
+        expected["special_tokens"] = specials
+    return expected
 
 
 def packing_settings(packed_path: str | Path, meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -290,7 +308,9 @@ def check_sidecar(meta: dict[str, Any], expected: dict[str, Any], packed_path: s
             ``context_parallel_size: packed for 1, loader has 2``, followed by the re-pack command.
     """
     diffs = []
-    for field in CHECKED_FIELDS:
+    optional = [f for f in OPTIONAL_CHECKED_FIELDS
+                if _get(meta, f) is not _MISSING and _get(expected, f) is not _MISSING]
+    for field in (*CHECKED_FIELDS, *optional):
         packed, wanted = _get(meta, field), _get(expected, field)
         if packed != wanted:
             diffs.append(f"  {field}: packed for {packed!r}, loader has {wanted!r}")

@@ -274,3 +274,23 @@ def test_targets_as_runs_give_the_same_bytes_and_counts():
             assert targets_of_runs(tokens[:k], head) == targets[:k]
     with pytest.raises(ValueError, match="runs cover 3 tokens, not 2"):
         encode_runs([1, 2], [2, -1])
+
+
+@pytest.mark.parametrize("fmt", ["passthrough", "chat-template"])
+def test_a_tokenizer_with_another_eos_is_refused_not_served_the_packed_ids(tmp_path, tokenizer_dir, fmt):
+    """The same tokenizer.json with another EOS in tokenizer_config.json (Llama-3 base vs instruct, say) has the same
+    fingerprint, but appends (passthrough's EOS) or renders (a template's ``eos_token``) another id: the cache holds
+    the packed EOS, re-tokenizing gives the new one. The sidecar records the special tokens and refuses it."""
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir("qwen2.5"), tok)
+    src, out = _chats(tmp_path / "c.jsonl", 8), tmp_path / "x.jsonl.packed"
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    kw = {"chat_template": template} if fmt == "chat-template" else {}
+    _pack(src, out, tok, 256, fmt=fmt, **kw)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|file_sep|>"
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    other = load_tokenizer(tok)
+    assert other.eos_token == "<|file_sep|>"
+    with pytest.raises(SidecarError, match=r"(?s)special_tokens.*<\|im_end\|>.*<\|file_sep\|>"):
+        PackedSFTDataset(out, other, fmt, 256, chat_template=kw.get("chat_template"))

@@ -57,6 +57,7 @@ from packsft.sidecar import (
     read_sidecar,
     repack_hint,
     sidecar_path,
+    special_tokens,
 )
 from packsft.token_cache import TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -266,7 +267,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     def _check_sidecar(self, require: bool) -> dict[str, Any] | None:
         meta = read_sidecar(self.path)
         expected = loader_expectation(tokenizer_fingerprint(self.tokenizer), self.prompt_format, self.max_seq_len,
-                                      self.context_parallel_size)
+                                      self.context_parallel_size, special_tokens(self.tokenizer))
         template = self.prompt_format.chat_template
 
         def hint() -> str:  # only for a refusal: it may read the packing report

@@ -97,7 +97,7 @@ from packsft.prompt_formats import (
     tokenize_conversations,
 )
 from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
-from packsft.sidecar import REPORT_SUFFIX, efficiency, rows_file_fields, sidecar_path, sidecar_text
+from packsft.sidecar import REPORT_SUFFIX, efficiency, rows_file_fields, sidecar_path, sidecar_text, special_tokens
 from packsft.token_cache import TokenCacheWriter, cache_paths, encode_runs, stored_length
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -1598,6 +1598,7 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, 
         "tokenizer_fingerprint": fingerprint or tokenizer_fingerprint(tok),
         "tokenizer": str(cfg.tokenizer),
         "prompt_format": fmt.spec(),
+        "special_tokens": special_tokens(tok),
         "max_seq_len": cfg.max_seq_len,
         "context_parallel_size": cfg.context_parallel_size,
         "sequence_parallel_size": cfg.sequence_parallel_size,

@@ -31,6 +31,13 @@ def test_mixed_dataset_maps_global_index_to_source_row():
     assert ds.names == ["s0", "s1", "s2"] and ds.source_fingerprints["s1"] == "v1-1:2"
     with pytest.raises(ValueError, match="training source 's1' .* has no rows"):
         MixedDataset({"s0": MaskDataset([1]), "s1": MaskDataset([])})
+    short, cp2 = MaskDataset([1]), MaskDataset([1])
+    short.max_seq_len, short.context_parallel_size, cp2.max_seq_len, cp2.context_parallel_size = 1024, 1, 2048, 1
+    with pytest.raises(ValueError, match=r"sources differ in max_seq_len \('a': 1024, 'b': 2048\)"):
+        MixedDataset({"a": short, "b": cp2})         # before: rows of two lengths, failing later in collate
+    cp2.max_seq_len, cp2.context_parallel_size = 1024, 2
+    with pytest.raises(ValueError, match="sources differ in context_parallel_size"):
+        MixedDataset({"a": short, "b": cp2})
 
 
 def test_rows_per_source_normalises_and_refuses_zero_rows():

@@ -58,9 +58,10 @@ def test_convert_checkpoint_export_refuses_a_tokenizer_larger_than_the_model(tmp
     assert not (tmp_path / "out").exists()
 
 
-def test_inspect_packed(tmp_path):
+@pytest.mark.parametrize("length", [["--max-seq-len", "256"], []], ids=["length", "no_length"])
+def test_inspect_packed(tmp_path, length):
     assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.packed", "--tokenizer",
-                                tmp_path, "--prompt-format", "chat-template", "--max-seq-len", "256"),
+                                tmp_path, "--prompt-format", "chat-template", *length),
                       "packed file not found")
 
 

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = read_sidecar(args.packed) or {}
         max_seq_len = args.max_seq_len or meta.get("max_seq_len")
         if max_seq_len is None:
+            if not Path(args.packed).exists():
+                raise FileNotFoundError(f"packed file not found: {args.packed}")
             parser.error("--max-seq-len is required when the packed file has no sidecar")
         cp = args.context_parallel_size or meta.get("context_parallel_size", 1)
         dataset = PackedSFTDataset(args.packed, args.tokenizer, args.prompt_format, max_seq_len, cp,

@@ -51,7 +51,8 @@ class MixedDataset:
         fingerprint: sha256 over the names and source fingerprints.
 
     Raises:
-        ValueError: no source, or an empty source (named with its file).
+        ValueError: no source, an empty source (named with its file), or sources with different ``max_seq_len``
+            or ``context_parallel_size`` (where they have these attributes).
     """
 
     def __init__(self, sources: dict[str, Any]) -> None:
@@ -62,6 +63,12 @@ class MixedDataset:
         for name, d, size in zip(self.names, self.datasets, self.source_sizes):
             if size == 0:
                 raise ValueError(f"training source {name!r} ({getattr(d, 'path', '?')}) has no rows")
+        for attr in ("max_seq_len", "context_parallel_size"):     # the shape of every row of a batch
+            values = {n: getattr(d, attr) for n, d in zip(self.names, self.datasets) if hasattr(d, attr)}
+            if len(set(values.values())) > 1:
+                raise ValueError(f"training sources differ in {attr} ("
+                                 + ", ".join(f"{n!r}: {v}" for n, v in values.items())
+                                 + f"): open every source of a mixture with the same {attr}")
         self.offsets = np.concatenate([[0], np.cumsum(self.source_sizes)[:-1]]).astype(int).tolist()
         self.source_fingerprints = {name: f"{getattr(d, 'fingerprint', None)}:{len(d)}"
                                     for name, d in zip(self.names, self.datasets)}

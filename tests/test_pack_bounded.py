@@ -157,3 +157,32 @@ def test_the_row_writer_reads_the_spools_without_keeping_them_resident(tmp_path)
     before = me.memory_info().rss
     _write_row_range(order, starts, counted, 0, len(starts), SimpleNamespace(write=sink), None, np, block=1024)
     assert written[0] > n * (size - 2) and peak[0] - before < 16 << 20, peak[0] - before
+
+
+def test_own_row_cut_never_puts_tool_calls_after_a_cut_content(tmp_path, tokenizer_dir):
+    """A turn's tool calls follow its content in the rendering: cutting the content and keeping the calls would
+    train a reply the assistant never gave ("Let" + the calls). The row must train what the loader's truncation
+    of the whole conversation trains."""
+    from packsft.prompt_formats import get_prompt_format, tokenize_conversation
+    from packsft.tokenizer import load_tokenizer
+
+    tok_dir = tokenizer_dir("qwen2.5")
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    calls = [{"id": f"call0000{i}", "type": "function", "function": {
+        "name": "weather", "arguments": json.dumps({"city": f"City number {i} in the list of cities to look up"})}}
+        for i in range(6)]
+    messages = [{"role": "system", "content": ""}, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "Let me think. " + " ".join(f"word{i}" for i in range(2000)),
+                 "tool_calls": calls}]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
+    out = tmp_path / "o.jsonl.packed"
+    L = 256
+    run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tok_dir), max_seq_len=L,
+                        progress=False, histogram=""))
+    tok = load_tokenizer(tok_dir)
+    tokens, targets = tokenize_conversation(messages, tok, get_prompt_format("chat-template", tok), tools)
+    item = PackedSFTDataset(out, tok, "chat-template", L)[0]
+    assert item["tokens"].tolist() == tokens[:L]
+    assert item["labels"].tolist()[: L - 1] == targets[1:L]

@@ -370,7 +370,8 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
     """The longest prefix of ``messages`` within ``budget`` JSON characters, the last kept content cut short.
 
     At least the system message and one more are kept. A message whose string content does not fit is kept
-    with a prefix of its content (never emptied); one that cannot be cut so is dropped with all after it. With
+    with a prefix of its content (never emptied); one that cannot be cut so (or an assistant turn with
+    ``tool_calls``, which templates render after the content) is dropped with all after it. With
     ``train_on == "last"`` and the last assistant turn dropped, the kept assistant turns get ``weight: 0``
     (what the loader's truncation of the whole conversation would have trained: nothing of them).
 
@@ -389,7 +390,10 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
             left -= size
             continue
         content = m.get("content")
-        room = left - (size - len(content)) if isinstance(content, str) else 0
+        # an assistant turn's tool calls are rendered after its content: a cut content would be followed by them
+        # in the row, a reply the assistant never gave, so such a turn is kept whole or dropped, never cut
+        cuttable = isinstance(content, str) and not m.get("tool_calls")
+        room = left - (size - len(content)) if cuttable else 0
         if i == 0:  # the system message: cut (possibly to ""), then keep one more
             kept.append({**m, "content": content[:max(room, 0)]} if isinstance(content, str) else m)
             left = 0
@@ -397,7 +401,7 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
         if room > 0 and content[:room].strip():
             kept.append({**m, "content": content[:room]})
         elif len(kept) < 2 and i >= 1:  # keep one non-system message whatever it costs
-            kept.append({**m, "content": content[:max(room, 1)]} if isinstance(content, str) and content else m)
+            kept.append({**m, "content": content[:max(room, 1)]} if cuttable and content else m)
         break
     else:
         return list(messages), False

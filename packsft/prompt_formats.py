@@ -343,9 +343,9 @@ def _template_messages(messages: list[dict[str, Any]], copy_plain: bool = True) 
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs"})
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 """``apply_chat_template`` arguments packsft sets itself: refused in ``chat_template_kwargs`` (they would change
 what is rendered or returned, not what the template sees)."""
 

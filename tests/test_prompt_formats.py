@@ -460,6 +460,8 @@ def test_chat_template_kwargs_reach_the_template_per_format_and_per_record(qwen)
         get_prompt_format("chat-template", qwen, chat_template_kwargs={"tokenize": False, "add_generation_prompt": 1})
     with pytest.raises(PromptFormatError, match="the record's chat_template_kwargs sets 'return_dict'"):
         tokenize_conversation(msgs, qwen, plain, chat_template_kwargs={"return_dict": True})
+    with pytest.raises(PromptFormatError, match="sets 'messages', 'sanitize_control_tokens'"):   # were per-line errors
+        get_prompt_format("chat-template", qwen, chat_template_kwargs={"messages": [], "sanitize_control_tokens": 1})
 
 
 GLM = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"

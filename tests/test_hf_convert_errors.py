@@ -1,0 +1,49 @@
+"""convert_checkpoint.py on broken or misused inputs: one ``error: ...`` line and exit 2, nothing destroyed."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_tools_errors import TOOLS, assert_user_error, run_tool
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+CONVERT = TOOLS / "convert_checkpoint.py"
+
+
+def tiny_llama(path, **overrides):
+    """A tiny untied Llama (head_dim 32 != 64 / 4) saved as a safetensors folder."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=128,
+                                tie_word_embeddings=False), **overrides})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def edit_tensors(path, edit):
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda s: s.pop("lm_head.weight"), "HF checkpoint has no tensor 'lm_head.weight'"),
+    (lambda s: s.pop("model.layers.1.self_attn.q_proj.weight"),
+     "HF checkpoint has no tensor 'model.layers.1.self_attn.q_proj.weight'"),
+    (lambda s: s.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 64)}),
+     "HF tensor 'model.layers.0.self_attn.k_proj.weight' has shape (16, 64), but the config implies (64, 64)"),
+    (lambda s: s.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(95, 64)}),
+     "HF tensor 'model.layers.0.mlp.up_proj.weight' has shape (95, 64), but the config implies (96, 64)"),
+], ids=["missing_lm_head", "missing_q_proj", "k_proj_shape", "up_proj_shape"])
+def test_import_of_a_missing_or_misshapen_tensor_is_a_user_error(tmp_path, edit, message):
+    hf = tiny_llama(tmp_path / "hf")
+    edit_tensors(hf, edit)
+    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"), message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_of_a_truncated_safetensors_file_is_a_user_error(tmp_path):
+    hf = tiny_llama(tmp_path / "hf")
+    with open(hf / "model.safetensors", "r+b") as f:
+        f.truncate(5000)
+    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
+                      f"{hf / 'model.safetensors'}: not a readable safetensors file")

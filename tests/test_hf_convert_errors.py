@@ -47,3 +47,22 @@ def test_import_of_a_truncated_safetensors_file_is_a_user_error(tmp_path):
         f.truncate(5000)
     assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
                       f"{hf / 'model.safetensors'}: not a readable safetensors file")
+
+
+def test_export_of_an_unloadable_checkpoint_is_a_user_error(tmp_path):
+    hf = tiny_llama(tmp_path / "hf")
+    rc, stderr = run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "mg")
+    assert rc == 0, stderr[-3000:]
+    other = tiny_llama(tmp_path / "other", head_dim=16)                      # its attention is half as wide
+    rc, stderr = run_tool(CONVERT, "import", "--hf", other, "--out", tmp_path / "mg_other")
+    assert rc == 0, stderr[-3000:]
+    # torch's checkpoint reader raises a CheckpointException (a BaseException) wrapping the shape mismatch
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+                                "--config", tmp_path / "mg_other" / "model_config.json"),
+                      f"{tmp_path / 'mg'}: cannot load the checkpoint: CheckpointingException: Global shape mismatch")
+    distcp = sorted((tmp_path / "mg").glob("*.distcp"))[-1]
+    with open(distcp, "r+b") as f:
+        f.truncate(1000)
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out"),
+                      f"{tmp_path / 'mg'}: cannot load the checkpoint: EOFError")
+    assert not (tmp_path / "out").exists()

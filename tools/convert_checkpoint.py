@@ -124,6 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """Run ``import`` or ``export``; return the exit status (2 on a user error, printed as ``error: ...``)."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     args = parse_args(argv)
     source = Path(args.hf if args.command == "import" else args.megatron)
@@ -137,6 +138,12 @@ def main(argv=None) -> int:
     except (ValueError, OSError, ImportError, CheckpointingException) as err:   # unsupported model, bad file or
         # folder, TP layout, an optional dependency the model needs (TransformerEngine)
         print(f"error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
+        return 2
+    except CheckpointException as err:   # torch's checkpoint reader wraps each rank's failure (a BaseException):
+        # a --config of another shape than the checkpoint, a truncated or missing .distcp file
+        exc = next(iter(err.failures.values()))[0]
+        print(f"error: {source}: cannot load the checkpoint: {type(exc).__name__}: {str(exc).strip()}".rstrip(": "),
+              file=sys.stderr)
         return 2
     finally:
         destroy_distributed()

@@ -66,3 +66,28 @@ def test_export_of_an_unloadable_checkpoint_is_a_user_error(tmp_path):
     assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out"),
                       f"{tmp_path / 'mg'}: cannot load the checkpoint: EOFError")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_hf_config_that_is_missing_is_refused_and_a_folder_is_read(tmp_path):
+    import json
+
+    from transformers import MistralConfig
+    hf = tmp_path / "mistral"
+    MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, sliding_window=128,
+                  bos_token_id=5, eos_token_id=6).save_pretrained(hf)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(MistralConfig.from_pretrained(hf)).save_pretrained(hf)
+    rc, stderr = run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "mg")
+    assert rc == 0, stderr[-3000:]
+    (tmp_path / "mg" / "hf_config.json").unlink()          # e.g. a trainer checkpoint: the config must be given
+    missing = tmp_path / "typo" / "config.json"
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+                                "--hf-config", missing), f"--hf-config {missing}: {missing} not found")
+    assert not (tmp_path / "out").exists()                  # was: a fresh LlamaConfig, bos 1 / eos 2, no window
+    rc, stderr = run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+                          "--hf-config", hf)                # the original model's folder
+    assert rc == 0, stderr[-3000:]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["sliding_window"], config["bos_token_id"], config["eos_token_id"]) == (
+        "mistral", 128, 5, 6)

@@ -52,6 +52,7 @@ from packsft.model.config import ModelConfig, config_from_dict, read_model_confi
 from packsft.model.gpt import build_gpt_model  # noqa: E402
 from packsft.model.hf_config import model_config_from_hf  # noqa: E402
 from packsft.model.hf_io import (  # noqa: E402
+    HF_CONFIG_FILE,
     load_hf_checkpoint,
     load_hf_config,
     load_hf_state_into_model,
@@ -104,7 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     exp.add_argument("--megatron", required=True, help="Megatron checkpoint folder (model under key 'model')")
     exp.add_argument("--out", required=True, help="HF folder to write (replaced atomically)")
     exp.add_argument("--config", default=None, help="model_config.json or a YAML with a model: section")
-    exp.add_argument("--hf-config", default=None, help="config.json of the original HF model (optional)")
+    exp.add_argument("--hf-config", default=None,
+                     help="config.json of the original HF model, or its folder (optional; default: the checkpoint's "
+                          "hf_config.json)")
     exp.add_argument("--tokenizer", default=None,
                      help="folder with tokenizer files and chat template to copy; its bos/eos/pad ids fill "
                           "config.json where the HF config lacks them")
@@ -203,6 +206,22 @@ def recorded_init_from(saved: dict | None) -> Path | None:
     return Path(init_from)
 
 
+def given_hf_config(path: str) -> dict:
+    """The ``--hf-config`` given: a ``config.json``, or a folder holding ``hf_config.json`` (an imported checkpoint) or
+    ``config.json`` (the original model).
+
+    Raises:
+        FileNotFoundError: ``path`` is neither (an explicit config is never silently replaced by a fresh one).
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = next((file / n for n in (HF_CONFIG_FILE, "config.json") if (file / n).is_file()), file / "config.json")
+    if not file.is_file():
+        raise FileNotFoundError(f"--hf-config {path}: {file} not found (pass the original model's config.json, or a "
+                                f"folder holding it or an imported checkpoint's {HF_CONFIG_FILE})")
+    return read_hf_config(file)
+
+
 def _run(args: argparse.Namespace) -> int:
     """``import`` or ``export`` (errors propagate to :func:`main`)."""
     pp = args.pipeline_model_parallel_size
@@ -231,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
         if lora is not None and pp > 1:
             raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
         base_dir = check_lora_base(recorded, args.lora_base, megatron) if recorded is not None else None
-        hf_config = read_hf_config(args.hf_config or megatron)
+        hf_config = given_hf_config(args.hf_config) if args.hf_config else read_hf_config(megatron)
         if hf_config is None:       # the original HF config of the imported folder the run started from
             start = base_dir or recorded_init_from(saved)
             hf_config = read_hf_config(start) if start is not None else None

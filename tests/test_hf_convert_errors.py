@@ -1,5 +1,7 @@
 """convert_checkpoint.py on broken or misused inputs: one ``error: ...`` line and exit 2, nothing destroyed."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -91,3 +93,18 @@ def test_export_hf_config_that_is_missing_is_refused_and_a_folder_is_read(tmp_pa
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["sliding_window"], config["bos_token_id"], config["eos_token_id"]) == (
         "mistral", 128, 5, 6)
+
+
+def test_out_that_would_replace_an_input_is_refused(tmp_path, tokenizer_dir):
+    hf = tiny_llama(tmp_path / "hf")
+    before = sorted(p.name for p in hf.iterdir())
+    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", hf),       # was: the model replaced
+                      f"--out {hf} would replace --hf {hf}")
+    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path),  # a folder holding it
+                      f"--out {tmp_path} would replace --hf {hf}")
+    assert sorted(p.name for p in hf.iterdir()) == before
+    tok = tmp_path / "tok"                                  # e.g. the original model's folder
+    shutil.copytree(tokenizer_dir("smollm2-135m-instruct"), tok)
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", hf, "--out", tok, "--tokenizer", tok),
+                      f"--out {tok} would replace --tokenizer {tok}")
+    assert (tok / "tokenizer.json").is_file()

@@ -222,8 +222,28 @@ def given_hf_config(path: str) -> dict:
     return read_hf_config(file)
 
 
+def refuse_out_over_inputs(args: argparse.Namespace) -> None:
+    """Refuse an ``--out`` that is, or holds, an input (or the ``--lora-adapter`` folder written before it).
+
+    ``--out`` is replaced as a whole when the new folder is complete, so such an ``--out`` would delete the input
+    (e.g. ``import --hf DIR --out DIR`` replaced the original model by the Megatron checkpoint).
+
+    Raises:
+        ValueError: naming the option whose path ``--out`` would replace.
+    """
+    out = Path(args.out).resolve()
+    flags = (("hf",) if args.command == "import" else
+             ("megatron", "config", "hf_config", "tokenizer", "lora_base", "lora_adapter"))
+    for flag in flags:
+        path = getattr(args, flag)
+        if path is not None and (out == Path(path).resolve() or out in Path(path).resolve().parents):
+            raise ValueError(f"--out {args.out} would replace --{flag.replace('_', '-')} {path} (the output folder "
+                             "is replaced as a whole): write to another folder")
+
+
 def _run(args: argparse.Namespace) -> int:
     """``import`` or ``export`` (errors propagate to :func:`main`)."""
+    refuse_out_over_inputs(args)
     pp = args.pipeline_model_parallel_size
     tp = args.tensor_model_parallel_size or max(1, int(os.environ.get("WORLD_SIZE", 1)) // pp)
     ctx = init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -76,6 +76,8 @@ def stage_hf_names(model, cfg: ModelConfig):
     names = set()
     if first or (last and cfg.tie_word_embeddings):
         names.add("model.embed_tokens.weight")
+        if cfg.tie_word_embeddings:     # read only to check that it equals the embedding (load_hf_state_into_model)
+            names.add("lm_head.weight")
     if last:
         names.update(["model.norm.weight"] if cfg.tie_word_embeddings else ["model.norm.weight", "lm_head.weight"])
     return lambda name: name in names or name.startswith(prefixes)
@@ -258,11 +260,17 @@ def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfi
 
     Raises:
         ValueError: naming an HF tensor the model needs that ``hf_state`` lacks or holds in another shape than the
-            config implies, or Megatron parameters the conversion left unset or produced in excess.
+            config implies, a tied config whose ``lm_head.weight`` differs from the embedding, or Megatron
+            parameters the conversion left unset or produced in excess.
     """
     tp_rank, tp_size = rank_and_size(tp_group)
     layers, first, last = stage_parts(model)
     tied_copy = last and not first and cfg.tie_word_embeddings
+    head, embed = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        raise ValueError("the config ties the output layer to the embedding (tie_word_embeddings true), but the "
+                         "checkpoint's lm_head.weight differs from model.embed_tokens.weight (transformers then "
+                         "keeps them apart); set tie_word_embeddings to false in its config.json")
     needed = stage_hf_names(model, cfg)
     for name, t in hf_state.items():
         expected = hf_tensor_shape(name, cfg) if needed(name) else None

@@ -52,6 +52,7 @@ from packsft.model.config import ModelConfig, config_from_dict, read_model_confi
 from packsft.model.gpt import build_gpt_model  # noqa: E402
 from packsft.model.hf_config import model_config_from_hf  # noqa: E402
 from packsft.model.hf_io import (  # noqa: E402
+    HF_CONFIG_FILE,
     load_hf_checkpoint,
     load_hf_config,
     load_hf_state_into_model,
@@ -104,7 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     exp.add_argument("--megatron", required=True, help="Megatron checkpoint folder (model under key 'model')")
     exp.add_argument("--out", required=True, help="HF folder to write (replaced atomically)")
     exp.add_argument("--config", default=None, help="model_config.json or a YAML with a model: section")
-    exp.add_argument("--hf-config", default=None, help="config.json of the original HF model (optional)")
+    exp.add_argument("--hf-config", default=None,
+                     help="config.json of the original HF model, or its folder (optional; default: the checkpoint's "
+                          "hf_config.json)")
     exp.add_argument("--tokenizer", default=None,
                      help="folder with tokenizer files and chat template to copy; its bos/eos/pad ids fill "
                           "config.json where the HF config lacks them")
@@ -124,6 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     """Run ``import`` or ``export``; return the exit status (2 on a user error, printed as ``error: ...``)."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     args = parse_args(argv)
     source = Path(args.hf if args.command == "import" else args.megatron)
@@ -137,6 +141,12 @@ def main(argv=None) -> int:
     except (ValueError, OSError, ImportError, CheckpointingException) as err:   # unsupported model, bad file or
         # folder, TP layout, an optional dependency the model needs (TransformerEngine)
         print(f"error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
+        return 2
+    except CheckpointException as err:   # torch's checkpoint reader wraps each rank's failure (a BaseException):
+        # a --config of another shape than the checkpoint, a truncated or missing .distcp file
+        exc = next(iter(err.failures.values()))[0]
+        print(f"error: {source}: cannot load the checkpoint: {type(exc).__name__}: {str(exc).strip()}".rstrip(": "),
+              file=sys.stderr)
         return 2
     finally:
         destroy_distributed()
@@ -196,8 +206,44 @@ def recorded_init_from(saved: dict | None) -> Path | None:
     return Path(init_from)
 
 
+def given_hf_config(path: str) -> dict:
+    """The ``--hf-config`` given: a ``config.json``, or a folder holding ``hf_config.json`` (an imported checkpoint) or
+    ``config.json`` (the original model).
+
+    Raises:
+        FileNotFoundError: ``path`` is neither (an explicit config is never silently replaced by a fresh one).
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = next((file / n for n in (HF_CONFIG_FILE, "config.json") if (file / n).is_file()), file / "config.json")
+    if not file.is_file():
+        raise FileNotFoundError(f"--hf-config {path}: {file} not found (pass the original model's config.json, or a "
+                                f"folder holding it or an imported checkpoint's {HF_CONFIG_FILE})")
+    return read_hf_config(file)
+
+
+def refuse_out_over_inputs(args: argparse.Namespace) -> None:
+    """Refuse an ``--out`` that is, or holds, an input (or the ``--lora-adapter`` folder written before it).
+
+    ``--out`` is replaced as a whole when the new folder is complete, so such an ``--out`` would delete the input
+    (e.g. ``import --hf DIR --out DIR`` replaced the original model by the Megatron checkpoint).
+
+    Raises:
+        ValueError: naming the option whose path ``--out`` would replace.
+    """
+    out = Path(args.out).resolve()
+    flags = (("hf",) if args.command == "import" else
+             ("megatron", "config", "hf_config", "tokenizer", "lora_base", "lora_adapter"))
+    for flag in flags:
+        path = getattr(args, flag)
+        if path is not None and (out == Path(path).resolve() or out in Path(path).resolve().parents):
+            raise ValueError(f"--out {args.out} would replace --{flag.replace('_', '-')} {path} (the output folder "
+                             "is replaced as a whole): write to another folder")
+
+
 def _run(args: argparse.Namespace) -> int:
     """``import`` or ``export`` (errors propagate to :func:`main`)."""
+    refuse_out_over_inputs(args)
     pp = args.pipeline_model_parallel_size
     tp = args.tensor_model_parallel_size or max(1, int(os.environ.get("WORLD_SIZE", 1)) // pp)
     ctx = init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -224,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
         if lora is not None and pp > 1:
             raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
         base_dir = check_lora_base(recorded, args.lora_base, megatron) if recorded is not None else None
-        hf_config = read_hf_config(args.hf_config or megatron)
+        hf_config = given_hf_config(args.hf_config) if args.hf_config else read_hf_config(megatron)
         if hf_config is None:       # the original HF config of the imported folder the run started from
             start = base_dir or recorded_init_from(saved)
             hf_config = read_hf_config(start) if start is not None else None

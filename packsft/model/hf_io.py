@@ -28,7 +28,7 @@ from torch import Tensor
 from packsft.io import atomic_dir
 from packsft.model.config import ModelConfig
 from packsft.model.hf_config import TOKEN_ID_FIELDS, hf_config_from_model_config
-from packsft.model.state_dict_adapter import hf_to_megatron_state_dict, megatron_to_hf_state_dict
+from packsft.model.state_dict_adapter import hf_tensor_shape, hf_to_megatron_state_dict, megatron_to_hf_state_dict
 from packsft.process_groups import barrier, global_rank, rank_and_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -76,6 +76,8 @@ def stage_hf_names(model, cfg: ModelConfig):
     names = set()
     if first or (last and cfg.tie_word_embeddings):
         names.add("model.embed_tokens.weight")
+        if cfg.tie_word_embeddings:     # read only to check that it equals the embedding (load_hf_state_into_model)
+            names.add("lm_head.weight")
     if last:
         names.update(["model.norm.weight"] if cfg.tie_word_embeddings else ["model.norm.weight", "lm_head.weight"])
     return lambda name: name in names or name.startswith(prefixes)
@@ -97,6 +99,7 @@ def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, T
 
     Raises:
         FileNotFoundError: if ``path`` holds neither safetensors nor exactly one GGUF file.
+        ValueError: if a safetensors file is not readable (truncated, corrupt header).
     """
     from transformers import AutoConfig
 
@@ -111,12 +114,15 @@ def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, T
     files = _safetensors_files(path) if path.is_dir() else []
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files and not exactly one *.gguf file")
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     state: dict[str, Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            state.update({k: handle.get_tensor(k) for k in handle.keys() if keep(k)})
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                state.update({k: handle.get_tensor(k) for k in handle.keys() if keep(k)})
+        except SafetensorError as err:
+            raise ValueError(f"{f}: not a readable safetensors file ({err})") from None
     return AutoConfig.from_pretrained(str(path)), state
 
 
@@ -253,13 +259,28 @@ def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfi
         tp_group: the tensor-parallel process group (``None`` for TP=1).
 
     Raises:
-        ValueError: naming Megatron parameters the conversion left unset or produced in excess.
+        ValueError: naming an HF tensor the model needs that ``hf_state`` lacks or holds in another shape than the
+            config implies, a tied config whose ``lm_head.weight`` differs from the embedding, or Megatron
+            parameters the conversion left unset or produced in excess.
     """
     tp_rank, tp_size = rank_and_size(tp_group)
     layers, first, last = stage_parts(model)
     tied_copy = last and not first and cfg.tie_word_embeddings
-    state = hf_to_megatron_state_dict(hf_state, cfg, tp_rank, tp_size, layers=layers, embedding=first or tied_copy,
-                                      head=last)
+    head, embed = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        raise ValueError("the config ties the output layer to the embedding (tie_word_embeddings true), but the "
+                         "checkpoint's lm_head.weight differs from model.embed_tokens.weight (transformers then "
+                         "keeps them apart); set tie_word_embeddings to false in its config.json")
+    needed = stage_hf_names(model, cfg)
+    for name, t in hf_state.items():
+        expected = hf_tensor_shape(name, cfg) if needed(name) else None
+        if expected is not None and tuple(t.shape) != expected:
+            raise ValueError(f"HF tensor {name!r} has shape {tuple(t.shape)}, but the config implies {expected}")
+    try:
+        state = hf_to_megatron_state_dict(hf_state, cfg, tp_rank, tp_size, layers=layers,
+                                          embedding=first or tied_copy, head=last)
+    except KeyError as err:     # a missing tensor is a bad checkpoint (a user error), not a bug
+        raise ValueError(f"{err.args[0]}, which its config.json needs") from None
     state = _renumber(state, {g: j for j, g in enumerate(layers)})
     if tied_copy:
         state["output_layer.weight"] = state.pop("embedding.word_embeddings.weight")

@@ -72,6 +72,22 @@ def _unpack_qkv(shards: Sequence[Tensor], cfg: ModelConfig) -> tuple[Tensor, Ten
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def hf_tensor_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
+    """The full shape ``cfg`` implies for the HF tensor ``name`` (layouts above), or None for a name it does not map."""
+    h, v, f, hn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hn, cfg.num_query_groups * hn
+    top = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    if name in top:
+        return top[name]
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+             "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+             "self_attn.q_norm.weight": (hn,), "self_attn.k_norm.weight": (hn,), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    parts = name.split(".", 3)
+    return layer.get(parts[3]) if len(parts) == 4 and parts[:2] == ["model", "layers"] else None
+
+
 def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_rank: int = 0,
                               tp_size: int = 1, *, layers: Sequence[int] | None = None, embedding: bool = True,
                               head: bool = True) -> dict[str, Tensor]:

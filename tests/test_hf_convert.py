@@ -266,7 +266,9 @@ def test_unsupported_model_type_and_reachable_window():
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         model_config_from_hf(AutoConfig.for_model("gpt2"))
     windowed = hf_config("mistral", sliding_window=64)
-    assert model_config_from_hf(windowed, max_seq_len=64).max_position_embeddings == 128
+    cfg = model_config_from_hf(windowed, max_seq_len=64)
+    assert cfg.max_position_embeddings == 64                 # training then refuses rows the window would cut
+    assert hf_config_from_model_config(cfg, windowed.to_dict()).max_position_embeddings == 128  # export: the original
     with pytest.raises(ValueError, match="max_seq_len <= 64"):
         model_config_from_hf(windowed, max_seq_len=65)
 

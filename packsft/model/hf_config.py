@@ -98,6 +98,13 @@ def _refuse_unsupported(hf_config, max_seq_len: int | None) -> None:
                 f"(got {max_seq_len}) or set sliding_window to null")
 
 
+def _full_attention_length(hf_config) -> int:
+    """``max_position_embeddings``, or a Mistral's smaller ``sliding_window``: the longest row on which packsft's full
+    causal attention equals the model's (training refuses longer rows: ``data.max_seq_len`` <= it)."""
+    window = getattr(hf_config, "sliding_window", None) if hf_config.model_type == "mistral" else None
+    return min(hf_config.max_position_embeddings, window or hf_config.max_position_embeddings)
+
+
 def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention_backend: str = "torch",
                          params_dtype: str = "float32") -> ModelConfig:
     """Translate a transformers ``Llama/Qwen2/Qwen3/MistralConfig`` into a ``ModelConfig``.
@@ -105,7 +112,8 @@ def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention
     Args:
         hf_config: a transformers ``PretrainedConfig`` of a supported ``model_type``.
         max_seq_len: the longest row packsft will train on (tokens); only needed to accept a Mistral
-            ``sliding_window`` smaller than ``max_position_embeddings`` (then it must be ``<= window``).
+            ``sliding_window`` smaller than ``max_position_embeddings`` (then it must be ``<= window``, and the
+            result's ``max_position_embeddings`` is the window, so that training refuses longer rows).
         attention_backend / params_dtype: as in ``ModelConfig``.
 
     Raises:
@@ -125,7 +133,7 @@ def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
         vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
+        max_position_embeddings=_full_attention_length(hf_config),
         kv_channels=head_dim if head_dim and head_dim != default_head_dim else None,
         rotary_base=float(_rope_parameters(hf_config)["rope_theta"]),
         norm_epsilon=float(hf_config.rms_norm_eps),

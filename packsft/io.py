@@ -81,6 +81,9 @@ def replace_dir(tmp: str | Path, final: str | Path) -> Path:
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Create a temp folder beside ``path``; on clean exit publish it as ``path`` (:func:`replace_dir`).
 
+    Every file and folder in it is fsynced before the rename (and ``path``'s parent after it), so a machine
+    crash leaves the old folder or the complete new one, not one of empty files.
+
     Yields:
         The temp folder to fill. If the block raises, it is removed and ``path`` is untouched.
     """
@@ -90,7 +93,9 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
+        fsync_tree(tmp)
         replace_dir(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -159,6 +164,20 @@ def file_blake2b(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """fsync every regular file under ``folder``, then every folder in it (deepest first) and ``folder`` itself."""
+    for root, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            file = os.path.join(root, name)
+            if os.path.isfile(file) and not os.path.islink(file):
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fsync_dir(root)
 
 
 def fsync_dir(path: str | Path) -> None:

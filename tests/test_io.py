@@ -160,3 +160,21 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
             assert os.waitpid(pid, os.WNOHANG) == (0, 0)
     finally:
         os.waitpid(pid, 0)
+
+
+def test_atomic_dir_fsyncs_every_file_and_folder_before_publishing(tmp_path, monkeypatch):
+    """A machine crash after the rename must not leave a complete-looking folder of empty files (an HF export)."""
+    import packsft.io as io_module
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(io_module.os, "fsync",
+                        lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    with io_module.atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"x" * 10)
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "config.json").write_text("{}")
+    names = [os.path.relpath(p, tmp_path) for p in synced]
+    inside = [os.path.relpath(n, tmp.name) for n in names[:-1]]                       # before the rename
+    assert sorted(inside) == [".", "model.safetensors", "sub", "sub/config.json"], names
+    assert names[-1] == "." and (tmp_path / "out" / "sub" / "config.json").read_text() == "{}"   # then the parent

@@ -13,7 +13,7 @@ Sidecar fields (JSON object, ``format_version`` 2)::
                        "chat_template_sha256": str | null, "train_on": "all" | "last",
                        "chat_template_kwargs": {...}, "append_eos": bool},   # PromptFormat.spec()
      "special_tokens": {"bos_token": str | null, "bos_token_id": int | null,
-                        "eos_token": str | null, "eos_token_id": int | null},   # optional (older files lack it)
+                        "eos_token": str | null, "eos_token_id": int | null},   # optional (see special_tokens)
      "max_seq_len": int, "context_parallel_size": int,
      "algorithm": str, "seed": int, "counts": {...}, ...,
      "rows_file": {"size": int, "blake2b": str},   # the rows file's bytes (BLAKE2b-160, 40 hex)
@@ -21,9 +21,10 @@ Sidecar fields (JSON object, ``format_version`` 2)::
                      "tokens": {"file", "size", "blake2b", "ends_blake2b"}, "index": {...}}}  # optional
 
 Only the tokenizer, prompt format, ``max_seq_len`` and CP size are checked (:data:`CHECKED_FIELDS`), and the
-tokenizer's BOS/EOS when recorded (``special_tokens``, :data:`OPTIONAL_CHECKED_FIELDS`); the rest describe the
-packing run. A version 1 sidecar (before ``train_on``, ``chat_template_kwargs`` and
-``append_eos``) is read with their defaults, ``all``, ``{}`` and ``false``: what version 1 packed.
+tokenizer's BOS/EOS when recorded (``special_tokens``, :data:`OPTIONAL_CHECKED_FIELDS`; recorded where the
+format's ids depend on them); the rest describe the packing run. A version 1 sidecar (before ``train_on``,
+``chat_template_kwargs`` and ``append_eos``) is read with their defaults, ``all``, ``{}`` and ``false``: what
+version 1 packed.
 
 ``rows_file`` ties the sidecar to the rows it was written with (the packer publishes its outputs as one unit,
 through a journal that :func:`read_sidecar` finishes after a kill; the sidecar last):
@@ -206,9 +207,12 @@ def _get(meta: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-def special_tokens(tokenizer: Any) -> dict[str, Any]:
+def special_tokens(tokenizer: Any, fmt: PromptFormat) -> dict[str, Any] | None:
     """The sidecar's ``special_tokens``: the tokenizer's ``bos_token``, ``bos_token_id``, ``eos_token``,
-    ``eos_token_id`` (``None`` where it has none)."""
+    ``eos_token_id`` (``None`` where it has none), when ``fmt``'s ids depend on them (``append_eos``, or a chat
+    template that renders ``bos_token`` / ``eos_token``); else ``None``: not recorded, not checked."""
+    if not (fmt.append_eos or any(t in (fmt.chat_template or "") for t in ("bos_token", "eos_token"))):
+        return None
     return {"bos_token": tokenizer.bos_token, "bos_token_id": tokenizer.bos_token_id,
             "eos_token": tokenizer.eos_token, "eos_token_id": tokenizer.eos_token_id}
 

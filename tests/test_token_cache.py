@@ -294,3 +294,19 @@ def test_a_tokenizer_with_another_eos_is_refused_not_served_the_packed_ids(tmp_p
     assert other.eos_token == "<|file_sep|>"
     with pytest.raises(SidecarError, match=r"(?s)special_tokens.*<\|im_end\|>.*<\|file_sep\|>"):
         PackedSFTDataset(out, other, fmt, 256, chat_template=kw.get("chat_template"))
+
+
+def test_another_eos_is_accepted_where_the_ids_cannot_depend_on_it(tmp_path, tokenizer_dir):
+    """Qwen2.5's own template writes ``<|im_end|>`` itself (no ``eos_token``, no appended EOS): a tokenizer with
+    another EOS gives the same ids, so the file loads, cache and re-tokenizing alike."""
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir("qwen2.5"), tok)
+    src, out = _chats(tmp_path / "c.jsonl", 8), tmp_path / "x.jsonl.packed"
+    _pack(src, out, tok, 256, fmt="chat-template")
+    assert "special_tokens" not in read_sidecar(out)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|file_sep|>"
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    cached, fresh = (PackedSFTDataset(out, load_tokenizer(tok), "chat-template", 256, use_token_cache=use)
+                     for use in (True, False))
+    assert all(torch.equal(cached[i]["tokens"], fresh[i]["tokens"]) for i in range(len(cached)))

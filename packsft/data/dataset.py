@@ -267,7 +267,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     def _check_sidecar(self, require: bool) -> dict[str, Any] | None:
         meta = read_sidecar(self.path)
         expected = loader_expectation(tokenizer_fingerprint(self.tokenizer), self.prompt_format, self.max_seq_len,
-                                      self.context_parallel_size, special_tokens(self.tokenizer))
+                                      self.context_parallel_size, special_tokens(self.tokenizer, self.prompt_format))
         template = self.prompt_format.chat_template
 
         def hint() -> str:  # only for a refusal: it may read the packing report

@@ -3,6 +3,7 @@ the same row, a found resume checkpoint wins over ``init_from``, and a contradic
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,17 @@ def test_model_section_comes_from_the_checkpoint_and_must_agree(setup):
 def test_init_from_without_model_config_is_named(setup, tmp_path):
     with pytest.raises(FileNotFoundError, match="checkpoint.init_from=.*model_config.json not found"):
         load_config(write_config(setup, "missing"), [f"checkpoint.init_from={tmp_path}"])
+
+
+def test_rows_longer_than_the_imported_sliding_window_are_refused(setup, tmp_path):
+    """A Mistral imported with --max-seq-len <= its window records the window as max_position_embeddings; a config
+    that raises model.max_position_embeddings (a free key) still may not train rows past the window."""
+    windowed = tmp_path / "windowed"
+    shutil.copytree(setup["imported"], windowed)
+    hf = json.loads((windowed / "hf_config.json").read_text())
+    (windowed / "hf_config.json").write_text(json.dumps({**hf, "model_type": "mistral", "sliding_window": SEQ // 2,
+                                                         "max_position_embeddings": 4 * SEQ}))
+    config = write_config(setup, "windowed", max_position_embeddings=4 * SEQ)
+    with pytest.raises(ValueError, match=rf"max_seq_len \({SEQ}\) is longer than the sliding_window \({SEQ // 2}\)"):
+        load_config(config, [f"checkpoint.init_from={windowed}"])
+    assert load_config(config, [f"checkpoint.init_from={windowed}", f"data.max_seq_len={SEQ // 2}"])

@@ -98,11 +98,13 @@ def _refuse_unsupported(hf_config, max_seq_len: int | None) -> None:
                 f"(got {max_seq_len}) or set sliding_window to null")
 
 
-def _full_attention_length(hf_config) -> int:
-    """``max_position_embeddings``, or a Mistral's smaller ``sliding_window``: the longest row on which packsft's full
-    causal attention equals the model's (training refuses longer rows: ``data.max_seq_len`` <= it)."""
-    window = getattr(hf_config, "sliding_window", None) if hf_config.model_type == "mistral" else None
-    return min(hf_config.max_position_embeddings, window or hf_config.max_position_embeddings)
+def full_attention_length(hf_config: dict) -> int | None:
+    """A Mistral's ``sliding_window`` when smaller than its ``max_position_embeddings`` (``hf_config``: the
+    ``config.json`` dict), else None: the longest row on which packsft's full causal attention equals the model's
+    (an import records it as ``max_position_embeddings``; training refuses a longer ``data.max_seq_len``)."""
+    window = hf_config.get("sliding_window") if hf_config.get("model_type") == "mistral" else None
+    limit = hf_config.get("max_position_embeddings")
+    return window if window is not None and limit is not None and window < limit else None
 
 
 def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention_backend: str = "torch",
@@ -133,7 +135,7 @@ def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
         vocab_size=hf_config.vocab_size,
-        max_position_embeddings=_full_attention_length(hf_config),
+        max_position_embeddings=full_attention_length(hf_config.to_dict()) or hf_config.max_position_embeddings,
         kv_channels=head_dim if head_dim and head_dim != default_head_dim else None,
         rotary_base=float(_rope_parameters(hf_config)["rope_theta"]),
         norm_epsilon=float(hf_config.rms_norm_eps),

@@ -479,6 +479,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         cfg = OmegaConf.to_object(merged)
         if imported is not None:
             check_init_model(cfg, imported)
+            check_init_window(cfg, merged.checkpoint.init_from)
         return cfg
     except OmegaConfBaseException as err:
         raise ValueError(f"invalid config {where}: {err}") from err
@@ -533,6 +534,27 @@ def _first_difference(current: dict, reference: dict, free: tuple[str, ...] = ()
         if not same:
             return key
     return None
+
+
+def check_init_window(cfg: Config, init_from: str | Path) -> None:
+    """Refuse a ``data.max_seq_len`` longer than the sliding window of the imported model (a Mistral whose
+    ``sliding_window`` is below its ``max_position_embeddings``, read from ``<init_from>/hf_config.json``):
+    packsft's full causal attention equals the model's only up to the window, whatever
+    ``model.max_position_embeddings`` the config sets.
+
+    Raises:
+        ValueError: naming both lengths and the file.
+    """
+    from packsft.model.hf_config import full_attention_length
+
+    file = Path(init_from) / "hf_config.json"       # written by tools/convert_checkpoint.py import
+    if not file.is_file():
+        return
+    window = full_attention_length(json.loads(file.read_text()))
+    if window is not None and cfg.data.max_seq_len > window:
+        raise ValueError(f"data.max_seq_len ({cfg.data.max_seq_len}) is longer than the sliding_window ({window}) of "
+                         f"the model checkpoint.init_from holds ({file}): packsft's full causal attention equals "
+                         f"that model's only up to the window; set data.max_seq_len <= {window}")
 
 
 def check_init_model(cfg: Config, imported: dict) -> None:

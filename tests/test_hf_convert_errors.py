@@ -108,6 +108,14 @@ def test_out_that_would_replace_an_input_is_refused(tmp_path, tokenizer_dir):
     assert_user_error(*run_tool(CONVERT, "export", "--megatron", hf, "--out", tok, "--tokenizer", tok),
                       f"--out {tok} would replace --tokenizer {tok}")
     assert (tok / "tokenizer.json").is_file()
+    run = tmp_path / "run"                                  # a LoRA adapter written over its own training run
+    (run / "checkpoints" / "iter_0000006").mkdir(parents=True)
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", run / "checkpoints" / "iter_0000006",
+                                "--out", tmp_path / "hf_out", "--lora-adapter", run),
+                      f"--lora-adapter {run} would replace --megatron {run / 'checkpoints' / 'iter_0000006'}")
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", hf, "--out", tmp_path / "o", "--lora-adapter",
+                                tmp_path / "o" / "adapter"), f"--out {tmp_path / 'o'} would replace --lora-adapter")
+    assert (run / "checkpoints" / "iter_0000006").is_dir()
 
 
 def test_tied_config_with_a_different_lm_head_is_refused(tmp_path):

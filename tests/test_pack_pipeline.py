@@ -242,6 +242,10 @@ def test_outputs_that_would_replace_each_other_or_a_folder_or_device_are_refused
             run_pack(PackConfig(**{**base, "output": str(tmp_path / "fifo")}))
         with pytest.raises(ValueError, match="--histogram .*fifo is not a regular file"):
             run_pack(PackConfig(**{**base, "histogram": str(tmp_path / "fifo")}))
+        os.symlink(tmp_path / "fifo", tmp_path / "link")        # as /dev/stdout links to a terminal or pipe
+        with pytest.raises(ValueError, match="--report .*link is not a regular file"):
+            run_pack(PackConfig(**{**base, "report": str(tmp_path / "link")}))
+        os.unlink(tmp_path / "link")
     # before: packed twice, and the report's per-input counts of the file doubled
     with pytest.raises(ValueError, match="--input .*a.jsonl is given twice"):
         run_pack(PackConfig(**{**base, "inputs": [str(src), str(tmp_path / "." / "a.jsonl")]}))

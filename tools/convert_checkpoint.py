@@ -222,23 +222,30 @@ def given_hf_config(path: str) -> dict:
     return read_hf_config(file)
 
 
-def refuse_out_over_inputs(args: argparse.Namespace) -> None:
-    """Refuse an ``--out`` that is, or holds, an input (or the ``--lora-adapter`` folder written before it).
+def refuse_out_over_inputs(args: argparse.Namespace, **resolved: Path | None) -> None:
+    """Refuse an output folder (``--out``, ``--lora-adapter``) that is, or holds, an input or the other output.
 
-    ``--out`` is replaced as a whole when the new folder is complete, so such an ``--out`` would delete the input
+    Each output is replaced as a whole when its new folder is complete, so such a folder would delete the input
     (e.g. ``import --hf DIR --out DIR`` replaced the original model by the Megatron checkpoint).
 
+    Args:
+        resolved: inputs found later, by what they are (the run's recorded LoRA base, its ``init_from``).
+
     Raises:
-        ValueError: naming the option whose path ``--out`` would replace.
+        ValueError: naming the output and the input it would replace.
     """
-    out = Path(args.out).resolve()
-    flags = (("hf",) if args.command == "import" else
-             ("megatron", "config", "hf_config", "tokenizer", "lora_base", "lora_adapter"))
-    for flag in flags:
-        path = getattr(args, flag)
-        if path is not None and (out == Path(path).resolve() or out in Path(path).resolve().parents):
-            raise ValueError(f"--out {args.out} would replace --{flag.replace('_', '-')} {path} (the output folder "
-                             "is replaced as a whole): write to another folder")
+    inputs = {f"--{flag.replace('_', '-')}": getattr(args, flag) for flag in
+              (("hf",) if args.command == "import" else ("megatron", "config", "hf_config", "tokenizer", "lora_base"))}
+    outputs = {"--out": args.out}
+    if args.command == "export" and args.lora_adapter:
+        outputs["--lora-adapter"] = args.lora_adapter
+    for name, out in outputs.items():
+        out = Path(out).resolve()
+        others = {**inputs, **resolved, **{k: v for k, v in outputs.items() if k != name}}
+        for what, path in others.items():
+            if path is not None and (out == Path(path).resolve() or out in Path(path).resolve().parents):
+                raise ValueError(f"{name} {outputs[name]} would replace {what} {path} (the output folder is "
+                                 "replaced as a whole): write to another folder")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -270,9 +277,11 @@ def _run(args: argparse.Namespace) -> int:
         if lora is not None and pp > 1:
             raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
         base_dir = check_lora_base(recorded, args.lora_base, megatron) if recorded is not None else None
+        refuse_out_over_inputs(args, **{"the run's LoRA base": base_dir})
         hf_config = given_hf_config(args.hf_config) if args.hf_config else read_hf_config(megatron)
         if hf_config is None:       # the original HF config of the imported folder the run started from
             start = base_dir or recorded_init_from(saved)
+            refuse_out_over_inputs(args, **{"the folder the run started from": start})
             hf_config = read_hf_config(start) if start is not None else None
         model = build_gpt_model(cfg)
         if lora is not None:

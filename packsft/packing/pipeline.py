@@ -278,7 +278,12 @@ def _check_output_target(what: str, path: str) -> None:
         return  # nothing there yet (or a folder that _check_writable reports)
     if stat.S_ISDIR(mode):
         raise ValueError(f"{what} {path} is a directory; give the file to write")
-    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+    if stat.S_ISLNK(mode):      # the rename replaces the link; refuse one to a device or pipe (/dev/stdout) alike
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return              # a dangling link: replaced by the file
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         hint = " (--histogram '' writes none)" if what == "--histogram" else ""
         raise ValueError(f"{what} {path} is not a regular file (a device, pipe or socket): the packer publishes "
                          f"its outputs by renaming files over their paths, which would replace it; give a file "

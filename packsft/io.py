@@ -82,7 +82,8 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Create a temp folder beside ``path``; on clean exit publish it as ``path`` (:func:`replace_dir`).
 
     Every file and folder in it is fsynced before the rename (and ``path``'s parent after it), so a machine
-    crash leaves the old folder or the complete new one, not one of empty files.
+    crash leaves the old folder (possibly set aside as ``.<name>.old-*``) or the complete new one, not one of
+    empty files.
 
     Yields:
         The temp folder to fill. If the block raises, it is removed and ``path`` is untouched.

@@ -171,13 +171,15 @@ def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:
         except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's adapter: any failure rejects the line
             raise RecordFormatError(f"adapter {name} failed: {type(err).__name__}: {err}") from err
         if not isinstance(out, dict) or not isinstance(out.get("messages"), list):
-            got = f"'messages' {type(out.get('messages')).__name__}" if isinstance(out, dict) else type(out).__name__
+            got = (type(out).__name__ if not isinstance(out, dict) else "no 'messages' key" if "messages" not in out
+                   else f"'messages' {type(out['messages']).__name__}")
             raise RecordFormatError(f"adapter {name} must return a dict with a 'messages' list, got {got}")
         try:  # the row is written as JSON and read back from it: pack what the loader will read
-            return json.loads(_ADAPTER_JSON(out))
+            return json.loads(ROW_JSON(out))
         except (TypeError, ValueError, RecursionError) as err:  # e.g. a numpy int64, a set, a datetime
             raise RecordFormatError(f"adapter {name} returned a record that is not JSON: {err}") from err
     return convert
 
 
-_ADAPTER_JSON = json.JSONEncoder(ensure_ascii=False).encode
+ROW_JSON = json.JSONEncoder(ensure_ascii=False).encode
+"""JSON text of a record or row as the packer writes it (one encoder for all: ``json.dumps`` builds one per call)."""

@@ -165,3 +165,17 @@ def test_rows_longer_than_the_imported_sliding_window_are_refused(setup, tmp_pat
     with pytest.raises(ValueError, match=rf"max_seq_len \({SEQ}\) is longer than the sliding_window \({SEQ // 2}\)"):
         load_config(config, [f"checkpoint.init_from={windowed}"])
     assert load_config(config, [f"checkpoint.init_from={windowed}", f"data.max_seq_len={SEQ // 2}"])
+
+
+def test_an_unreadable_init_from_checkpoint_is_one_error_line(setup, tmp_path):
+    """torch's reader wraps a truncated .distcp in a BaseException (CheckpointException): one error line, exit 2."""
+    broken = tmp_path / "broken"
+    shutil.copytree(setup["imported"], broken)
+    shard = sorted(broken.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "train.py"), "--config",
+                           str(write_config(setup, "broken")), f"checkpoint.init_from={broken}"],
+                          capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "cannot load the checkpoint" in errors[0], proc.stderr[-3000:]

@@ -70,6 +70,7 @@ from packsft.train.model_checkpoint import (  # noqa: E402
     check_lora_base,
     load_megatron_checkpoint,
     save_megatron_checkpoint,
+    unreadable_checkpoint_message,
 )
 from packsft.train.process_guard import forked_children_die_with_this_process, stop_checkpoint_writer  # noqa: E402
 
@@ -144,9 +145,7 @@ def main(argv=None) -> int:
         return 2
     except CheckpointException as err:   # torch's checkpoint reader wraps each rank's failure (a BaseException):
         # a --config of another shape than the checkpoint, a truncated or missing .distcp file
-        exc = next(iter(err.failures.values()))[0]
-        print(f"error: {source}: cannot load the checkpoint: {type(exc).__name__}: {str(exc).strip()}".rstrip(": "),
-              file=sys.stderr)
+        print(f"error: {source}: {unreadable_checkpoint_message(err)}", file=sys.stderr)
         return 2
     finally:
         destroy_distributed()

@@ -74,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + getattr(signal, received)
     stop.action = stop.ACTION                    # from here on the run stops after a step and saves
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from packsft.io import atomic_open
     from packsft.train.checkpoint import CheckpointSpaceError
     from packsft.train.distributed import destroy_distributed
     from packsft.train.loop import Trainer
+    from packsft.train.model_checkpoint import unreadable_checkpoint_message
 
     if "TORCHELASTIC_RUN_ID" in os.environ:        # a torchrun worker: end with torchrun, even on its SIGKILL
         process_guard.die_with_parent()
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             # layout, data, sidecar, vocabulary, resume (old format, another architecture), checkpoint.dir, an
             # optional dependency the config needs (TransformerEngine)
             print(f"error: {err}", file=sys.stderr)
+            return 2
+        except CheckpointException as err:      # torch's reader: a truncated or missing .distcp (a BaseException)
+            print(f"error: {unreadable_checkpoint_message(err)}", file=sys.stderr)
             return 2
         if trainer.ctx.rank == 0:
             with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:

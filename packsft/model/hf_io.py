@@ -28,7 +28,12 @@ from torch import Tensor
 from packsft.io import atomic_dir
 from packsft.model.config import ModelConfig
 from packsft.model.hf_config import TOKEN_ID_FIELDS, hf_config_from_model_config
-from packsft.model.state_dict_adapter import hf_tensor_shape, hf_to_megatron_state_dict, megatron_to_hf_state_dict
+from packsft.model.state_dict_adapter import (
+    MissingTensorError,
+    hf_tensor_shape,
+    hf_to_megatron_state_dict,
+    megatron_to_hf_state_dict,
+)
 from packsft.process_groups import barrier, global_rank, rank_and_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -279,8 +284,8 @@ def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfi
     try:
         state = hf_to_megatron_state_dict(hf_state, cfg, tp_rank, tp_size, layers=layers,
                                           embedding=first or tied_copy, head=last)
-    except KeyError as err:     # a missing tensor is a bad checkpoint (a user error), not a bug
-        raise ValueError(f"{err.args[0]}, which its config.json needs") from None
+    except MissingTensorError as err:     # a bad checkpoint (a user error), not a bug
+        raise ValueError(f"{err.args[0]}, which its config needs") from None
     state = _renumber(state, {g: j for j, g in enumerate(layers)})
     if tied_copy:
         state["output_layer.weight"] = state.pop("embedding.word_embeddings.weight")

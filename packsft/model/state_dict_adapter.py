@@ -72,6 +72,10 @@ def _unpack_qkv(shards: Sequence[Tensor], cfg: ModelConfig) -> tuple[Tensor, Ten
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+class MissingTensorError(KeyError):
+    """An HF checkpoint lacks a tensor its config needs (a bad checkpoint, not a bug)."""
+
+
 def hf_tensor_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     """The full shape ``cfg`` implies for the HF tensor ``name`` (layouts above), or None for a name it does not map."""
     h, v, f, hn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size, cfg.head_dim
@@ -107,12 +111,12 @@ def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_
         ``_extra_state`` entries).
 
     Raises:
-        KeyError: naming a missing HF tensor.
+        MissingTensorError: naming a missing HF tensor (a ``KeyError``).
         ValueError: if a sharded dimension is not divisible by ``tp_size``.
     """
     def get(name: str) -> Tensor:
         if name not in hf_state:
-            raise KeyError(f"HF checkpoint has no tensor {name!r}")
+            raise MissingTensorError(f"HF checkpoint has no tensor {name!r}")
         return hf_state[name]
 
     out = {}

@@ -96,14 +96,12 @@ from packsft.prompt_formats import (
     tokenize_conversation,
     tokenize_conversations,
 )
-from packsft.record_formats import RecordFormatError, adapter_identity, record_converter, source_field
+from packsft.record_formats import ROW_JSON, RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import REPORT_SUFFIX, efficiency, rows_file_fields, sidecar_path, sidecar_text, special_tokens
 from packsft.token_cache import TokenCacheWriter, cache_paths, encode_runs, stored_length
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 OVERSIZE_POLICIES = ("own-row", "drop", "error")
-_ROW_JSON = json.JSONEncoder(ensure_ascii=False).encode
-"""``json.dumps(obj, ensure_ascii=False)`` (a row's messages), without building an encoder per call."""
 _BATCH = 64
 _BATCH_BYTES = 1 << 20
 """Input lines are tokenized in batches of up to :data:`_BATCH` lines and :data:`_BATCH_BYTES` bytes
@@ -359,7 +357,7 @@ def own_row_window(max_seq_len: int) -> tuple[int, int]:
 
 
 def _message_chars(m: dict[str, Any]) -> int:
-    return len(_ROW_JSON(m))
+    return len(ROW_JSON(m))
 
 
 def _content_chars(m: dict[str, Any]) -> int:
@@ -596,7 +594,7 @@ def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first, known=N
     trained = _trained_in(runs, 1, n)  # targets[1:], the tokens predicted
     in_row = trained if n <= cfg.max_seq_len else _trained_in(runs, 1, cfg.max_seq_len)
     counts = (n, max(1, in_row) if cut else trained, in_row, non_megatron)
-    return counts, _ROW_JSON(conv.to_row_messages()), None, cut, tokens, runs
+    return counts, ROW_JSON(conv.to_row_messages()), None, cut, tokens, runs
 
 
 def _trained_in(runs: list[int], start: int, end: int) -> int:

@@ -138,6 +138,14 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
     return ckpt_dir
 
 
+def unreadable_checkpoint_message(err: BaseException) -> str:
+    """The ``error:`` text for torch's ``CheckpointException`` (a ``BaseException`` that wraps each rank's failure
+    to read a checkpoint: a truncated or missing ``.distcp`` file, a model of another shape than the checkpoint)."""
+    failures = getattr(err, "failures", None) or {}
+    exc = next(iter(failures.values()))[0] if failures else err
+    return f"cannot load the checkpoint: {type(exc).__name__}: {str(exc).strip()}".rstrip(": ")
+
+
 def is_adapter_key(key: str) -> bool:
     """Whether a (sharded) state-dict key is a LoRA adapter tensor (``...lora_A.default.weight``)."""
     return ".lora_" in key

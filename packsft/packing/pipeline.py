@@ -243,12 +243,7 @@ class PackConfig:
             raise ValueError(f"shard_bytes must be >= 1, got {self.shard_bytes}")
         if self.max_conversation_bytes < 1:
             raise ValueError(f"--max-conversation-bytes must be >= 1, got {self.max_conversation_bytes}")
-        written = {"--output": self.output, "sidecar": str(sidecar_path(self.output)),
-                   "--report": self.report or self.output + REPORT_SUFFIX}
-        if self.histogram != "":
-            written["--histogram"] = self.histogram or self.output + ".lengths.png"
-        if self.token_cache:
-            written.update(zip(("token cache", "token cache index"), map(str, cache_paths(self.output))))
+        written = {_OUTPUT_NAMES[key]: path for key, path in _output_paths(self).items()}
         for i, p in enumerate(self.inputs):
             for q in self.inputs[:i]:
                 if _same_file(q, p):
@@ -1316,6 +1311,11 @@ def _check_writable(paths: dict[str, str]) -> None:
             blocking = next((p for p in (folder, *folder.parents) if p.exists()), folder)
             reason = f"{blocking} is a file, not a folder" if not blocking.is_dir() else e.strerror or e
             raise PackError(f"{flag} {path}: cannot write in {folder}: {reason}") from e
+
+
+_OUTPUT_NAMES = {"rows": "--output", "sidecar": "sidecar", "report": "--report", "histogram": "--histogram",
+                 "token_cache": "token cache", "token_index": "token cache index"}
+"""How messages name each of :func:`_output_paths`."""
 
 
 def _output_paths(cfg: PackConfig) -> dict[str, str]:

@@ -69,12 +69,17 @@ def test_pack_sharegpt_and_alpaca(tmp_path, tokenizer_dir):
     assert report.packed_conversations == 2 and not report.rejected
 
 
-def test_adapter_from_pythonpath_reports_failures_per_line(tmp_path, tokenizer_dir, monkeypatch):
+def _adapter_module(tmp_path, monkeypatch, name: str, source: str) -> None:
+    """Make ``source`` importable as module ``name`` (a folder on ``sys.path``, no stale import)."""
     pkg = tmp_path / "adapters"
-    pkg.mkdir()
-    (pkg / "my_adapter.py").write_text(ADAPTER)
+    pkg.mkdir(exist_ok=True)
+    (pkg / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(pkg))
-    sys.modules.pop("my_adapter", None)
+    sys.modules.pop(name, None)
+
+
+def test_adapter_from_pythonpath_reports_failures_per_line(tmp_path, tokenizer_dir, monkeypatch):
+    _adapter_module(tmp_path, monkeypatch, "my_adapter", ADAPTER)
     lines = [{"q": "2+2?", "a": "4"}, {"q": "boom"}, {"q": "hi", "a": "yo"}, {"q": "exit"}, {"q": "tuple"}]
     report, out = _pack(tmp_path, tokenizer_dir, lines, adapter="my_adapter:to_messages")
     assert report.packed_conversations == 2
@@ -135,11 +140,7 @@ def to_messages(record):
 
 
 def test_adapter_returning_non_json_values_rejects_the_line(tmp_path, tokenizer_dir, monkeypatch):
-    pkg = tmp_path / "adapters"
-    pkg.mkdir()
-    (pkg / "non_json_adapter.py").write_text(NON_JSON_ADAPTER)
-    monkeypatch.syspath_prepend(str(pkg))
-    sys.modules.pop("non_json_adapter", None)
+    _adapter_module(tmp_path, monkeypatch, "non_json_adapter", NON_JSON_ADAPTER)
     report, out = _pack(tmp_path, tokenizer_dir, [{"q": "ok"}, {"q": "numpy"}, {"q": "set"}],
                         adapter="non_json_adapter:to_messages")
     assert report.packed_conversations == 1                 # before: TypeError traceback, no output at all

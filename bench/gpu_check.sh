@@ -6,10 +6,12 @@
 #      with --no-index --no-deps into /tmp/site, so the image's torch is never touched;
 #   1. the trainer for 20 steps on a ~1B model (Llama-3.2-1B shapes, SmolLM2 vocabulary) at 8192 tokens per row,
 #      bf16 + Megatron's distributed optimizer (DP=1), the torch attention backend, fused loss: tokens/s, MFU,
-#      peak memory, loss; run twice, logging every step and every 10 steps (the host-sync-free step's gain);
+#      peak memory, loss; run twice, logging every step and every 10 steps (the host-sync-free step's gain); then
+#      stopped half-way with a checkpoint and resumed in a new process (losses against the uninterrupted run);
 #   2. the fused loss against the stock full-logit loss, memory and time, at t=32K tokens, V=128K (bench/loss.py);
 #   3. the attention backends' agreement on CUDA (bench/gpu_check_attention.py).
-# Prints a table (also in $OUT/gpu_check.txt, or out/gpu_check/) and exits non-zero when a check fails.
+# Prints a table (also in $OUT/gpu_check.txt, or out/gpu_check/; run logs in logs.tar.gz) and exits non-zero when a
+# check fails.
 #
 # GPU_CHECK_CPU=1 runs the same steps on CPU at toy sizes (gloo, tiny model, 512-token rows, part 3 skipped): what
 # the tests run, so the script fails on a GPU machine only for a reason that needs the GPU.
@@ -50,7 +52,7 @@ if [ "$CPU" = 1 ]; then
 model.num_query_groups=2"
   LOSS_ARGS="--device cpu --dtype fp32 --t 1024 --v 8192 --h 256 --chunk-sizes 256"
 else
-  SEQ=8192; STEPS=20; WARMUP=10; LINES=7473; BACKEND=nccl; LIMIT=200; GBS=4
+  SEQ=8192; STEPS=20; WARMUP=10; LINES=7473; BACKEND=nccl; LIMIT=150; GBS=4
   MODEL="model.num_layers=16 model.hidden_size=2048 model.ffn_hidden_size=8192 model.num_attention_heads=32 \
 model.num_query_groups=8"
   LOSS_ARGS="--device cuda --dtype bf16 --t 32768 --v 131072 --h 4096 --chunk-sizes 4096"
@@ -73,23 +75,30 @@ timeout 120 $PY tools/pack_megatron_sft_jsonl.py --input "$WORK/gsm8k.jsonl" --o
   --tokenizer "$TOK" --max-seq-length "$SEQ" --histogram "" --no-progress >"$RESULTS/pack.log" 2>&1
 rc=$?
 row "pack-gsm8k-$SEQ" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; $(grep -m1 '^rows' "$RESULTS/pack.log")"
-for interval in 1 10; do
+train() {  # train NAME LIMIT OVERRIDES...: one tools/train.py run into $WORK/NAME, log in $RESULTS/NAME.log
+  local name=$1 limit=$2; shift 2
   # shellcheck disable=SC2086
-  timeout "$LIMIT" $PY -m torch.distributed.run --standalone --nproc-per-node 1 tools/train.py \
+  timeout "$limit" $PY -m torch.distributed.run --standalone --nproc-per-node 1 tools/train.py \
     --config configs/tiny_cpu.yaml $MODEL model.vocab_size=49152 model.tie_word_embeddings=true \
     model.max_position_embeddings="$SEQ" model.attention_backend=torch data.train_path="$WORK/rows.jsonl.packed" \
     data.tokenizer="$TOK" data.max_seq_len="$SEQ" data.split_validation_size=0 validation.val_period=0 \
     validation.val_at_end=false optimizer.backend=megatron optimizer.use_distributed_optimizer=true \
     optimizer.lr=1e-4 train.bf16=true train.global_batch_size="$GBS" train.train_steps="$STEPS" \
     scheduler.warmup_steps=2 loss.chunk_size=4096 parallel.backend="$BACKEND" checkpoint.save_interval=0 \
-    checkpoint.save_at_end=false checkpoint.resume=none logging.log_interval="$interval" \
-    logging.output_dir="$WORK/train_$interval" logging.tensorboard=false logging.progress=false \
-    >"$RESULTS/train_log$interval.log" 2>&1
-  rc=$?
-  [ $rc -eq 0 ] || row "train-log-interval-$interval" "FAIL" "rc=$rc; see train_log$interval.log"
-done
-$PY bench/gpu_check_train.py --every "$WORK/train_1" --sparse "$WORK/train_10" --gpu "$GPU" --warmup "$WARMUP" \
-  --steps "$STEPS" --json "$RESULTS/train.json" 2>&1 | tee -a "$TABLE"
+    checkpoint.save_at_end=false checkpoint.resume=none logging.output_dir="$WORK/$name" logging.tensorboard=false \
+    logging.progress=false "$@" >"$RESULTS/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || row "$name" "FAIL" "rc=$rc; see $name.log"
+}
+train train_log1 "$LIMIT" logging.log_interval=1
+train train_log10 "$LIMIT" logging.log_interval=10
+# a preempted job: stop after step $((STEPS / 2)) with a checkpoint (dist_checkpointing, distributed optimizer),
+# resume in a new process; its losses of the later steps are compared with the uninterrupted run's
+train train_stop "$LIMIT" logging.log_interval=1 train.stop_at_step=$((STEPS / 2)) checkpoint.save_at_end=true \
+  checkpoint.dir="$WORK/ckpt"
+train train_resume "$LIMIT" logging.log_interval=1 checkpoint.resume=auto checkpoint.dir="$WORK/ckpt"
+$PY bench/gpu_check_train.py --every "$WORK/train_log1" --sparse "$WORK/train_log10" --resumed "$WORK/train_resume" \
+  --gpu "$GPU" --warmup "$WARMUP" --steps "$STEPS" --json "$RESULTS/train.json" 2>&1 | tee -a "$TABLE"
 [ "${PIPESTATUS[0]}" -eq 0 ] || row "train-summary" "FAIL" "see train.json and the train logs"
 
 echo "== 2. fused loss vs stock loss"
@@ -108,6 +117,9 @@ else
   cat "$RESULTS/attention.txt"
   row "attention-agreement" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in attention.txt"
 fi
+
+# the run logs in one file (the device tool brings back at most 8 files)
+(cd "$RESULTS" && tar czf logs.tar.gz -- *.log && rm -f -- *.log)
 
 echo "== summary ($GPU, $(date -u +%F))"
 cat "$TABLE"

@@ -15,7 +15,10 @@ Rows of the printed table (``check | max abs diff | tolerance | ok``):
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -90,24 +93,57 @@ def check_te_vs_torch() -> float | str:
     return (got.reshape(ref.shape).float() - ref.float()).abs().max().item()
 
 
-def check_gpt_cuda_vs_cpu() -> float:
+def _tiny_gpt():
     from packsft.model.config import ModelConfig
     from packsft.model.gpt import build_gpt_model
 
-    torch.manual_seed(0)
     cfg = ModelConfig(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_query_groups=2,
                       vocab_size=4096, max_position_embeddings=512)
-    cpu_model = build_gpt_model(cfg).eval()
-    cuda_model = build_gpt_model(cfg).cuda().eval()
-    cuda_model.load_state_dict(cpu_model.state_dict())
+    return cfg, build_gpt_model(cfg).eval()
+
+
+def cpu_reference(folder: Path) -> None:
+    """The tiny GPT's logits on CPU (run with CUDA hidden: the path CI tests) from ``folder/inputs.pt``."""
+    from packsft.data.context_parallel import make_packed_seq_params
+    from packsft.train.distributed import destroy_distributed, init_distributed
+
+    init_distributed(backend="gloo")
+    inputs = torch.load(folder / "inputs.pt", weights_only=True)
+    _, model = _tiny_gpt()
+    missing, unexpected = model.load_state_dict(inputs["state_dict"], strict=False)
+    if unexpected or any(not k.endswith("_extra_state") for k in missing):   # only megatron's non-tensor entries
+        raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    psp = make_packed_seq_params(inputs["cu_seqlens"], max(LENGTHS))
+    with torch.no_grad():
+        logits = model(inputs["tokens"], inputs["position_ids"], None, packed_seq_params=psp).float()
+    torch.save(logits, folder / "logits.pt")
+    destroy_distributed()
+
+
+def check_gpt_cuda_vs_cpu() -> float:
+    """The tiny GPT on CUDA against the same weights on CPU in a process that sees no GPU.
+
+    A CPU model in a process with CUDA is not Megatron's CPU path (its RoPE moves ``inv_freq`` to the current CUDA
+    device), so the reference runs as CI does: ``CUDA_VISIBLE_DEVICES=""``, gloo, the CPU workarounds applied.
+    """
+    torch.manual_seed(0)
+    _, model = _tiny_gpt()
+    model = model.cuda()
     t = sum(LENGTHS)
-    tokens = torch.randint(0, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 4096, (1, t), generator=torch.Generator().manual_seed(1))
     position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     psp = _psp()
     with torch.no_grad():
-        got = cuda_model(tokens.cuda(), position_ids.cuda(), None, packed_seq_params=psp).float().cpu()
-        psp_cpu = type(psp)(**{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in vars(psp).items()})
-        ref = cpu_model(tokens, position_ids, None, packed_seq_params=psp_cpu).float()
+        got = model(tokens.cuda(), position_ids.cuda(), None, packed_seq_params=psp).float().cpu()
+    state = {k: v.cpu() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        torch.save({"state_dict": state, "tokens": tokens, "position_ids": position_ids,
+                    "cu_seqlens": psp.cu_seqlens_q.cpu()}, folder / "inputs.pt")
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        subprocess.run([sys.executable, __file__, "--cpu-reference", str(folder)], check=True, timeout=120,
+                       env={**env, "CUDA_VISIBLE_DEVICES": ""})
+        ref = torch.load(folder / "logits.pt", weights_only=True)
     return (got - ref).abs().max().item()
 
 
@@ -140,4 +176,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cpu-reference"]:
+        cpu_reference(Path(sys.argv[2]))
+        sys.exit(0)
     sys.exit(main())

@@ -1,10 +1,14 @@
 """Summarise the training runs of ``bench/gpu_check.sh``: tokens/s, MFU, peak memory and loss, and the sync ratio.
 
-Reads two run folders of ``tools/train.py`` over the same rows and settings except ``logging.log_interval``: ``every``
+Reads run folders of ``tools/train.py`` over the same rows and settings except ``logging.log_interval``: ``every``
 (1: Python numbers and a ``torch.cuda.synchronize()`` every step, what the step did before it kept its numbers on the
-device) and ``sparse`` (10: numbers only every 10 steps). Steps after the first ``--warmup`` are averaged. MFU is
-``6 * parameters * tokens/s / peak`` (attention FLOPs ignored, as in ``bench/train.py``), with the bf16 dense peak of
-the GPU named on the command line (H100/H200 SXM: 989 TFLOP/s); without a known peak it is left out.
+device) and ``sparse`` (10: numbers only every 10 steps); with ``--resumed``, a run that resumed from the checkpoint
+of a run stopped half-way (``train.stop_at_step``): its per-step losses are compared with ``every``'s (a preempted
+job must continue on the same batches and optimizer state), beside the same difference over the first half (the
+stopped run against ``every``: how far two identical runs differ on this device). Steps after the first
+``--warmup`` are averaged. MFU is ``6 * parameters * tokens/s / peak`` (attention FLOPs ignored, as in
+``bench/train.py``), with the bf16 dense peak of the GPU named on the command line (H100/H200 SXM: 989 TFLOP/s);
+without a known peak it is left out.
 
     python bench/gpu_check_train.py --every out/every --sparse out/sparse --gpu "NVIDIA H200"
 """
@@ -43,11 +47,40 @@ def summarise(run: Path, warmup: int) -> dict:
             "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"], "steps": train[-1]["step"]}
 
 
+def losses(run: Path) -> dict[int, float]:
+    """``{step: loss}`` of a run logged every step."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+
+
+def resume_check(every: Path, resumed: Path, steps: int, rel_tol: float = 1e-3) -> dict:
+    """Max relative loss differences: resumed run vs ``every`` after the stop, and the stopped run (the checkpoint's
+    source, folder ``<resumed's parent>/train_stop``) vs ``every`` before it. ``ok``: the resumed run logged exactly
+    the steps after the stop and its losses are within ``rel_tol`` of the uninterrupted run's."""
+    full, after = losses(every), losses(resumed)
+    before = losses(resumed.parent / "train_stop")
+    stop = max(before, default=0)
+
+    def rel(a: dict[int, float], steps_: list[int]) -> float:
+        return max((abs(a[s] - full[s]) / abs(full[s]) for s in steps_), default=float("nan"))
+
+    ok = stop == steps // 2 and sorted(after) == list(range(stop + 1, steps + 1))
+    resumed_diff = rel(after, sorted(after)) if ok else float("nan")
+    return {"stopped_at": stop, "resumed_steps": sorted(after), "rerun_rel_diff": rel(before, sorted(before)),
+            "resume_rel_diff": resumed_diff, "ok": ok and resumed_diff <= rel_tol}
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if steps else "none"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the table rows and write ``--json``; exit 1 when a run is incomplete or its loss did not fall."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=Path, required=True, help="run folder with logging.log_interval=1")
     parser.add_argument("--sparse", type=Path, required=True, help="run folder with logging.log_interval=10")
+    parser.add_argument("--resumed", type=Path, default=None,
+                        help="run folder resumed from the checkpoint of <its parent>/train_stop (logged every step)")
     parser.add_argument("--gpu", default="", help="GPU name, for the MFU peak")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the averages")
     parser.add_argument("--steps", type=int, default=20, help="steps each run must reach")
@@ -65,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
           f"loss {sparse['first_loss']:.3f} -> {sparse['last_loss']:.3f}")
     print(f"{'step-without-syncs':<30} {'ok' if ok else 'FAIL':<8} tokens/s logging every 10 steps / every step: "
           f"{result['sync_ratio']:.3f} ({sparse['tokens_per_s']:.0f} / {every['tokens_per_s']:.0f})")
+    if args.resumed:
+        result["resume"] = res = resume_check(args.every, args.resumed, args.steps)
+        ok &= res["ok"]
+        print(f"{'resume-after-stop':<30} {'ok' if res['ok'] else 'FAIL':<8} stopped at step {res['stopped_at']}, "
+              f"resumed steps {_span(res['resumed_steps'])}: max rel loss diff vs the "
+              f"uninterrupted run {res['resume_rel_diff']:.2e} after the stop, {res['rerun_rel_diff']:.2e} before")
+    result["ok"] = ok
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if ok else 1

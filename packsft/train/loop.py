@@ -540,7 +540,8 @@ class Trainer:
                   if not getattr(p, "shared", False)]            # the last stage's copy of a tied embedding
         local = sum(p.numel() for p in params
                     if not getattr(p, "tensor_model_parallel", False) and dist.get_rank(self.ctx.tp_group) == 0)
-        sharded = torch.tensor(sum(p.numel() for p in params if getattr(p, "tensor_model_parallel", False)) + local)
+        sharded = torch.tensor(sum(p.numel() for p in params if getattr(p, "tensor_model_parallel", False)) + local,
+                               device=self.ctx.device)   # NCCL reduces device tensors only
         dist.all_reduce(sharded, group=self.ctx.tp_group)
         if self.pipeline:
             dist.all_reduce(sharded, group=self.ctx.pp_group)

@@ -32,6 +32,32 @@ def _chunk_logits_fp32(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return logits if logits.dtype == torch.float32 else logits.float()
 
 
+_FP32_OUTPUT_GEMM = [True]   # cleared once torch.addmm(out_dtype=) turns out unsupported in this process
+
+
+def _fp32_output_gemm(t: torch.Tensor) -> bool:
+    """Whether bf16/fp16 GEMMs on ``t``'s device may write fp32 output (CUDA; not failed before in this process)."""
+    return t.is_cuda and _FP32_OUTPUT_GEMM[0]
+
+
+def _addmm_fp32_output(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``out += a @ b`` in one bf16/fp16 GEMM with fp32 accumulation and fp32 output (no rounding of the product).
+
+    ``out`` fp32, ``a`` and ``b`` in the weights' half dtype. cuBLAS through ``torch.addmm(..., out_dtype=
+    torch.float32)`` (CUDA, PyTorch >= 2.8: https://docs.pytorch.org/docs/stable/generated/torch.addmm.html);
+    tensor-core speed where an fp32 GEMM on upcast operands runs at a fraction of it. Returns False, changing
+    nothing, off CUDA or where this PyTorch has no such kernel (then remembered for the process).
+    """
+    if not _fp32_output_gemm(out):
+        return False
+    try:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    except (TypeError, RuntimeError, NotImplementedError):
+        _FP32_OUTPUT_GEMM[0] = False
+        return False
+    return True
+
+
 def _block_target(labels_c: torch.Tensor, vocab_start: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Map global label ids ``[c]`` to (column in the vocab block ``[c]`` int64, label-in-block ``[c]`` fp32).
 
@@ -83,18 +109,23 @@ def _chunk_backward(hidden_c, weight, labels_c, lse_c, g_c, vocab_start, vocab_c
     """
     grad_h_c = torch.zeros(hidden_c.shape, dtype=torch.float32, device=hidden_c.device)
     scaled_h = hidden_c.float() * g_c[:, None] if grad_w is not None else None  # a new tensor, also in fp32
+    low = weight.dtype != torch.float32
+    scaled_h_low = scaled_h.to(weight.dtype) if low and scaled_h is not None and _fp32_output_gemm(weight) else None
     rows = torch.arange(hidden_c.shape[0], device=hidden_c.device)
     for vs, ve in _vocab_blocks(weight.shape[0], vocab_chunk_size):
         probs = _chunk_logits_fp32(hidden_c, weight[vs:ve]).sub_(lse_c[:, None]).exp_()
         col, inside = _block_target(labels_c, vocab_start + vs, ve - vs)
         probs[rows, col] -= inside
-        if weight.dtype == torch.float32:
+        probs_low = probs.to(weight.dtype) if low else None
+        if not low:
             grad_h_c.addmm_(probs, weight[vs:ve])
-        else:
-            grad_h_c += probs.to(weight.dtype) @ weight[vs:ve]
+        elif not _addmm_fp32_output(grad_h_c, probs_low, weight[vs:ve]):
+            grad_h_c += probs_low @ weight[vs:ve]
         if grad_w is not None:
-            grad_w[vs:ve].addmm_(probs.t(), scaled_h)
-        del probs
+            block = grad_w[vs:ve]
+            if scaled_h_low is None or not _addmm_fp32_output(block, probs_low.t(), scaled_h_low):
+                block.addmm_(probs.t(), scaled_h)   # fp32 GEMM (upcast operands for bf16/fp16 weights off CUDA)
+        del probs, probs_low
     return grad_h_c.mul_(g_c[:, None])
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Device check on ONE CUDA GPU with a CUDA torch and no internet (about 5 minutes; every part is capped so the whole
-# stays under 8):
+# Device check on ONE CUDA GPU with a CUDA torch and no internet (460 s on an H200 on 2026-12-04; every part has
+# its own time cap, and the logs so far are bundled after each part, so a run cut short still brings them back):
 #   0. installs the project's other dependencies from a local wheel folder beside the repo ($WHEELS, default .whl/:
-#      megatron-core, torchdata, omegaconf + antlr4, and whatever else the image lacks; TransformerEngine optional),
+#      megatron-core, torchdata, omegaconf, and whatever else the image lacks or has in other versions:
+#      transformers, tokenizers, regex; TransformerEngine optional),
 #      with --no-index --no-deps into /tmp/site, so the image's torch is never touched;
 #   1. the trainer for 20 steps on a ~1B model (Llama-3.2-1B shapes, SmolLM2 vocabulary) at 8192 tokens per row,
 #      bf16 + Megatron's distributed optimizer (DP=1), the torch attention backend, fused loss: tokens/s, MFU,
@@ -32,7 +33,13 @@ CPU=${GPU_CHECK_CPU:-0}
 mkdir -p "$RESULTS"
 TABLE=$RESULTS/gpu_check.txt
 : >"$TABLE"
-trap 'rm -rf "$WORK"' EXIT
+LOGS=$WORK/logs
+mkdir -p "$LOGS"
+bundle_logs() {  # the run logs so far, in one file (the device tool brings back at most 8), after every stage
+  tar czf "$RESULTS/logs.tar.gz" -C "$LOGS" .
+}
+trap 'bundle_logs; rm -rf "$WORK"' EXIT
+trap 'exit 143' TERM INT
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -72,10 +79,11 @@ echo "== 1. trainer: ~1B model, $SEQ-token rows, bf16 + distributed optimizer, t
 head -n "$LINES" "$DATA/chat/gsm8k_train.messages.jsonl" >"$WORK/gsm8k.jsonl"
 TOK=$DATA/tokenizers/smollm2-135m-instruct
 timeout 120 $PY tools/pack_megatron_sft_jsonl.py --input "$WORK/gsm8k.jsonl" --output "$WORK/rows.jsonl.packed" \
-  --tokenizer "$TOK" --max-seq-length "$SEQ" --histogram "" --no-progress >"$RESULTS/pack.log" 2>&1
+  --tokenizer "$TOK" --max-seq-length "$SEQ" --histogram "" --no-progress >"$LOGS/pack.log" 2>&1
 rc=$?
+bundle_logs
 row "pack-gsm8k-$SEQ" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; $(grep -m1 '^rows' "$RESULTS/pack.log")"
-train() {  # train NAME LIMIT OVERRIDES...: one tools/train.py run into $WORK/NAME, log in $RESULTS/NAME.log
+train() {  # train NAME LIMIT OVERRIDES...: one tools/train.py run into $WORK/NAME, log in logs.tar.gz
   local name=$1 limit=$2; shift 2
   # shellcheck disable=SC2086
   timeout "$limit" $PY -m torch.distributed.run --standalone --nproc-per-node 1 tools/train.py \
@@ -86,9 +94,10 @@ train() {  # train NAME LIMIT OVERRIDES...: one tools/train.py run into $WORK/NA
     optimizer.lr=1e-4 train.bf16=true train.global_batch_size="$GBS" train.train_steps="$STEPS" \
     scheduler.warmup_steps=2 loss.chunk_size=4096 parallel.backend="$BACKEND" checkpoint.save_interval=0 \
     checkpoint.save_at_end=false checkpoint.resume=none logging.output_dir="$WORK/$name" logging.tensorboard=false \
-    logging.progress=false "$@" >"$RESULTS/$name.log" 2>&1
+    logging.progress=false "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
-  [ $rc -eq 0 ] || row "$name" "FAIL" "rc=$rc; see $name.log"
+  bundle_logs
+  [ $rc -eq 0 ] || row "$name" "FAIL" "rc=$rc; see $name.log in logs.tar.gz"
 }
 train train_log1 "$LIMIT" logging.log_interval=1
 train train_log10 "$LIMIT" logging.log_interval=10
@@ -118,8 +127,7 @@ else
   row "attention-agreement" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in attention.txt"
 fi
 
-# the run logs in one file (the device tool brings back at most 8 files)
-(cd "$RESULTS" && tar czf logs.tar.gz -- *.log && rm -f -- *.log)
+bundle_logs
 
 echo "== summary ($GPU, $(date -u +%F))"
 cat "$TABLE"

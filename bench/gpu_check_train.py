@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -56,18 +57,26 @@ def losses(run: Path) -> dict[int, float]:
 def resume_check(every: Path, resumed: Path, steps: int, rel_tol: float = 1e-3) -> dict:
     """Max relative loss differences: resumed run vs ``every`` after the stop, and the stopped run (the checkpoint's
     source, folder ``<resumed's parent>/train_stop``) vs ``every`` before it. ``ok``: the resumed run logged exactly
-    the steps after the stop and its losses are within ``rel_tol`` of the uninterrupted run's."""
-    full, after = losses(every), losses(resumed)
-    before = losses(resumed.parent / "train_stop")
+    the steps after the stop, every loss compared is finite, and the resumed losses are within ``rel_tol`` of the
+    uninterrupted run's. A missing or incomplete run gives ``ok: False`` with ``error``, not an exception."""
+    try:
+        full, after, before = losses(every), losses(resumed), losses(resumed.parent / "train_stop")
+    except (OSError, ValueError, KeyError) as err:
+        return {"ok": False, "error": f"{type(err).__name__}: {err}", "stopped_at": 0, "resumed_steps": [],
+                "rerun_rel_diff": float("nan"), "resume_rel_diff": float("nan")}
     stop = max(before, default=0)
 
-    def rel(a: dict[int, float], steps_: list[int]) -> float:
-        return max((abs(a[s] - full[s]) / abs(full[s]) for s in steps_), default=float("nan"))
+    def rel(a: dict[int, float]) -> float:
+        """Max relative difference from ``full`` over ``a``'s steps; NaN when any value is missing or not finite."""
+        if not a or not set(a) <= set(full):
+            return float("nan")
+        diffs = [abs(a[s] - full[s]) / max(abs(full[s]), 1e-12) for s in sorted(a)]
+        return max(diffs) if all(map(math.isfinite, diffs)) else float("nan")
 
     ok = stop == steps // 2 and sorted(after) == list(range(stop + 1, steps + 1))
-    resumed_diff = rel(after, sorted(after)) if ok else float("nan")
-    return {"stopped_at": stop, "resumed_steps": sorted(after), "rerun_rel_diff": rel(before, sorted(before)),
-            "resume_rel_diff": resumed_diff, "ok": ok and resumed_diff <= rel_tol}
+    resumed_diff = rel(after)
+    return {"stopped_at": stop, "resumed_steps": sorted(after), "rerun_rel_diff": rel(before),
+            "resume_rel_diff": resumed_diff, "ok": ok and resumed_diff <= rel_tol}   # NaN <= tol is False
 
 
 def _span(steps: list[int]) -> str:

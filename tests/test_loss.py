@@ -14,7 +14,7 @@ from packsft.loss import (
     normalize_loss,
     num_trained_tokens,
 )
-from packsft.loss.fused_linear_cross_entropy import _FP32_OUTPUT_GEMM, _addmm_fp32_output
+from packsft.loss.fused_linear_cross_entropy import _addmm_fp32_output, _fp32_output_gemm
 
 T, H, V = 24, 16, 50
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -191,13 +191,17 @@ def test_bf16_within_documented_tolerance_and_not_growing_with_chunks():
             assert err <= 1.5 * one_chunk[name] + 1e-6, (chunk_size, name, err, one_chunk[name])
 
 
-def test_fp32_output_gemm_only_on_cuda():
+def test_fp32_output_gemm_only_on_cuda_and_for_bf16():
     out, a = torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bfloat16)
+    assert not _fp32_output_gemm(out)
     assert not _addmm_fp32_output(out, a, a) and out.abs().sum() == 0   # CPU: the caller's fallback runs
+    assert not _addmm_fp32_output(out, a.half(), a.half())              # fp16: never (probabilities ~1/v)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output bf16 GEMM path is CUDA's")
 def test_bf16_on_cuda_uses_fp32_output_gemms_and_stays_within_tolerance():
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 10):
+        assert _fp32_output_gemm(torch.zeros(1, device="cuda")), "torch.addmm(out_dtype=float32) failed on CUDA"
     t, h, v = 256, 64, 512
     hidden, weight, labels = _inputs(t=t, h=h, v=v, seed=5, dtype=torch.bfloat16)
     labels = _ignore(labels, "scattered")
@@ -205,7 +209,6 @@ def test_bf16_on_cuda_uses_fp32_output_gemms_and_stays_within_tolerance():
     for chunk_size in (256, 4):
         cuda = [x.detach().cuda().requires_grad_(x.requires_grad) for x in (hidden, weight)]
         got = _ours(*cuda, labels.cuda(), "mean", chunk_size, vocab_chunk_size=200)
-        assert _FP32_OUTPUT_GEMM[0], "torch.addmm(out_dtype=float32) failed on CUDA: fell back to fp32 GEMMs"
         for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, ref):
             assert float((a.float().cpu() - b).abs().max() / b.abs().max()) <= BF16_REL_TOL[name], name
 

@@ -12,6 +12,8 @@ all-reduced, then the sum of exponentials and the target logit all-reduced, over
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -32,29 +34,46 @@ def _chunk_logits_fp32(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return logits if logits.dtype == torch.float32 else logits.float()
 
 
-_FP32_OUTPUT_GEMM = [True]   # cleared once torch.addmm(out_dtype=) turns out unsupported in this process
+_FP32_OUTPUT_GEMM: dict[torch.device, bool] = {}   # per CUDA device: whether torch.addmm(out_dtype=) works here
 
 
 def _fp32_output_gemm(t: torch.Tensor) -> bool:
-    """Whether bf16/fp16 GEMMs on ``t``'s device may write fp32 output (CUDA; not failed before in this process)."""
-    return t.is_cuda and _FP32_OUTPUT_GEMM[0]
+    """Whether bf16 GEMMs on ``t``'s device can add their product in fp32 to fp32 (:func:`_addmm_fp32_output`).
+
+    CUDA only; probed once per device on a 1x1 product, so a real call never needs to catch an error (an
+    out-of-memory or a CUDA fault there stays an error). PyTorch 2.8 added ``out_dtype``, but only 2.10's kernel
+    accepts an fp32 ``input`` with bf16 matrices (pytorch/pytorch#167931); before it the probe fails, a warning says
+    so once, and the slower GEMMs are used.
+    """
+    if not t.is_cuda:
+        return False
+    if t.device not in _FP32_OUTPUT_GEMM:
+        out = torch.zeros(1, 1, dtype=torch.float32, device=t.device)
+        one = torch.ones(1, 1, dtype=torch.bfloat16, device=t.device)
+        try:
+            torch.addmm(out, one, one, out_dtype=torch.float32, out=out)
+            ok = out.item() == 1.0
+        except (TypeError, RuntimeError, NotImplementedError) as err:
+            ok = False
+            warnings.warn(f"torch {torch.__version__} has no bf16 GEMM with fp32 output on {t.device} "
+                          f"({type(err).__name__}: {err}); the fused loss's backward uses an fp32 GEMM on upcast "
+                          "operands instead (slower). PyTorch >= 2.10 has it.", stacklevel=2)
+        _FP32_OUTPUT_GEMM[t.device] = ok
+    return _FP32_OUTPUT_GEMM[t.device]
 
 
 def _addmm_fp32_output(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``out += a @ b`` in one bf16/fp16 GEMM with fp32 accumulation and fp32 output (no rounding of the product).
+    """``out += a @ b`` in one bf16 GEMM with fp32 accumulation and fp32 output (no rounding of the product).
 
-    ``out`` fp32, ``a`` and ``b`` in the weights' half dtype. cuBLAS through ``torch.addmm(..., out_dtype=
-    torch.float32)`` (CUDA, PyTorch >= 2.8: https://docs.pytorch.org/docs/stable/generated/torch.addmm.html);
-    tensor-core speed where an fp32 GEMM on upcast operands runs at a fraction of it. Returns False, changing
-    nothing, off CUDA or where this PyTorch has no such kernel (then remembered for the process).
+    ``out`` fp32 ``[m, n]``, ``a`` ``[m, k]`` and ``b`` ``[k, n]`` bf16. cuBLAS through ``torch.addmm(...,
+    out_dtype=torch.float32)`` (https://docs.pytorch.org/docs/stable/generated/torch.addmm.html): tensor-core
+    speed, where an fp32 GEMM on upcast operands runs at a fraction of it. Returns False, changing nothing, where
+    :func:`_fp32_output_gemm` says there is no such kernel (CPU; PyTorch < 2.10) or for fp16 (its ``[c, block]``
+    probabilities, around 1/v, would lose precision or flush to zero).
     """
-    if not _fp32_output_gemm(out):
+    if a.dtype != torch.bfloat16 or not _fp32_output_gemm(out):
         return False
-    try:
-        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-    except (TypeError, RuntimeError, NotImplementedError):
-        _FP32_OUTPUT_GEMM[0] = False
-        return False
+    torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
     return True
 
 
@@ -110,7 +129,8 @@ def _chunk_backward(hidden_c, weight, labels_c, lse_c, g_c, vocab_start, vocab_c
     grad_h_c = torch.zeros(hidden_c.shape, dtype=torch.float32, device=hidden_c.device)
     scaled_h = hidden_c.float() * g_c[:, None] if grad_w is not None else None  # a new tensor, also in fp32
     low = weight.dtype != torch.float32
-    scaled_h_low = scaled_h.to(weight.dtype) if low and scaled_h is not None and _fp32_output_gemm(weight) else None
+    fast = weight.dtype == torch.bfloat16 and scaled_h is not None and _fp32_output_gemm(weight)
+    scaled_h_low = scaled_h.to(weight.dtype) if fast else None
     rows = torch.arange(hidden_c.shape[0], device=hidden_c.device)
     for vs, ve in _vocab_blocks(weight.shape[0], vocab_chunk_size):
         probs = _chunk_logits_fp32(hidden_c, weight[vs:ve]).sub_(lse_c[:, None]).exp_()

@@ -14,6 +14,9 @@
 # Prints a table (also in $OUT/gpu_check.txt, or out/gpu_check/; run logs in logs.tar.gz) and exits non-zero when a
 # check fails.
 #
+# GPU_CHECK_PARTS (default "train loss attention") picks the parts; "profile" (not a default: about 2 minutes on an
+# H200) runs bench/gpu_profile_step.py on the same model and rows: GPU_CHECK_PARTS=profile bash bench/gpu_check.sh.
+#
 # GPU_CHECK_CPU=1 runs the same steps on CPU at toy sizes (gloo, tiny model, 512-token rows, part 3 skipped): what
 # the tests run, so the script fails on a GPU machine only for a reason that needs the GPU.
 #
@@ -32,6 +35,8 @@ PY=${PYTHON:-python3}
 CPU=${GPU_CHECK_CPU:-0}
 mkdir -p "$RESULTS"
 TABLE=$RESULTS/gpu_check.txt
+PARTS=" ${GPU_CHECK_PARTS:-train loss attention} "
+part() { [[ $PARTS == *" $1 "* ]]; }
 : >"$TABLE"
 LOGS=$WORK/logs
 mkdir -p "$LOGS"
@@ -51,6 +56,10 @@ DATA=${GPU_CHECK_DATA:-}
 if [ -z "$DATA" ]; then
   if [ -d ../shared/data ]; then DATA=$(cd ../shared/data && pwd); else DATA=$REPO/.gpu_check_data; fi
 fi
+for need in "$DATA/chat/gsm8k_train.messages.jsonl" "$DATA/tokenizers/smollm2-135m-instruct"; do
+  [ -e "$need" ] || { echo "error: $need not found (GPU_CHECK_DATA=$DATA; docs/parallelism.md says what to carry)" >&2
+                      exit 2; }
+done
 row() { printf '%-30s %-8s %s\n' "$1" "$2" "$3" | tee -a "$TABLE"; }
 
 if [ "$CPU" = 1 ]; then
@@ -82,45 +91,62 @@ timeout 120 $PY tools/pack_megatron_sft_jsonl.py --input "$WORK/gsm8k.jsonl" --o
   --tokenizer "$TOK" --max-seq-length "$SEQ" --histogram "" --no-progress >"$LOGS/pack.log" 2>&1
 rc=$?
 bundle_logs
-row "pack-gsm8k-$SEQ" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; $(grep -m1 '^rows' "$RESULTS/pack.log")"
+row "pack-gsm8k-$SEQ" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
+  "rc=$rc; $(grep -m1 -e '^rows' -e '^error:' "$LOGS/pack.log")"
+# the run's settings, shared by the trainer runs and the profile (model, rows, bf16 + distributed optimizer)
+# shellcheck disable=SC2206
+SETTINGS=(--config configs/tiny_cpu.yaml $MODEL model.vocab_size=49152 model.tie_word_embeddings=true
+  model.max_position_embeddings="$SEQ" model.attention_backend=torch data.train_path="$WORK/rows.jsonl.packed"
+  data.tokenizer="$TOK" data.max_seq_len="$SEQ" data.split_validation_size=0 validation.val_period=0
+  validation.val_at_end=false optimizer.backend=megatron optimizer.use_distributed_optimizer=true
+  optimizer.lr=1e-4 train.bf16=true train.global_batch_size="$GBS" train.train_steps="$STEPS"
+  scheduler.warmup_steps=2 loss.chunk_size=4096 parallel.backend="$BACKEND" checkpoint.save_interval=0
+  checkpoint.save_at_end=false checkpoint.resume=none logging.tensorboard=false logging.progress=false)
 train() {  # train NAME LIMIT OVERRIDES...: one tools/train.py run into $WORK/NAME, log in logs.tar.gz
   local name=$1 limit=$2; shift 2
-  # shellcheck disable=SC2086
-  timeout "$limit" $PY -m torch.distributed.run --standalone --nproc-per-node 1 tools/train.py \
-    --config configs/tiny_cpu.yaml $MODEL model.vocab_size=49152 model.tie_word_embeddings=true \
-    model.max_position_embeddings="$SEQ" model.attention_backend=torch data.train_path="$WORK/rows.jsonl.packed" \
-    data.tokenizer="$TOK" data.max_seq_len="$SEQ" data.split_validation_size=0 validation.val_period=0 \
-    validation.val_at_end=false optimizer.backend=megatron optimizer.use_distributed_optimizer=true \
-    optimizer.lr=1e-4 train.bf16=true train.global_batch_size="$GBS" train.train_steps="$STEPS" \
-    scheduler.warmup_steps=2 loss.chunk_size=4096 parallel.backend="$BACKEND" checkpoint.save_interval=0 \
-    checkpoint.save_at_end=false checkpoint.resume=none logging.output_dir="$WORK/$name" logging.tensorboard=false \
-    logging.progress=false "$@" >"$LOGS/$name.log" 2>&1
+  timeout "$limit" $PY -m torch.distributed.run --standalone --nproc-per-node 1 tools/train.py "${SETTINGS[@]}" \
+    logging.output_dir="$WORK/$name" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
   bundle_logs
   [ $rc -eq 0 ] || row "$name" "FAIL" "rc=$rc; see $name.log in logs.tar.gz"
 }
-train train_log1 "$LIMIT" logging.log_interval=1
-train train_log10 "$LIMIT" logging.log_interval=10
-# a preempted job: stop after step $((STEPS / 2)) with a checkpoint (dist_checkpointing, distributed optimizer),
-# resume in a new process; its losses of the later steps are compared with the uninterrupted run's
-train train_stop "$LIMIT" logging.log_interval=1 train.stop_at_step=$((STEPS / 2)) checkpoint.save_at_end=true \
-  checkpoint.dir="$WORK/ckpt"
-train train_resume "$LIMIT" logging.log_interval=1 checkpoint.resume=auto checkpoint.dir="$WORK/ckpt"
-$PY bench/gpu_check_train.py --every "$WORK/train_log1" --sparse "$WORK/train_log10" --resumed "$WORK/train_resume" \
-  --gpu "$GPU" --warmup "$WARMUP" --steps "$STEPS" --json "$RESULTS/train.json" 2>&1 | tee -a "$TABLE"
-[ "${PIPESTATUS[0]}" -eq 0 ] || row "train-summary" "FAIL" "see train.json and the train logs"
+if part train; then
+  train train_log1 "$LIMIT" logging.log_interval=1
+  train train_log10 "$LIMIT" logging.log_interval=10
+  # a preempted job: stop after step $((STEPS / 2)) with a checkpoint (dist_checkpointing, distributed optimizer),
+  # resume in a new process; its losses of the later steps are compared with the uninterrupted run's
+  train train_stop "$LIMIT" logging.log_interval=1 train.stop_at_step=$((STEPS / 2)) checkpoint.save_at_end=true \
+    checkpoint.dir="$WORK/ckpt"
+  train train_resume "$LIMIT" logging.log_interval=1 checkpoint.resume=auto checkpoint.dir="$WORK/ckpt"
+  $PY bench/gpu_check_train.py --every "$WORK/train_log1" --sparse "$WORK/train_log10" --resumed "$WORK/train_resume" \
+    --gpu "$GPU" --warmup "$WARMUP" --steps "$STEPS" --json "$RESULTS/train.json" 2>&1 | tee -a "$TABLE"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || row "train-summary" "FAIL" "see train.json and the train logs"
+fi
+if part profile; then  # where a step's time goes (bench/gpu_profile_step.py); not in the default parts
+  echo "== 1b. profile of the training step"
+  timeout 300 $PY bench/gpu_profile_step.py "${SETTINGS[@]}" logging.output_dir="$WORK/profile" \
+    >"$RESULTS/profile.txt" 2>&1
+  rc=$?
+  grep -v -i -e warn -e USDT "$RESULTS/profile.txt" | cut -c1-200
+  row "profile" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; tables in profile.txt"
+fi
 
-echo "== 2. fused loss vs stock loss"
-# shellcheck disable=SC2086
-timeout 200 $PY bench/loss.py $LOSS_ARGS >"$RESULTS/loss_bench.txt" 2>&1
-rc=$?
-cat "$RESULTS/loss_bench.txt"
-row "loss-bench" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in loss_bench.txt"
+if part loss; then
+  echo "== 2. fused loss vs stock loss"
+  # shellcheck disable=SC2086
+  timeout 200 $PY bench/loss.py $LOSS_ARGS >"$RESULTS/loss_bench.txt" 2>&1
+  rc=$?
+  cat "$RESULTS/loss_bench.txt"
+  row "loss-bench" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in loss_bench.txt"
+fi
 
-echo "== 3. attention backends on CUDA"
-if [ "$CPU" = 1 ]; then
+if ! part attention; then
+  :
+elif [ "$CPU" = 1 ]; then
+  echo "== 3. attention backends on CUDA"
   row "attention-agreement" "skipped" "CPU mode"
 else
+  echo "== 3. attention backends on CUDA"
   timeout 90 $PY bench/gpu_check_attention.py >"$RESULTS/attention.txt" 2>&1
   rc=$?
   cat "$RESULTS/attention.txt"

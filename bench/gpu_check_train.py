@@ -79,6 +79,10 @@ def resume_check(every: Path, resumed: Path, steps: int, rel_tol: float = 1e-3) 
             "resume_rel_diff": resumed_diff, "ok": ok and resumed_diff <= rel_tol}   # NaN <= tol is False
 
 
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
 def _span(steps: list[int]) -> str:
     return f"{steps[0]}-{steps[-1]}" if steps else "none"
 
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"gpu": args.gpu, "every_step_sync": every, "sync_every_10": sparse, "mfu": mfu,
               "sync_ratio": sparse["tokens_per_s"] / every["tokens_per_s"], "ok": ok}
     mfu_text = f", MFU {mfu:.1%}" if mfu is not None else ""
-    print(f"{'train-1b-bf16-distopt':<30} {'ok' if ok else 'FAIL':<8} {sparse['parameters'] / 1e9:.2f} B params, "
+    print(f"{'train-1b-bf16-distopt':<30} {'ok' if ok else 'FAIL':<8} {_params(sparse['parameters'])} params, "
           f"{sparse['tokens_per_s']:.0f} tokens/s{mfu_text}, peak {sparse['mem_gib']:.1f} GiB, "
           f"loss {sparse['first_loss']:.3f} -> {sparse['last_loss']:.3f}")
     print(f"{'step-without-syncs':<30} {'ok' if ok else 'FAIL':<8} tokens/s logging every 10 steps / every step: "

@@ -1,5 +1,6 @@
-"""Where a training step's time goes on one GPU: a torch.profiler table of ``Trainer.train_step`` and the attention
-backend's cost on the same packed rows.
+"""Where a training step's time goes on one GPU: profiler tables of a train step and the attention variants' costs.
+
+``torch.profiler`` tables of ``Trainer.train_step``, and the attention backend's cost on the same packed rows.
 
     python bench/gpu_profile_step.py --config configs/tiny_cpu.yaml [overrides ...] [--steps 2 --warmup 2]
 
@@ -100,8 +101,10 @@ def attention_costs(trainer, batch: dict) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Other arguments are tools/train.py's KEY=VALUE overrides. The ~1B run of "
+                                            "bench/gpu_check.sh: GPU_CHECK_PARTS=profile bash bench/gpu_check.sh")
+    parser.add_argument("--config", required=True, help="training YAML, as tools/train.py --config")
     parser.add_argument("--steps", type=int, default=2, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the profile")
     parser.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
@@ -134,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         events = prof.key_averages()
         device_total = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6   # us -> s
         tokens = trainer.cfg.train.global_batch_size * trainer.cfg.data.max_seq_len
+        busy = (f"device busy {device_total / sum(walls):.1%} of the wall time (under the profiler)"
+                if torch.cuda.is_available() else "device busy: n/a (no GPU)")
         print(f"steps {', '.join(f'{w:.3f}' for w in walls)} s; {tokens / (sum(walls) / len(walls)):.0f} tokens/s; "
-              f"device busy {device_total / sum(walls):.1%} of the wall time (under the profiler)", flush=True)
+              f"{busy}", flush=True)
         if torch.cuda.is_available():
             print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -12,6 +13,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `examples` (samplers, demo scripts) is imported from the repository root
     sys.path.insert(0, str(REPO_ROOT))
 SHARED_DATA = Path(os.environ.get("PACKSFT_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+# A shell starts a background job (`cmd &` without job control) with SIGINT ignored, and an ignored signal stays
+# ignored across exec: the Ctrl-C tests (KeyboardInterrupt here, exit 130 in the CLIs they start) would then see
+# nothing. Python's own handler here is reset to the default in every child at exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

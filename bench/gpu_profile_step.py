@@ -80,10 +80,20 @@ def attention_costs(trainer, batch: dict) -> list[tuple[str, str]]:
     longest = int((cu32[1:] - cu32[:-1]).max())
 
     def varlen():
+        """Causal varlen attention over the row; its keywords changed between releases (2.10: ``is_causal``; 2.11:
+        ``window_size``; 2.12: ``enable_gqa`` too), so the newest form is tried first, with K/V repeated per query
+        head where GQA is not a keyword."""
         from torch.nn.attention.varlen import varlen_attn
 
-        return varlen_attn(q, k, v, cu32, cu32, longest, longest, window_size=(-1, 0),
-                           enable_gqa=heads != groups).flatten(1)
+        args = (cu32, cu32, longest, longest)
+        try:
+            return varlen_attn(q, k, v, *args, window_size=(-1, 0), enable_gqa=heads != groups).flatten(1)
+        except TypeError:
+            k_rep, v_rep = (x.repeat_interleave(heads // groups, dim=1) for x in (k, v))
+            try:
+                return varlen_attn(q, k_rep, v_rep, *args, window_size=(-1, 0)).flatten(1)
+            except TypeError:
+                return varlen_attn(q, k_rep, v_rep, *args, is_causal=True).flatten(1)
 
     try:
         got = varlen()

@@ -140,20 +140,17 @@ if part loss; then
   row "loss-bench" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in loss_bench.txt"
 fi
 
-if ! part attention; then
-  :
-elif [ "$CPU" = 1 ]; then
+if part attention; then
   echo "== 3. attention backends on CUDA"
-  row "attention-agreement" "skipped" "CPU mode"
-else
-  echo "== 3. attention backends on CUDA"
-  timeout 90 $PY bench/gpu_check_attention.py >"$RESULTS/attention.txt" 2>&1
-  rc=$?
-  cat "$RESULTS/attention.txt"
-  row "attention-agreement" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in attention.txt"
+  if [ "$CPU" = 1 ]; then
+    row "attention-agreement" "skipped" "CPU mode"
+  else
+    timeout 90 $PY bench/gpu_check_attention.py >"$RESULTS/attention.txt" 2>&1
+    rc=$?
+    cat "$RESULTS/attention.txt"
+    row "attention-agreement" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in attention.txt"
+  fi
 fi
-
-bundle_logs
 
 echo "== summary ($GPU, $(date -u +%F))"
 cat "$TABLE"

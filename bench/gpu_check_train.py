@@ -29,13 +29,18 @@ def peak_tflops(gpu_name: str) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu_name), None)
 
 
+def _records(run: Path) -> list[dict]:
+    """The records of ``run``'s ``metrics.jsonl``."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def summarise(run: Path, warmup: int) -> dict:
     """Mean tokens/s over the steps after ``warmup`` (weighted by the steps each record covers), last memory, losses.
 
     Raises:
         ValueError: no train record after the warm-up.
     """
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = _records(run)
     params = next(r["parameters"] for r in records if r.get("kind") == "summary")
     train = [r for r in records if r.get("kind") == "train"]
     timed = [r for r in train if r["step"] > warmup]
@@ -50,8 +55,7 @@ def summarise(run: Path, warmup: int) -> dict:
 
 def losses(run: Path) -> dict[int, float]:
     """``{step: loss}`` of a run logged every step."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+    return {r["step"]: r["loss"] for r in _records(run) if r.get("kind") == "train"}
 
 
 def resume_check(every: Path, resumed: Path, steps: int, rel_tol: float = 1e-3) -> dict:

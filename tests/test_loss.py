@@ -169,15 +169,16 @@ def test_saves_nothing_of_vocab_size():
     assert all(x.dim() == 1 and x.numel() <= t for x in others), [tuple(x.shape) for x in others]
 
 
-def _bf16_errors(chunk_size):
+def _bf16_errors(chunk_size, device="cpu"):
     t, h, v = 256, 64, 512
     hidden, weight, labels = _inputs(t=t, h=h, v=v, seed=5, dtype=torch.bfloat16)
     labels = _ignore(labels, "scattered")
-    ref = _reference(hidden, weight, labels, "mean")  # fp32 math on the same bf16-valued inputs
-    got = _ours(hidden, weight, labels, "mean", chunk_size, vocab_chunk_size=200)
+    ref = _reference(hidden, weight, labels, "mean")  # fp32 math on the same bf16-valued inputs (CPU)
+    on = [x.detach().to(device).requires_grad_() for x in (hidden, weight)]
+    got = _ours(*on, labels.to(device), "mean", chunk_size, vocab_chunk_size=200)
     assert got[1].dtype == got[2].dtype == torch.bfloat16
     return {
-        name: float((a.float() - b).abs().max() / b.abs().max())
+        name: float((a.float().cpu() - b).abs().max() / b.abs().max())
         for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, ref)
     }
 
@@ -202,15 +203,9 @@ def test_fp32_output_gemm_only_on_cuda_and_for_bf16():
 def test_bf16_on_cuda_uses_fp32_output_gemms_and_stays_within_tolerance():
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 10):
         assert _fp32_output_gemm(torch.zeros(1, device="cuda")), "torch.addmm(out_dtype=float32) failed on CUDA"
-    t, h, v = 256, 64, 512
-    hidden, weight, labels = _inputs(t=t, h=h, v=v, seed=5, dtype=torch.bfloat16)
-    labels = _ignore(labels, "scattered")
-    ref = _reference(hidden, weight, labels, "mean")
     for chunk_size in (256, 4):
-        cuda = [x.detach().cuda().requires_grad_(x.requires_grad) for x in (hidden, weight)]
-        got = _ours(*cuda, labels.cuda(), "mean", chunk_size, vocab_chunk_size=200)
-        for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, ref):
-            assert float((a.float().cpu() - b).abs().max() / b.abs().max()) <= BF16_REL_TOL[name], name
+        for name, err in _bf16_errors(chunk_size, device="cuda").items():
+            assert err <= BF16_REL_TOL[name], (chunk_size, name, err)
 
 
 @pytest.mark.parametrize(

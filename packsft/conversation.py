@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,16 +178,16 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
     if decode_error:
         raise ConversationError(path, line, "", decode_error)
     try:
-        value = json.loads(text.rstrip("\r\n"))
+        value = _STRICT_JSON.decode(text.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
     except RecursionError as e:
         raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
+    if ("NaN" in text or "Infinity" in text) and (field := _find_in(value, _is_constant)) is not None:
+        raise ConversationError(path, line, field, "NaN / Infinity is not JSON (Python's json reads it, strict "
+                                "readers refuse the rows): write a number or a string")
     if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # "\ud800" alone decodes to a str no UTF-8 can hold
-        try:
-            field = _lone_surrogate(value, "")
-        except RecursionError:
-            field = ""
+        field = _find_in(value, _unencodable)
         if field is not None:
             raise ConversationError(path, line, field, "a \\u escape of a lone UTF-16 surrogate (D800-DFFF not in "
                                     "a high-low pair) is not text")
@@ -197,23 +197,50 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _lone_surrogate(value: Any, where: str) -> str | None:
-    """The field (``messages[1].content``) of the first key or string in ``value`` that UTF-8 cannot encode."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where
-        return None
+class _Constant(str):
+    """A bare ``NaN``, ``Infinity`` or ``-Infinity`` of an input line, decoded as its text to be found and named."""
+
+
+_STRICT_JSON = json.JSONDecoder(parse_constant=_Constant)
+"""``json.loads`` (the same C scanner) decoding ``NaN`` / ``Infinity`` to :class:`_Constant`, not to a float."""
+
+
+def _is_constant(value: Any) -> bool:
+    return isinstance(value, _Constant)
+
+
+def _unencodable(value: Any) -> bool:
+    """A str that UTF-8 cannot encode (a lone surrogate)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _find_in(value: Any, bad: Callable[[Any], bool]) -> str | None:
+    """The field (``messages[1].content``; ``""`` for ``value`` itself) of the first key or value in ``value`` for
+    which ``bad`` is true, else None; ``""`` too when ``value`` is nested too deeply to walk."""
+    try:
+        return _find(value, "", bad)
+    except RecursionError:
+        return ""
+
+
+def _find(value: Any, where: str, bad: Callable[[Any], bool]) -> str | None:
+    if bad(value):
+        return where
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        bad_key = isinstance(key, str) and _lone_surrogate(key, "") is not None
+        bad_key = isinstance(key, str) and bad(key)
         if bad_key:
             key = key.encode("utf-8", "backslashreplace").decode("utf-8")  # named with its \\udXXX
         sub = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
         if bad_key:
             return sub
-        found = _lone_surrogate(item, sub)
+        found = _find(item, sub, bad)
         if found is not None:
             return found
     return None

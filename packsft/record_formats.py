@@ -175,11 +175,13 @@ def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:
                    else f"'messages' {type(out['messages']).__name__}")
             raise RecordFormatError(f"adapter {name} must return a dict with a 'messages' list, got {got}")
         try:  # the row is written as JSON and read back from it: pack what the loader will read
-            return json.loads(ROW_JSON(out))
-        except (TypeError, ValueError, RecursionError) as err:  # e.g. a numpy int64, a set, a datetime
+            return json.loads(_STRICT_ROW_JSON(out))
+        except (TypeError, ValueError, RecursionError) as err:  # e.g. a numpy int64, a set, a datetime, a NaN
             raise RecordFormatError(f"adapter {name} returned a record that is not JSON: {err}") from err
     return convert
 
 
 ROW_JSON = json.JSONEncoder(ensure_ascii=False).encode
 """JSON text of a record or row as the packer writes it (one encoder for all: ``json.dumps`` builds one per call)."""
+_STRICT_ROW_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+""":data:`ROW_JSON` refusing NaN and infinities (``ValueError``), which strict JSON readers refuse."""

@@ -163,6 +163,22 @@ def test_loads_line_rejects_lone_surrogate_escapes_naming_the_field():
     assert loads_line(pair, "x.jsonl", 3) == {"a\\u": "\U0001F600 and \\ud800"}
 
 
+def test_loads_line_rejects_nan_and_infinity_naming_the_field():
+    """Python's json reads a bare NaN / Infinity; the rows would then hold them, which strict readers refuse."""
+    bad = ("NaN / Infinity is not JSON (Python's json reads it, strict readers refuse the rows): write a number or "
+           "a string")
+    for text, field in (('{"tools": [{"function": {"parameters": {"default": NaN}}}]}',
+                         "tools[0].function.parameters.default: "),
+                        ('{"messages": [{"role": "user", "content": "x", "w": -Infinity}]}', "messages[0].w: "),
+                        ('[1, Infinity]', "[1]: "), ("NaN", "")):
+        with pytest.raises(ConversationError) as e:
+            loads_line(text, "x.jsonl", 3)
+        assert str(e.value) == f"x.jsonl:3: {field}{bad}"
+    ok = '{"content": "NaN and Infinity are words here", "x": 1.5e300}'
+    assert loads_line(ok, "x.jsonl", 3) == {"content": "NaN and Infinity are words here", "x": 1.5e300}
+    assert type(loads_line(ok, "x.jsonl", 3)["content"]) is str
+
+
 def test_split_row_errors_name_the_conversation():
     with pytest.raises(ConversationError, match="must start with a system"):
         split_row([{"role": "user", "content": "a"}], "rows.packed", 3)

@@ -18,7 +18,12 @@ from transformers import (
 from packsft.data.context_parallel import make_packed_seq_params
 from packsft.model.config import ModelConfig
 from packsft.model.gpt import build_gpt_model
-from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf
+from packsft.model.hf_config import (
+    full_attention_length,
+    hf_config_from_model_config,
+    model_config_from_hf,
+    sliding_window,
+)
 from packsft.model.hf_io import load_hf_checkpoint, load_hf_state_into_model, save_hf_checkpoint, write_hf_checkpoint
 from packsft.model.state_dict_adapter import hf_to_megatron_state_dict, megatron_to_hf_state_dict
 
@@ -245,7 +250,7 @@ def test_gemma3_is_refused_with_what_is_missing():
                                     "original_max_position_embeddings": 32768}), "rope_type 'yarn'"),
     ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "'dynamic'"),
     ("qwen3", dict(attention_bias=True), "attention_bias"),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), "use_sliding_window"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), "sliding_window=64.*layers 0-1"),
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("llama", dict(hidden_act="gelu"), "hidden_act"),
@@ -254,7 +259,7 @@ def test_gemma3_is_refused_with_what_is_missing():
     ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 2.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
      "low_freq_factor"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), "sliding_window=64.* layer 1:"),
     ("mistral", dict(sliding_window=64), "sliding_window=64"),
 ])
 def test_unsupported_options_are_refused_by_name(family, overrides, message):
@@ -271,6 +276,34 @@ def test_unsupported_model_type_and_reachable_window():
     assert hf_config_from_model_config(cfg, windowed.to_dict()).max_position_embeddings == 128  # export: the original
     with pytest.raises(ValueError, match="max_seq_len <= 64"):
         model_config_from_hf(windowed, max_seq_len=65)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_only_from_max_window_layers(family):
+    # transformers: layers >= max_window_layers slide; 2 layers, max_window_layers 2 -> full attention everywhere
+    full = hf_config(family, use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    assert sliding_window(full) is None and sliding_window(full.to_dict()) is None
+    assert model_config_from_hf(full).max_position_embeddings == 128
+    windowed = hf_config(family, use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    assert windowed.layer_types == ["full_attention", "sliding_attention"]
+    assert sliding_window(windowed) == 64 and full_attention_length(windowed.to_dict()) == 64
+    assert model_config_from_hf(windowed, max_seq_len=64).max_position_embeddings == 64
+    off = hf_config(family, use_sliding_window=False, sliding_window=64, max_window_layers=0)
+    assert sliding_window(off) is None
+
+
+def test_sliding_window_of_a_config_without_layer_types():
+    """A config.json saved by transformers 4 has no layer_types: Qwen2's rule and Mistral's window apply."""
+    qwen = {"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 64,
+            "max_window_layers": 3, "max_position_embeddings": 128}
+    assert sliding_window(qwen) == 64 and full_attention_length(qwen) == 64
+    assert sliding_window({**qwen, "max_window_layers": 4}) is None
+    assert sliding_window({**qwen, "use_sliding_window": False}) is None
+    mistral = {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 256, "max_position_embeddings": 128}
+    assert sliding_window(mistral) == 256 and full_attention_length(mistral) is None
+    assert sliding_window({**mistral, "sliding_window": None}) is None
+    with pytest.raises(ValueError, match="sliding_window is null"):
+        sliding_window({"model_type": "llama", "layer_types": ["sliding_attention"], "sliding_window": None})
 
 
 def _permute_for_gguf(w, n_head):

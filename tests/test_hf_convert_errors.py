@@ -1,5 +1,6 @@
 """convert_checkpoint.py on broken or misused inputs: one ``error: ...`` line and exit 2, nothing destroyed."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -35,12 +36,31 @@ def edit_tensors(path, edit):
      "HF tensor 'model.layers.0.self_attn.k_proj.weight' has shape (16, 64), but the config implies (64, 64)"),
     (lambda s: s.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(95, 64)}),
      "HF tensor 'model.layers.0.mlp.up_proj.weight' has shape (95, 64), but the config implies (96, 64)"),
-], ids=["missing_lm_head", "missing_q_proj", "k_proj_shape", "up_proj_shape"])
+    (lambda s: s.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(96, 64)}),
+     "tensor(s) that its config.json does not use, e.g. ['model.layers.2.mlp.up_proj.weight']"),
+    (lambda s: s.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(128)}),
+     "1 tensor(s) that its config.json does not use, e.g. ['model.layers.0.self_attn.q_proj.bias']"),
+], ids=["missing_lm_head", "missing_q_proj", "k_proj_shape", "up_proj_shape", "third_layer", "llama_bias"])
 def test_import_of_a_missing_or_misshapen_tensor_is_a_user_error(tmp_path, edit, message):
     hf = tiny_llama(tmp_path / "hf")
     edit_tensors(hf, edit)
     assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"), message)
     assert not (tmp_path / "out").exists()
+
+
+def test_import_reads_a_checkpoint_with_rotary_buffers():
+    """Older Llama checkpoints hold each layer's rotary inv_freq: a buffer computed from the config, not read."""
+    from packsft.model.config import ModelConfig
+    from packsft.model.hf_io import model_hf_names
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, max_position_embeddings=128)
+    used = model_hf_names(cfg)
+    assert used("model.layers.1.self_attn.rotary_emb.inv_freq") and used("lm_head.weight")
+    assert not used("model.layers.2.input_layernorm.weight") and not used("model.layers.0.self_attn.q_proj.bias")
+    assert not used("model.layers.0.self_attn.q_norm.weight") and not used("model.embed_tokens.bias")
+    qwen3 = model_hf_names(dataclasses.replace(cfg, qk_layernorm=True, add_qkv_bias=True))
+    assert qwen3("model.layers.0.self_attn.q_norm.weight") and qwen3("model.layers.0.self_attn.v_proj.bias")
 
 
 def test_import_of_a_truncated_safetensors_file_is_a_user_error(tmp_path):

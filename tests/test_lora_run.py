@@ -159,6 +159,9 @@ def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed):  # 
                    check=False)
     assert proc.returncode == 2 and "error: lora.alpha is 16.0 but checkpoint" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp / "wrong").exists()
+    (tmp / "a_file").write_text("x")      # the base cannot be written: no adapter is left without it
+    proc = _export(lora_run, "--out", tmp / "a_file" / "base", "--lora-adapter", tmp / "orphan", check=False)
+    assert proc.returncode == 2 and "error: " in proc.stderr and not (tmp / "orphan").exists(), proc.stderr[-3000:]
     _export(lora_run, "--out", tmp / "hf_base", "--lora-adapter", tmp / "adapter", *tokenizer,
             config=("--config", lora_run["base"] / "model_config.json"))    # no lora section: the recorded one
     merged = AutoModelForCausalLM.from_pretrained(tmp / "merged", dtype=torch.float32).eval()

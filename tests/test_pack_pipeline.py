@@ -146,6 +146,8 @@ EDGE_LINES = [
     "",
     {"messages": [{"role": "user", "content": "long " * 400}, {"role": "assistant", "content": "x"}]},
     r'{"messages": [{"role": "user", "content": "x\ud800"}, {"role": "assistant", "content": "y"}]}',
+    '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "tools": '
+    '[{"type": "function", "function": {"name": "f", "parameters": {"type": "number", "default": NaN}}}]}',
 ]
 
 
@@ -161,11 +163,12 @@ def test_edge_cases_get_their_documented_result(tmp_path, tokenizer_dir):
     assert "messages[0].content: must be a string" in reasons[4]
     assert "chat-template: messages[1]: empty assistant turn" in reasons[6]  # the input's own index
     assert reasons[11].startswith("messages[0].content: a \\u escape of a lone UTF-16 surrogate")
-    assert set(reasons) == {2, 3, 4, 6, 11}
+    assert reasons[12].startswith("tools[0].function.parameters.default: NaN / Infinity is not JSON")
+    assert set(reasons) == {2, 3, 4, 6, 11, 12}
     assert [(o["line"], o["action"]) for o in report.oversize] == [(10, "own row, truncated by the loader")]
     # its only assistant turn lies beyond the cut: warned at pack time
     assert [(w["line"], w["kind"]) for w in report.warnings] == [(10, "truncation_removes_training")]
-    assert report.input_conversations == 10  # the blank line is not a conversation
+    assert report.input_conversations == 11  # the blank line is not a conversation
     _check_invariants(cfg, report)
 
 
@@ -487,7 +490,7 @@ def test_a_template_error_names_the_inputs_own_message(tmp_path, tokenizer_dir, 
 def test_the_cli_prints_warnings_as_warning_lines(tmp_path, tokenizer_dir, capsys):
     from packsft.packing import cli
 
-    src = _write_lines(tmp_path / "in.jsonl", [EDGE_LINES[-2]])  # its assistant turn lies beyond the cut
+    src = _write_lines(tmp_path / "in.jsonl", [EDGE_LINES[9]])  # its assistant turn lies beyond the cut
     assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl.packed"), "--max-seq-length", "256",
                      "--tokenizer", str(tokenizer_dir("qwen2.5")), "--no-progress", "--histogram", ""]) == 0
     err = capsys.readouterr().err

@@ -135,15 +135,17 @@ def to_messages(record):
         user["id"] = np.int64(7)                       # e.g. a value taken from a pandas frame
     if record["q"] == "set":
         user["tags"] = {"a", "b"}
+    if record["q"] == "nan":
+        user["score"] = float("nan")                   # json.dumps writes NaN, which strict readers refuse
     return {"messages": [user, {"role": "assistant", "content": "yes"}]}
 '''
 
 
 def test_adapter_returning_non_json_values_rejects_the_line(tmp_path, tokenizer_dir, monkeypatch):
     _adapter_module(tmp_path, monkeypatch, "non_json_adapter", NON_JSON_ADAPTER)
-    report, out = _pack(tmp_path, tokenizer_dir, [{"q": "ok"}, {"q": "numpy"}, {"q": "set"}],
+    report, out = _pack(tmp_path, tokenizer_dir, [{"q": "ok"}, {"q": "numpy"}, {"q": "set"}, {"q": "nan"}],
                         adapter="non_json_adapter:to_messages")
     assert report.packed_conversations == 1                 # before: TypeError traceback, no output at all
     assert [(r["line"], "returned a record that is not JSON" in r["reason"]) for r in report.rejected] \
-        == [(2, True), (3, True)]
+        == [(2, True), (3, True), (4, True)]
     assert len(out.read_text().splitlines()) == 1

@@ -56,6 +56,7 @@ from packsft.model.hf_io import (  # noqa: E402
     load_hf_checkpoint,
     load_hf_config,
     load_hf_state_into_model,
+    model_hf_names,
     read_hf_config,
     save_hf_checkpoint,
     save_peft_adapter,
@@ -97,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     imp.add_argument("--hf", required=True, help="HF checkpoint folder or *.gguf file")
     imp.add_argument("--out", required=True, help="Megatron checkpoint folder to write")
     imp.add_argument("--max-seq-len", type=int, default=None,
-                     help="longest training row; lets a Mistral sliding_window >= it be accepted")
+                     help="longest training row; lets a sliding_window >= it be accepted (Mistral, Qwen2/Qwen3)")
     imp.add_argument("--params-dtype", choices=("float32", "bfloat16"), default="float32")
     imp.add_argument("--attention-backend", choices=("torch", "te"), default="torch",
                      help="backend the checkpoint is written for: te (TransformerEngine, needs it installed) fuses "
@@ -257,7 +258,8 @@ def _run(args: argparse.Namespace) -> int:
         cfg = model_config_from_hf(load_hf_config(args.hf), max_seq_len=args.max_seq_len,
                                    attention_backend=args.attention_backend, params_dtype=args.params_dtype)
         model = build_gpt_model(cfg)             # this rank's stage: its layers, embedding / head
-        hf_config, hf_state = load_hf_checkpoint(args.hf, keep=stage_hf_names(model, cfg))
+        hf_config, hf_state = load_hf_checkpoint(args.hf, keep=stage_hf_names(model, cfg),
+                                                   expected=model_hf_names(cfg))
         load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)
         del hf_state
         save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)
@@ -290,14 +292,14 @@ def _run(args: argparse.Namespace) -> int:
             load_megatron_checkpoint(model, megatron, adapters_only=True)
         else:
             load_megatron_checkpoint(model, megatron)
-        if args.lora_adapter:
-            save_peft_adapter(model, cfg, lora, args.lora_adapter, base_model_name_or_path=args.out,
-                              tp_group=ctx.tp_group)
         if args.merge_lora:
             merge_lora(model)
         dtype = getattr(torch, args.dtype) if args.dtype else None
         save_hf_checkpoint(model, cfg, args.out, hf_config=hf_config, tokenizer_dir=args.tokenizer,
                            tp_group=ctx.tp_group, pp_group=ctx.pp_group, dtype=dtype, token_ids=token_ids)
+        if args.lora_adapter:   # after its base: a failed base export leaves no new adapter beside an old base
+            save_peft_adapter(model, cfg, lora, args.lora_adapter, base_model_name_or_path=args.out,
+                              tp_group=ctx.tp_group)
     if ctx.rank == 0:
         print(f"{args.command}: wrote {args.out}")
     return 0

@@ -85,25 +85,67 @@ def _refuse_unsupported(hf_config, max_seq_len: int | None) -> None:
     if getattr(hf_config, "attention_dropout", 0.0):
         raise ValueError(f"unsupported attention_dropout={hf_config.attention_dropout}; packsft trains "
                          "without dropout, set it to 0.0")
-    layer_types = getattr(hf_config, "layer_types", None) or ()
-    if getattr(hf_config, "use_sliding_window", False) or "sliding_attention" in layer_types:
-        raise ValueError("unsupported use_sliding_window=True; packsft attention is full causal")
-    window = getattr(hf_config, "sliding_window", None) if model_type == "mistral" else None
+    window = sliding_window(hf_config)
     if window is not None and window < hf_config.max_position_embeddings:
         if max_seq_len is None or max_seq_len > window:
             raise ValueError(
                 f"unsupported sliding_window={window} (< max_position_embeddings="
-                f"{hf_config.max_position_embeddings}): packsft attention is full causal, which equals "
-                f"Mistral's only when no conversation is longer than the window; pass max_seq_len <= {window} "
-                f"(got {max_seq_len}) or set sliding_window to null")
+                f"{hf_config.max_position_embeddings}) on {_windowed_layers(hf_config)}: packsft attention is full "
+                f"causal, which equals the model's only when no conversation is longer than the window; pass "
+                f"max_seq_len <= {window} (got {max_seq_len}) or set sliding_window to null")
+
+
+def _get(hf_config, key: str, default=None):
+    """A field of a ``PretrainedConfig`` or of its ``to_dict()``."""
+    return hf_config.get(key, default) if isinstance(hf_config, dict) else getattr(hf_config, key, default)
+
+
+def _windowed_layer_types(hf_config) -> list[str]:
+    """Each layer's attention type as transformers builds it: ``layer_types`` where the config has it, else (a
+    config saved by transformers 4) Qwen2/Qwen3's rule, ``sliding_attention`` for layers ``>= max_window_layers``
+    when ``use_sliding_window``, and every layer for a Mistral with a ``sliding_window``."""
+    n = _get(hf_config, "num_hidden_layers") or 0
+    layer_types = _get(hf_config, "layer_types")
+    if layer_types:
+        return list(layer_types)
+    model_type, window = _get(hf_config, "model_type"), _get(hf_config, "sliding_window")
+    if model_type == "mistral" and window is not None:
+        return ["sliding_attention"] * n
+    if model_type in ("qwen2", "qwen3") and window is not None and _get(hf_config, "use_sliding_window", False):
+        first = _get(hf_config, "max_window_layers", n)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def _windowed_layers(hf_config) -> str:
+    layers = [i for i, t in enumerate(_windowed_layer_types(hf_config)) if t == "sliding_attention"]
+    return f"layer{'s' * (len(layers) > 1)} {layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")
+
+
+def sliding_window(hf_config) -> int | None:
+    """The ``sliding_window`` some layer of the model attends within, else None (``hf_config``: a
+    ``PretrainedConfig`` or its ``to_dict()``).
+
+    A Mistral's window applies to every layer; a Qwen2/Qwen3's only with ``use_sliding_window`` and only to the
+    layers from ``max_window_layers`` on (transformers' ``layer_types``), so ``max_window_layers >=
+    num_hidden_layers`` is full attention everywhere.
+
+    Raises:
+        ValueError: when a layer is ``sliding_attention`` but the config has no ``sliding_window``.
+    """
+    if "sliding_attention" not in _windowed_layer_types(hf_config):
+        return None
+    window = _get(hf_config, "sliding_window")
+    if window is None:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+    return int(window)
 
 
 def full_attention_length(hf_config: dict) -> int | None:
-    """A Mistral's ``sliding_window`` when smaller than its ``max_position_embeddings`` (``hf_config``: the
+    """The model's :func:`sliding_window` when smaller than its ``max_position_embeddings`` (``hf_config``: the
     ``config.json`` dict), else None: the longest row on which packsft's full causal attention equals the model's
     (an import records it as ``max_position_embeddings``; training refuses a longer ``data.max_seq_len``)."""
-    window = hf_config.get("sliding_window") if hf_config.get("model_type") == "mistral" else None
-    limit = hf_config.get("max_position_embeddings")
+    window, limit = sliding_window(hf_config), hf_config.get("max_position_embeddings")
     return window if window is not None and limit is not None and window < limit else None
 
 
@@ -113,8 +155,9 @@ def model_config_from_hf(hf_config, *, max_seq_len: int | None = None, attention
 
     Args:
         hf_config: a transformers ``PretrainedConfig`` of a supported ``model_type``.
-        max_seq_len: the longest row packsft will train on (tokens); only needed to accept a Mistral
-            ``sliding_window`` smaller than ``max_position_embeddings`` (then it must be ``<= window``, and the
+        max_seq_len: the longest row packsft will train on (tokens); only needed to accept a
+            :func:`sliding_window` (Mistral; Qwen2/Qwen3 layers from ``max_window_layers``) smaller than
+            ``max_position_embeddings`` (then it must be ``<= window``, and the
             result's ``max_position_embeddings`` is the window, so that training refuses longer rows).
         attention_backend / params_dtype: as in ``ModelConfig``.
 

@@ -88,12 +88,29 @@ def stage_hf_names(model, cfg: ModelConfig):
     return lambda name: name in names or name.startswith(prefixes)
 
 
-def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, Tensor]]:
+def model_hf_names(cfg: ModelConfig):
+    """Predicate on HF tensor names: those a whole model of ``cfg`` reads (every stage of
+    :func:`stage_hf_names`), plus the rotary ``inv_freq`` buffers older checkpoints hold (computed from the
+    config, not read). A tied ``lm_head.weight`` counts: it is read to check that it equals the embedding."""
+    layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.rotary_emb.inv_freq"]
+    if cfg.add_qkv_bias:
+        layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if cfg.qk_layernorm:
+        layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    names.update(f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in layer)
+    return names.__contains__
+
+
+def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[object, dict[str, Tensor]]:
     """Read a local HF causal-LM checkpoint: a safetensors directory or a GGUF file.
 
     Safetensors: ``config.json`` through ``AutoConfig`` and the tensors (as stored, usually bf16)
     through ``safetensors.safe_open``, honouring ``model.safetensors.index.json``; only the names for which
-    ``keep(name)`` is true are read (default: all; :func:`stage_hf_names` for one pipeline stage). GGUF (a
+    ``keep(name)`` is true are read (default: all; :func:`stage_hf_names` for one pipeline stage), and a name for
+    which ``expected(name)`` is false is refused (default: none; :func:`model_hf_names`). GGUF (a
     ``*.gguf`` path, or a directory holding one GGUF and no safetensors): transformers' GGUF loader
     (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=float32)``, needs the ``gguf``
     package), which dequantizes every tensor to fp32 and undoes llama.cpp's q/k permutation (all of it is
@@ -104,7 +121,8 @@ def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, T
 
     Raises:
         FileNotFoundError: if ``path`` holds neither safetensors nor exactly one GGUF file.
-        ValueError: if a safetensors file is not readable (truncated, corrupt header).
+        ValueError: if a safetensors file is not readable (truncated, corrupt header), or holds tensors that
+            ``expected`` refuses (named: e.g. more layers than the config's, a bias it does not use).
     """
     from transformers import AutoConfig
 
@@ -122,12 +140,19 @@ def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, T
     from safetensors import SafetensorError, safe_open
 
     state: dict[str, Tensor] = {}
+    unused: list[str] = []
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as handle:
-                state.update({k: handle.get_tensor(k) for k in handle.keys() if keep(k)})
+                names = list(handle.keys())
+                unused += [k for k in names if expected is not None and not expected(k)]
+                state.update({k: handle.get_tensor(k) for k in names if keep(k)})
         except SafetensorError as err:
             raise ValueError(f"{f}: not a readable safetensors file ({err})") from None
+    if unused:
+        raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
+                         "a checkpoint of another architecture than the config describes (num_hidden_layers, "
+                         "attention_bias, ...); packsft refuses rather than drop weights")
     return AutoConfig.from_pretrained(str(path)), state
 
 

@@ -537,8 +537,9 @@ def _first_difference(current: dict, reference: dict, free: tuple[str, ...] = ()
 
 
 def check_init_window(cfg: Config, init_from: str | Path) -> None:
-    """Refuse a ``data.max_seq_len`` longer than the sliding window of the imported model (a Mistral whose
-    ``sliding_window`` is below its ``max_position_embeddings``, read from ``<init_from>/hf_config.json``):
+    """Refuse a ``data.max_seq_len`` longer than the sliding window of the imported model (a Mistral, or a
+    Qwen2/Qwen3 with windowed layers, whose ``sliding_window`` is below its ``max_position_embeddings``, read from
+    ``<init_from>/hf_config.json``):
     packsft's full causal attention equals the model's only up to the window, whatever
     ``model.max_position_embeddings`` the config sets.
 

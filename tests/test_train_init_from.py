@@ -123,6 +123,19 @@ def test_first_loss_is_the_hf_models_and_resume_wins(setup):
     assert parts[2]["loss"] == train[2]["loss"] and parts[2]["grad_norm"] == train[2]["grad_norm"]
     assert train[2]["loss"] != train[1]["loss"]
 
+    # the init_from folder is gone (moved, a scratch purge): a resume needs only the checkpoint
+    moved = setup["imported"].with_name("imported_moved")
+    setup["imported"].rename(moved)
+    try:
+        proc = run("tools/train.py", "--config", str(parts_cfg), "train.train_steps=3")
+        with pytest.raises(FileNotFoundError, match="model_config.json not found"):   # nothing to resume
+            load_config(parts_cfg, ["checkpoint.resume=none"])
+    finally:
+        moved.rename(setup["imported"])
+    assert f"note: checkpoint.init_from='{relative}' has no model_config.json; the run resumes" in proc.stderr
+    assert records(setup["dir"] / "parts", "summary")[-1]["resumed_from"].endswith("iter_0000002")
+    assert [r["step"] for r in records(setup["dir"] / "parts", "train")] == [1, 2, 3]
+
     # export without --config / --hf-config, from another folder: the recorded model section, the HF config of the
     # folder the run started from (train_state.json records it as an absolute path)
     hf_config = setup["imported"] / "hf_config.json"

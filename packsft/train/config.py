@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -459,9 +460,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
     With ``checkpoint.init_from`` set, the checkpoint's ``model_config.json`` is merged under the YAML as the
     ``model`` section (so a YAML may omit ``model``), then :func:`check_init_model` compares the result with it.
+    When that folder is gone but ``checkpoint.resume`` finds a checkpoint (whose weights a resume loads instead),
+    the ``model`` section that checkpoint records takes its place, with a ``note:`` on stderr.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist, or ``checkpoint.init_from`` has no ``model_config.json``.
+        FileNotFoundError: ``path`` does not exist, or ``checkpoint.init_from`` has no ``model_config.json`` and
+            there is no checkpoint to resume.
         ValueError: an unknown key, a value of the wrong type, a missing required value (``???``) or any validation
             failure; the message names the file and the dotted key.
     """
@@ -473,7 +477,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         layers = [_rename_old_keys(OmegaConf.load(path) if path else OmegaConf.create(), str(path)),
                   _rename_old_keys(OmegaConf.from_dotlist(list(overrides)), "the overrides")]
         merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
-        imported = read_init_model_fields(merged.checkpoint.init_from) if merged.checkpoint.init_from else None
+        imported = _init_model_fields(merged)
         if imported is not None:
             merged = OmegaConf.merge(OmegaConf.structured(Config), {"model": imported}, *layers)
         cfg = OmegaConf.to_object(merged)
@@ -504,6 +508,24 @@ def _rename_old_keys(layer, where: str):
         OmegaConf.update(layer, new, value)
         warnings.warn(f"{where}: {old} is renamed {new}; the old name will be removed", FutureWarning, stacklevel=3)
     return layer
+
+
+def _init_model_fields(merged) -> dict | None:
+    """The ``model`` fields ``checkpoint.init_from`` supplies (``merged``: the OmegaConf config), or None without it:
+    its ``model_config.json``, else, when a checkpoint will be resumed, the ``model`` section that checkpoint records
+    (the run no longer reads ``init_from``'s weights; a LoRA resume still needs them and says so)."""
+    from packsft.train.checkpoint import find_resume_checkpoint, load_train_state
+
+    init_from = merged.checkpoint.init_from
+    if not init_from or (Path(init_from) / MODEL_CONFIG_FILE).is_file():
+        return read_init_model_fields(init_from) if init_from else None
+    ckpt_dir = merged.checkpoint.dir or Path(merged.logging.output_dir) / "checkpoints"   # as Config.checkpoint_dir
+    path = find_resume_checkpoint(ckpt_dir, merged.checkpoint.resume)
+    if path is None:
+        return read_init_model_fields(init_from)      # raises, naming the missing file
+    print(f"note: checkpoint.init_from={str(init_from)!r} has no {MODEL_CONFIG_FILE}; the run resumes {path}, "
+          "whose recorded model section is used", file=sys.stderr)
+    return recorded_architecture(load_train_state(path), path)["model"]
 
 
 def read_init_model_fields(init_from: str | Path) -> dict:

@@ -60,13 +60,18 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 def replace_dir(tmp: str | Path, final: str | Path) -> Path:
     """Publish the finished folder ``tmp`` as ``final`` (same file system) by renames.
 
-    An existing ``final`` is first renamed aside, then ``tmp`` takes its name, then the old one is removed; a
-    reader sees either the old or the new complete folder, never a mix.
+    An existing ``final`` is swapped with ``tmp`` in one step where the kernel and file system can
+    (:func:`exchange_paths`), then removed from ``tmp``'s name; elsewhere it is first renamed aside, then ``tmp``
+    takes its name, then the old one is removed. A reader sees either the old or the new complete folder, never a
+    mix; a crash between the two renames of the fallback leaves only ``.<name>.old-*``.
 
     Returns:
         ``final`` as a ``Path``.
     """
     tmp, final = Path(tmp), Path(final)
+    if final.exists() and exchange_paths(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)     # the old folder, now under the temp name
+        return final
     old = None
     if final.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
@@ -77,13 +82,42 @@ def replace_dir(tmp: str | Path, final: str | Path) -> Path:
     return final
 
 
+_RENAME_EXCHANGE = 2   # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str | Path, b: str | Path) -> bool:
+    """Swap two existing paths atomically: ``renameat2(RENAME_EXCHANGE)`` (Linux >= 3.15, glibc >= 2.28; see
+    https://man7.org/linux/man-pages/man2/rename.2.html).
+
+    Returns:
+        True when swapped; False where the C library, kernel or file system lacks it (nothing changed).
+
+    Raises:
+        OSError: any other failure of the call (e.g. a missing path, another file system).
+    """
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Create a temp folder beside ``path``; on clean exit publish it as ``path`` (:func:`replace_dir`).
 
     Every file and folder in it is fsynced before the rename (and ``path``'s parent after it), so a machine
-    crash leaves the old folder (possibly set aside as ``.<name>.old-*``) or the complete new one, not one of
-    empty files.
+    crash leaves the old folder (where :func:`replace_dir` cannot swap, possibly set aside as ``.<name>.old-*``)
+    or the complete new one, not one of empty files.
 
     Yields:
         The temp folder to fill. If the block raises, it is removed and ``path`` is untouched.

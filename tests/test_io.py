@@ -178,3 +178,46 @@ def test_atomic_dir_fsyncs_every_file_and_folder_before_publishing(tmp_path, mon
     inside = [os.path.relpath(n, tmp.name) for n in names[:-1]]                       # before the rename
     assert sorted(inside) == [".", "model.safetensors", "sub", "sub/config.json"], names
     assert names[-1] == "." and (tmp_path / "out" / "sub" / "config.json").read_text() == "{}"   # then the parent
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["exchange", "fallback"])
+def test_replace_dir_publishes_the_new_folder_and_removes_the_old(tmp_path, monkeypatch, swap):
+    """Where renameat2(RENAME_EXCHANGE) works the old folder is never renamed aside: no crash leaves it as the only
+    copy under another name; elsewhere (``swap`` False) the rename-aside fallback gives the same result."""
+    import packsft.io as io_module
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "old.txt").write_text("old")
+    new = tmp_path / ".ckpt.tmp"
+    new.mkdir()
+    (new / "new.txt").write_text("new")
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(io_module.os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b))[1])
+    if not swap:
+        monkeypatch.setattr(io_module, "exchange_paths", lambda a, b: False)
+    elif not io_module.exchange_paths(tmp_path / "ckpt", tmp_path / "ckpt"):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this file system")
+    assert io_module.replace_dir(new, tmp_path / "ckpt") == tmp_path / "ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["new.txt"]
+    assert len(renames) == (0 if swap else 2)
+    io_module.replace_dir(_folder(tmp_path / ".other"), tmp_path / "fresh")       # nothing to replace: one rename
+    assert (tmp_path / "fresh").is_dir() and not (tmp_path / ".other").exists()
+
+
+def _folder(path):
+    path.mkdir()
+    return path
+
+
+def test_exchange_paths_swaps_and_reports_a_missing_path(tmp_path):
+    from packsft.io import exchange_paths
+
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "b").mkdir()
+    if not exchange_paths(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this file system")
+    assert (tmp_path / "a").is_dir() and (tmp_path / "b").read_text() == "a"
+    with pytest.raises(FileNotFoundError):
+        exchange_paths(tmp_path / "a", tmp_path / "missing")

@@ -26,10 +26,14 @@ _REDUCTIONS = ("none", "sum", "mean")
 def _chunk_logits_fp32(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Return ``hidden_c [c, h] @ weight.T`` as fp32 ``[c, v_local]``.
 
-    fp32 inputs give fp32 logits directly. bf16/fp16 inputs run the matmul in their own dtype (fp32
-    accumulation inside the GEMM, result rounded once to the input dtype, as Megatron's output layer does)
-    and are then upcast, so softmax, log-sum-exp and gradients are computed in fp32.
+    fp32 inputs give fp32 logits directly. bf16 on CUDA (:func:`_fp32_output_gemm`): one bf16 GEMM with fp32
+    output, the logits never rounded to bf16. Otherwise (CPU, fp16, PyTorch < 2.10) the matmul runs in the inputs'
+    dtype (fp32 accumulation inside the GEMM, result rounded once to that dtype, as Megatron's output layer does) and
+    is then upcast. Softmax, log-sum-exp and gradients are computed in fp32.
     """
+    if hidden_c.dtype == torch.bfloat16 and _fp32_output_gemm(hidden_c):
+        out = torch.empty(hidden_c.shape[0], weight.shape[0], dtype=torch.float32, device=hidden_c.device)
+        return torch.addmm(out, hidden_c, weight.t(), beta=0, out_dtype=torch.float32, out=out)   # beta 0: out unread
     logits = hidden_c @ weight.t()
     return logits if logits.dtype == torch.float32 else logits.float()
 

@@ -32,8 +32,7 @@ def _chunk_logits_fp32(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Te
     is then upcast. Softmax, log-sum-exp and gradients are computed in fp32.
     """
     if hidden_c.dtype == torch.bfloat16 and _fp32_output_gemm(hidden_c):
-        out = torch.empty(hidden_c.shape[0], weight.shape[0], dtype=torch.float32, device=hidden_c.device)
-        return torch.addmm(out, hidden_c, weight.t(), beta=0, out_dtype=torch.float32, out=out)   # beta 0: out unread
+        return torch.mm(hidden_c, weight.t(), out_dtype=torch.float32)   # the same cuBLAS path as addmm's
     logits = hidden_c @ weight.t()
     return logits if logits.dtype == torch.float32 else logits.float()
 

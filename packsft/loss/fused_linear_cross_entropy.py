@@ -41,7 +41,8 @@ _FP32_OUTPUT_GEMM: dict[torch.device, bool] = {}   # per CUDA device: whether to
 
 
 def _fp32_output_gemm(t: torch.Tensor) -> bool:
-    """Whether bf16 GEMMs on ``t``'s device can add their product in fp32 to fp32 (:func:`_addmm_fp32_output`).
+    """Whether bf16 GEMMs on ``t``'s device can write (``torch.mm``) or add (:func:`_addmm_fp32_output`) their
+    product in fp32.
 
     CUDA only; probed once per device on a 1x1 product, so a real call never needs to catch an error (an
     out-of-memory or a CUDA fault there stays an error). PyTorch 2.8 added ``out_dtype``, but only 2.10's kernel
@@ -55,7 +56,8 @@ def _fp32_output_gemm(t: torch.Tensor) -> bool:
         one = torch.ones(1, 1, dtype=torch.bfloat16, device=t.device)
         try:
             torch.addmm(out, one, one, out_dtype=torch.float32, out=out)
-            ok = out.item() == 1.0
+            product = torch.mm(one, one, out_dtype=torch.float32)     # the logits' GEMM (_chunk_logits_fp32)
+            ok = out.item() == 1.0 and product.dtype == torch.float32 and product.item() == 1.0
         except (TypeError, RuntimeError, NotImplementedError) as err:
             ok = False
             warnings.warn(f"torch {torch.__version__} has no bf16 GEMM with fp32 output on {t.device} "

@@ -37,7 +37,7 @@ def _chunk_logits_fp32(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return logits if logits.dtype == torch.float32 else logits.float()
 
 
-_FP32_OUTPUT_GEMM: dict[torch.device, bool] = {}   # per CUDA device: whether torch.addmm(out_dtype=) works here
+_FP32_OUTPUT_GEMM: dict[torch.device, bool] = {}   # per CUDA device: whether mm/addmm(out_dtype=) work here
 
 
 def _fp32_output_gemm(t: torch.Tensor) -> bool:
@@ -61,8 +61,9 @@ def _fp32_output_gemm(t: torch.Tensor) -> bool:
         except (TypeError, RuntimeError, NotImplementedError) as err:
             ok = False
             warnings.warn(f"torch {torch.__version__} has no bf16 GEMM with fp32 output on {t.device} "
-                          f"({type(err).__name__}: {err}); the fused loss's backward uses an fp32 GEMM on upcast "
-                          "operands instead (slower). PyTorch >= 2.10 has it.", stacklevel=2)
+                          f"({type(err).__name__}: {err}); the fused loss rounds its logits to bf16 and computes "
+                          "the weight gradient in fp32 on upcast operands instead (slower). PyTorch >= 2.10 has it.",
+                          stacklevel=2)
         _FP32_OUTPUT_GEMM[t.device] = ok
     return _FP32_OUTPUT_GEMM[t.device]
 

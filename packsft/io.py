@@ -70,7 +70,10 @@ def replace_dir(tmp: str | Path, final: str | Path) -> Path:
     """
     tmp, final = Path(tmp), Path(final)
     if final.exists() and exchange_paths(tmp, final):
-        shutil.rmtree(tmp, ignore_errors=True)     # the old folder, now under the temp name
+        if tmp.is_dir() and not tmp.is_symlink():  # the old folder, now under the temp name
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:                                      # the old file or link itself, not what a link points to
+            tmp.unlink(missing_ok=True)
         return final
     old = None
     if final.exists():

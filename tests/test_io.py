@@ -204,6 +204,10 @@ def test_replace_dir_publishes_the_new_folder_and_removes_the_old(tmp_path, monk
     assert len(renames) == (0 if swap else 2)
     io_module.replace_dir(_folder(tmp_path / ".other"), tmp_path / "fresh")       # nothing to replace: one rename
     assert (tmp_path / "fresh").is_dir() and not (tmp_path / ".other").exists()
+    (tmp_path / "link").symlink_to(tmp_path / "fresh")     # a link is replaced, what it points to is kept
+    io_module.replace_dir(_folder(tmp_path / ".third"), tmp_path / "link")
+    assert not (tmp_path / "link").is_symlink() and (tmp_path / "fresh").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "fresh", "link"]
 
 
 def _folder(path):

@@ -19,6 +19,7 @@ Every error is a :class:`ConversationError` that names the file, the 1-based lin
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -178,14 +179,16 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
     if decode_error:
         raise ConversationError(path, line, "", decode_error)
     try:
-        value = _STRICT_JSON.decode(text.rstrip("\r\n"))
+        value = loads_strict(text.rstrip("\r\n"))
+    except NonFiniteNumber:
+        field = _find_in(_TRACING_JSON.decode(text.rstrip("\r\n")), _is_constant)
+        raise ConversationError(path, line, field or "", NON_FINITE) from None
     except json.JSONDecodeError as e:
         raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
     except RecursionError as e:
         raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
-    if ("NaN" in text or "Infinity" in text) and (field := _find_in(value, _is_constant)) is not None:
-        raise ConversationError(path, line, field, "NaN / Infinity is not JSON (Python's json reads it, strict "
-                                "readers refuse the rows): write a number or a string")
+    except ValueError as e:   # an integer of more digits than int() converts (sys.set_int_max_str_digits)
+        raise ConversationError(path, line, "", f"not valid JSON here: {e}") from e
     if "\\u" in text and _SURROGATE_ESCAPE.search(text):  # "\ud800" alone decodes to a str no UTF-8 can hold
         field = _find_in(value, _unencodable)
         if field is not None:
@@ -197,12 +200,49 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
+class NonFiniteNumber(ValueError):
+    """JSON text holding ``NaN``, ``Infinity``, ``-Infinity`` or a number beyond float range (``1e999``)."""
+
+
+NON_FINITE = ("NaN / Infinity, or a number beyond float range, is not JSON (Python's json reads it, strict readers "
+              "refuse the rows): write a finite number or a string")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise NonFiniteNumber(text)
+    return value
+
+
+def _refuse_constant(text: str):
+    raise NonFiniteNumber(text)
+
+
+_STRICT_JSON = json.JSONDecoder(parse_float=_finite_float, parse_constant=_refuse_constant)
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` (the same C scanner) of standard JSON only.
+
+    Raises:
+        NonFiniteNumber: ``text`` holds ``NaN`` / ``Infinity`` (which :mod:`json` accepts) or a number that is
+            infinite as a float; other errors as :func:`json.loads`.
+    """
+    return _STRICT_JSON.decode(text)
+
+
 class _Constant(str):
-    """A bare ``NaN``, ``Infinity`` or ``-Infinity`` of an input line, decoded as its text to be found and named."""
+    """A non-finite number of an input line, decoded as its text to be found and named."""
 
 
-_STRICT_JSON = json.JSONDecoder(parse_constant=_Constant)
-"""``json.loads`` (the same C scanner) decoding ``NaN`` / ``Infinity`` to :class:`_Constant`, not to a float."""
+def _traced_float(text: str) -> float | _Constant:
+    value = float(text)
+    return _Constant(text) if math.isinf(value) else value
+
+
+_TRACING_JSON = json.JSONDecoder(parse_float=_traced_float, parse_constant=_Constant)
+"""Decodes non-finite numbers to :class:`_Constant`, to name the field of the first one."""
 
 
 def _is_constant(value: Any) -> bool:
@@ -295,7 +335,9 @@ def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> No
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = loads_strict(args)
+            except NonFiniteNumber:
+                raise _fail(path, line, f"{cw}.function.arguments", f"is a string holding {NON_FINITE}") from None
             except json.JSONDecodeError as e:
                 raise _fail(path, line, f"{cw}.function.arguments", f"is a string but not JSON ({e.msg})") from e
         if not isinstance(args, dict):

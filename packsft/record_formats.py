@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from packsft.conversation import NON_FINITE, NonFiniteNumber, loads_strict
+
 RECORD_FORMATS = ("messages", "input-output", "sharegpt", "alpaca")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                   "bing": "assistant", "system": "system", "tool": "tool", "observation": "tool",
@@ -61,7 +63,9 @@ def _sharegpt_tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
     where = f"conversations[{i}].value"
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads_strict(value)
+        except NonFiniteNumber:
+            raise RecordFormatError(f"{where}: holds {NON_FINITE}") from None
         except json.JSONDecodeError as e:
             raise RecordFormatError(f"{where}: a function_call value must be JSON "
                                     f'{{"name": ..., "arguments": {{...}}}} ({e.msg})') from e

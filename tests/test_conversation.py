@@ -3,10 +3,13 @@ import json
 import pytest
 
 from packsft.conversation import (
+    NON_FINITE,
     ConversationError,
+    NonFiniteNumber,
     iter_jsonl_lines,
     iter_jsonl_lines_sized,
     loads_line,
+    loads_strict,
     parse_record,
     split_row,
     validate_messages,
@@ -165,18 +168,32 @@ def test_loads_line_rejects_lone_surrogate_escapes_naming_the_field():
 
 def test_loads_line_rejects_nan_and_infinity_naming_the_field():
     """Python's json reads a bare NaN / Infinity; the rows would then hold them, which strict readers refuse."""
-    bad = ("NaN / Infinity is not JSON (Python's json reads it, strict readers refuse the rows): write a number or "
-           "a string")
+    bad = NON_FINITE
     for text, field in (('{"tools": [{"function": {"parameters": {"default": NaN}}}]}',
                          "tools[0].function.parameters.default: "),
                         ('{"messages": [{"role": "user", "content": "x", "w": -Infinity}]}', "messages[0].w: "),
-                        ('[1, Infinity]', "[1]: "), ("NaN", "")):
+                        ('[1, Infinity]', "[1]: "), ("NaN", ""),
+                        ('{"a": {"b": [0.5, 1e999]}}', "a.b[1]: "), ('{"a": -1E400}', "a: ")):   # inf as floats
         with pytest.raises(ConversationError) as e:
             loads_line(text, "x.jsonl", 3)
         assert str(e.value) == f"x.jsonl:3: {field}{bad}"
     ok = '{"content": "NaN and Infinity are words here", "x": 1.5e300}'
     assert loads_line(ok, "x.jsonl", 3) == {"content": "NaN and Infinity are words here", "x": 1.5e300}
     assert type(loads_line(ok, "x.jsonl", 3)["content"]) is str
+    with pytest.raises(NonFiniteNumber):
+        loads_strict('{"arguments": {"a": NaN}}')
+    assert loads_strict('{"a": 1e308, "b": 10000000000000000000000000}') == {"a": 1e308, "b": 10**25}
+    with pytest.raises(ConversationError, match="x.jsonl:3: not valid JSON here: Exceeds the limit"):
+        loads_line('{"a": ' + "9" * 5000 + "}", "x.jsonl", 3)          # int() refuses more than 4300 digits
+
+
+def test_tool_call_arguments_as_a_string_must_be_finite_json():
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": NaN}'}}]},
+                {"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(ConversationError, match=r"tool_calls\[0\].function.arguments: is a string holding NaN"):
+        validate_messages(messages, "x.jsonl", 2)
 
 
 def test_split_row_errors_name_the_conversation():

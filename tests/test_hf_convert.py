@@ -298,6 +298,10 @@ def test_sliding_window_of_a_config_without_layer_types():
             "max_window_layers": 3, "max_position_embeddings": 128}
     assert sliding_window(qwen) == 64 and full_attention_length(qwen) == 64
     assert sliding_window({**qwen, "max_window_layers": 4}) is None
+    no_mwl = {k: v for k, v in qwen.items() if k != "max_window_layers"}   # transformers' default: 28
+    assert sliding_window({**no_mwl, "num_hidden_layers": 28}) is None
+    assert sliding_window({**no_mwl, "num_hidden_layers": 32}) == 64 == sliding_window(
+        hf_config("qwen2", num_hidden_layers=32, use_sliding_window=True, sliding_window=64))
     assert sliding_window({**qwen, "use_sliding_window": False}) is None
     mistral = {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 256, "max_position_embeddings": 128}
     assert sliding_window(mistral) == 256 and full_attention_length(mistral) is None

@@ -57,6 +57,7 @@ def test_import_reads_a_checkpoint_with_rotary_buffers():
                       vocab_size=256, max_position_embeddings=128)
     used = model_hf_names(cfg)
     assert used("model.layers.1.self_attn.rotary_emb.inv_freq") and used("lm_head.weight")
+    assert used("model.rotary_emb.inv_freq")
     assert not used("model.layers.2.input_layernorm.weight") and not used("model.layers.0.self_attn.q_proj.bias")
     assert not used("model.layers.0.self_attn.q_norm.weight") and not used("model.embed_tokens.bias")
     qwen3 = model_hf_names(dataclasses.replace(cfg, qk_layernorm=True, add_qkv_bias=True))

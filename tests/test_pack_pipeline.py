@@ -163,7 +163,7 @@ def test_edge_cases_get_their_documented_result(tmp_path, tokenizer_dir):
     assert "messages[0].content: must be a string" in reasons[4]
     assert "chat-template: messages[1]: empty assistant turn" in reasons[6]  # the input's own index
     assert reasons[11].startswith("messages[0].content: a \\u escape of a lone UTF-16 surrogate")
-    assert reasons[12].startswith("tools[0].function.parameters.default: NaN / Infinity is not JSON")
+    assert reasons[12].startswith("tools[0].function.parameters.default: NaN / Infinity, or a number beyond")
     assert set(reasons) == {2, 3, 4, 6, 11, 12}
     assert [(o["line"], o["action"]) for o in report.oversize] == [(10, "own row, truncated by the loader")]
     # its only assistant turn lies beyond the cut: warned at pack time
@@ -471,6 +471,9 @@ def test_cli_parses_masks_kwargs_and_append_eos():
     assert parse_args(base).append_eos is None
     with pytest.raises(SystemExit):
         parse_args(base + ["--chat-template-kwargs", "[1]"])
+    for value in ('{"x": NaN}', '{"x": 1e999}'):   # would reach the sidecar and report, which strict readers refuse
+        with pytest.raises(SystemExit):
+            parse_args(base + ["--chat-template-kwargs", value])
 
 
 @pytest.mark.parametrize(("record_format", "line", "field"), [

@@ -107,6 +107,9 @@ def test_sharegpt_function_call_turns_become_tool_calls():
         sharegpt_to_messages({"conversations": [{"from": "function_call", "value": "get_weather(Paris)"}]})
     with pytest.raises(RecordFormatError, match=r'conversations\[0\].value: a function_call needs \{"name"'):
         sharegpt_to_messages({"conversations": [{"from": "function_call", "value": "[1]"}]})
+    with pytest.raises(RecordFormatError, match=r"conversations\[0\].value: holds NaN / Infinity"):   # json reads it
+        sharegpt_to_messages({"conversations": [{"from": "function_call",
+                                                 "value": '{"name": "f", "arguments": {"a": NaN}}'}]})
 
 
 def test_validation_errors_name_the_input_records_own_fields():

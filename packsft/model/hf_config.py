@@ -25,6 +25,8 @@ GEMMA3_MISSING = ("GeGLU MLP (gelu_pytorch_tanh)", "embeddings scaled by sqrt(hi
                   "alternating sliding-window / global attention layers",
                   "separate RoPE bases for local and global layers", "query_pre_attn_scalar attention scale")
 """What packsft's Megatron GPT model would need to reproduce Gemma 3 text models (``Gemma3ForCausalLM``)."""
+QWEN_MAX_WINDOW_LAYERS = 28
+"""``Qwen2Config`` / ``Qwen3Config``'s default ``max_window_layers`` (for a ``config.json`` that omits it)."""
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """The special-token ids of an exported ``config.json`` that the tokenizer supplies when the HF config does not."""
 # Megatron's fixed Llama-3.1 scaling constants (megatron.core RotaryEmbedding._apply_scaling).
@@ -112,7 +114,7 @@ def _windowed_layer_types(hf_config) -> list[str]:
     if model_type == "mistral" and window is not None:
         return ["sliding_attention"] * n
     if model_type in ("qwen2", "qwen3") and window is not None and _get(hf_config, "use_sliding_window", False):
-        first = _get(hf_config, "max_window_layers", n)
+        first = _get(hf_config, "max_window_layers", QWEN_MAX_WINDOW_LAYERS)
         return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
     return ["full_attention"] * n
 

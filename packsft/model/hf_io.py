@@ -99,7 +99,7 @@ def model_hf_names(cfg: ModelConfig):
         layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if cfg.qk_layernorm:
         layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.rotary_emb.inv_freq"}
     names.update(f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in layer)
     return names.__contains__
 

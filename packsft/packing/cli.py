@@ -10,6 +10,7 @@ import json
 import sys
 import warnings
 
+from packsft.conversation import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from packsft.packing.pipeline import (
     MAX_CONVERSATION_BYTES,
@@ -27,7 +28,9 @@ from packsft.record_formats import RECORD_FORMATS
 
 def _json_object(text: str) -> dict:
     try:
-        value = json.loads(text)
+        value = loads_strict(text)
+    except NonFiniteNumber:
+        raise argparse.ArgumentTypeError(f"{NON_FINITE}: {text!r}") from None
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from e
     if not isinstance(value, dict):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -477,12 +478,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         layers = [_rename_old_keys(OmegaConf.load(path) if path else OmegaConf.create(), str(path)),
                   _rename_old_keys(OmegaConf.from_dotlist(list(overrides)), "the overrides")]
         merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
-        imported = _init_model_fields(merged)
+        imported, source = _init_model_fields(merged)
         if imported is not None:
             merged = OmegaConf.merge(OmegaConf.structured(Config), {"model": imported}, *layers)
         cfg = OmegaConf.to_object(merged)
         if imported is not None:
-            check_init_model(cfg, imported)
+            check_init_model(cfg, imported, source)
             check_init_window(cfg, merged.checkpoint.init_from)
         return cfg
     except OmegaConfBaseException as err:
@@ -510,22 +511,24 @@ def _rename_old_keys(layer, where: str):
     return layer
 
 
-def _init_model_fields(merged) -> dict | None:
-    """The ``model`` fields ``checkpoint.init_from`` supplies (``merged``: the OmegaConf config), or None without it:
-    its ``model_config.json``, else, when a checkpoint will be resumed, the ``model`` section that checkpoint records
-    (the run no longer reads ``init_from``'s weights; a LoRA resume still needs them and says so)."""
+def _init_model_fields(merged) -> tuple[dict | None, str | None]:
+    """The ``model`` fields ``checkpoint.init_from`` supplies (``merged``: the OmegaConf config) and, when not its
+    ``model_config.json``, where they come from; ``(None, None)`` without ``init_from``. When that file is gone and
+    a checkpoint will be resumed: the ``model`` section that checkpoint records (the run no longer reads
+    ``init_from``'s weights; a LoRA resume still needs them and says so)."""
     from packsft.train.checkpoint import find_resume_checkpoint, load_train_state
 
     init_from = merged.checkpoint.init_from
     if not init_from or (Path(init_from) / MODEL_CONFIG_FILE).is_file():
-        return read_init_model_fields(init_from) if init_from else None
+        return (read_init_model_fields(init_from) if init_from else None), None
     ckpt_dir = merged.checkpoint.dir or Path(merged.logging.output_dir) / "checkpoints"   # as Config.checkpoint_dir
     path = find_resume_checkpoint(ckpt_dir, merged.checkpoint.resume)
     if path is None:
-        return read_init_model_fields(init_from)      # raises, naming the missing file
-    print(f"note: checkpoint.init_from={str(init_from)!r} has no {MODEL_CONFIG_FILE}; the run resumes {path}, "
-          "whose recorded model section is used", file=sys.stderr)
-    return recorded_architecture(load_train_state(path), path)["model"]
+        read_init_model_fields(init_from)      # raises, naming the missing file
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: checkpoint.init_from={str(init_from)!r} has no {MODEL_CONFIG_FILE}; the run resumes {path}, "
+              "whose recorded model section is used", file=sys.stderr)
+    return recorded_architecture(load_train_state(path), path)["model"], f"the model section checkpoint {path} records"
 
 
 def read_init_model_fields(init_from: str | Path) -> dict:
@@ -580,8 +583,10 @@ def check_init_window(cfg: Config, init_from: str | Path) -> None:
                          f"that model's only up to the window; set data.max_seq_len <= {window}")
 
 
-def check_init_model(cfg: Config, imported: dict) -> None:
+def check_init_model(cfg: Config, imported: dict, source: str | None = None) -> None:
     """Refuse a ``model`` section that contradicts the ``checkpoint.init_from`` weights.
+
+    ``source`` names where ``imported`` comes from (default: ``checkpoint.init_from``'s ``model_config.json``).
 
     Raises:
         ValueError: a ``model`` field (other than ``INIT_FROM_FREE_MODEL_KEYS``) differs from ``imported``; the
@@ -589,10 +594,10 @@ def check_init_model(cfg: Config, imported: dict) -> None:
     """
     current = asdict(cfg.model)
     key = _first_difference(current, imported, INIT_FROM_FREE_MODEL_KEYS)
+    source = source or f"checkpoint.init_from's {MODEL_CONFIG_FILE}"
     if key is not None:
-        raise ValueError(f"model.{key} ({current.get(key)!r}) differs from checkpoint.init_from's "
-                         f"{MODEL_CONFIG_FILE} ({imported[key]!r}): the weights have the latter; drop model.{key} "
-                         "from the config or set it to match")
+        raise ValueError(f"model.{key} ({current.get(key)!r}) differs from {source} ({imported[key]!r}): the "
+                         f"weights have the latter; drop model.{key} from the config or set it to match")
 
 
 RESUME_FREE_LORA_KEYS = ("dropout", "seed")

@@ -130,6 +130,9 @@ def test_first_loss_is_the_hf_models_and_resume_wins(setup):
         proc = run("tools/train.py", "--config", str(parts_cfg), "train.train_steps=3")
         with pytest.raises(FileNotFoundError, match="model_config.json not found"):   # nothing to resume
             load_config(parts_cfg, ["checkpoint.resume=none"])
+        with pytest.raises(ValueError, match=r"model.rotary_base \(1.0\) differs from the model section checkpoint "
+                                             r".*iter_0000003 records \(50000.0\)"):
+            load_config(parts_cfg, ["model.rotary_base=1.0"])
     finally:
         moved.rename(setup["imported"])
     assert f"note: checkpoint.init_from='{relative}' has no model_config.json; the run resumes" in proc.stderr

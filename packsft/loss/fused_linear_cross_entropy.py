@@ -31,7 +31,7 @@ def _chunk_logits_fp32(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Te
     dtype (fp32 accumulation inside the GEMM, result rounded once to that dtype, as Megatron's output layer does) and
     is then upcast. Softmax, log-sum-exp and gradients are computed in fp32.
     """
-    if hidden_c.dtype == torch.bfloat16 and _fp32_output_gemm(hidden_c):
+    if hidden_c.dtype == weight.dtype == torch.bfloat16 and _fp32_output_gemm(hidden_c):   # else autocast casts `@`
         return torch.mm(hidden_c, weight.t(), out_dtype=torch.float32)   # the same cuBLAS path as addmm's
     logits = hidden_c @ weight.t()
     return logits if logits.dtype == torch.float32 else logits.float()

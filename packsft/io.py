@@ -94,24 +94,18 @@ def exchange_paths(a: str | Path, b: str | Path) -> bool:
     https://man7.org/linux/man-pages/man2/rename.2.html).
 
     Returns:
-        True when swapped; False where the C library, kernel or file system lacks it (nothing changed).
-
-    Raises:
-        OSError: any other failure of the call (e.g. a missing path, another file system).
+        True when swapped; False, nothing changed, when the call fails: the C library, kernel or file system
+        lacks it (some network and parallel file systems answer ``EINVAL``), or for any other reason, which the
+        caller's plain renames then report.
     """
     import ctypes
 
     try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
+        fn = ctypes.CDLL(None).renameat2
     except (AttributeError, OSError):
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+    return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 @contextmanager

@@ -44,6 +44,7 @@ the loader re-tokenizes.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -229,7 +230,8 @@ def loader_expectation(fingerprint: str, fmt: PromptFormat, max_seq_len: int,
 
 
 def packing_settings(packed_path: str | Path, meta: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``settings`` of the packing run that wrote ``packed_path`` (every ``PackConfig`` field), or ``None``.
+    """The ``settings`` of the packing run that wrote ``packed_path`` (every ``PackConfig`` field), or ``None``;
+    relative ``inputs`` are made absolute with the run's ``working_dir``, which the report records.
 
     Read from the report beside the rows (``<packed_path>.report.json``, the packer's default ``--report``) when its
     ``rows_file`` equals the sidecar's, i.e. the same run wrote both; ``None`` when there is no such report (another
@@ -247,7 +249,12 @@ def packing_settings(packed_path: str | Path, meta: dict[str, Any]) -> dict[str,
     if not isinstance(report, dict) or report.get("rows_file") != rows_file:
         return None
     settings = report.get("settings")
-    return settings if isinstance(settings, dict) else None
+    if not isinstance(settings, dict):
+        return None
+    cwd, inputs = report.get("working_dir"), settings.get("inputs")
+    if isinstance(cwd, str) and cwd and isinstance(inputs, list):   # the packer's paths are relative to where it ran
+        settings = {**settings, "inputs": [os.path.join(cwd, s) if isinstance(s, str) else s for s in inputs]}
+    return settings
 
 
 def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat, tokenizer_path: str,

@@ -138,6 +138,12 @@ def test_repack_hint_repeats_every_packing_option_of_the_report(tmp_path):
     assert "--oversize drop" not in other_run and "(no report of this packing run beside it" in other_run
     cached = repack_hint(packed, meta(**fields, token_cache={"tokens": {"size": 8}}), FMT, "tok", 128, 2)
     assert "--no-token-cache" not in cached.splitlines()[0]        # the sidecar records a cache: it was on
+    # the inputs were relative to where the packer ran (the report's working_dir): the command works from anywhere
+    moved = {**report, "working_dir": "/data/proj",
+             "settings": {**report["settings"], "inputs": ["a b.jsonl", "/c.jsonl"]}}
+    (tmp_path / "x.jsonl.packed.report.json").write_text(json.dumps(moved))
+    anywhere = parse_args(shlex.split(repack_hint(packed, meta(**fields), FMT, "tok", 128, 2))[2:])
+    assert anywhere.inputs == ["/data/proj/a b.jsonl", "/c.jsonl"]
 
 
 def test_trainer_refusal_repeats_oversize_drop(tmp_path, tokenizer_dir):

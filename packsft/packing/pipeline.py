@@ -853,6 +853,7 @@ class PackReport:
     settings: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
     rows_file: dict[str, Any] = field(default_factory=dict)  # {size, blake2b} of the rows written
+    working_dir: str = ""  # where the packer ran: its relative input paths start there (the re-pack hint)
 
     def __post_init__(self):
         self._seen: dict[str, int] = {}  # warnings per kind (not a field: not in the JSON)
@@ -1517,7 +1518,8 @@ def _run_pack(cfg: PackConfig) -> PackReport:
 
     tok = load_tokenizer(cfg.tokenizer)
     fmt = _prompt_format(cfg, tok)
-    report = PackReport(settings={k: v for k, v in asdict(cfg).items() if k not in ("progress",)})
+    report = PackReport(settings={k: v for k, v in asdict(cfg).items() if k not in ("progress",)},
+                        working_dir=os.getcwd())
     if fmt.missing_stop_signal(tok):
         report.warn("no_stop_signal", f"{fmt.template_name} writes nothing after an assistant turn's content and "
                     "--no-append-eos is set: no end-of-turn or EOS token is trained, so the model will not learn "

@@ -89,19 +89,9 @@ def stage_hf_names(model, cfg: ModelConfig):
 
 
 def model_hf_names(cfg: ModelConfig):
-    """Predicate on HF tensor names: those a whole model of ``cfg`` reads (every stage of
-    :func:`stage_hf_names`), plus the rotary ``inv_freq`` buffers older checkpoints hold (computed from the
-    config, not read). A tied ``lm_head.weight`` counts: it is read to check that it equals the embedding."""
-    layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.rotary_emb.inv_freq"]
-    if cfg.add_qkv_bias:
-        layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    if cfg.qk_layernorm:
-        layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.rotary_emb.inv_freq"}
-    names.update(f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in layer)
-    return names.__contains__
+    """Predicate on HF tensor names: those a whole model of ``cfg`` has (:func:`hf_tensor_shape` gives them a shape),
+    plus the rotary ``inv_freq`` buffers older checkpoints hold (computed from the config, not read)."""
+    return lambda name: hf_tensor_shape(name, cfg) is not None or name.endswith("rotary_emb.inv_freq")
 
 
 def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[object, dict[str, Tensor]]:

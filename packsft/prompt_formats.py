@@ -741,6 +741,17 @@ def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[i
                                 "text") from None
 
 
+def _encode_distinct(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """:func:`_encode` of ``texts``, each distinct text encoded once (a template's text after every last turn,
+    e.g. ``"\\n"``, or a frequent short user turn, comes once per conversation of a batch: a third of the texts
+    of a two-turn dataset). Equal texts get the same list: do not change them in place."""
+    distinct = dict.fromkeys(texts)
+    if len(distinct) == len(texts):
+        return _encode(tokenizer, texts) if texts else []
+    ids = dict(zip(distinct, _encode(tokenizer, list(distinct))))
+    return [ids[t] for t in texts]
+
+
 def _boundary_error(tokenizer, segments: list[Segment], pieces, tokens, k: int, pos: int) -> PromptFormatError:
     """The error for segment ``k`` whose own tokens differ from its slice ``tokens[pos:...]``."""
     piece, got = pieces[k], tokens[pos : pos + len(pieces[k])]
@@ -774,11 +785,13 @@ def tokenize_segments(
     equal its slice (Megatron-LM tokenizes the whole string and asserts this); with
     ``fmt.allow_non_megatron`` a conversation that fails the check gets each segment's own tokens instead.
 
+    Segments with equal texts get the same list of ids (each distinct text is encoded once), as do those
+    taken from ``known``: do not change the pieces in place.
+
     Args:
         known: text -> ids of segment texts already encoded (each is encoded alone), taken from it and extended
             with the new ones, so that tokenizing variants of one conversation (the packer's own-row cuts)
-            encodes each segment text once (the presets also encode their whole text each time). The pieces
-            returned are then the dict's own lists: do not change them in place.
+            encodes each segment text once (the presets also encode their whole text each time).
 
     Raises:
         PromptFormatError: as :func:`render_segments`.
@@ -813,7 +826,7 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
         out.append(None)
         todo += new
     try:
-        encoded = _encode(tokenizer, todo) if todo else []
+        encoded = _encode_distinct(tokenizer, todo)
     except PromptFormatError:  # a text no tokenizer encodes: each conversation's own texts, to find whose
         encoded = None
     pos = 0

@@ -256,8 +256,11 @@ def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_d
 
 @pytest.mark.parametrize("tok_name,fmt_name", [("qwen2.5", "chat-template"), ("nemotron-h-layout-tekken", "identity"),
                                                ("nemotron-h-layout-tekken", "nemotron-h-aligned")])
-def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, tok_name, fmt_name):
-    """tokenize_conversations (the packer's) gives each conversation's tokenize_conversation result, or its error."""
+def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, tok_name, fmt_name, monkeypatch):
+    """tokenize_conversations (the packer's) gives each conversation's tokenize_conversation result, or its error,
+    encoding each distinct text of the batch once (the text after every last turn repeats in each)."""
+    import packsft.prompt_formats as pf
+
     tok = load_tokenizer(tokenizer_dir(tok_name))
     fmt = get_prompt_format(fmt_name, tok)
     convs = []
@@ -268,7 +271,12 @@ def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, t
     convs.insert(3, parse_record(empty_reply))
     batch = [(c.messages, c.tools, {"x": 1} if i % 2 and fmt_name == "chat-template" else None)
              for i, c in enumerate(convs)]
+    calls: list[list[str]] = []
+    encode = pf._encode
+    monkeypatch.setattr(pf, "_encode", lambda t, texts: (calls.append(list(texts)), encode(t, texts))[1])
     got = tokenize_conversations(batch, tok, fmt)
+    assert len(calls) == 1 and len(set(calls[0])) == len(calls[0])
+    monkeypatch.setattr(pf, "_encode", encode)
 
     def one(messages, tools, kwargs):
         try:

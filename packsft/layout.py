@@ -61,11 +61,18 @@ def row_granularity(context_parallel_size: int = 1, sequence_parallel_size: int 
     return math.lcm(cp_granularity(context_parallel_size), context_parallel_size * sequence_parallel_size)
 
 
+MAX_SEQ_LEN = 1 << 24
+"""Longest row packsft takes, in tokens (16,777,216): the packer's best-fit keeps one bucket per length."""
+
+
 def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1, sequence_parallel_size: int = 1) -> None:
-    """Raise ``ValueError`` unless ``max_seq_len`` is positive and a multiple of :func:`row_granularity`."""
+    """Raise ``ValueError`` unless ``max_seq_len`` is positive, at most :data:`MAX_SEQ_LEN` and a multiple of
+    :func:`row_granularity`."""
     g = row_granularity(context_parallel_size, sequence_parallel_size)
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    if max_seq_len > MAX_SEQ_LEN:
+        raise ValueError(f"max_seq_len ({max_seq_len}) is above packsft's limit of {MAX_SEQ_LEN:,} tokens a row")
     if max_seq_len % g:
         if sequence_parallel_size == 1:
             why, what = "2 * context_parallel_size", "equal context-parallel chunks"

@@ -2,7 +2,8 @@
 
 ``--format messages`` (default) and ``input-output`` (``--input-key``/``--output-key``) are read as they are;
 ``sharegpt`` (``{"conversations": [{"from": "human"|"gpt"|"system"|..., "value": ...}]}``) and ``alpaca``
-(``{"instruction", "input"?, "output", "system"?}``) are converted here; ``--adapter pkg.module:fn`` names any
+(``{"instruction", "input"?, "output", "system"?, "history"?}``) are converted here, a field they know but
+cannot use rejecting the record (nothing is left out unseen); ``--adapter pkg.module:fn`` names any
 callable ``fn(record: dict) -> {"messages": [...], "tools": [...]?}``, imported from ``PYTHONPATH``. An adapter
 that raises rejects that line into the report, like any validation error. Examples: ``docs/packing.md``.
 """
@@ -32,16 +33,34 @@ class RecordFormatError(ValueError):
     """A record that does not have the shape of its format (the message names the field)."""
 
 
-def sharegpt_to_messages(record: dict[str, Any]) -> dict[str, Any]:
-    """``{"conversations": [{"from", "value"}], "system"?, "tools"?}`` -> ``{"messages", "tools"?}``.
+def _optional_text(record: dict[str, Any], key: str, fmt: str) -> str | None:
+    """``record[key]``: a string, or ``None`` when absent or null.
 
     Raises:
-        RecordFormatError: no ``conversations`` list, a turn without ``from``/``value``, or an unknown ``from``.
+        RecordFormatError: any other value (it would otherwise be left out of the conversation unseen).
+    """
+    value = record.get(key)
+    if value is not None and not isinstance(value, str):
+        raise RecordFormatError(f"{key}: must be a string, got {type(value).__name__} ({fmt} records)")
+    return value
+
+
+def sharegpt_to_messages(record: dict[str, Any]) -> dict[str, Any]:
+    """``{"conversations": [{"from", "value", "weight"?}], "system"?, "tools"?}`` -> ``{"messages", "tools"?}``.
+
+    A turn's ``weight`` is kept on its message (validated as any message's). ``tools`` may be given as JSON
+    text and as bare function schemas ``{"name", "description", "parameters"}`` (LLaMA-Factory writes both); each
+    becomes an OpenAI ``{"type": "function", "function": {...}}`` entry.
+
+    Raises:
+        RecordFormatError: no ``conversations`` list, a turn without ``from``/``value``, an unknown ``from``, a
+            ``system`` that is not a string, or ``tools`` text that is not JSON.
     """
     turns = record.get("conversations")
     if not isinstance(turns, list):
         raise RecordFormatError("conversations: missing or not a list (ShareGPT records)")
-    messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
+    system = _optional_text(record, "system", "ShareGPT")
+    messages = [{"role": "system", "content": system}] if system is not None else []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
             raise RecordFormatError(f"conversations[{i}]: needs 'from' and 'value'")
@@ -49,26 +68,34 @@ def sharegpt_to_messages(record: dict[str, Any]) -> dict[str, Any]:
         if role is None:
             raise RecordFormatError(f"conversations[{i}].from: {turn['from']!r} is not one of {sorted(SHAREGPT_ROLES)}")
         if str(turn["from"]).lower() == "function_call":
-            messages.append({"role": "assistant", "content": "", "tool_calls": _sharegpt_tool_calls(turn["value"], i)})
+            message = {"role": "assistant", "content": "", "tool_calls": _sharegpt_tool_calls(turn["value"], i)}
         else:
-            messages.append({"role": role, "content": turn["value"]})
+            message = {"role": role, "content": turn["value"]}
+        if "weight" in turn:
+            message["weight"] = turn["weight"]
+        messages.append(message)
     out = {"messages": messages}
     if record.get("tools") is not None:
-        out["tools"] = record["tools"]
+        out["tools"] = _record_tools(record["tools"])
     return out
+
+
+def _record_tools(tools: Any) -> Any:
+    """OpenAI ``tools`` of a ShareGPT or Alpaca record's ``tools``: JSON text decoded, bare function schemas
+    wrapped (other shapes are returned as they are, for the validation to name)."""
+    if isinstance(tools, str):
+        tools = _decoded(tools, "tools", "a string must be the JSON of a list of function schemas")
+    if isinstance(tools, list):
+        tools = [{"type": "function", "function": t} if isinstance(t, dict) and "type" not in t and "name" in t
+                 else t for t in tools]
+    return tools
 
 
 def _sharegpt_tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
     """OpenAI ``tool_calls`` of a ShareGPT ``function_call`` turn's value (JSON text or already decoded)."""
     where = f"conversations[{i}].value"
     if isinstance(value, str):
-        try:
-            value = loads_strict(value)
-        except NonFiniteNumber:
-            raise RecordFormatError(f"{where}: holds {NON_FINITE}") from None
-        except json.JSONDecodeError as e:
-            raise RecordFormatError(f"{where}: a function_call value must be JSON "
-                                    f'{{"name": ..., "arguments": {{...}}}} ({e.msg})') from e
+        value = _decoded(value, where, 'a function_call value must be JSON {"name": ..., "arguments": {...}}')
     calls = value if isinstance(value, list) else [value]
     out = []
     for call in calls:
@@ -77,6 +104,20 @@ def _sharegpt_tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
                                     f"got {call!r:.80}")
         out.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
     return out
+
+
+def _decoded(text: str, where: str, expected: str) -> Any:
+    """The strict JSON value of ``text``, a field's string.
+
+    Raises:
+        RecordFormatError: not JSON (``where: expected (reason)``) or holding a non-finite number.
+    """
+    try:
+        return loads_strict(text)
+    except NonFiniteNumber:
+        raise RecordFormatError(f"{where}: holds {NON_FINITE}") from None
+    except json.JSONDecodeError as e:
+        raise RecordFormatError(f"{where}: {expected} ({e.msg})") from e
 
 
 _MESSAGE_FIELD = re.compile(r"^messages\[(\d+)\](.*)$")
@@ -101,26 +142,47 @@ def source_field(record_format: str, record: Any, field: str) -> str:
         return f"conversations[{i - has_system}]{rest}"
     if record_format == "alpaca":
         offset = isinstance(record.get("system"), str)
-        return {offset - 1: "system", offset: "instruction", offset + 1: "output"}.get(i, field)
+        history = record.get("history") if isinstance(record.get("history"), list) else []
+        if i < offset:
+            return "system"
+        k = i - offset
+        if k < 2 * len(history):
+            return f"history[{k // 2}][{k % 2}]"
+        return {0: "instruction", 1: "output"}.get(k - 2 * len(history), field)
     return field
 
 
 def alpaca_to_messages(record: dict[str, Any]) -> dict[str, Any]:
-    """``{"instruction", "input"?, "output", "system"?}`` -> one user turn (instruction, blank line, input) and the
-    assistant's output (Stanford Alpaca's fields).
+    """``{"instruction", "input"?, "output", "system"?, "history"?, "tools"?}`` -> the earlier turns of
+    ``history`` (a list of ``[prompt, response]`` pairs, LLaMA-Factory's multi-turn Alpaca), then one user turn
+    (instruction, a blank line, input) and the assistant's output (Stanford Alpaca's fields); ``tools`` as in
+    :func:`sharegpt_to_messages`.
 
     Raises:
-        RecordFormatError: ``instruction`` or ``output`` missing or not a string.
+        RecordFormatError: ``instruction`` or ``output`` missing or not a string; ``input`` or ``system`` given
+            and not a string; ``history`` not a list of pairs of strings.
     """
     for key in ("instruction", "output"):
         if not isinstance(record.get(key), str):
             raise RecordFormatError(f"{key}: missing or not a string (Alpaca records)")
-    extra = record.get("input")
-    prompt = record["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra else "")
-    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    if isinstance(record.get("system"), str):
-        messages.insert(0, {"role": "system", "content": record["system"]})
-    return {"messages": messages}
+    extra = _optional_text(record, "input", "Alpaca")
+    system = _optional_text(record, "system", "Alpaca")
+    history = record.get("history")
+    if history is None:
+        history = []
+    if not isinstance(history, list):
+        raise RecordFormatError(f"history: must be a list of [prompt, response] pairs, got {type(history).__name__}")
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for k, pair in enumerate(history):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise RecordFormatError(f"history[{k}]: must be a [prompt, response] pair of strings, got {pair!r:.80}")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    prompt = record["instruction"] + (f"\n\n{extra}" if extra else "")
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    out = {"messages": messages}
+    if record.get("tools") is not None:
+        out["tools"] = _record_tools(record["tools"])
+    return out
 
 
 def import_adapter(path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:

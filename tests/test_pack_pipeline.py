@@ -217,6 +217,9 @@ def test_bad_settings_are_clear(tmp_path, tokenizer_dir):
         run_pack(PackConfig(max_seq_len=128, **{**base, "output": str(tmp_path)}))
     with pytest.raises(ValueError, match="max_seq_len must be positive"):
         run_pack(PackConfig(max_seq_len=0, **base))
+    for huge in ((1 << 24) + 2, 10**15):  # before: MemoryError or OverflowError tracebacks
+        with pytest.raises(ValueError, match="above packsft's limit of 16,777,216 tokens a row"):
+            run_pack(PackConfig(max_seq_len=huge, **base))
     for name, key, value in (("--default-system-prompt", "default_system_prompt", "\udcff"),  # a shell's \xff
                              ("--chat-template-kwargs", "chat_template_kwargs", {"k": "\ud800"})):
         with pytest.raises(ValueError, match=f"{name}: not valid text"):

@@ -112,12 +112,84 @@ def test_sharegpt_function_call_turns_become_tool_calls():
                                                  "value": '{"name": "f", "arguments": {"a": NaN}}'}]})
 
 
+def test_fields_a_format_knows_are_used_or_rejected_never_dropped():
+    """A non-string Alpaca ``input``/``system`` or ShareGPT ``system`` rejects the record (they were left out of the
+    conversation unseen); Alpaca ``history`` (LLaMA-Factory's multi-turn) becomes the earlier turns; a ShareGPT
+    turn's ``weight`` stays on its message."""
+    for record, field in (({**ALPACA, "input": 42}, "input"), ({**ALPACA, "input": ["a"]}, "input"),
+                          ({**ALPACA, "system": 123}, "system")):
+        with pytest.raises(RecordFormatError, match=f"^{field}: must be a string, got "):
+            alpaca_to_messages(record)
+    with pytest.raises(RecordFormatError, match="^system: must be a string, got list"):
+        sharegpt_to_messages({**SHAREGPT, "system": ["not", "text"]})
+    assert alpaca_to_messages({**ALPACA, "input": None, "system": None})["messages"] == [
+        {"role": "user", "content": "Add the numbers."}, {"role": "assistant", "content": "5"}]
+    multi = {"instruction": "And now?", "output": "c", "system": "S", "history": [["q1", "a"], ["q2", "b"]]}
+    assert alpaca_to_messages(multi)["messages"] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "c"}]
+    for history, match in (("q1", "^history: must be a list"), ([["q1"]], r"^history\[0\]: must be a"),
+                           ([["q", "a"], ["q", 7]], r"^history\[1\]: must be a")):
+        with pytest.raises(RecordFormatError, match=match):
+            alpaca_to_messages({**multi, "history": history})
+    weighted = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "weight": 0},
+                                  {"from": "human", "value": "q2"}, {"from": "gpt", "value": "b"}]}
+    assert [m.get("weight") for m in sharegpt_to_messages(weighted)["messages"]] == [None, 0, None, None]
+
+
+def test_llama_factory_tools_as_json_text_and_bare_schemas_become_openai_tools():
+    schema = {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}
+    wrapped = [{"type": "function", "function": schema}]
+    for tools in (json.dumps([schema]), [schema], wrapped, json.dumps(wrapped)):
+        assert sharegpt_to_messages({**SHAREGPT, "tools": tools})["tools"] == wrapped
+        assert alpaca_to_messages({**ALPACA, "tools": tools})["tools"] == wrapped
+    with pytest.raises(RecordFormatError, match="^tools: a string must be the JSON of a list"):
+        sharegpt_to_messages({**SHAREGPT, "tools": "f(x)"})
+    with pytest.raises(RecordFormatError, match="^tools: holds NaN"):
+        alpaca_to_messages({**ALPACA, "tools": '[{"name": "f", "parameters": {"default": NaN}}]'})
+
+
+def test_pack_llama_factory_records_tools_history_and_weights(tmp_path, tokenizer_dir):
+    """LLaMA-Factory ShareGPT tool records (tools as JSON text of bare schemas) and multi-turn Alpaca pack; a
+    ShareGPT ``weight: 0`` turn is not trained."""
+    from packsft.data.dataset import PackedSFTDataset
+    from packsft.tokenizer import load_tokenizer
+
+    schema = {"name": "get_weather", "description": "Weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    tool_record = {"conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": "{\"temp\": 21}"}, {"from": "gpt", "value": "21 degrees."}],
+        "tools": json.dumps([schema])}
+    weighted = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "MASKED", "weight": 0},
+                                  {"from": "human", "value": "q2"}, {"from": "gpt", "value": "TRAINED"}]}
+    report, out = _pack(tmp_path, tokenizer_dir, [tool_record, weighted], record_format="sharegpt")
+    assert report.packed_conversations == 2 and not report.rejected, report.rejected
+    tok = load_tokenizer(tokenizer_dir("qwen2.5"))
+    sample = PackedSFTDataset(str(out), tok, "chat-template", 256)[0]
+    assert "Weather of a city" in tok.decode(sample["tokens"].tolist())  # the tools are rendered into the prompt
+    labels = tok.decode(sample["labels"][sample["loss_mask"] > 0].tolist())
+    assert "TRAINED" in labels and "MASKED" not in labels and "21 degrees." in labels, labels
+    report, _ = _pack(tmp_path, tokenizer_dir, [{"instruction": "i", "output": "o", "history": [["q", "a"]]},
+                                                {"instruction": "i", "output": "o", "input": 3}],
+                      record_format="alpaca")
+    assert report.packed_conversations == 1 and report.rejected[0]["line"] == 2
+    assert report.rejected[0]["reason"].startswith("input: must be a string"), report.rejected
+    with pytest.raises(ValueError, match="--input-key/--output-key read prompt/response records"):
+        _pack(tmp_path, tokenizer_dir, [SHAREGPT], record_format="sharegpt", input_key="q", output_key="a")
+
+
 def test_validation_errors_name_the_input_records_own_fields():
     assert source_field("sharegpt", {"conversations": []}, "messages[2].content") == "conversations[2].value"
     assert source_field("sharegpt", {"system": "s", "conversations": []}, "messages[2].role") == "conversations[1].from"
     assert source_field("sharegpt", {"system": "s", "conversations": []}, "messages[0].content") == "system"
     assert source_field("alpaca", {}, "messages[1].content") == "output"
     assert source_field("alpaca", {"system": "s"}, "messages[1].content") == "instruction"
+    history = {"system": "s", "history": [["q", "a"], ["q", "a"]]}
+    assert [source_field("alpaca", history, f"messages[{i}].content") for i in range(7)] == [
+        "system", "history[0][0]", "history[0][1]", "history[1][0]", "history[1][1]", "instruction", "output"]
     assert source_field("messages", {}, "messages[1].content") == "messages[1].content"
     assert source_field("sharegpt", {}, "tools") == "tools"
 

@@ -221,6 +221,10 @@ class PackConfig:
             raise ValueError("--format input-output needs --input-key and --output-key")
         if bool(self.input_key) != bool(self.output_key):
             raise ValueError("--input-key and --output-key must be given together")
+        if self.input_key and (self.adapter or self.record_format not in ("messages", "input-output")):
+            raise ValueError(f"--input-key/--output-key read prompt/response records (--format input-output); "
+                             f"{'--adapter' if self.adapter else '--format ' + self.record_format} records have "
+                             "their own fields")
         if self.train_on not in TRAIN_ON:
             raise ValueError(f"--train-on {self.train_on!r}: choose one of {', '.join(TRAIN_ON)}")
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):

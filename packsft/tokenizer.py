@@ -30,21 +30,26 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
-        ValueError: when the tokenizer has no fast (``tokenizers``) backend.
+        ValueError: when its files cannot be loaded (the message names ``path``: a corrupt or truncated file, a
+            ``tokenizer_config.json`` given as the file), or the tokenizer has no fast (``tokenizers``) backend.
     """
     from transformers import PreTrainedTokenizerFast
 
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer not found: {p} (give a local folder or a tokenizer.json file)")
-    if p.is_file():
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
-    elif _generic_fast(p):  # what AutoTokenizer would build, without importing its model configs
-        tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
-    else:
-        from transformers import AutoTokenizer
+    try:
+        if p.is_file():
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
+        elif _generic_fast(p):  # what AutoTokenizer would build, without importing its model configs
+            tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - the Rust tokenizer raises plain Exception; json, OSError, ValueError
+        what = "a tokenizer.json file" if p.is_file() else "a tokenizer folder (tokenizer.json, tokenizer_config.json)"
+        raise ValueError(f"cannot load the tokenizer at {p} as {what}: {type(e).__name__}: {e}") from e
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"tokenizer at {p} has no fast backend (tokenizer.json); packsft needs one")
     return tok

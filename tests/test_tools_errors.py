@@ -91,6 +91,28 @@ def test_pack_output_in_a_folder_that_cannot_be_written(tmp_path, tokenizer_dir)
     assert not rows.exists()
 
 
+def test_pack_unloadable_tokenizer_files_are_named(tmp_path, tokenizer_dir):
+    """A config file given as the tokenizer, or a folder with a corrupt or truncated file: one error line naming
+    the path (before: a traceback, or the JSON error alone)."""
+    import shutil
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+    corrupt, truncated = tmp_path / "corrupt", tmp_path / "truncated"
+    for folder in (corrupt, truncated):
+        shutil.copytree(tokenizer_dir("smollm2-135m-instruct"), folder)
+    (corrupt / "tokenizer_config.json").write_text("{bad")
+    with open(truncated / "tokenizer.json", "r+b") as f:
+        f.truncate(1000)
+    config = tokenizer_dir("smollm2-135m-instruct") / "tokenizer_config.json"
+    for tok, what in ((config, "as a tokenizer.json file: Exception: "), (corrupt, "as a tokenizer folder"),
+                      (truncated, "as a tokenizer folder")):
+        rc, err = run_tool(TOOLS / "pack_megatron_sft_jsonl.py", "--input", src, "--output", tmp_path / "x.packed",
+                           "--tokenizer", tok, "--max-seq-length", "256", "--no-progress")
+        assert_user_error(rc, err, f"cannot load the tokenizer at {tok} {what}")
+
+
 def test_pack_parallel_sizes_must_be_positive(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("")

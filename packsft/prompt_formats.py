@@ -201,7 +201,8 @@ def get_prompt_format(
     Raises:
         ValueError: unknown name; pad token not in the vocabulary; pad equal to EOS (the loss mask is 0
             wherever the label is the pad, so EOS would never be learned); no chat template available;
-            ``train_on``, ``chat_template_kwargs`` or ``append_eos`` given to a format that ignores them.
+            ``train_on``, ``chat_template``, ``chat_template_kwargs`` or ``append_eos`` given to a format that
+            ignores them.
     """
     canonical = ALIASES.get(name, name)
     if canonical not in PRESETS:
@@ -213,6 +214,8 @@ def get_prompt_format(
                          f"{canonical} masks as Megatron-LM does")
     if chat_template_kwargs and canonical != "chat-template":
         raise ValueError(f"--chat-template-kwargs needs prompt format chat-template, not {canonical}")
+    if chat_template is not None and canonical != "chat-template":
+        raise ValueError(f"--chat-template needs prompt format chat-template; {canonical} does not render a template")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a JSON object, got {type(chat_template_kwargs).__name__}")
     _check_reserved(chat_template_kwargs, "--chat-template-kwargs")

@@ -463,6 +463,9 @@ def test_chat_template_kwargs_reach_the_template_per_format_and_per_record(qwen)
     assert tokenize_conversation(msgs, qwen, off, chat_template_kwargs={"enable_thinking": True})
     with pytest.raises(ValueError, match="needs prompt format chat-template"):
         get_prompt_format("passthrough", qwen, chat_template_kwargs={"x": 1})
+    for name in ("passthrough", "identity"):  # before: accepted, ignored, and recorded in the report's settings
+        with pytest.raises(ValueError, match=f"--chat-template needs prompt format chat-template; {name} does not"):
+            get_prompt_format(name, qwen, chat_template="{{ messages }}")
     # what packsft sets itself is refused, in the format's kwargs and in a record's
     with pytest.raises(PromptFormatError, match=r"--chat-template-kwargs sets 'add_generation_prompt', 'tokenize'"):
         get_prompt_format("chat-template", qwen, chat_template_kwargs={"tokenize": False, "add_generation_prompt": 1})

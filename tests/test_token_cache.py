@@ -222,6 +222,13 @@ def test_no_token_cache_writes_none_and_removes_an_old_one(tmp_path, tokenizer_d
     assert cli.main(argv + ["--no-token-cache"]) == 0
     assert not any(p.exists() for p in cache_paths(out)) and "token_cache" not in read_sidecar(out)
     assert [t for p in cache_paths(out) for t in stale_temps(p)] == []
+    # so are the histogram and report at their default paths when a re-pack writes none there (they would
+    # describe the earlier rows)
+    histogram, report = Path(f"{out}.lengths.png"), Path(f"{out}.report.json")
+    assert cli.main(argv[:-2]) == 0 and histogram.is_file() and report.is_file()
+    elsewhere = tmp_path / "elsewhere.report.json"
+    assert cli.main(argv + ["--report", str(elsewhere)]) == 0
+    assert not histogram.exists() and not report.exists() and elsewhere.is_file()
 
 
 def test_pickles_without_the_memory_maps(tmp_path, small):

@@ -1323,11 +1323,26 @@ _OUTPUT_NAMES = {"rows": "--output", "sidecar": "sidecar", "report": "--report",
 """How messages name each of :func:`_output_paths`."""
 
 
+HISTOGRAM_SUFFIX = ".lengths.png"
+
+
+def _stale_outputs(paths: dict[str, str]) -> tuple[Path, ...]:
+    """Files of an earlier run on the same output that this run's set (``paths``) does not replace: its token
+    cache when this run writes none, and its report and histogram at their default paths when this run writes
+    them elsewhere or not at all (they would describe the earlier rows)."""
+    rows = paths["rows"]
+    stale = [] if "token_cache" in paths else list(cache_paths(rows))
+    for key, default in (("report", rows + REPORT_SUFFIX), ("histogram", rows + HISTOGRAM_SUFFIX)):
+        if key not in paths or Path(paths[key]).resolve() != Path(default).resolve():
+            stale.append(Path(default))
+    return tuple(stale)
+
+
 def _output_paths(cfg: PackConfig) -> dict[str, str]:
     """``{rows, sidecar, report, histogram?, token_cache?, token_index?}``: the paths a run writes."""
     paths = {"rows": cfg.output, "sidecar": str(sidecar_path(cfg.output)),
              "report": cfg.report or cfg.output + REPORT_SUFFIX}
-    histogram = cfg.histogram if cfg.histogram is not None else cfg.output + ".lengths.png"
+    histogram = cfg.histogram if cfg.histogram is not None else cfg.output + HISTOGRAM_SUFFIX
     if histogram:
         paths["histogram"] = histogram
     if cfg.token_cache:
@@ -1679,7 +1694,7 @@ def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
     """Rename the temp files over their outputs as one unit (:func:`packsft.io.publish_files`), the sidecar last,
     with SIGTERM and SIGINT held off (:func:`_signals_held`).
 
-    A token cache of an earlier run that this one does not write (``token_cache=False``) is removed in the same
+    The files of an earlier run that this one does not replace (:func:`_stale_outputs`) are removed in the same
     unit.
     """
     rows = Path(paths["rows"])
@@ -1694,8 +1709,7 @@ def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
             try:
                 order = [k for k in ("histogram", "report", "token_index", "token_cache", "rows", "sidecar")
                          if k in temps]
-                removes = () if "token_cache" in paths else tuple(cache_paths(paths["rows"]))
-                publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook, removes)
+                publish_files([(temps[k], Path(paths[k])) for k in order], journal, hook, _stale_outputs(paths))
                 temps.clear()
             except BaseException:
                 if journal.exists():  # the temps belong to the journal: the next run or reader finishes the renames

@@ -104,6 +104,35 @@ def test_index_is_cached_reused_and_rebuilt_when_the_file_changes(tmp_path, tekk
     assert torch.equal(ds[3]["tokens"], ds[1]["tokens"])
 
 
+def test_index_of_other_rows_with_the_same_size_and_mtime_is_not_used(tmp_path, tokenizer_dir):
+    """Two packs of the same conversations in another row order have the same size; an index copied across with
+    the mtime restored (a tar extract, a coarse-mtime file system) is refused by the sidecar's rows hash (before:
+    its offsets were used, giving a JSON error or the wrong rows)."""
+    from packsft.packing.pipeline import PackConfig, run_pack
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i} " + "x " * i},
+                                                    {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+                           for i in range(40)))
+    outs = []
+    for seed in (1, 2):
+        out = tmp_path / f"s{seed}" / "rows.jsonl.packed"
+        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("smollm2-135m-instruct")),
+                            max_seq_len=128, shuffle_rows=True, seed=seed, progress=False, histogram=""))
+        outs.append(out)
+    a, b = outs
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
+    tok = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    want = PackedSFTDataset(b, tok, "chat-template", 128, use_token_cache=False)
+    PackedSFTDataset(a, tok, "chat-template", 128, use_token_cache=False)
+    shutil.copy(f"{a}.idx", f"{b}.idx")
+    os.utime(b, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
+    got = PackedSFTDataset(b, tok, "chat-template", 128, use_token_cache=False)
+    assert len(got) == len(want) > 2
+    for i in range(len(got)):
+        assert torch.equal(got[i]["tokens"], want[i]["tokens"]), i
+
+
 def test_blank_lines_are_skipped_and_line_numbers_kept(tmp_path, tekken):
     tok, fmt = tekken
     path = tmp_path / "a.jsonl.packed"

@@ -12,10 +12,12 @@ tokenizing) and feeds the same :func:`~packsft.data.row.build_row`: the tensors 
 (or a sidecar recording one) the rows are re-tokenized, with one :class:`TokenCacheNotice` at open; a cache
 that disagrees with its sidecar is refused (``SidecarError`` naming both files).
 
-Index file: a ``.npy`` array of int64, ``[MAGIC, INDEX_VERSION, file_size, file_mtime_ns, n, start_0 ..
-start_{n-1}, line_0 .. line_{n-1}]`` (byte offset and 1-based line number of each non-blank row). It is written
-atomically (temporary file + ``os.replace``) and rebuilt when the packed file's size or mtime differs from the
-recorded ones; when the folder is read-only the index is kept in memory only.
+Index file: a ``.npy`` array of int64, ``[MAGIC, INDEX_VERSION, file_size, file_mtime_ns, rows_key, n, start_0 ..
+start_{n-1}, line_0 .. line_{n-1}]`` (byte offset and 1-based line number of each non-blank row; ``rows_key``: the
+first 60 bits of the sidecar's ``rows_file.blake2b``, 0 without one). It is written atomically (temporary file +
+``os.replace``) and rebuilt when the packed file's size, mtime or sidecar hash differs from the recorded ones (a
+re-pack of the same size restored with the same mtime gets a new index); when the folder is read-only the index
+is kept in memory only.
 
 Reports (``PackedDataWarning``, once per row and process): a row whose conversations exceed ``max_seq_len``
 (right-truncated; names file, line, lengths, what was cut), a row with no trained token (returned with an
@@ -64,8 +66,9 @@ from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 INDEX_SUFFIX = ".idx"
 INDEX_MAGIC = 0x504B5346545F4958  # "PKSFT_IX"
-INDEX_VERSION = 1
-_HEADER = 5
+INDEX_VERSION = 2
+_HEADER = 6
+_KEY, _COUNT = 4, 5  # header positions of rows_key and n
 _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the file
 
 
@@ -98,7 +101,7 @@ def build_index(path: str | Path) -> np.ndarray:
                 starts.append(offset)
                 lines.append(number)
             offset += len(raw)
-    header = [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns, len(starts)]
+    header = [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns, 0, len(starts)]
     return np.asarray(header + starts + lines, dtype=np.int64)
 
 
@@ -112,19 +115,29 @@ def _check_row(raw: bytes, path: str | Path, line: int) -> None:
     split_row(record.get("messages"), path, line)
 
 
-def _index_is_current(index: np.ndarray, path: str | Path) -> bool:
+def _index_is_current(index: np.ndarray, path: str | Path, rows_key: int) -> bool:
     stat = os.stat(path)
     return (index.ndim == 1 and index.size >= _HEADER and index.dtype == np.int64
-            and list(index[:4]) == [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns]
-            and index.size == _HEADER + 2 * int(index[4]))
+            and list(index[:_HEADER - 1]) == [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns, rows_key]
+            and index.size == _HEADER + 2 * int(index[_COUNT]))
 
 
-def load_or_build_index(path: str | Path, index_path: str | Path | None = None) -> np.ndarray:
+def rows_key(sidecar: dict[str, Any] | None) -> int:
+    """The index's ``rows_key`` of a sidecar: the first 60 bits of its ``rows_file.blake2b``, 0 without one."""
+    digest = ((sidecar or {}).get("rows_file") or {}).get("blake2b")
+    try:
+        return int(str(digest)[:15], 16)
+    except ValueError:
+        return 0
+
+
+def load_or_build_index(path: str | Path, index_path: str | Path | None = None, key: int = 0) -> np.ndarray:
     """Return the cached index of ``path``, rebuilding and re-caching it when missing or stale.
 
     Args:
         path: the packed file.
         index_path: where the index lives; default ``<path>.idx``.
+        key: :func:`rows_key` of the file's sidecar, recorded in the index and compared with it.
 
     Returns:
         The int64 index array (memory-mapped when read from the cache).
@@ -136,11 +149,12 @@ def load_or_build_index(path: str | Path, index_path: str | Path | None = None) 
     if index_path.is_file():
         try:
             index = np.load(index_path, mmap_mode="r", allow_pickle=False)
-            if _index_is_current(index, path):
+            if _index_is_current(index, path, key):
                 return index
         except (ValueError, OSError):
             pass  # unreadable or foreign file: rebuild
     index = build_index(path)
+    index[_KEY] = key
     try:
         with atomic_open(index_path, "wb") as f:
             np.save(f, index, allow_pickle=False)
@@ -161,7 +175,7 @@ def file_fingerprint(path: str | Path, index: np.ndarray) -> str:
     copied file keeps its fingerprint.
     """
     size = int(index[2])
-    h = hashlib.sha256(f"packsft-packed-v1:{size}:{int(index[4])}".encode())
+    h = hashlib.sha256(f"packsft-packed-v1:{size}:{int(index[_COUNT])}".encode())
     with open(path, "rb") as f:
         h.update(f.read(_FINGERPRINT_SPAN))
         if size > _FINGERPRINT_SPAN:
@@ -257,7 +271,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.context_parallel_size = context_parallel_size
         self.sidecar = self._check_sidecar(require_sidecar)
         self.rows_hash_checked = check_rows_file(self.sidecar, self.path, verify_rows_hash) if self.sidecar else False
-        self._index = load_or_build_index(self.path, index_path)
+        self._index = load_or_build_index(self.path, index_path, rows_key(self.sidecar))
         self.token_cache, self.token_cache_status = self._open_token_cache(use_token_cache, verify_rows_hash)
         self._fingerprint: str | None = None
         self._file = None
@@ -319,7 +333,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         """Number of rows (non-blank lines) in the packed file."""
-        return int(self._index[4])
+        return int(self._index[_COUNT])
 
     @property
     def fingerprint(self) -> str:

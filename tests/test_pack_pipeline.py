@@ -496,12 +496,25 @@ def test_a_template_error_names_the_inputs_own_message(tmp_path, tokenizer_dir, 
 def test_the_cli_prints_warnings_as_warning_lines(tmp_path, tokenizer_dir, capsys):
     from packsft.packing import cli
 
-    src = _write_lines(tmp_path / "in.jsonl", [EDGE_LINES[9]])  # its assistant turn lies beyond the cut
-    assert cli.main(["--input", str(src), "--output", str(tmp_path / "o.jsonl.packed"), "--max-seq-length", "256",
-                     "--tokenizer", str(tokenizer_dir("qwen2.5")), "--no-progress", "--histogram", ""]) == 0
+    src = _write_lines(tmp_path / "in.jsonl", [EDGE_LINES[9], EDGE_LINES[0]])  # line 1's turn lies beyond the cut
+    argv = ["--input", str(src), "--output", str(tmp_path / "o.jsonl.packed"), "--max-seq-length", "256",
+            "--tokenizer", str(tokenizer_dir("qwen2.5")), "--no-progress", "--histogram", ""]
+    assert cli.main(argv) == 0
     err = capsys.readouterr().err
     assert err.startswith("warning: ") and "in.jsonl:1: conversation has more than" in err, err
     assert "PackWarning" not in err and "_apply_oversize" not in err, err
+    # alone, it leaves the rows nothing to train: an error (before: exit 0 and rows that train nothing)
+    src = _write_lines(tmp_path / "in.jsonl", [EDGE_LINES[9]])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: nothing to train: none of the 1 conversations to pack keeps a trained token in its row (0 have " \
+           "none, 1 lose theirs to the truncation to max_seq_len 256)" in err, err
+    assert "truncation_removes_training " in err
+    masked = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}
+    src.write_text(json.dumps(masked) + "\n")
+    assert cli.main(argv) == 2
+    assert "nothing to train: none of the 1 conversations to pack keeps a trained token in its row (1 have none, " \
+           "0 lose" in capsys.readouterr().err
 
 
 def test_the_progress_bar_counts_bytes_and_conversations(tmp_path, tokenizer_dir, capsys):

@@ -665,9 +665,11 @@ class ShardResult:
         token_offset: int64 ``[n]``, byte offset of each one's bytes in ``token_spool`` (``None`` without it).
         rejected: ``(line, reason)`` of each rejected line.
         warnings: ``(kind, line, message)`` of each counting warning (``non_megatron``, ``no_trained_token``).
-        oversize: ``(index, line, num_tokens, cut, nbytes, keeps_no_training)`` of each accepted conversation
-            whose cost exceeds ``max_seq_len`` (``index`` into the arrays).
+        oversize: ``(index, line, num_tokens, cut, nbytes, trained, trained_in_row)`` of each accepted
+            conversation whose cost exceeds ``max_seq_len`` (``index`` into the arrays; the counts as in
+            :func:`_process_lines`).
         nbytes: bytes of input read.
+        trained_fitting: accepted conversations of at most ``max_seq_len`` cost with a trained token.
     """
 
     shard: Shard
@@ -679,10 +681,11 @@ class ShardResult:
     size: Any
     rejected: list[tuple[int, str]]
     warnings: list[tuple[str, int, str]]
-    oversize: list[tuple[int, int, int, bool, int, bool]]
+    oversize: list[tuple[int, int, int, bool, int, int, int]]
     nbytes: int
     token_spool: str | None = None
     token_offset: Any = None
+    trained_fitting: int = 0
 
 
 def read_shard(cfg: PackConfig, shard: Shard):
@@ -743,7 +746,7 @@ def count_shard(shard: Shard) -> ShardResult:
     L, cp = cfg.max_seq_len, cfg.context_parallel_size
     ntok, offsets, sizes, token_offsets = array("i"), array("q"), array("q"), array("q")
     rejected, warns, oversize = [], [], []
-    lines = conversations = nbytes_total = 0
+    lines = conversations = nbytes_total = trained_fitting = 0
     total: list[int] = []
 
     def shard_lines():
@@ -792,7 +795,9 @@ def count_shard(shard: Shard) -> ShardResult:
                           "train: empty, weight 0, or not the last with --train-on last); it is packed as context "
                           "only"))
         if conversation_cost(n, cp) > L:
-            oversize.append((len(ntok), line, n, cut, nbytes, (trained_in_row if trained else 1) == 0))
+            oversize.append((len(ntok), line, n, cut, nbytes, trained, trained_in_row))
+        elif trained_in_row:
+            trained_fitting += 1
         data = msgs_json.encode("utf-8")
         ntok.append(n)
         offsets.append(spool_pos)
@@ -823,7 +828,8 @@ def count_shard(shard: Shard) -> ShardResult:
     return ShardResult(shard, lines, conversations, spool_path, np.frombuffer(ntok, np.int32),
                        np.frombuffer(offsets, np.int64), np.frombuffer(sizes, np.int64), rejected, warns,
                        oversize, nbytes_total, token_spool_path,
-                       np.frombuffer(token_offsets, np.int64) if token_spool is not None else None)
+                       np.frombuffer(token_offsets, np.int64) if token_spool is not None else None,
+                       trained_fitting)
 
 
 WORKER_HOOK_ENV = "PACKSFT_PACK_WORKER_HOOK"
@@ -1153,6 +1159,7 @@ class _Counted:
         spools: the spool files.
         token_spools: the token spool of each of ``spools`` (the same worker's), or ``None`` without the cache.
         token_offset: int64 ``[n]``, offset in ``token_spools[spool]``, or ``None`` without the cache.
+        trained: conversations with a trained token within ``max_seq_len``.
     """
 
     def __init__(self, results: list[ShardResult]):
@@ -1172,6 +1179,7 @@ class _Counted:
         self.size = cat([r.size for r in results], np.int64)
         self.spool = cat([np.full(len(r.num_tokens), ids[r.spool], np.int32) for r in results], np.int32)
         self.token_offset = cat([r.token_offset for r in results], np.int64) if cached else None
+        self.trained = sum(r.trained_fitting for r in results)  # set by _count_all with the oversize ones kept
 
     def keep(self, mask) -> None:
         """Keep only the conversations where boolean ``mask`` is true."""
@@ -1209,7 +1217,7 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
         bar = _NoBar()
     results: list[ShardResult] = []
     lines_before = {}  # file_idx -> lines of that file in the shards before
-    oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, keeps_no_training)
+    oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, trained, in row)
     base = 0
     try:  # closed on an error too, so that the bar is not redrawn after the error line
         for r in _shard_results(cfg, shards, spool_dir, tok, fingerprint):
@@ -1232,8 +1240,7 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
                     report.rejected.append({"input": path, **position(path, before + line), "reason": what})
                 else:
                     report.warn(what[0], what[1], path, before + line)
-            oversize += [(base + i, r.shard.file_idx, before + line, n, cut, nbytes, none)
-                         for i, line, n, cut, nbytes, none in r.oversize]
+            oversize += [(base + i, r.shard.file_idx, before + line, *rest) for i, line, *rest in r.oversize]
             base += len(r.num_tokens)
             r.rejected, r.warnings, r.oversize = [], [], []
             results.append(r)
@@ -1242,13 +1249,14 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
     counted = _Counted(results)
     del results
     _apply_oversize(cfg, counted, oversize, report, np)
+    counted.trained += 0 if cfg.oversize == "drop" else sum(1 for o in oversize if o[-1])
     return counted
 
 
 def _apply_oversize(cfg: PackConfig, counted: _Counted, oversize: list[tuple], report: PackReport, np) -> None:
     """Report (and with ``drop`` remove) the conversations longer than a row; ``error`` stops at the first."""
     drop = []
-    for index, file_idx, line, n, cut, nbytes, keeps_no_training in oversize:
+    for index, file_idx, line, n, cut, nbytes, trained, in_row in oversize:
         cost = conversation_cost(n, cfg.context_parallel_size)
         if cfg.oversize == "error":
             raise PackError(f"{where(cfg.inputs[file_idx], line)}: conversation has {n} tokens (cost {cost}) > "
@@ -1262,7 +1270,7 @@ def _apply_oversize(cfg: PackConfig, counted: _Counted, oversize: list[tuple], r
         report.oversize.append(entry)
         if cfg.oversize == "drop":
             drop.append(index)
-        elif keeps_no_training:
+        elif trained and not in_row:  # (one without any has its no_trained_token warning)
             report.warn("truncation_removes_training",
                         f"conversation has {'more than ' if cut else ''}{n} tokens; truncated "
                         f"to max_seq_len {cfg.max_seq_len} "
@@ -1272,6 +1280,18 @@ def _apply_oversize(cfg: PackConfig, counted: _Counted, oversize: list[tuple], r
         mask = np.ones(len(counted.num_tokens), bool)
         mask[drop] = False
         counted.keep(mask)
+
+
+def _nothing_trained(cfg: PackConfig, report: PackReport, conversations: int) -> str:
+    """The error of a run whose rows would hold no trained token: the counts and the first warnings."""
+    kinds = ("no_trained_token", "truncation_removes_training")
+    counts = report.warning_counts()
+    lines = [f"nothing to train: none of the {conversations} conversations to pack keeps a trained token in its "
+             f"row ({counts.get(kinds[0], 0)} have none, {counts.get(kinds[1], 0)} lose theirs to the truncation "
+             f"to max_seq_len {cfg.max_seq_len}); check --train-on, 'weight: 0', --prompt-format, or use a larger "
+             "--max-seq-length"]
+    lines += [f"  {w['kind']} {entry_where(w)}: {w['message']}" for w in report.warnings if w["kind"] in kinds][:5]
+    return "\n".join(lines)
 
 
 def _nothing_to_pack(cfg: PackConfig, report: PackReport) -> str:
@@ -1571,6 +1591,8 @@ def _run_pack(cfg: PackConfig) -> PackReport:
                 L, cp = cfg.max_seq_len, cfg.context_parallel_size
                 if not len(counted.num_tokens):
                     raise PackError(_nothing_to_pack(cfg, report))
+                if not counted.trained:
+                    raise PackError(_nothing_trained(cfg, report, len(counted.num_tokens)))
                 costs = np.minimum(conversation_cost(counted.num_tokens.astype(np.int64), cp), L)
                 order, starts = pack_order(costs, L, cfg.algorithm)
                 report.lower_bound_rows = lower_bound_rows(costs, L)

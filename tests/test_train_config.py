@@ -57,6 +57,15 @@ def test_overrides_apply_after_the_file():
     (["data.validation_path=v.packed"], "either data.validation_path or data.split_validation_size"),
     (["data.max_seq_len=999999"], "model.max_position_embeddings"),
     (["train.stop_at_step=99", "train.train_steps=10"], "train.stop_at_step (99)"),
+    # non-finite numbers passed the comparisons (lr=inf trained NaN steps, clip_grad=nan turned clipping off)
+    (["optimizer.lr=inf"], "optimizer.lr must be a finite number, got inf"),
+    (["optimizer.lr=nan"], "optimizer.lr must be a finite number, got nan"),
+    (["optimizer.weight_decay=nan"], "optimizer.weight_decay must be a finite number"),
+    (["optimizer.clip_grad=nan"], "optimizer.clip_grad must be a finite number"),
+    (["optimizer.adam_eps=nan"], "optimizer.adam_eps must be a finite number"),
+    (["scheduler.min_lr=nan"], "scheduler.min_lr must be a finite number"),
+    (["model.init_method_std=inf"], "model.init_method_std must be a finite number > 0, got inf"),
+    (["scheduler.min_lr=1.0", "optimizer.lr=0.003"], "scheduler.min_lr (1.0) must be <= optimizer.lr (0.003)"),
 ])
 def test_config_errors_are_clear(overrides, message):
     with pytest.raises(ValueError) as err:

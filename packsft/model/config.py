@@ -9,6 +9,7 @@ optionally tied input/output embeddings. Everything that varies between those fa
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -133,8 +134,8 @@ class ModelConfig:
             if self.rope_scaling_factor is not None:
                 raise ValueError("model.rope_interpolation_factor and model.rope_scaling_factor are exclusive")
         for name in ("rotary_base", "norm_epsilon", "init_method_std"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)!r}")
         self._check_recompute()
 
     def _check_recompute(self) -> None:

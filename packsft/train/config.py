@@ -46,7 +46,7 @@ RENAMED_KEYS = {
 
 
 def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
-    """Raise ``ValueError`` naming ``section.name`` for each field that is not > 0 (or >= 0).
+    """Raise ``ValueError`` naming ``section.name`` for each field that is not a finite number > 0 (or >= 0).
 
     ``None`` and OmegaConf's ``MISSING`` (a schema default still to be filled by the YAML) are skipped.
     """
@@ -54,6 +54,8 @@ def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
         value = getattr(obj, name)
         if value is None or value == MISSING:
             continue
+        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison below
+            raise ValueError(f"{section}.{name} must be a finite number, got {value!r}")
         if (value < 0) if allow_zero else (value <= 0):
             bound = ">= 0" if allow_zero else "> 0"
             raise ValueError(f"{section}.{name} must be {bound}, got {value!r}")
@@ -396,7 +398,8 @@ class Config:
         Raises:
             ValueError: naming both dotted keys and values: ``data.max_seq_len`` not a multiple of
                 ``2 * context_parallel_size``, ``max_seq_len`` above ``model.max_position_embeddings``, warmup
-                longer than the run, validation without data, ``stop_at_step`` past ``train_steps``.
+                longer than the run, validation without data, ``stop_at_step`` past ``train_steps``,
+                ``scheduler.min_lr`` above ``optimizer.lr``.
         """
         cp, seq = self.parallel.context_parallel_size, self.data.max_seq_len
         if cp > 1 and seq % (2 * cp):
@@ -414,6 +417,9 @@ class Config:
         if seq > self.model.max_position_embeddings:
             raise ValueError(f"data.max_seq_len ({seq}) must be <= model.max_position_embeddings "
                              f"({self.model.max_position_embeddings})")
+        if self.scheduler.min_lr > self.optimizer.lr:
+            raise ValueError(f"scheduler.min_lr ({self.scheduler.min_lr}) must be <= optimizer.lr "
+                             f"({self.optimizer.lr}): the decay would raise the learning rate")
         if self.scheduler.warmup_steps > self.train.train_steps:
             raise ValueError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be <= "
                              f"train.train_steps ({self.train.train_steps})")

@@ -118,6 +118,10 @@ def test_checkpoints_hold_adapters_and_base_identity_and_resume_exactly(lora_run
     expected = f"error: lora.alpha is 16.0 but checkpoint {last} was trained with 8.0;"
     assert proc.returncode == 2 and any(line.startswith(expected) for line in proc.stderr.splitlines()), \
         proc.stderr[-3000:]
+    proc = _train(parts, "optimizer.backend=megatron", check=False)  # another optimizer state format
+    expected = f"error: optimizer.backend is 'megatron' but checkpoint {last} was trained with 'torch'"
+    assert proc.returncode == 2 and any(line.startswith(expected) for line in proc.stderr.splitlines()), \
+        proc.stderr[-3000:]
 
 
 def _packsft_lora_logits(lora_run, tokens: torch.Tensor) -> torch.Tensor:

@@ -208,3 +208,13 @@ def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
         check_lora_base(recorded, other, path)
     with pytest.raises(BaseMismatchError, match="does not exist"):
         check_lora_base(recorded, tmp_path / "gone", path)
+    # another model's weight files copied over the base keep every size (same shapes) and the stored fingerprint
+    # file: their modification times differ, so they are hashed again (before: the stored fingerprint was trusted)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(base_dir, swapped)
+    for f in other.glob("__*.distcp"):
+        shutil.copyfile(f, swapped / f.name)
+    assert sorted(p.stat().st_size for p in swapped.glob("__*.distcp")) == \
+        sorted(p.stat().st_size for p in base_dir.glob("__*.distcp"))
+    with pytest.raises(BaseMismatchError, match="has fingerprint"):
+        check_lora_base(recorded, swapped, path)

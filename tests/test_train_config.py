@@ -154,3 +154,21 @@ def test_a_checkpoint_refuses_another_architecture():
                                         fix="FIX {key}={value}")
     with pytest.raises(CheckpointError, match="records no config with a model section"):
         recorded_architecture({}, "ck")
+
+
+def test_a_checkpoint_refuses_another_optimizer_state_format():
+    """optimizer.backend and use_distributed_optimizer set the optimizer state's format: a resume keeps them
+    (before: a KeyError traceback inside Megatron's load_state_dict one way, a silent conversion the other)."""
+    from packsft.train.checkpoint import CheckpointError
+    from packsft.train.config import check_recorded_optimizer, recorded_architecture
+
+    megatron = ["optimizer.backend=megatron", "optimizer.use_distributed_optimizer=true"]
+    recorded = recorded_architecture({"config": config_to_yaml(load_config(TINY, megatron))}, "ck")
+    check_recorded_optimizer(load_config(TINY, [*megatron, "optimizer.lr=0.1"]).optimizer, recorded, "ck")
+    for overrides, message in ((["optimizer.backend=torch"], "optimizer.backend is 'torch' but checkpoint ck was "
+                                "trained with 'megatron'.* resume with optimizer.backend=megatron"),
+                               (megatron[:1], "optimizer.use_distributed_optimizer is False but checkpoint ck was "
+                                "trained with True.* resume with optimizer.use_distributed_optimizer=true")):
+        with pytest.raises(CheckpointError, match=message):
+            check_recorded_optimizer(load_config(TINY, overrides).optimizer, recorded, "ck")
+    check_recorded_optimizer(load_config(TINY).optimizer, {"optimizer": {}}, "ck")  # a config that predates them

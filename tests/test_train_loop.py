@@ -101,6 +101,17 @@ def test_stopped_and_resumed_run_is_bit_exact(tmp_path, packed, parallel_state_1
     assert_same_run(full, parts, steps=8)
 
 
+def test_resume_with_another_global_batch_size_continues_the_data_with_a_note(tmp_path, packed):  # noqa: F811
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", packed, out, train={"global_batch_size": 2, "train_steps": 4},
+                       data={"train_path": str(packed["many"])})
+    train(cfg, "train.stop_at_step=2")
+    proc = train(cfg, "train.global_batch_size=4")
+    assert f"note: train.global_batch_size is 4, checkpoint {out / 'checkpoints' / 'iter_0000002'} was trained " \
+           "with 2: the data continues after the 4 rows consumed, 4 a step from now on" in proc.stdout, proc.stdout
+    assert [r["consumed_samples"] for _, r in sorted(train_records(out).items())] == [2, 4, 8, 12]
+
+
 def assert_same_run(a_dir: Path, b_dir: Path, steps: int) -> None:
     """Two runs logged the same metrics at every step and wrote bit-identical final checkpoints (model + Adam state)."""
     a, b = train_records(a_dir), train_records(b_dir)

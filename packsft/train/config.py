@@ -611,10 +611,12 @@ RESUME_FREE_LORA_KEYS = ("dropout", "seed")
 
 
 def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str, dict]:
-    """The ``model`` and ``lora`` sections of the config a checkpoint was trained with (its ``train_state.json``).
+    """The ``model``, ``lora``, ``optimizer`` and ``train`` sections of the config a checkpoint was trained with
+    (its ``train_state.json``).
 
     Returns:
-        ``{"model": {...}, "lora": {...}}`` (``lora`` empty when the run predates it), plain YAML values.
+        ``{"model": {...}, "lora": {...}, "optimizer": {...}, "train": {...}}`` (``lora`` empty when the run
+        predates it), plain YAML values.
 
     Raises:
         CheckpointError: ``train_state.json`` has no ``config`` with a ``model`` section.
@@ -626,7 +628,31 @@ def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str
     recorded = yaml.safe_load(train_state.get("config") or "") or {}
     if not isinstance(recorded, dict) or not isinstance(recorded.get("model"), dict):
         raise CheckpointError(f"{Path(checkpoint) / TRAIN_STATE} records no config with a model section")
-    return {"model": recorded["model"], "lora": recorded.get("lora") or {}}
+    return {"model": recorded["model"], "lora": recorded.get("lora") or {},
+            "optimizer": recorded.get("optimizer") or {}, "train": recorded.get("train") or {}}
+
+
+RESUME_FIXED_OPTIMIZER_KEYS = ("backend", "use_distributed_optimizer")
+"""``optimizer`` keys that set the format of a checkpoint's optimizer state, so a resume must keep them."""
+
+
+def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dict], checkpoint: str | Path) -> None:
+    """Refuse a resume whose optimizer state format (:data:`RESUME_FIXED_OPTIMIZER_KEYS`) differs from the
+    checkpoint's (before: a ``KeyError`` traceback inside Megatron's ``load_state_dict``, or a silent conversion).
+
+    Raises:
+        CheckpointError: naming the dotted key and both values.
+    """
+    from packsft.train.checkpoint import CheckpointError
+
+    for key in RESUME_FIXED_OPTIMIZER_KEYS:
+        if key in recorded["optimizer"] and recorded["optimizer"][key] != getattr(optimizer, key):
+            was = recorded["optimizer"][key]
+            raise CheckpointError(f"optimizer.{key} is {getattr(optimizer, key)!r} but checkpoint {checkpoint} was "
+                                  f"trained with {was!r}, and its optimizer state has that format; resume with "
+                                  f"optimizer.{key}={str(was).lower() if isinstance(was, bool) else was}, or start "
+                                  "a new run from its weights (tools/convert_checkpoint.py export, import, then "
+                                  "checkpoint.init_from)")
 
 
 def _lora_fields(lora: dict) -> dict:

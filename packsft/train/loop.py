@@ -83,6 +83,7 @@ from packsft.train.config import (
     Config,
     check_parallel_layout,
     check_recorded_architecture,
+    check_recorded_optimizer,
     config_to_yaml,
     recorded_architecture,
 )
@@ -259,8 +260,10 @@ class Trainer:
                 self.initialized_from = init_from
             return None
         saved = ckpt.load_train_state(path)
+        recorded_sections = recorded_architecture(saved, path)
         check_recorded_architecture(self.cfg.model, self.cfg.lora if self.cfg.lora.enabled else None,
-                                    recorded_architecture(saved, path), path, fix=RESUME_FIX)
+                                    recorded_sections, path, fix=RESUME_FIX)
+        check_recorded_optimizer(self.cfg.optimizer, recorded_sections, path)
         recorded = saved.get(ckpt.LORA_BASE)
         if recorded is not None:
             if not self.cfg.lora.enabled:
@@ -271,6 +274,11 @@ class Trainer:
             self.lora_base = {"path": str(Path(base_dir).resolve()), "fingerprint": recorded["fingerprint"]}
         ckpt.load_model_and_optimizer(path, self.model, self.optimizer, adapters_only=recorded is not None)
         self.state = TrainState.from_dict(saved["state"])
+        was = recorded_sections["train"].get("global_batch_size")
+        if was is not None and was != self.cfg.train.global_batch_size and self.ctx.rank == 0:
+            print(f"note: train.global_batch_size is {self.cfg.train.global_batch_size}, checkpoint {path} was "
+                  f"trained with {was}: the data continues after the {self.state.consumed_samples} rows consumed, "
+                  f"{self.cfg.train.global_batch_size} a step from now on", flush=True)
         set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
         apply_weight_decay(self.optimizer, self.cfg.optimizer.weight_decay)
         if self.cfg.checkpoint.restore_data_order:

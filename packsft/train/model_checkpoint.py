@@ -16,8 +16,9 @@ Atomicity: all ranks write into ``.<name>.tmp`` beside ``ckpt_dir``; rank 0 then
 Base identity (LoRA runs): a LoRA run started from such a folder stores only its adapters and records
 :func:`base_identity` of the folder (absolute path + fingerprint); on resume and export :func:`check_lora_base`
 refuses a base folder whose fingerprint differs, naming both. The fingerprint is computed once, when the folder is
-written, and read back from ``weights_fingerprint.json`` while the files still have the recorded sizes (a folder
-without that file, written by an older packsft, or whose sizes changed is hashed again: about 1 GB/s).
+written, and read back from ``weights_fingerprint.json`` while the files still have the recorded sizes and
+modification times (a folder without that file or these records, or whose files were replaced or copied, is hashed
+again: about 1 GB/s).
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ def weights_fingerprint(ckpt_dir: str | Path) -> dict:
     """Hash every ``dist_checkpointing`` file of a model folder (not its JSON configs).
 
     Returns:
-        ``{"files": {name: {"bytes": int, "blake2b": 40 hex}}, "fingerprint": 32 hex}``; the fingerprint is the
-        BLAKE2b-128 of the sorted ``name size hash`` lines, so it changes with any byte of any weight file.
+        ``{"files": {name: {"bytes": int, "mtime_ns": int, "blake2b": 40 hex}}, "fingerprint": 32 hex}``; the
+        fingerprint is the BLAKE2b-128 of the sorted ``name size hash`` lines, so it changes with any byte of any
+        weight file (``mtime_ns`` only tells :func:`base_identity` whether the stored one still applies).
     """
-    files = {p.name: {"bytes": p.stat().st_size, "blake2b": file_blake2b(p)} for p in _weight_files(Path(ckpt_dir))}
+    files = {p.name: {"bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns, "blake2b": file_blake2b(p)}
+             for p in _weight_files(Path(ckpt_dir))}
     lines = "".join(f"{name} {f['bytes']} {f['blake2b']}\n" for name, f in files.items())
     return {"files": files, "fingerprint": hashlib.blake2b(lines.encode(), digest_size=16).hexdigest()}
 
@@ -61,8 +64,9 @@ def weights_fingerprint(ckpt_dir: str | Path) -> dict:
 def base_identity(ckpt_dir: str | Path) -> dict[str, str]:
     """``{"path": absolute folder, "fingerprint": 32 hex}`` of a model folder (an imported base).
 
-    Reads ``weights_fingerprint.json`` when its files are exactly the folder's, with the same sizes; otherwise
-    hashes the files (:func:`weights_fingerprint`).
+    Reads ``weights_fingerprint.json`` when its files are exactly the folder's, with the same sizes and
+    modification times (other weights of the same shapes have the same sizes); otherwise hashes the files
+    (:func:`weights_fingerprint`).
 
     Raises:
         FileNotFoundError: ``ckpt_dir`` is not a folder.
@@ -73,8 +77,9 @@ def base_identity(ckpt_dir: str | Path) -> dict[str, str]:
     stored = None
     try:
         stored = json.loads((ckpt_dir / FINGERPRINT_FILE).read_text())
-        sizes = {p.name: p.stat().st_size for p in _weight_files(ckpt_dir)}
-        if {n: f["bytes"] for n, f in stored["files"].items()} != sizes or not isinstance(stored["fingerprint"], str):
+        stats = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in _weight_files(ckpt_dir)}
+        recorded = {n: (f["bytes"], f["mtime_ns"]) for n, f in stored["files"].items()}
+        if recorded != stats or not isinstance(stored["fingerprint"], str):
             stored = None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         stored = None

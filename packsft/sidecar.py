@@ -93,13 +93,25 @@ REPACK_OPTIONS = (
     ("strict", "--strict", False),
     ("shuffle_rows", "--shuffle-rows", False),
     ("token_cache", "--no-token-cache", True),
-    ("report", "--report", None),
     ("histogram", "--histogram", None),
 )
 """``(PackConfig field, packer flag, packer default)`` of the packing choices the re-pack command repeats besides
 the loader's own (tokenizer, prompt format, ``max_seq_len``, CP size) and the sidecar's algorithm, seed and sequence
 parallelism; a boolean default means a flag without a value. Speed-only options (workers, engine, shard size) are
-left out."""
+left out, and so are the report and histogram paths (the new ones go beside the new rows): only ``--histogram ''``
+(none) is repeated."""
+
+
+REPACK_INTRO = "Re-pack it into a new file (then point the config at it)"
+"""What precedes the re-pack command in the loader's refusals."""
+
+
+def repack_output(packed_path: str | Path, max_seq_len: int, context_parallel_size: int) -> Path:
+    """Where the re-pack command writes: ``<name>.L<max_seq_len>-cp<cp>.jsonl.packed`` beside ``packed_path``, a
+    new file, so that a run still using the old one is not disturbed (the loader is then pointed at it)."""
+    p = Path(packed_path)
+    stem = p.name.removesuffix(".packed").removesuffix(".jsonl")
+    return p.with_name(f"{stem}.L{max_seq_len}-cp{context_parallel_size}.jsonl.packed")
 
 
 class SidecarError(ValueError):
@@ -259,7 +271,8 @@ def packing_settings(packed_path: str | Path, meta: dict[str, Any]) -> dict[str,
 
 def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat, tokenizer_path: str,
                 max_seq_len: int, context_parallel_size: int, custom_template: bool = False) -> str:
-    """The packer command (``tools/pack_megatron_sft_jsonl.py`` flags) that produces a file this loader accepts.
+    """The packer command (``tools/pack_megatron_sft_jsonl.py`` flags) that produces a file this loader accepts,
+    at :func:`repack_output`.
 
     The loader's tokenizer, prompt format options, ``max_seq_len`` and CP size; the sidecar's inputs (or a
     placeholder), algorithm, seed and sequence parallelism; and the other packing choices of :data:`REPACK_OPTIONS`
@@ -273,7 +286,8 @@ def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat
     source = options.get("inputs") or meta.get("input")
     source = (" ".join(shlex.quote(str(s)) for s in source) if isinstance(source, list)
               else shlex.quote(str(source)) if source else "<your input .jsonl>")
-    hint = (f"python {PACK_TOOL} --input {source} --output {shlex.quote(str(packed_path))} "
+    hint = (f"python {PACK_TOOL} --input {source} "
+            f"--output {shlex.quote(str(repack_output(packed_path, max_seq_len, context_parallel_size)))} "
             f"--tokenizer {shlex.quote(str(tokenizer_path))} --prompt-format {fmt.name} "
             f"--max-seq-length {max_seq_len} --context-parallel-size {context_parallel_size} "
             f"--pad-token {shlex.quote(fmt.pad_token)}")
@@ -293,7 +307,7 @@ def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat
         value = options.get(field, default)
         if field == "token_cache" and isinstance(value, dict):   # the sidecar's: the cache's fields, so it was on
             value = True
-        if value == default:
+        if value == default or (field == "histogram" and value != ""):  # a path of the old set's
             continue
         hint += f" {flag}" if isinstance(default, bool) else f" {flag} {shlex.quote(str(value))}"
     if settings is None:
@@ -328,7 +342,7 @@ def check_sidecar(meta: dict[str, Any], expected: dict[str, Any], packed_path: s
     if diffs:
         raise SidecarError(f"{packed_path} was packed for another configuration "
                            f"({sidecar_path(packed_path).name} disagrees with the loader):\n" + "\n".join(diffs)
-                           + f"\nRe-pack it for this configuration:\n  {hint() if callable(hint) else hint}")
+                           + f"\n{REPACK_INTRO} for this configuration:\n  {hint() if callable(hint) else hint}")
 
 
 def rows_file_fields(size: int, blake2b: str) -> dict[str, Any]:

@@ -233,7 +233,8 @@ def test_sidecar_mismatch_names_the_field(tmp_path, tekken, tokenizer_dir, loade
     else:
         kwargs["tokenizer"] = tok
     kwargs.setdefault("prompt_format", "nemotron-h-aligned")
-    with pytest.raises(SidecarError, match="Re-pack it for this configuration") as err:
+    with pytest.raises(SidecarError, match=r"Re-pack it into a new file \(then point the config at it\) for this "
+                                           "configuration") as err:
         PackedSFTDataset(path, **kwargs)
     assert field in str(err.value)
 

@@ -88,25 +88,28 @@ def test_every_checked_field_is_compared_and_named(field):
     text = str(err.value)
     assert f"  {field}: packed for " in text and "loader has 'other'" in text
     assert sum(f"  {f}: " in text for f in CHECKED_FIELDS) == 1
-    assert text.endswith("Re-pack it for this configuration:\n  python pack ...")
+    assert text.endswith("Re-pack it into a new file (then point the config at it) for this configuration:\n"
+                         "  python pack ...")
 
 
 def test_repack_hint_gives_the_loader_configuration():
     hint = repack_hint("out/x.jsonl.packed", {"inputs": ["a.jsonl", "b.jsonl"], "algorithm": "next-fit", "seed": 7},
                        FMT, "tok/dir", 8192, 4)
     command, note = hint.split("\n")
-    assert command == ("python tools/pack_megatron_sft_jsonl.py --input a.jsonl b.jsonl --output out/x.jsonl.packed "
-                       "--tokenizer tok/dir --prompt-format nemotron-h-aligned --max-seq-length 8192 "
-                       "--context-parallel-size 4 --pad-token '<SPECIAL_233>' --algorithm next-fit --seed 7")
+    # a new file: a run that still uses the old one (packed for CP 1, say) is not disturbed
+    assert command == ("python tools/pack_megatron_sft_jsonl.py --input a.jsonl b.jsonl "
+                       "--output out/x.L8192-cp4.jsonl.packed --tokenizer tok/dir --prompt-format nemotron-h-aligned "
+                       "--max-seq-length 8192 --context-parallel-size 4 --pad-token '<SPECIAL_233>' "
+                       "--algorithm next-fit --seed 7")
     assert note.startswith("  (no report of this packing run beside it (x.jsonl.packed.report.json): add the "
                            "original run's --oversize")
     assert repack_hint("x", {}, FMT, "t", 8, 1).startswith("python tools/pack_megatron_sft_jsonl.py --input "
-                                                           "<your input .jsonl> --output x")
+                                                           "<your input .jsonl> --output x.L8-cp1.jsonl.packed ")
 
 
 def _options(cfg):
     """The PackConfig fields a re-pack must repeat: all but the loader's own, the paths and the speed options."""
-    skip = {"output", "tokenizer", "max_seq_len", "context_parallel_size", "prompt_format", "pad_token",
+    skip = {"output", "report", "tokenizer", "max_seq_len", "context_parallel_size", "prompt_format", "pad_token",
             "chat_template", "chat_template_kwargs", "train_on", "append_eos", "progress", "num_workers", "engine",
             "ray_address", "shard_bytes"}
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
@@ -161,8 +164,10 @@ def test_trainer_refusal_repeats_oversize_drop(tmp_path, tokenizer_dir):
                         oversize="drop", histogram="", progress=False))
     with pytest.raises(SidecarError, match="max_seq_len: packed for 64, loader has 128") as err:
         PackedSFTDataset(packed, str(tok), "chat-template", 128)
-    command = str(err.value).split("Re-pack it for this configuration:\n  ")[1]
+    command = str(err.value).split("Re-pack it into a new file (then point the config at it) for this "
+                                   "configuration:\n  ")[1]
     assert "\n" not in command and " --oversize drop" in command and " --max-seq-length 128" in command
+    assert f" --output {tmp_path / 'rows.L128-cp1.jsonl.packed'} " in command
 
 
 def test_version_1_sidecars_read_with_the_defaults_version_1_packed(tmp_path):

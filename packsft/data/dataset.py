@@ -51,6 +51,7 @@ from packsft.prompt_formats import (
     tokenize_conversations,
 )
 from packsft.sidecar import (
+    REPACK_INTRO,
     SidecarError,
     check_rows_file,
     check_sidecar,
@@ -295,14 +296,15 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                        f"pad, max_seq_len and context_parallel_size cannot be checked against the loader's (and "
                        f"its rows are re-tokenized: a token cache is used only with a sidecar)")
             if require:
-                raise SidecarError(f"{message}. Re-pack it:\n  {hint()}")
+                raise SidecarError(f"{message}. {REPACK_INTRO}:\n  {hint()}")
             warnings.warn(message, PackedDataWarning, stacklevel=3)
             return None
         check_sidecar(meta, expected, self.path, hint)
         if self.prompt_format.name == "identity" and meta.get("format_version") == 1:
             raise SidecarError(f"{self.path} was packed for identity by an earlier packsft, which trained every "
                                "token; identity now trains only assistant turns, as Megatron-LM does, so its rows "
-                               f"would be masked differently from what was packed. Re-pack it:\n  {hint()}")
+                               f"would be masked differently from what was packed. {REPACK_INTRO}:\n"
+                               f"  {hint()}")
         return meta
 
     def _open_token_cache(self, use: bool, verify_hash: bool | None) -> tuple[TokenCache | None, str]:

@@ -112,5 +112,15 @@ def test_mixing_through_the_loader_resumes_and_refuses_changed_sources():
     with pytest.raises(ValueError, match="training source 's0' changed"):
         load_loader_state_dict(build_train_dataloader(mixed((10, 6), tag="v2"), cfg, collate_fn=default_collate), state)
     other = DataLoaderConfig(**{**vars(cfg), "sampler_kwargs": {"weights": [1, 1], "samples_per_epoch": 16}})
-    with pytest.raises(ValueError, match="sampler_kwargs_digest"):
+    with pytest.raises(ValueError, match=r"sampler_kwargs.weights: checkpoint \[3, 1\], now \[1, 1\]") as err:
         load_loader_state_dict(build_train_dataloader(ds, other, collate_fn=default_collate), state)
+    assert "sampler_kwargs_digest" not in str(err.value) and "samples_per_epoch" not in str(err.value)
+    old = {k: v for k, v in state.items() if k != "sampler_kwargs"}  # a state of an earlier packsft: the digest
+    with pytest.raises(ValueError, match="sampler_kwargs_digest: checkpoint"):
+        load_loader_state_dict(build_train_dataloader(ds, other, collate_fn=default_collate), old)
+    # a mixture resumed with one of its sources alone (read as one file): said so, not "'s0' is gone"
+    single = build_train_dataloader(MaskDataset([1] * 10, fingerprint="v1-0"), DataLoaderConfig(micro_batch_size=4),
+                                    collate_fn=default_collate)
+    with pytest.raises(ValueError, match=r"training sources: checkpoint \['s0', 's1'\], now one file") as err:
+        load_loader_state_dict(single, state)
+    assert "is gone" not in str(err.value)

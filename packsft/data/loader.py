@@ -155,6 +155,16 @@ class DataLoaderConfig:
         return BUILTIN_SAMPLERS[self.sampler]
 
 
+def _recordable(kwargs: dict[str, Any], limit: int = 4096) -> dict[str, Any] | None:
+    """``kwargs`` as stored in the loader state header (plain JSON values), or None when they are not JSON or
+    their JSON is over ``limit`` characters."""
+    try:
+        text = json.dumps(_plain(kwargs), sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    return json.loads(text) if len(text) <= limit else None
+
+
 def kwargs_digest(kwargs: dict[str, Any]) -> str:
     """Return the sha256 of ``kwargs`` as canonical JSON (non-JSON values by ``repr``); stored in the header."""
     text = json.dumps(_plain(kwargs), sort_keys=True, default=repr)
@@ -208,6 +218,7 @@ def build_train_dataloader(
         "sampler": class_path(cls),
         "seed": config.seed,
         "sampler_kwargs_digest": kwargs_digest(kwargs),
+        "sampler_kwargs": _recordable(kwargs),      # to name what changed; compared through the digest
     }
     return _make_loader(dataset, ResumableBatchSampler(sampler, config.micro_batch_size, header), config, collate_fn)
 
@@ -299,18 +310,28 @@ def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
 
     Raises:
         ValueError: listing every header field that differs (``version``, ``dp_rank``, ``dp_size``,
-            ``num_rows``, ``dataset_fingerprint``, ``micro_batch_size``, ``sampler``, ``seed``,
-            ``sampler_kwargs_digest``), with the checkpoint's and the current value.
+            ``num_rows``, ``dataset_fingerprint``, ``micro_batch_size``, ``sampler``, ``seed``, each changed
+            ``sampler_kwargs.<key>`` (``sampler_kwargs_digest`` for a state that does not record them), each
+            training source changed, new or gone, or a mixture that is now one file), with the checkpoint's and
+            the current value.
     """
     if "sampler_state" not in state:
         raise ValueError(f"not a packsft loader state (no 'sampler_state'); keys: {sorted(state)}")
     diffs = [
         f"{key}: checkpoint {state.get(key)!r}, now {value!r}"
         for key, value in expected.items()
-        if state.get(key) != value and key not in ("sources", "dataset_fingerprint")
+        if state.get(key) != value and key not in ("sources", "dataset_fingerprint", "sampler_kwargs")
     ]
+    was, kwargs = state.get("sampler_kwargs"), expected.get("sampler_kwargs")
+    digest = next((i for i, d in enumerate(diffs) if d.startswith("sampler_kwargs_digest:")), None)
+    if digest is not None and isinstance(was, dict) and isinstance(kwargs, dict):  # name the keys, not the hashes
+        diffs[digest:digest + 1] = [f"sampler_kwargs.{k}: checkpoint {was.get(k)!r}, now {kwargs.get(k)!r}"
+                                    for k in sorted({*was, *kwargs}) if was.get(k) != kwargs.get(k)]
     saved, now = state.get("sources") or {}, expected.get("sources") or {}
-    if saved or now:
+    if bool(saved) != bool(now):  # a mixture became one file, or one file a mixture
+        diffs.append(f"training sources: checkpoint {list(saved) if saved else 'one file'}, "
+                     f"now {list(now) if now else 'one file'}")
+    elif saved:
         changed = [n for n in now if n in saved and saved[n] != now[n]]
         diffs += [f"training source {n!r} changed (its packed file differs from the checkpoint's)" for n in changed]
         diffs += [f"training source {n!r} is new" for n in now if n not in saved]

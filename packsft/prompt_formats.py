@@ -453,6 +453,13 @@ def _marked_spans(turns, full: str, marked: str, eot: str, derived: bool = False
     return spans
 
 
+def _sentinel(message: dict[str, Any]) -> str:
+    """A private-use character that ``message``'s content does not hold: the probe turn of :func:`_turn_spans`
+    (one the content starts with would extend the common prefix into the content)."""
+    text = str(message.get("content"))
+    return next((chr(c) for c in range(0xE000, 0xE040) if chr(c) not in text), _OPEN)
+
+
 def _turn_spans(msgs, tools, tokenizer, fmt: PromptFormat, kwargs, turns, full: str,
                 shape: TemplateShape) -> list[tuple[int, int]]:
     """Assistant spans ``[start, end)`` in ``full``, each located from renderings of its own prefix.
@@ -470,7 +477,7 @@ def _turn_spans(msgs, tools, tokenizer, fmt: PromptFormat, kwargs, turns, full: 
             trained text cannot be found in the whole rendering.
     """
     n = len(turns)
-    probes = [msgs[:i] + [{"role": "assistant", "content": _OPEN}] for i in turns]
+    probes = [msgs[:i] + [{"role": "assistant", "content": _sentinel(msgs[i])}] for i in turns]
     texts = _render_many(tokenizer, fmt, [msgs[: i + 1] for i in turns] + probes, tools, kwargs)
     gens = _render_many(tokenizer, fmt, [msgs[:i] for i in turns], tools, kwargs, generation_prompt=True)
     spans, done = [], 0

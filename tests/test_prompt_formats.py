@@ -139,6 +139,17 @@ def test_chat_template_that_moves_the_system_prompt_is_handled(tokenizer_dir):
     assert _trained_text(tok, tokens, targets) == " Hello! </s>4</s>"
 
 
+@pytest.mark.parametrize("reply", ["\ue000marked\ue001", "\ue000", "\ue001\ue000x"])
+def test_a_reply_starting_with_a_private_use_character_is_trained_whole(tokenizer_dir, reply):
+    """Such a content takes the per-turn path, whose probe turn was U+E000: a reply starting with it lost that
+    character to the prompt (and a reply of only it trained nothing, not even the end of turn)."""
+    tok = load_tokenizer(tokenizer_dir("mistral-nemo"))
+    fmt = get_prompt_format("chat-template", tok)
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": reply}]
+    assert _trained_text(tok, *tokenize_conversation(msgs, tok, fmt)) == f"{reply}</s>"
+
+
 def test_chat_template_text_that_merges_across_turns_is_encoded_per_part(tokenizer_dir):
     """A template that glues turns together: each part is encoded alone, no rejection (was an error)."""
     tok = load_tokenizer(tokenizer_dir("gpt2"))

@@ -184,7 +184,12 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
         field = _find_in(_TRACING_JSON.decode(text.rstrip("\r\n")), _is_constant)
         raise ConversationError(path, line, field or "", NON_FINITE) from None
     except json.JSONDecodeError as e:
-        raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno})") from e
+        hint = ""
+        if text.startswith("\ufeff"):
+            hint = "; the line starts with a byte-order mark (U+FEFF), as where two files were concatenated"
+        elif "\r" in text.rstrip("\r\n"):
+            hint = "; the line holds a carriage return (\\r): a file with old Mac (CR-only) line ends reads as one line"
+        raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno}){hint}") from e
     except RecursionError as e:
         raise ConversationError(path, line, "", "not valid JSON: nested too deeply") from e
     except ValueError as e:   # an integer of more digits than int() converts (sys.set_int_max_str_digits)

@@ -147,7 +147,12 @@ def test_loads_line_names_the_file_and_line_of_what_is_not_json():
     for text, error, reason in (('{"a": 1\n', None, "not valid JSON: Expecting ',' delimiter (column 8)"),
                                 ("[" * 100_000, None, "not valid JSON: nested too deeply"),
                                 (None, "not valid UTF-8 (invalid start byte at byte 0)",
-                                 "not valid UTF-8 (invalid start byte at byte 0)")):
+                                 "not valid UTF-8 (invalid start byte at byte 0)"),
+                                ('\ufeff{"a": 1}\n', None, "not valid JSON: Expecting value (column 1); the line "
+                                 "starts with a byte-order mark (U+FEFF), as where two files were concatenated"),
+                                ('{"a": 1}\r{"a": 2}\r', None, "not valid JSON: Extra data (column 10); the line "
+                                 "holds a carriage return (\\r): a file with old Mac (CR-only) line ends reads as "
+                                 "one line")):
         with pytest.raises(ConversationError) as e:
             loads_line(text, "x.jsonl", 3, error)
         assert str(e.value) == f"x.jsonl:3: {reason}"

@@ -110,7 +110,8 @@ def _decoded(text: str, where: str, expected: str) -> Any:
     """The strict JSON value of ``text``, a field's string.
 
     Raises:
-        RecordFormatError: not JSON (``where: expected (reason)``) or holding a non-finite number.
+        RecordFormatError: not JSON (``where: expected (reason)``), too deep or large for :mod:`json`, or holding
+            a non-finite number.
     """
     try:
         return loads_strict(text)
@@ -118,6 +119,8 @@ def _decoded(text: str, where: str, expected: str) -> Any:
         raise RecordFormatError(f"{where}: holds {NON_FINITE}") from None
     except json.JSONDecodeError as e:
         raise RecordFormatError(f"{where}: {expected} ({e.msg})") from e
+    except (ValueError, RecursionError) as e:  # nested too deeply, an integer of too many digits
+        raise RecordFormatError(f"{where}: {expected} (not valid JSON here: {e or 'nested too deeply'})") from e
 
 
 _MESSAGE_FIELD = re.compile(r"^messages\[(\d+)\](.*)$")

@@ -187,7 +187,7 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
         hint = ""
         if text.startswith("\ufeff"):
             hint = "; the line starts with a byte-order mark (U+FEFF), as where two files were concatenated"
-        elif "\r" in text.rstrip("\r\n"):
+        elif "\r" in text.rstrip("\r\n") and not e.msg.startswith("Invalid control character"):
             hint = "; the line holds a carriage return (\\r): a file with old Mac (CR-only) line ends reads as one line"
         raise ConversationError(path, line, "", f"not valid JSON: {e.msg} (column {e.colno}){hint}") from e
     except RecursionError as e:

@@ -74,16 +74,22 @@ def sharegpt_to_messages(record: dict[str, Any]) -> dict[str, Any]:
         if "weight" in turn:
             message["weight"] = turn["weight"]
         messages.append(message)
-    out = {"messages": messages}
-    if record.get("tools") is not None:
-        out["tools"] = _record_tools(record["tools"])
-    return out
+    return _with_tools({"messages": messages}, record)
+
+
+def _with_tools(out: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with the record's ``tools`` (:func:`_record_tools`) when it has some."""
+    tools = _record_tools(record["tools"]) if record.get("tools") is not None else None
+    return {**out, "tools": tools} if tools is not None else out
 
 
 def _record_tools(tools: Any) -> Any:
-    """OpenAI ``tools`` of a ShareGPT or Alpaca record's ``tools``: JSON text decoded, bare function schemas
-    wrapped (other shapes are returned as they are, for the validation to name)."""
+    """OpenAI ``tools`` of a ShareGPT or Alpaca record's ``tools``: JSON text decoded (an empty string is no
+    tools: None), bare function schemas wrapped (other shapes are returned as they are, for the validation to
+    name)."""
     if isinstance(tools, str):
+        if not tools.strip():  # LLaMA-Factory's "no tools"
+            return None
         tools = _decoded(tools, "tools", "a string must be the JSON of a list of function schemas")
     if isinstance(tools, list):
         tools = [{"type": "function", "function": t} if isinstance(t, dict) and "type" not in t and "name" in t
@@ -182,10 +188,7 @@ def alpaca_to_messages(record: dict[str, Any]) -> dict[str, Any]:
         messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     prompt = record["instruction"] + (f"\n\n{extra}" if extra else "")
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    out = {"messages": messages}
-    if record.get("tools") is not None:
-        out["tools"] = _record_tools(record["tools"])
-    return out
+    return _with_tools({"messages": messages}, record)
 
 
 def import_adapter(path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:

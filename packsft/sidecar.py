@@ -313,7 +313,7 @@ def repack_hint(packed_path: str | Path, meta: dict[str, Any], fmt: PromptFormat
     if settings is None:
         hint += (f"\n  (no report of this packing run beside it ({rows_path(packed_path).name}{REPORT_SUFFIX}): add "
                  "the original run's --oversize, --input-key/--output-key, --max-conversation-bytes, "
-                 "--allow-non-megatron, --strict, --no-token-cache, --report, --histogram if it used them)")
+                 "--allow-non-megatron, --strict, --no-token-cache, --histogram '' if it used them)")
     return hint
 
 

@@ -49,7 +49,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - the Rust tokenizer raises plain Exception; json, OSError, ValueError
         what = "a tokenizer.json file" if p.is_file() else "a tokenizer folder (tokenizer.json, tokenizer_config.json)"
-        raise ValueError(f"cannot load the tokenizer at {p} as {what}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"cannot load the tokenizer at {p} as {what}: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}") from e  # one line (transformers' messages have several)
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"tokenizer at {p} has no fast backend (tokenizer.json); packsft needs one")
     return tok

@@ -152,7 +152,8 @@ def test_loads_line_names_the_file_and_line_of_what_is_not_json():
                                  "starts with a byte-order mark (U+FEFF), as where two files were concatenated"),
                                 ('{"a": 1}\r{"a": 2}\r', None, "not valid JSON: Extra data (column 10); the line "
                                  "holds a carriage return (\\r): a file with old Mac (CR-only) line ends reads as "
-                                 "one line")):
+                                 "one line"),
+                                ('{"a": "x\ry"}\n', None, "not valid JSON: Invalid control character at (column 9)")):
         with pytest.raises(ConversationError) as e:
             loads_line(text, "x.jsonl", 3, error)
         assert str(e.value) == f"x.jsonl:3: {reason}"

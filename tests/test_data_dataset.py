@@ -133,6 +133,12 @@ def test_index_of_other_rows_with_the_same_size_and_mtime_is_not_used(tmp_path, 
         assert torch.equal(got[i]["tokens"], want[i]["tokens"]), i
 
 
+def test_rows_key_of_a_sidecar():
+    assert dataset_module.rows_key({"rows_file": {"blake2b": "f" * 40}}) == (1 << 60) - 1
+    for odd in (None, {}, {"rows_file": ["x"]}, {"rows_file": {"blake2b": "zz"}}, {"rows_file": None}):
+        assert dataset_module.rows_key(odd) == 0  # (a list there raised AttributeError)
+
+
 def test_blank_lines_are_skipped_and_line_numbers_kept(tmp_path, tekken):
     tok, fmt = tekken
     path = tmp_path / "a.jsonl.packed"

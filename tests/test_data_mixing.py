@@ -115,6 +115,13 @@ def test_mixing_through_the_loader_resumes_and_refuses_changed_sources():
     with pytest.raises(ValueError, match=r"sampler_kwargs.weights: checkpoint \[3, 1\], now \[1, 1\]") as err:
         load_loader_state_dict(build_train_dataloader(ds, other, collate_fn=default_collate), state)
     assert "sampler_kwargs_digest" not in str(err.value) and "samples_per_epoch" not in str(err.value)
+    floats = {**state, "sampler_kwargs": {"weights": [3.0, 1.0], "samples_per_epoch": 16},
+              "sampler_kwargs_digest": "another"}  # 3 == 3.0 in Python, not in JSON nor the digest: refused
+    with pytest.raises(ValueError, match=r"sampler_kwargs.weights: checkpoint \[3.0, 1.0\], now \[3, 1\]"):
+        load_loader_state_dict(build_train_dataloader(ds, cfg, collate_fn=default_collate), floats)
+    with pytest.raises(ValueError, match="sampler_kwargs_digest: checkpoint 'another'"):  # no key differs: the digest
+        load_loader_state_dict(build_train_dataloader(ds, cfg, collate_fn=default_collate),
+                               {**state, "sampler_kwargs_digest": "another"})
     old = {k: v for k, v in state.items() if k != "sampler_kwargs"}  # a state of an earlier packsft: the digest
     with pytest.raises(ValueError, match="sampler_kwargs_digest: checkpoint"):
         load_loader_state_dict(build_train_dataloader(ds, other, collate_fn=default_collate), old)

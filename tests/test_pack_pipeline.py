@@ -507,14 +507,14 @@ def test_the_cli_prints_warnings_as_warning_lines(tmp_path, tokenizer_dir, capsy
     src = _write_lines(tmp_path / "in.jsonl", [EDGE_LINES[9]])
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "error: nothing to train: none of the 1 conversations to pack keeps a trained token in its row (0 have " \
-           "none, 1 lose theirs to the truncation to max_seq_len 256)" in err, err
+    assert "error: nothing to train: none of the 1 conversations to pack keeps a trained token in its row " \
+           "(warnings: 0 no_trained_token, 1 truncation_removes_training at max_seq_len 256)" in err, err
     assert "truncation_removes_training " in err
     masked = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}
     src.write_text(json.dumps(masked) + "\n")
     assert cli.main(argv) == 2
-    assert "nothing to train: none of the 1 conversations to pack keeps a trained token in its row (1 have none, " \
-           "0 lose" in capsys.readouterr().err
+    assert "nothing to train: none of the 1 conversations to pack keeps a trained token in its row (warnings: 1 " \
+           "no_trained_token, 0 truncation" in capsys.readouterr().err
 
 
 def test_the_progress_bar_counts_bytes_and_conversations(tmp_path, tokenizer_dir, capsys):

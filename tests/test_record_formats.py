@@ -146,6 +146,9 @@ def test_llama_factory_tools_as_json_text_and_bare_schemas_become_openai_tools()
         assert alpaca_to_messages({**ALPACA, "tools": tools})["tools"] == wrapped
     with pytest.raises(RecordFormatError, match="^tools: a string must be the JSON of a list"):
         sharegpt_to_messages({**SHAREGPT, "tools": "f(x)"})
+    for empty in ("", " "):  # LLaMA-Factory's "no tools"
+        assert "tools" not in sharegpt_to_messages({**SHAREGPT, "tools": empty})
+        assert "tools" not in alpaca_to_messages({**ALPACA, "tools": empty})
     for deep in ("[" * 100_000, "[" + "1" * 5000 + "]"):  # json raises RecursionError / ValueError: a rejection
         with pytest.raises(RecordFormatError, match=r"^tools: a string must be the JSON of a list of .* \("):
             sharegpt_to_messages({**SHAREGPT, "tools": deep})

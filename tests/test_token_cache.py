@@ -229,6 +229,10 @@ def test_no_token_cache_writes_none_and_removes_an_old_one(tmp_path, tokenizer_d
     elsewhere = tmp_path / "elsewhere.report.json"
     assert cli.main(argv + ["--report", str(elsewhere)]) == 0
     assert not histogram.exists() and not report.exists() and elsewhere.is_file()
+    from packsft.packing.pipeline import _stale_outputs  # a default path this run writes to is not stale
+    swapped = {"rows": str(out), "report": f"{out}.lengths.png", "histogram": f"{out}.report.json",
+               "token_cache": "t", "token_index": "i"}
+    assert _stale_outputs(swapped) == ()
 
 
 def test_pickles_without_the_memory_maps(tmp_path, small):

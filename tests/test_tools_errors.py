@@ -106,11 +106,14 @@ def test_pack_unloadable_tokenizer_files_are_named(tmp_path, tokenizer_dir):
     with open(truncated / "tokenizer.json", "r+b") as f:
         f.truncate(1000)
     config = tokenizer_dir("smollm2-135m-instruct") / "tokenizer_config.json"
+    empty = tmp_path / "empty"
+    empty.mkdir()
     for tok, what in ((config, "as a tokenizer.json file: Exception: "), (corrupt, "as a tokenizer folder"),
-                      (truncated, "as a tokenizer folder")):
+                      (truncated, "as a tokenizer folder"), (empty, "as a tokenizer folder")):
         rc, err = run_tool(TOOLS / "pack_megatron_sft_jsonl.py", "--input", src, "--output", tmp_path / "x.packed",
                            "--tokenizer", tok, "--max-seq-length", "256", "--no-progress")
         assert_user_error(rc, err, f"cannot load the tokenizer at {tok} {what}")
+        assert err.rstrip().splitlines()[-1].startswith("error: "), err  # one line (transformers' has several)
 
 
 def test_pack_parallel_sizes_must_be_positive(tmp_path):

@@ -65,6 +65,9 @@ def test_overrides_apply_after_the_file():
     (["optimizer.adam_eps=nan"], "optimizer.adam_eps must be a finite number"),
     (["scheduler.min_lr=nan"], "scheduler.min_lr must be a finite number"),
     (["model.init_method_std=inf"], "model.init_method_std must be a finite number > 0, got inf"),
+    (["model.rope_scaling_factor=inf"], "model.rope_scaling_factor must be a finite number > 0 or None"),
+    (["model.rope_interpolation_factor=inf"], "model.rope_interpolation_factor must be a finite number > 0"),
+    (["lora.enabled=true", "lora.alpha=inf"], "lora.alpha must be a finite number > 0, got inf"),
     (["scheduler.min_lr=1.0", "optimizer.lr=0.003"], "scheduler.min_lr (1.0) must be <= optimizer.lr (0.003)"),
 ])
 def test_config_errors_are_clear(overrides, message):

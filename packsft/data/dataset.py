@@ -125,7 +125,8 @@ def _index_is_current(index: np.ndarray, path: str | Path, rows_key: int) -> boo
 
 def rows_key(sidecar: dict[str, Any] | None) -> int:
     """The index's ``rows_key`` of a sidecar: the first 60 bits of its ``rows_file.blake2b``, 0 without one."""
-    digest = ((sidecar or {}).get("rows_file") or {}).get("blake2b")
+    rows_file = (sidecar or {}).get("rows_file")
+    digest = rows_file.get("blake2b") if isinstance(rows_file, dict) else None
     try:
         return int(str(digest)[:15], 16)
     except ValueError:

@@ -325,8 +325,9 @@ def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
     was, kwargs = state.get("sampler_kwargs"), expected.get("sampler_kwargs")
     digest = next((i for i, d in enumerate(diffs) if d.startswith("sampler_kwargs_digest:")), None)
     if digest is not None and isinstance(was, dict) and isinstance(kwargs, dict):  # name the keys, not the hashes
-        diffs[digest:digest + 1] = [f"sampler_kwargs.{k}: checkpoint {was.get(k)!r}, now {kwargs.get(k)!r}"
-                                    for k in sorted({*was, *kwargs}) if was.get(k) != kwargs.get(k)]
+        named = [f"sampler_kwargs.{k}: checkpoint {was.get(k)!r}, now {kwargs.get(k)!r}"
+                 for k in sorted({*was, *kwargs}) if json.dumps(was.get(k)) != json.dumps(kwargs.get(k))]
+        diffs[digest:digest + 1] = named or diffs[digest:digest + 1]  # (1 and 1.0: the digest's own line)
     saved, now = state.get("sources") or {}, expected.get("sources") or {}
     if bool(saved) != bool(now):  # a mixture became one file, or one file a mixture
         diffs.append(f"training sources: checkpoint {list(saved) if saved else 'one file'}, "

@@ -125,11 +125,12 @@ class ModelConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"model.params_dtype must be one of {tuple(PARAMS_DTYPES)}, "
                              f"got {self.params_dtype!r}")
-        if self.rope_scaling_factor is not None and not self.rope_scaling_factor > 0:
-            raise ValueError(f"model.rope_scaling_factor must be > 0 or None, got {self.rope_scaling_factor!r}")
+        if self.rope_scaling_factor is not None and not 0 < self.rope_scaling_factor < math.inf:
+            raise ValueError(f"model.rope_scaling_factor must be a finite number > 0 or None, "
+                             f"got {self.rope_scaling_factor!r}")
         if self.rope_interpolation_factor is not None:
-            if not self.rope_interpolation_factor > 0:
-                raise ValueError(f"model.rope_interpolation_factor must be > 0 or None, "
+            if not 0 < self.rope_interpolation_factor < math.inf:
+                raise ValueError(f"model.rope_interpolation_factor must be a finite number > 0 or None, "
                                  f"got {self.rope_interpolation_factor!r}")
             if self.rope_scaling_factor is not None:
                 raise ValueError("model.rope_interpolation_factor and model.rope_scaling_factor are exclusive")

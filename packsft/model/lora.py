@@ -66,8 +66,8 @@ class LoraConfig:
         """Raises ``ValueError`` naming ``lora.<field>``."""
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
             raise ValueError(f"lora.rank must be a positive integer, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha!r}")
+        if not 0 < self.alpha < math.inf:
+            raise ValueError(f"lora.alpha must be a finite number > 0, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
         bad = [m for m in self.target_modules if m not in LORA_TARGETS]

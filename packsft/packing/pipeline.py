@@ -1287,8 +1287,8 @@ def _nothing_trained(cfg: PackConfig, report: PackReport, conversations: int) ->
     kinds = ("no_trained_token", "truncation_removes_training")
     counts = report.warning_counts()
     lines = [f"nothing to train: none of the {conversations} conversations to pack keeps a trained token in its "
-             f"row ({counts.get(kinds[0], 0)} have none, {counts.get(kinds[1], 0)} lose theirs to the truncation "
-             f"to max_seq_len {cfg.max_seq_len}); check --train-on, 'weight: 0', --prompt-format, or use a larger "
+             f"row (warnings: {counts.get(kinds[0], 0)} {kinds[0]}, {counts.get(kinds[1], 0)} {kinds[1]} at "
+             f"max_seq_len {cfg.max_seq_len}); check --train-on, 'weight: 0', --prompt-format, or use a larger "
              "--max-seq-length"]
     lines += [f"  {w['kind']} {entry_where(w)}: {w['message']}" for w in report.warnings if w["kind"] in kinds][:5]
     return "\n".join(lines)
@@ -1355,7 +1355,8 @@ def _stale_outputs(paths: dict[str, str]) -> tuple[Path, ...]:
     for key, default in (("report", rows + REPORT_SUFFIX), ("histogram", rows + HISTOGRAM_SUFFIX)):
         if key not in paths or Path(paths[key]).resolve() != Path(default).resolve():
             stale.append(Path(default))
-    return tuple(stale)
+    written = {Path(p).resolve() for p in paths.values()}  # (--report X.lengths.png: a new output, not stale)
+    return tuple(p for p in stale if p.resolve() not in written)
 
 
 def _output_paths(cfg: PackConfig) -> dict[str, str]:

@@ -168,7 +168,8 @@ def _encode(r) -> dict[str, Any]:
     """A :class:`~packsft.packing.pipeline.ShardResult` as Arrow-friendly columns (bytes and a JSON string)."""
     meta = {"shard": [r.shard.index, r.shard.file_idx, r.shard.start, r.shard.end], "lines": r.lines,
             "conversations": r.conversations, "spool": r.spool, "token_spool": r.token_spool,
-            "rejected": r.rejected, "warnings": r.warnings, "oversize": r.oversize, "nbytes": r.nbytes}
+            "rejected": r.rejected, "warnings": r.warnings, "oversize": r.oversize, "nbytes": r.nbytes,
+            "trained_fitting": r.trained_fitting}
     return {"meta": json.dumps(meta), "num_tokens": r.num_tokens.astype("<i4").tobytes(),
             "offset": r.offset.astype("<i8").tobytes(), "size": r.size.astype("<i8").tobytes(),
             "token_offset": b"" if r.token_offset is None else r.token_offset.astype("<i8").tobytes()}
@@ -183,7 +184,8 @@ def _decode(row: dict[str, Any]):
                        np.frombuffer(row["num_tokens"], "<i4"), np.frombuffer(row["offset"], "<i8"),
                        np.frombuffer(row["size"], "<i8"), [tuple(x) for x in meta["rejected"]],
                        [tuple(x) for x in meta["warnings"]], [tuple(x) for x in meta["oversize"]], meta["nbytes"],
-                       meta["token_spool"], np.frombuffer(row["token_offset"], "<i8") if cached else None)
+                       meta["token_spool"], np.frombuffer(row["token_offset"], "<i8") if cached else None,
+                       meta["trained_fitting"])
 
 
 def _task_error(e: Exception, cfg=None, shards=None, spool_dir: str | None = None) -> Exception:

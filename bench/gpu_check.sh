@@ -99,7 +99,7 @@ SETTINGS=(--config configs/tiny_cpu.yaml $MODEL model.vocab_size=49152 model.tie
   model.max_position_embeddings="$SEQ" model.attention_backend=torch data.train_path="$WORK/rows.jsonl.packed"
   data.tokenizer="$TOK" data.max_seq_len="$SEQ" data.split_validation_size=0 validation.val_period=0
   validation.val_at_end=false optimizer.backend=megatron optimizer.use_distributed_optimizer=true
-  optimizer.lr=1e-4 train.bf16=true train.global_batch_size="$GBS" train.train_steps="$STEPS"
+  optimizer.lr=1e-4 scheduler.min_lr=1e-5 train.bf16=true train.global_batch_size="$GBS" train.train_steps="$STEPS"
   scheduler.warmup_steps=2 loss.chunk_size=4096 parallel.backend="$BACKEND" checkpoint.save_interval=0
   checkpoint.save_at_end=false checkpoint.resume=none logging.tensorboard=false logging.progress=false)
 train() {  # train NAME LIMIT OVERRIDES...: one tools/train.py run into $WORK/NAME, log in logs.tar.gz

@@ -31,7 +31,10 @@ TOOLS = REPO / "tools"
      "{tmp} has no model_config.json: not a packsft checkpoint folder"),
     (["export", "--megatron", "{tmp}", "--config", "{tmp}/c.yaml", "--out", "{tmp}/out"],
      "{tmp}/c.yaml: unknown ModelConfig fields ['num_layer']"),
-], ids=["missing", "unsupported", "not_a_checkpoint", "unknown_field"])
+    (["import", "--hf", "{tmp}/gpt2", "--out", "{tmp}/c.yaml"],   # a file: it was replaced by the folder
+     "--out {tmp}/c.yaml is a file, not a folder"),
+    (["export", "--megatron", "{tmp}", "--out", "{tmp}/c.yaml"], "--out {tmp}/c.yaml is a file, not a folder"),
+], ids=["missing", "unsupported", "not_a_checkpoint", "unknown_field", "import_out_file", "export_out_file"])
 def test_convert_checkpoint(tmp_path, args, message):
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2,
@@ -42,6 +45,14 @@ def test_convert_checkpoint(tmp_path, args, message):
     (tmp_path / "c.yaml").write_text("model: {num_layer: 2}\n")         # a typo of num_layers
     fill = [a.format(tmp=tmp_path) for a in args]
     assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", *fill), message.format(tmp=tmp_path))
+    assert (tmp_path / "c.yaml").read_text() == "model: {num_layer: 2}\n"  # never replaced
+
+
+def test_convert_checkpoint_parallel_sizes_must_be_positive(tmp_path):
+    for flag, value in (("--tensor-model-parallel-size", "0"), ("--pipeline-model-parallel-size", "-1")):
+        rc, err = run_tool(TOOLS / "convert_checkpoint.py", flag, value, "import", "--hf", tmp_path, "--out",
+                           tmp_path / "out")
+        assert rc == 2 and f"argument {flag}: must be >= 1, got {value}" in err, err
 
 
 def test_convert_checkpoint_export_refuses_a_tokenizer_larger_than_the_model(tmp_path, tokenizer_dir):

@@ -64,6 +64,7 @@ from packsft.model.hf_io import (  # noqa: E402
     tokenizer_token_ids,
 )
 from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
+from packsft.packing.cli import positive_int  # noqa: E402
 from packsft.train.checkpoint import INIT_FROM, LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
 from packsft.train.config import check_recorded_architecture, recorded_architecture  # noqa: E402
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
@@ -81,10 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     def layout(suppress: bool) -> argparse.ArgumentParser:
         """The layout options; the subcommands' copy (``suppress``) only sets what is given after the subcommand."""
         common = argparse.ArgumentParser(add_help=False)
-        common.add_argument("--tensor-model-parallel-size", type=int,
+        common.add_argument("--tensor-model-parallel-size", type=positive_int,
                             default=argparse.SUPPRESS if suppress else None,
                             help="TP size of the Megatron model (default: WORLD_SIZE / pipeline size)")
-        common.add_argument("--pipeline-model-parallel-size", type=int,
+        common.add_argument("--pipeline-model-parallel-size", type=positive_int,
                             default=argparse.SUPPRESS if suppress else 1,
                             help="PP size: each rank builds, imports or exports its pipeline stage (default 1)")
         return common
@@ -223,7 +224,8 @@ def given_hf_config(path: str) -> dict:
 
 
 def refuse_out_over_inputs(args: argparse.Namespace, **resolved: Path | None) -> None:
-    """Refuse an output folder (``--out``, ``--lora-adapter``) that is, or holds, an input or the other output.
+    """Refuse an output folder (``--out``, ``--lora-adapter``) that is a file, or is, or holds, an input or the
+    other output.
 
     Each output is replaced as a whole when its new folder is complete, so such a folder would delete the input
     (e.g. ``import --hf DIR --out DIR`` replaced the original model by the Megatron checkpoint).
@@ -240,6 +242,9 @@ def refuse_out_over_inputs(args: argparse.Namespace, **resolved: Path | None) ->
     if args.command == "export" and args.lora_adapter:
         outputs["--lora-adapter"] = args.lora_adapter
     for name, out in outputs.items():
+        if Path(out).exists() and not Path(out).is_dir():  # it would be replaced by a folder
+            raise ValueError(f"{name} {out} is a file, not a folder: give a folder to write (it is replaced as a "
+                             "whole)")
         out = Path(out).resolve()
         others = {**inputs, **resolved, **{k: v for k, v in outputs.items() if k != name}}
         for what, path in others.items():

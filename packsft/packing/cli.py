@@ -38,7 +38,8 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (the tools' parallel sizes)."""
     try:
         value = int(text)
     except ValueError as e:
@@ -69,8 +70,8 @@ def parse_args(argv=None) -> PackConfig:
                    help="append EOS to every trained assistant turn (default: when the template writes no end of "
                         "turn after it, and for passthrough)")
     p.add_argument("--pad-token", default=None, help="override the prompt format's pad token")
-    p.add_argument("--context-parallel-size", type=_positive_int, default=1)
-    p.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1,
+    p.add_argument("--context-parallel-size", type=positive_int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
                    help="TP size of the training run; only used with --sequence-parallel")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="rows for Megatron sequence parallelism: max_seq_len a multiple of lcm(2*CP, CP*TP)")

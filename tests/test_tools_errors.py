@@ -79,6 +79,19 @@ def test_inspect_packed(tmp_path, length):
 def test_plan_memory(tmp_path):
     assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", tmp_path / "missing.yaml"),
                       "config file not found")
+    (tmp_path / "bad.yaml").write_text("a: [\n")  # before: a yaml ParserError traceback
+    assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", tmp_path / "bad.yaml"),
+                      f"invalid config {tmp_path / 'bad.yaml'}: not valid YAML: while parsing a flow node")
+    assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", REPO / "configs" / "llama3_8b_multigpu.yaml",
+                                "--sweep", "--world-size", "16", "--seq-lens", "8192", "999999999999999"),
+                      "--seq-lens must be token counts from 1 to 16,777,216")
+
+
+def test_inspect_packed_sizes_must_be_positive(tmp_path):
+    for flag in ("--max-seq-len", "--context-parallel-size"):  # 0 was taken as "not given"
+        rc, err = run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.jsonl.packed", "--tokenizer",
+                           tmp_path, "--prompt-format", "chat-template", flag, "0")
+        assert rc == 2 and f"argument {flag}: must be >= 1, got 0" in err, err
 
 
 def test_pack(tmp_path):

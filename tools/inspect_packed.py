@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.data.describe import describe_row  # noqa: E402
+from packsft.packing.cli import positive_int  # noqa: E402
 from packsft.sidecar import read_sidecar  # noqa: E402
 
 
@@ -32,20 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-format", required=True, help="identity, nemotron-nano-v2, nemotron-h-aligned, "
                                                                "chat-template")
     parser.add_argument("--row", type=int, default=0, help="row index, 0-based (negative: from the end)")
-    parser.add_argument("--max-seq-len", type=int, help="default: the sidecar's")
-    parser.add_argument("--context-parallel-size", type=int, help="default: the sidecar's, else 1")
+    parser.add_argument("--max-seq-len", type=positive_int, help="default: the sidecar's")
+    parser.add_argument("--context-parallel-size", type=positive_int, help="default: the sidecar's, else 1")
     parser.add_argument("--pad-token", help="override the prompt format's pad token")
     parser.add_argument("--chat-template", help="chat-template only: a Jinja string or file")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     args = parser.parse_args(argv)
     try:
         meta = read_sidecar(args.packed) or {}
-        max_seq_len = args.max_seq_len or meta.get("max_seq_len")
+        max_seq_len = args.max_seq_len if args.max_seq_len is not None else meta.get("max_seq_len")
         if max_seq_len is None:
             if not Path(args.packed).exists():
                 raise FileNotFoundError(f"packed file not found: {args.packed}")
             parser.error("--max-seq-len is required when the packed file has no sidecar")
-        cp = args.context_parallel_size or meta.get("context_parallel_size", 1)
+        cp = args.context_parallel_size if args.context_parallel_size is not None else \
+            meta.get("context_parallel_size", 1)
         dataset = PackedSFTDataset(args.packed, args.tokenizer, args.prompt_format, max_seq_len, cp,
                                    pad_token=args.pad_token, chat_template=args.chat_template)
         color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())

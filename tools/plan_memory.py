@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from packsft.layout import MAX_SEQ_LEN  # noqa: E402
 from packsft.train.config import load_config  # noqa: E402
 from packsft.train.memory import GiB, Layout, format_plan, layout_from_config, max_seq_len, plan  # noqa: E402
 
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world_size is not None and args.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
-        if any(n < 1 for n in args.seq_lens):
-            raise ValueError(f"--seq-lens must be positive token counts, got {args.seq_lens}")
+        if any(not 1 <= n <= MAX_SEQ_LEN for n in args.seq_lens):
+            raise ValueError(f"--seq-lens must be token counts from 1 to {MAX_SEQ_LEN:,}, got {args.seq_lens}")
         gpu_bytes = parse_bytes(args.gpu_memory)
         cfg = load_config(args.config, args.overrides)
         par = cfg.parallel

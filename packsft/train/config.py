@@ -23,6 +23,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -496,6 +497,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ValueError(f"invalid config {where}: {err}") from err
     except ValueError as err:
         raise ValueError(f"invalid config {where}: {err}") from err
+    except yaml.YAMLError as err:  # the file is not YAML (its own message spans lines: one is kept)
+        raise ValueError(f"invalid config {where}: not valid YAML: {' '.join(str(err).split())}") from err
 
 
 def _rename_old_keys(layer, where: str):

@@ -87,6 +87,13 @@ def test_plan_memory(tmp_path):
                       "--seq-lens must be token counts from 1 to 16,777,216")
 
 
+def test_make_megatron_sft_fixtures_needs_a_megatron_lm_folder(tmp_path, tokenizer_dir):
+    for folder in (tmp_path / "nope", tmp_path):  # before: FileNotFoundError tracebacks
+        assert_user_error(*run_tool(TOOLS / "make_megatron_sft_fixtures.py", "--megatron-lm", folder, "--tokenizer",
+                                    tokenizer_dir("nemotron-h-layout-tekken"), "--out", tmp_path / "f.json"),
+                          f"--megatron-lm {folder} is not a Megatron-LM source folder: it has no ")
+
+
 def test_inspect_packed_sizes_must_be_positive(tmp_path):
     for flag in ("--max-seq-len", "--context-parallel-size"):  # 0 was taken as "not given"
         rc, err = run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.jsonl.packed", "--tokenizer",

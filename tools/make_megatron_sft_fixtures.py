@@ -141,6 +141,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--commit", default=None, help="Megatron-LM commit to record (default: git HEAD of the folder)")
     a = p.parse_args(argv)
+    missing = [f for f in (TOKENIZER_FILE, DATASET_FILE) if not (a.megatron_lm / f).is_file()]
+    if missing:
+        print(f"error: --megatron-lm {a.megatron_lm} is not a Megatron-LM source folder: it has no {missing[0]}",
+              file=sys.stderr)
+        return 2
     import numpy as np  # noqa: PLC0415
 
     sft_tokenizer = _load(a.megatron_lm / TOKENIZER_FILE, "_mlm_sft_tokenizer")

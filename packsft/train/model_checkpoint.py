@@ -55,8 +55,9 @@ def weights_fingerprint(ckpt_dir: str | Path) -> dict:
         fingerprint is the BLAKE2b-128 of the sorted ``name size hash`` lines, so it changes with any byte of any
         weight file (``mtime_ns`` only tells :func:`base_identity` whether the stored one still applies).
     """
-    files = {p.name: {"bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns, "blake2b": file_blake2b(p)}
-             for p in _weight_files(Path(ckpt_dir))}
+    stats = {p: p.stat() for p in _weight_files(Path(ckpt_dir))}
+    files = {p.name: {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "blake2b": file_blake2b(p)}
+             for p, st in stats.items()}
     lines = "".join(f"{name} {f['bytes']} {f['blake2b']}\n" for name, f in files.items())
     return {"files": files, "fingerprint": hashlib.blake2b(lines.encode(), digest_size=16).hexdigest()}
 
@@ -77,7 +78,7 @@ def base_identity(ckpt_dir: str | Path) -> dict[str, str]:
     stored = None
     try:
         stored = json.loads((ckpt_dir / FINGERPRINT_FILE).read_text())
-        stats = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in _weight_files(ckpt_dir)}
+        stats = {p.name: (st.st_size, st.st_mtime_ns) for p in _weight_files(ckpt_dir) for st in [p.stat()]}
         recorded = {n: (f["bytes"], f["mtime_ns"]) for n, f in stored["files"].items()}
         if recorded != stats or not isinstance(stored["fingerprint"], str):
             stored = None

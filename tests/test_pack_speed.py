@@ -208,6 +208,35 @@ def test_forked_workers_start_with_the_inherited_objects_frozen(shared_data, tok
     assert gc.get_freeze_count() == 0
 
 
+def test_counting_in_this_process_runs_with_the_objects_frozen(shared_data, tokenizer_dir, tmp_path, monkeypatch):
+    """Without workers the shards are counted with the garbage collector's objects frozen (a full collection
+    then skips the imports' and the tokenizer's), and unfrozen after; a caller's frozen objects stay frozen."""
+    import gc
+
+    import packsft.packing.pipeline as pipeline
+
+    seen = []
+    count = pipeline.count_shard
+    monkeypatch.setattr(pipeline, "count_shard", lambda shard: (seen.append(gc.get_freeze_count()), count(shard))[1])
+    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
+
+    def pack():
+        run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "rows.jsonl.packed"),
+                            tokenizer=str(tokenizer_dir("smollm2-135m-instruct")), max_seq_len=1024, num_workers=0,
+                            shard_bytes=20_000, progress=False, histogram=""))
+
+    pack()
+    assert len(seen) > 1 and all(n > 1000 for n in seen) and gc.get_freeze_count() == 0
+    keep = [[i] for i in range(1000)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        pack()
+        assert gc.get_freeze_count() > frozen // 2 and keep
+    finally:
+        gc.unfreeze()
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_a_callers_frozen_objects_stay_frozen(shared_data, tokenizer_dir, tmp_path):
     """A caller that froze its objects (``gc.freeze`` at its start) has them frozen after a run with workers."""

@@ -189,6 +189,14 @@ class HashingWriter:
         return self._h.hexdigest()
 
 
+def missing_file(what: str, path: str | Path) -> FileNotFoundError:
+    """The error for a ``what`` file that ``path`` does not name: ``"<what> not found: <path>"``, or, when ``path``
+    is a folder, ``"<what> <path> is a folder, not a file"``."""
+    if Path(path).is_dir():
+        return FileNotFoundError(f"{what} {path} is a folder, not a file")
+    return FileNotFoundError(f"{what} not found: {path}")
+
+
 def file_blake2b(path: str | Path, chunk: int = 1 << 22) -> str:
     """BLAKE2b-160 (40 hex chars) of a file's bytes, read in chunks (about 1 GB/s on one core)."""
     h = hashlib.blake2b(digest_size=20)

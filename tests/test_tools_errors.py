@@ -74,6 +74,9 @@ def test_inspect_packed(tmp_path, length):
     assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.packed", "--tokenizer",
                                 tmp_path, "--prompt-format", "chat-template", *length),
                       "packed file not found")
+    assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path, "--tokenizer", tmp_path,
+                                "--prompt-format", "chat-template", *length),
+                      f"packed file {tmp_path} is a folder, not a file")
 
 
 def test_plan_memory(tmp_path):
@@ -85,6 +88,11 @@ def test_plan_memory(tmp_path):
     assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", REPO / "configs" / "llama3_8b_multigpu.yaml",
                                 "--sweep", "--world-size", "16", "--seq-lens", "8192", "999999999999999"),
                       "--seq-lens must be token counts from 1 to 16,777,216")
+    assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", tmp_path),  # was "not found"
+                      f"config file {tmp_path} is a folder, not a file")
+    rc, err = run_tool(TOOLS / "plan_memory.py", "--config", REPO / "configs" / "llama3_8b_multigpu.yaml",
+                       "--seq-lens", "8192")  # without --sweep it was ignored
+    assert rc == 2 and "error: --seq-lens is for --sweep" in err, err[-2000:]
 
 
 def test_make_megatron_sft_fixtures_needs_a_megatron_lm_folder(tmp_path, tokenizer_dir):

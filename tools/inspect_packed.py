@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.data.describe import describe_row  # noqa: E402
+from packsft.io import missing_file  # noqa: E402
 from packsft.packing.cli import positive_int  # noqa: E402
 from packsft.sidecar import read_sidecar  # noqa: E402
 
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = read_sidecar(args.packed) or {}
         max_seq_len = args.max_seq_len if args.max_seq_len is not None else meta.get("max_seq_len")
         if max_seq_len is None:
-            if not Path(args.packed).exists():
-                raise FileNotFoundError(f"packed file not found: {args.packed}")
+            if not Path(args.packed).is_file():
+                raise missing_file("packed file", args.packed)
             parser.error("--max-seq-len is required when the packed file has no sidecar")
         cp = args.context_parallel_size if args.context_parallel_size is not None else \
             meta.get("context_parallel_size", 1)

@@ -79,10 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=None,
                         help="GPUs of the job (default: TP x CP x PP of the config, i.e. DP = 1)")
     parser.add_argument("--sweep", action="store_true", help="list the layouts of --world-size that fit")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072],
-                        help="row lengths for --sweep (tokens)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                        help="row lengths for --sweep (tokens; default 8192 32768 131072)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.max_seq_len=32768")
     args = parser.parse_args(argv)
+    if args.seq_lens is not None and not args.sweep:  # it was ignored
+        parser.error("--seq-lens is for --sweep; without it the plan is for the config's data.max_seq_len "
+                     "(override it: data.max_seq_len=32768)")
+    args.seq_lens = args.seq_lens or [8192, 32768, 131072]
     try:
         if args.world_size is not None and args.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {args.world_size}")

@@ -41,7 +41,7 @@ from transformers import PreTrainedTokenizerBase
 
 from packsft.conversation import ConversationError, split_row
 from packsft.data.row import build_row, build_row_flat
-from packsft.io import atomic_open, finish_interrupted_publish
+from packsft.io import atomic_open, finish_interrupted_publish, missing_file
 from packsft.layout import check_max_seq_len
 from packsft.prompt_formats import (
     ALIASES,
@@ -254,7 +254,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.path = Path(path)
         finish_interrupted_publish(self.path)  # a packer killed while renaming: its new set is complete
         if not self.path.is_file():
-            raise FileNotFoundError(f"packed file not found: {self.path}")
+            raise missing_file("packed file", self.path)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         if isinstance(prompt_format, str):
             packed = ((read_sidecar(self.path) or {}).get("prompt_format") or {})

@@ -28,6 +28,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from packsft.data.loader import DataLoaderConfig
+from packsft.io import missing_file
 from packsft.layout import row_granularity
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.lora import LoraConfig
@@ -480,7 +481,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     where = (str(path) if path else "") + (f" with overrides {list(overrides)}" if overrides else "")
     where = where.strip() or "<defaults>"
     if path is not None and not Path(path).is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
+        raise missing_file("config file", path)
     try:
         layers = [_rename_old_keys(OmegaConf.load(path) if path else OmegaConf.create(), str(path)),
                   _rename_old_keys(OmegaConf.from_dotlist(list(overrides)), "the overrides")]

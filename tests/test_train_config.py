@@ -46,8 +46,8 @@ def test_overrides_apply_after_the_file():
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.context_parallel_size=3", "data.max_seq_len=100"], "2 * parallel.context_parallel_size (6)"),
-    (["optimizer.lrr=1"], "optimizer.lrr"),
-    (["optimizer.lr=abc"], "optimizer.lr"),
+    (["optimizer.lrr=1"], "optimizer.lrr: Key 'lrr' not in 'OptimizerConfig'"),
+    (["optimizer.lr=abc"], "optimizer.lr: Value 'abc' of type 'str' could not be converted to Float"),
     (["optimizer.lr=0"], "optimizer.lr must be > 0"),
     (["model.num_layers=0"], "model.num_layers"),
     (["scheduler.decay_style=exp"], "scheduler.decay_style"),
@@ -73,7 +73,7 @@ def test_overrides_apply_after_the_file():
 def test_config_errors_are_clear(overrides, message):
     with pytest.raises(ValueError) as err:
         load_config(TINY, overrides)
-    assert message in str(err.value)
+    assert message in str(err.value) and "\n" not in str(err.value)  # one line (OmegaConf's ran over four)
 
 
 def test_missing_file():

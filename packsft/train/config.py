@@ -494,8 +494,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             check_init_model(cfg, imported, source)
             check_init_window(cfg, merged.checkpoint.init_from)
         return cfg
-    except OmegaConfBaseException as err:
-        raise ValueError(f"invalid config {where}: {err}") from err
+    except OmegaConfBaseException as err:  # its message, then lines of full_key and types: one line, key first
+        key = getattr(err, "full_key", None)
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"invalid config {where}: {f'{key}: ' if key else ''}{first}") from err
     except ValueError as err:
         raise ValueError(f"invalid config {where}: {err}") from err
     except yaml.YAMLError as err:  # the file is not YAML (its own message spans lines: one is kept)

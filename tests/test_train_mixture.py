@@ -62,6 +62,30 @@ def test_config_errors_name_the_source(tmp_path, packed):  # noqa: F811
         load_config(path, ["data.train=[{path: a}, {path: b, weight: 0}]"])
 
 
+def test_one_file_read_twice_is_refused_where_held_out_rows_would_be_trained(tmp_path, packed):  # noqa: F811
+    """Two sources of one file where one holds rows out: the other trained on them (nothing refused it). A
+    validation file that a source trains on is a warning; the same file twice without a split is upsampling."""
+    from packsft.train.data import build_datasets
+
+    link = tmp_path / "few_again.jsonl.packed"  # the same file under another name
+    link.symlink_to(packed["few"])
+    shutil.copy(str(packed["few"]) + ".meta.json", str(link) + ".meta.json")
+    split = [{"name": "a", "path": str(packed["few"]), "split_validation_size": 0.3},
+             {"name": "b", "path": str(link)}]
+    for sources in (split, split[::-1]):
+        cfg = load_config(mixture_config(tmp_path, packed, "leak"), [f"data.train={json.dumps(sources)}"])
+        with pytest.raises(ValueError, match="sources '.' and '.' read the same file .* the other would train on"):
+            build_datasets(cfg)
+    warned = []
+    twice = [{"name": "a", "path": str(packed["few"])}, {"name": "b", "path": str(link)}]
+    cfg = load_config(mixture_config(tmp_path, packed, "twice"), [f"data.train={json.dumps(twice)}"])
+    mixed, validation = build_datasets(cfg, warn=warned.append)  # validation: "heldout" is packed["few"] too
+    assert len(mixed) == 2 * len(validation["heldout"])
+    assert warned == [f"warning: data.validation 'heldout' is the file {packed['few']}, which the training source "
+                      "'a' trains on: its loss is measured on trained rows (to hold rows out, give the source a "
+                      "split_validation_size)"]
+
+
 @pytest.mark.slow
 def test_mixture_trains_logs_every_set_and_refuses_a_changed_source_by_name(tmp_path, packed):  # noqa: F811
     config = mixture_config(tmp_path, packed, "run", train={"global_batch_size": 2, "train_steps": 4},

@@ -8,6 +8,7 @@ module only chooses the rows (the training sources or their mixture, the named v
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,7 @@ def split_rows(num_rows: int, fraction: float, seed: int) -> tuple[list[int], li
     return sorted(order[num_val:].tolist()), sorted(order[:num_val].tolist())
 
 
-def build_datasets(cfg: Config) -> tuple[Any, dict[str, Any]]:
+def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
     """``(train, {name: validation})`` datasets of packed rows for ``cfg.data``.
 
     One training source is its ``PackedSFTDataset`` (or the training part of its split); several make a
@@ -71,10 +72,13 @@ def build_datasets(cfg: Config) -> tuple[Any, dict[str, Any]]:
     ``data.validation`` (``data.validation_path`` is named ``validation``) and each source's held-out split (named
     after the source; ``validation`` for ``data.train_path``). Every file's sidecar is checked against the loader's
     configuration, so a file packed for another tokenizer, format, ``max_seq_len`` or CP size is refused by name.
+    A validation file that a training source also reads is passed to ``warn`` (a ``print``-like callable; ``None``:
+    no warning), once.
 
     Raises:
-        FileNotFoundError, SidecarError, ValueError: from ``PackedSFTDataset``, :func:`split_rows` or
-            ``MixedDataset``.
+        FileNotFoundError, SidecarError: from ``PackedSFTDataset``.
+        ValueError: from :func:`split_rows` or ``MixedDataset``; or two training sources read the same file and
+            one of them holds rows out for validation (the other would train on them).
     """
     data = cfg.data
 
@@ -85,8 +89,15 @@ def build_datasets(cfg: Config) -> tuple[Any, dict[str, Any]]:
                                 sequence_parallel_size=cfg.parallel.sequence_parallel_size)
 
     train, validation = {}, {}
+    trained: dict[tuple[int, int], tuple[str, float]] = {}  # file identity -> (a source reading it, its split)
     for name, path, _, split in data.train_sources():
         dataset = packed(path)
+        key = _file_key(dataset.path)
+        if key in trained and max(split, trained[key][1]) > 0:
+            raise ValueError(f"data.train: sources {trained[key][0]!r} and {name!r} read the same file {path}, and "
+                             "one holds rows out for validation, which the other would train on (list the file "
+                             "once; a larger weight draws it more often)")
+        trained.setdefault(key, (name, split))
         if split > 0:
             train_rows, val_rows = split_rows(len(dataset), split, cfg.loader.seed)
             train[name] = RowSubset(dataset, train_rows, "train")
@@ -97,7 +108,17 @@ def build_datasets(cfg: Config) -> tuple[Any, dict[str, Any]]:
         if name in validation:
             raise ValueError(f"data.validation: the name {name!r} is also a training source's held-out split")
         validation[name] = packed(path)
+        if (key := _file_key(validation[name].path)) in trained and warn is not None:
+            warn(f"warning: data.validation {name!r} is the file {path}, which the training source "
+                 f"{trained[key][0]!r} trains on: its loss is measured on trained rows (to hold rows out, give "
+                 "the source a split_validation_size)")
     return (next(iter(train.values())) if len(train) == 1 else MixedDataset(train)), validation
+
+
+def _file_key(path) -> tuple[int, int]:
+    """``(device, inode)`` of ``path``: the same file under two names (a link, ``..``) has one key."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, device: torch.device) -> dict[str, Any]:

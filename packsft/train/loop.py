@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,8 @@ class Trainer:
         if cfg.train.autocast_dtype and not torch.cuda.is_available():
             raise ValueError(f"train.autocast_dtype={cfg.train.autocast_dtype!r} needs CUDA (CPU autocast fails in "
                              "Megatron's backward); use null on CPU")
-        self.train_set, self.val_sets = build_datasets(cfg)
+        warn = partial(print, flush=True) if self.ctx.rank == 0 else None
+        self.train_set, self.val_sets = build_datasets(cfg, warn=warn)
         self._check_vocab()
         self.megatron = cfg.optimizer.backend == "megatron"
         self.pipeline = self.ctx.pipeline_model_parallel_size > 1

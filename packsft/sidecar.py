@@ -137,11 +137,15 @@ def efficiency(real_tokens: int, padding_tokens: int) -> float:
 
 
 def packing_efficiency(meta: dict[str, Any] | None) -> float | None:
-    """The efficiency of a packed file from its sidecar's ``counts`` (``None`` without a sidecar)."""
+    """The efficiency of a packed file from its sidecar's ``counts``: ``None`` without a sidecar, or when its
+    counts are not two non-negative integers (they are informational: nothing checks them against the rows)."""
     counts = (meta or {}).get("counts")
-    if not counts:
+    if not isinstance(counts, dict):
         return None
-    return efficiency(counts["real_tokens"], counts["padding_tokens"])
+    real, padding = counts.get("real_tokens"), counts.get("padding_tokens")
+    if not all(type(n) is int and n >= 0 for n in (real, padding)):
+        return None
+    return efficiency(real, padding)
 
 
 def write_sidecar(path: str | Path, meta: dict[str, Any]) -> Path:

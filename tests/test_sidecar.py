@@ -13,6 +13,7 @@ from packsft.sidecar import (
     SidecarError,
     check_sidecar,
     loader_expectation,
+    packing_efficiency,
     read_sidecar,
     repack_hint,
     sidecar_path,
@@ -27,6 +28,15 @@ def meta(**overrides):
          "algorithm": "next-fit", "seed": 0, "counts": {"rows": 3}, "efficiency": 0.9}
     m.update(overrides)
     return m
+
+
+@pytest.mark.parametrize("counts", [None, {"rows": 1}, {"real_tokens": "x", "padding_tokens": 1},
+                                    {"real_tokens": -1, "padding_tokens": 1}, {"real_tokens": 1.5, "padding_tokens": 0},
+                                    {"real_tokens": True, "padding_tokens": 0}, [1, 2]])
+def test_packing_efficiency_of_edited_counts_is_unknown(counts):
+    """A sidecar's counts edited by hand: the trainer's summary raised KeyError/TypeError (exit 1)."""
+    assert packing_efficiency({"counts": counts}) is None
+    assert packing_efficiency({"counts": {"real_tokens": 3, "padding_tokens": 1}}) == 0.75
 
 
 def test_sidecar_path():

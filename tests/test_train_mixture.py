@@ -60,6 +60,9 @@ def test_config_errors_name_the_source(tmp_path, packed):  # noqa: F811
         load_config(path, ["data.train=[{name: few, path: a}, {name: few, path: b}]"])
     with pytest.raises(ValueError, match=r"data.train\[1\].weight must be > 0"):
         load_config(path, ["data.train=[{path: a}, {path: b, weight: 0}]"])
+    for item in ("data.train.1.weight=2", "data.train[1].weight=2"):  # a TypeError traceback before
+        with pytest.raises(ValueError, match=r"Cannot merge .*an override cannot set one item of a list"):
+            load_config(path, [item])
 
 
 def test_one_file_read_twice_is_refused_where_held_out_rows_would_be_trained(tmp_path, packed):  # noqa: F811

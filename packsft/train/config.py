@@ -500,6 +500,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ValueError(f"invalid config {where}: {f'{key}: ' if key else ''}{first}") from err
     except ValueError as err:
         raise ValueError(f"invalid config {where}: {err}") from err
+    except TypeError as err:  # OmegaConf.merge: a dotted override into a list item made a dict of it
+        raise ValueError(f"invalid config {where}: {err} (an override cannot set one item of a list, as "
+                         "data.train.1.weight=0 tries: give the whole list, data.train=[{...}, {...}])") from err
     except yaml.YAMLError as err:  # the file is not YAML (its own message spans lines: one is kept)
         raise ValueError(f"invalid config {where}: not valid YAML: {' '.join(str(err).split())}") from err
 

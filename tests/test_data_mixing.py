@@ -38,6 +38,19 @@ def test_mixed_dataset_maps_global_index_to_source_row():
     cp2.max_seq_len, cp2.context_parallel_size = 1024, 2
     with pytest.raises(ValueError, match="sources differ in context_parallel_size"):
         MixedDataset({"a": short, "b": cp2})
+    cp2.context_parallel_size = 1
+    short.tokenizer_fingerprint, cp2.tokenizer_fingerprint = "aaa", "bbb"  # before: ids of two vocabularies mixed
+    with pytest.raises(ValueError, match=r"differ in tokenizer_fingerprint \('a': aaa, 'b': bbb\).* same tokenizer"):
+        MixedDataset({"a": short, "b": cp2})
+    with pytest.raises(ValueError, match=r"\['a', 'b'\] hold one dataset object twice"):
+        MixedDataset({"a": short, "b": short})
+
+
+def test_samples_per_epoch_zero_is_refused():
+    """0 meant "all rows" (``samples_per_epoch or len``)."""
+    with pytest.raises(ValueError, match="samples_per_epoch=0 is below dp_size=1"):
+        WeightedMixingSampler(mixed(), weights=[1, 1, 1], samples_per_epoch=0)
+    assert WeightedMixingSampler(mixed(), weights=[1, 1, 1]).samples_per_epoch == 500
 
 
 def test_rows_per_source_normalises_and_refuses_zero_rows():

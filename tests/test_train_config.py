@@ -69,6 +69,7 @@ def test_overrides_apply_after_the_file():
     (["model.rope_interpolation_factor=inf"], "model.rope_interpolation_factor must be a finite number > 0"),
     (["lora.enabled=true", "lora.alpha=inf"], "lora.alpha must be a finite number > 0, got inf"),
     (["scheduler.min_lr=1.0", "optimizer.lr=0.003"], "scheduler.min_lr (1.0) must be <= optimizer.lr (0.003)"),
+    (["data.samples_per_epoch=5"], "data.samples_per_epoch (5) sets the epoch of a mixture"),  # it was ignored
 ])
 def test_config_errors_are_clear(overrides, message):
     with pytest.raises(ValueError) as err:

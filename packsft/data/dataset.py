@@ -216,6 +216,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             multiple of :func:`packsft.layout.row_granularity`. Conversations are padded for CP only, so a file
             packed without ``--sequence-parallel`` serves an SP run whenever its ``max_seq_len`` divides.
 
+    Attributes (besides the arguments): ``tokenizer`` (loaded), ``tokenizer_fingerprint``
+    (:func:`packsft.tokenizer.tokenizer_fingerprint`), ``sidecar`` (dict or ``None``).
+
     Items: ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``), ``loss_mask`` (float32 ``[L]``),
     ``cu_seqlens`` (int32 ``[segments + 1]``, real lengths), ``cu_seqlens_padded`` (int32 ``[segments + 1]``,
     padded offsets 0..``L``), ``max_seqlen`` (int), ``num_trained_tokens`` (int); see
@@ -282,7 +285,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
     def _check_sidecar(self, require: bool) -> dict[str, Any] | None:
         meta = read_sidecar(self.path)
-        expected = loader_expectation(tokenizer_fingerprint(self.tokenizer), self.prompt_format, self.max_seq_len,
+        self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+        expected = loader_expectation(self.tokenizer_fingerprint, self.prompt_format, self.max_seq_len,
                                       self.context_parallel_size, special_tokens(self.tokenizer, self.prompt_format))
         template = self.prompt_format.chat_template
 

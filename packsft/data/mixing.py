@@ -51,8 +51,9 @@ class MixedDataset:
         fingerprint: sha256 over the names and source fingerprints.
 
     Raises:
-        ValueError: no source, an empty source (named with its file), or sources with different ``max_seq_len``
-            or ``context_parallel_size`` (where they have these attributes).
+        ValueError: no source, an empty source (named with its file), one dataset object twice, or sources with
+            different ``max_seq_len``, ``context_parallel_size`` or tokenizer (``tokenizer_fingerprint``; where
+            they have these attributes).
     """
 
     def __init__(self, sources: dict[str, Any]) -> None:
@@ -63,12 +64,16 @@ class MixedDataset:
         for name, d, size in zip(self.names, self.datasets, self.source_sizes):
             if size == 0:
                 raise ValueError(f"training source {name!r} ({getattr(d, 'path', '?')}) has no rows")
-        for attr in ("max_seq_len", "context_parallel_size"):     # the shape of every row of a batch
+        if len(set(map(id, self.datasets))) < len(self.datasets):
+            raise ValueError(f"training sources {self.names} hold one dataset object twice: give each source its own "
+                             "(or one source a larger weight)")
+        for attr in ("max_seq_len", "context_parallel_size", "tokenizer_fingerprint"):  # rows that batch together
             values = {n: getattr(d, attr) for n, d in zip(self.names, self.datasets) if hasattr(d, attr)}
             if len(set(values.values())) > 1:
                 raise ValueError(f"training sources differ in {attr} ("
                                  + ", ".join(f"{n!r}: {v}" for n, v in values.items())
-                                 + f"): open every source of a mixture with the same {attr}")
+                                 + "): open every source of a mixture with the same "
+                                 + ("tokenizer" if attr == "tokenizer_fingerprint" else attr))
         self.offsets = np.concatenate([[0], np.cumsum(self.source_sizes)[:-1]]).astype(int).tolist()
         self.source_fingerprints = {name: f"{getattr(d, 'fingerprint', None)}:{len(d)}"
                                     for name, d in zip(self.names, self.datasets)}
@@ -151,8 +156,8 @@ class WeightedMixingSampler(EpochSampler):
         self.source_sizes, self.offsets = list(data_source.source_sizes), list(data_source.offsets)
         if len(weights) != len(self.source_sizes):
             raise ValueError(f"got {len(weights)} weights for {len(self.source_sizes)} sources")
-        self.samples_per_epoch = samples_per_epoch or self.num_rows
-        if self.samples_per_epoch < dp_size:
+        self.samples_per_epoch = self.num_rows if samples_per_epoch is None else samples_per_epoch
+        if self.samples_per_epoch < dp_size:  # 0 too: it meant "all rows"
             raise ValueError(f"samples_per_epoch={self.samples_per_epoch} is below dp_size={dp_size}")
         names = getattr(data_source, "names", None)
         files = [str(getattr(d, "path", "?")) for d in getattr(data_source, "datasets", [])] or None

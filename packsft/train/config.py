@@ -123,6 +123,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
         _positive("data", self, "max_seq_len", "samples_per_epoch")
+        if self.samples_per_epoch is not None and (self.train_path or len(self.train) == 1):  # it was ignored
+            raise ValueError(f"data.samples_per_epoch ({self.samples_per_epoch}) sets the epoch of a mixture of "
+                             "several data.train sources; with one source an epoch is all its rows")
         if not 0.0 <= self.split_validation_size < 1.0:
             raise ValueError(f"data.split_validation_size must be in [0, 1), got {self.split_validation_size!r}")
         if self.validation_path and self.split_validation_size > 0:

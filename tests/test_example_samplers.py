@@ -122,3 +122,23 @@ def test_curriculum_through_the_loader_resumes():
     resumed = build_train_dataloader(ds, cfg, collate_fn=default_collate)
     load_loader_state_dict(resumed, loader_state_dict(first))
     assert batches(resumed, 7) == reference[5:]
+
+
+def test_curriculum_refuses_a_resume_with_other_stages(tmp_path):
+    """The difficulty file edited between save and resume: the state was accepted and the resumed epoch repeated
+    rows 0-3 and skipped 8-11 (the file's path, not its scores, was in the loader header)."""
+    path = tmp_path / "difficulty.txt"
+    path.write_text("\n".join(map(str, range(12))) + "\n")
+    cfg = DataLoaderConfig(sampler="custom", sampler_class_path="examples.samplers.curriculum.CurriculumSampler",
+                           sampler_kwargs={"difficulty_file": str(path)}, micro_batch_size=1, seed=5)
+    ds = MaskDataset([1] * 12)
+    first = build_train_dataloader(ds, cfg, collate_fn=default_collate)
+    it = iter(first)
+    [next(it) for _ in range(6)]
+    state = loader_state_dict(first)
+    same = build_train_dataloader(ds, cfg, collate_fn=default_collate)
+    load_loader_state_dict(same, state)  # unchanged scores resume
+    path.write_text("\n".join(map(str, range(12, 0, -1))) + "\n")
+    edited = build_train_dataloader(ds, cfg, collate_fn=default_collate)
+    with pytest.raises(ValueError, match="CurriculumSampler: the stages differ from the checkpoint's"):
+        load_loader_state_dict(edited, state)

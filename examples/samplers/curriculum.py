@@ -16,13 +16,16 @@ Difficulty sources, first one given wins: ``difficulties`` (one number per row),
 (a text file, one number per line, or a JSON list), else the number of trained tokens of each row
 (``dataset[i]["loss_mask"].sum()``), which reads every row once at start-up.
 
-Resumable: the order of an epoch is a pure function of ``(seed, epoch)``, so the state is the base
-class's ``(epoch, position)``. Data-parallel ranks stride the same global order (see
-``packsft.data.samplers``), so all ranks change stage at the same step, give or take one sample.
+Resumable: the order of an epoch is a pure function of ``(seed, epoch)`` and the stages, so the state is
+the base class's ``(epoch, position)`` and a digest of the stages: a resume whose stages differ (the
+``difficulty_file`` edited since, say) is refused, as its epoch would repeat some rows and skip others.
+Data-parallel ranks stride the same global order (see ``packsft.data.samplers``), so all ranks change stage
+at the same step, give or take one sample.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,6 +125,28 @@ class CurriculumSampler(EpochSampler):
             raise ValueError(f"got {len(difficulties)} difficulties for {self.num_rows} rows")
         self.stages = split_stages(difficulties, stage_fractions or [1.0] * num_stages)
         self.curriculum_epochs = curriculum_epochs
+        digest = hashlib.sha256()
+        for stage in self.stages:
+            digest.update(np.int64(len(stage)).tobytes() + stage.astype(np.int64).tobytes())
+        self.stages_digest = digest.hexdigest()[:16]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base class's ``{"epoch", "position"}`` and ``"stages"``, a digest of the stages' rows."""
+        return {**super().state_dict(), "stages": self.stages_digest}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state``.
+
+        Raises:
+            ValueError: the stages differ from the saved ones (other difficulties or fractions), or as the base
+                class.
+        """
+        if state.get("stages", self.stages_digest) != self.stages_digest:
+            raise ValueError("CurriculumSampler: the stages differ from the checkpoint's (the difficulty scores "
+                             "or stage_fractions changed since, e.g. an edited difficulty_file): resumed, the epoch "
+                             "would repeat some rows and skip others; restore them, or resume without the data "
+                             "order (checkpoint.restore_data_order=false)")
+        super().load_state_dict(state)
 
     def global_order(self, epoch: int) -> np.ndarray:
         """Return the stages' rows, each stage shuffled, easy first; a full shuffle after the curriculum."""

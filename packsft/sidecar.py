@@ -130,6 +130,13 @@ def rows_path(path: str | Path) -> Path:
     return p.with_name(p.name[: -len(SIDECAR_SUFFIX)]) if p.name.endswith(SIDECAR_SUFFIX) else p
 
 
+def refuse_sidecar_as_rows(path: str | Path) -> None:
+    """Raise ``ValueError`` when ``path``, given as a packed rows file, is a sidecar (``X.jsonl.packed.meta.json``),
+    naming its rows file."""
+    if Path(path).name.endswith(SIDECAR_SUFFIX):
+        raise ValueError(f"{path} is a sidecar: give its packed rows file, {rows_path(path)}")
+
+
 def efficiency(real_tokens: int, padding_tokens: int) -> float:
     """Packing efficiency, real tokens / all row tokens; 0.0 for no tokens."""
     total = real_tokens + padding_tokens

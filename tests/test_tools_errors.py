@@ -77,6 +77,11 @@ def test_inspect_packed(tmp_path, length):
     assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path, "--tokenizer", tmp_path,
                                 "--prompt-format", "chat-template", *length),
                       f"packed file {tmp_path} is a folder, not a file")
+    sidecar = tmp_path / "x.jsonl.packed.meta.json"
+    sidecar.write_text('{"max_seq_len": 256}')
+    assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", sidecar, "--tokenizer", tmp_path,
+                                "--prompt-format", "chat-template", *length),  # it said: does not match its sidecar
+                      f"{sidecar} is a sidecar: give its packed rows file, {tmp_path / 'x.jsonl.packed'}")
 
 
 def test_plan_memory(tmp_path):

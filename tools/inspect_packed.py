@@ -23,7 +23,7 @@ from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.data.describe import describe_row  # noqa: E402
 from packsft.io import missing_file  # noqa: E402
 from packsft.packing.cli import positive_int  # noqa: E402
-from packsft.sidecar import read_sidecar  # noqa: E402
+from packsft.sidecar import read_sidecar, refuse_sidecar_as_rows  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     args = parser.parse_args(argv)
     try:
+        refuse_sidecar_as_rows(args.packed)
         meta = read_sidecar(args.packed) or {}
         max_seq_len = args.max_seq_len if args.max_seq_len is not None else meta.get("max_seq_len")
         if max_seq_len is None:

@@ -58,6 +58,7 @@ from packsft.sidecar import (
     check_token_cache,
     loader_expectation,
     read_sidecar,
+    refuse_sidecar_as_rows,
     repack_hint,
     sidecar_path,
     special_tokens,
@@ -258,6 +259,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         finish_interrupted_publish(self.path)  # a packer killed while renaming: its new set is complete
         if not self.path.is_file():
             raise missing_file("packed file", self.path)
+        refuse_sidecar_as_rows(self.path)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         if isinstance(prompt_format, str):
             packed = ((read_sidecar(self.path) or {}).get("prompt_format") or {})

@@ -46,6 +46,15 @@ def test_mixed_dataset_maps_global_index_to_source_row():
         MixedDataset({"a": short, "b": short})
 
 
+def test_extreme_weights_name_the_source_that_vanishes():
+    """1e300 against 3: the error blamed the weight 3 as not positive ("got [0.0, 1.0]")."""
+    with pytest.raises(ValueError, match=r"weights \[1e\+300, 3\]: source 'b' has a share under 1e-12"):
+        normalize_weights([1e300, 3], ["a", "b"])
+    with pytest.raises(ValueError, match="and their sum finite"):
+        normalize_weights([1e308, 1e308])
+    assert normalize_weights([3, 1]) == [0.75, 0.25]
+
+
 def test_samples_per_epoch_zero_is_refused():
     """0 meant "all rows" (``samples_per_epoch or len``)."""
     with pytest.raises(ValueError, match="samples_per_epoch=0 is below dp_size=1"):

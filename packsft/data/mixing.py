@@ -28,14 +28,25 @@ def normalize_weights(weights: Sequence[float], names: Sequence[str] | None = No
     """Weights scaled to sum 1 and rounded to :data:`WEIGHT_DIGITS` decimals.
 
     Raises:
-        ValueError: a weight that is not a positive finite number (naming its source when ``names`` is given).
+        ValueError: a weight that is not a positive finite number, or whose share rounds to 0 (naming its source
+            when ``names`` is given).
     """
     w = np.asarray(weights, dtype=np.float64)
+
+    def where(bad: list[int]) -> str:
+        return ", ".join(repr(names[i]) if names else str(i) for i in bad)
+
     bad = [i for i, x in enumerate(w) if not (np.isfinite(x) and x > 0)]
-    if len(w) == 0 or bad:
-        where = ", ".join(repr(names[i]) if names else str(i) for i in bad)
-        raise ValueError(f"weights must be positive finite numbers; got {list(weights)} (source {where})")
-    return [round(float(x), WEIGHT_DIGITS) for x in w / w.sum()]
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    if len(w) == 0 or bad or not np.isfinite(total):
+        raise ValueError(f"weights must be positive finite numbers (and their sum finite); got {list(weights)}"
+                         + (f" (source {where(bad)})" if bad else ""))
+    shares = [round(float(x), WEIGHT_DIGITS) for x in w / total]
+    if zero := [i for i, x in enumerate(shares) if x == 0]:
+        raise ValueError(f"weights {list(weights)}: source {where(zero)} has a share under 1e-{WEIGHT_DIGITS} of "
+                         "the total, 0 after normalising; raise its weight or drop it")
+    return shares
 
 
 class MixedDataset:

@@ -395,3 +395,23 @@ def test_a_file_packed_with_a_version_1_sidecar_still_loads(tmp_path, tokenizer_
     ds = PackedSFTDataset(path, tok, "chat-template", 64, require_sidecar=True)
     assert ds.prompt_format.train_on == "all" and ds.prompt_format.chat_template_kwargs is None
     assert ds[0]["num_trained_tokens"] == len(tok("Hello!<|im_end|>4<|im_end|>", add_special_tokens=False)["input_ids"])
+
+
+def test_a_stale_index_without_sidecar_gives_a_conversation_error(tmp_path, tokenizer_dir):
+    """Without a sidecar the index is keyed on size and mtime only (documented): a same-size file with its mtime
+    restored reads at stale offsets. A row not found there raised a bare JSONDecodeError from ``ds[i]``."""
+    tok = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    row = '{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi %s"}, ' \
+          '{"role": "assistant", "content": "yo"}]}\n'
+    path = tmp_path / "rows.jsonl.packed"
+    path.write_text(row % "aa" + row % "b")
+    with pytest.warns(Warning):
+        PackedSFTDataset(path, tok, "chat-template", 128)  # builds rows.jsonl.packed.idx
+    mtime = path.stat().st_mtime_ns
+    path.write_text(row % "a" + row % "bb")  # same size, the second row one byte earlier
+    os.utime(path, ns=(mtime, mtime))
+    with pytest.warns(Warning):
+        stale = PackedSFTDataset(path, tok, "chat-template", 128)
+    with pytest.raises(ConversationError, match=r"rows.jsonl.packed:2: row 1 is not at its row index's offset .*"
+                                                r"delete .*rows.jsonl.packed.idx"):
+        stale.read_messages(1)

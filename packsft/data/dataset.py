@@ -278,7 +278,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.context_parallel_size = context_parallel_size
         self.sidecar = self._check_sidecar(require_sidecar)
         self.rows_hash_checked = check_rows_file(self.sidecar, self.path, verify_rows_hash) if self.sidecar else False
-        self._index = load_or_build_index(self.path, index_path, rows_key(self.sidecar))
+        self.index_path = Path(index_path) if index_path is not None else Path(str(self.path) + INDEX_SUFFIX)
+        self._index = load_or_build_index(self.path, self.index_path, rows_key(self.sidecar))
         self.token_cache, self.token_cache_status = self._open_token_cache(use_token_cache, verify_rows_hash)
         self._fingerprint: str | None = None
         self._file = None
@@ -369,12 +370,19 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
         Raises:
             IndexError: ``i`` out of range.
+            ConversationError: no row at the index's offset: the file changed after its row index was built in a
+                way the index key misses (no sidecar, same size and modification time).
         """
         pos = self._position(i)
         if self._file is None or self._file_pid != os.getpid():
             self._file, self._file_pid = open(self.path, "rb"), os.getpid()  # kept open for reuse
         self._file.seek(int(self._index[_HEADER + pos]))
-        return json.loads(self._file.readline())["messages"]
+        try:
+            return json.loads(self._file.readline())["messages"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConversationError(self.path, self.line_number(pos), "", f"row {pos} is not at its row index's "
+                                    f"offset ({type(e).__name__}: {e}): the file changed after its index was "
+                                    f"built; delete {self.index_path} (rebuilt on the next load)") from e
 
     def tokenize_row(self, i: int) -> list[tuple[list[int], list[int]]]:
         """``(tokens, targets)`` of each conversation of row ``i``, as the packer counted them.

@@ -43,6 +43,7 @@ the loader re-tokenizes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -395,6 +396,18 @@ def check_rows_file(meta: dict[str, Any], packed_path: str | Path, verify_hash: 
         raise SidecarError(f"{path} does not match its sidecar {side}: the rows file's BLAKE2b is {digest}, the "
                            f"sidecar records {expected.get('blake2b')}; {advice}")
     return True
+
+
+CACHE_SETTINGS = ("tokenizer_fingerprint", "special_tokens", "prompt_format")
+"""The sidecar fields that decide a token cache's ids and targets (``max_seq_len`` is in the cache's index)."""
+
+
+def cache_settings_blake2b(meta: dict[str, Any]) -> str:
+    """BLAKE2b-160 (40 hex) of the sidecar's :data:`CACHE_SETTINGS` as canonical JSON: recorded in its
+    ``token_cache`` entry by the packer, so that a sidecar edited since (another ``train_on``, tokenizer) does
+    not vouch for a cache written under other settings."""
+    text = json.dumps({k: meta.get(k) for k in CACHE_SETTINGS}, sort_keys=True, ensure_ascii=False)
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=20).hexdigest()
 
 
 def check_token_cache(meta: dict[str, Any], packed_path: str | Path, verify_hash: bool | None = None) -> bool:

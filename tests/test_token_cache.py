@@ -18,7 +18,7 @@ from packsft.data.dataset import PackedDataWarning, PackedSFTDataset, TokenCache
 from packsft.io import stale_temps
 from packsft.packing import cli
 from packsft.packing.pipeline import PackConfig, run_pack
-from packsft.sidecar import SidecarError, read_sidecar, sidecar_path, write_sidecar
+from packsft.sidecar import SidecarError, cache_settings_blake2b, read_sidecar, sidecar_path, write_sidecar
 from packsft.token_cache import HEADER, TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer
 
@@ -209,6 +209,27 @@ def test_missing_or_unrecorded_cache_is_re_tokenized_with_one_notice(tmp_path, s
     write_sidecar(out, meta)
     with pytest.warns(TokenCacheNotice, match="its sidecar records no token cache"):
         PackedSFTDataset(out, tok, "chat-template", 128, verify_rows_hash=False)
+
+
+def test_a_sidecar_edited_after_packing_does_not_vouch_for_the_cache(tmp_path, small):
+    """The sidecar's train_on edited to ``last``: the loader took the cache's all-turns targets (105 trained
+    tokens on a row where re-tokenizing gives 9). The cache entry records a digest of the settings that made it."""
+    copy, tok, _ = small
+    out = copy(tmp_path)
+    meta = read_sidecar(out)
+    assert meta["token_cache"]["settings_blake2b"] == cache_settings_blake2b(meta)
+    meta["prompt_format"]["train_on"] = "last"
+    write_sidecar(out, meta)
+    with pytest.warns(TokenCacheNotice, match="written under other tokenizer or prompt-format settings than its "
+                                              "sidecar now records"):
+        ds = PackedSFTDataset(out, tok, "chat-template", 128)
+    plain = PackedSFTDataset(out, tok, "chat-template", 128, use_token_cache=False)
+    assert ds.token_cache is None and ds.prompt_format.train_on == "last"
+    for i in range(len(ds)):
+        _assert_same(ds[i], plain[i], f"row {i}")
+    del meta["token_cache"]["settings_blake2b"]  # an earlier packsft's entry: trusted as before
+    write_sidecar(out, meta)
+    assert PackedSFTDataset(out, tok, "chat-template", 128).token_cache is not None
 
 
 def test_no_token_cache_writes_none_and_removes_an_old_one(tmp_path, tokenizer_dir, capsys):

@@ -51,8 +51,10 @@ from packsft.prompt_formats import (
     tokenize_conversations,
 )
 from packsft.sidecar import (
+    CACHE_SETTINGS,
     REPACK_INTRO,
     SidecarError,
+    cache_settings_blake2b,
     check_rows_file,
     check_sidecar,
     check_token_cache,
@@ -324,6 +326,10 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         tokens_path, index_path = cache_paths(self.path)
         if "token_cache" not in self.sidecar:
             reason = "its sidecar records no token cache (packed by an earlier packsft or with --no-token-cache)"
+        elif isinstance(entry := self.sidecar["token_cache"], dict) \
+                and entry.get("settings_blake2b") not in (None, cache_settings_blake2b(self.sidecar)):
+            reason = ("its token cache was written under other tokenizer or prompt-format settings than its sidecar "
+                      f"now records ({', '.join(CACHE_SETTINGS)}: the sidecar was edited after packing)")
         elif not (tokens_path.is_file() and index_path.is_file()):
             missing = tokens_path if not tokens_path.is_file() else index_path
             reason = f"its token cache {missing.name} is " + ("not a file" if missing.exists() else "missing")

@@ -97,7 +97,15 @@ from packsft.prompt_formats import (
     tokenize_conversations,
 )
 from packsft.record_formats import ROW_JSON, RecordFormatError, adapter_identity, record_converter, source_field
-from packsft.sidecar import REPORT_SUFFIX, efficiency, rows_file_fields, sidecar_path, sidecar_text, special_tokens
+from packsft.sidecar import (
+    REPORT_SUFFIX,
+    cache_settings_blake2b,
+    efficiency,
+    rows_file_fields,
+    sidecar_path,
+    sidecar_text,
+    special_tokens,
+)
 from packsft.token_cache import TokenCacheWriter, cache_paths, encode_runs, stored_length
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -1667,6 +1675,8 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, 
         **rows_file_fields(size, digest),
         **({"token_cache": cache_fields} if cache_fields else {}),
     }
+    if cache_fields:
+        cache_fields["settings_blake2b"] = cache_settings_blake2b(sidecar)
     temps["sidecar"] = temp_path(paths["sidecar"])
     temps["sidecar"].write_text(sidecar_text(sidecar), encoding="utf-8")
     _stage("sidecar_written")

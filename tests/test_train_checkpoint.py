@@ -218,3 +218,36 @@ def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
         sorted(p.stat().st_size for p in base_dir.glob("__*.distcp"))
     with pytest.raises(BaseMismatchError, match="has fingerprint"):
         check_lora_base(recorded, swapped, path)
+
+
+def test_two_imports_of_one_model_have_one_base_identity(tmp_path, parallel_state_1proc):  # noqa: F811
+    """torch's ``.metadata`` index holds a random save id and the temp path it was written at: the base fingerprint
+    hashed it, so a base re-imported from the same weights was "a different model" to its LoRA checkpoints."""
+    import hashlib
+
+    from packsft.train.model_checkpoint import (
+        FINGERPRINT_FILE,
+        BaseMismatchError,
+        base_identity,
+        check_lora_base,
+        save_megatron_checkpoint,
+    )
+
+    a = save_megatron_checkpoint(tiny_model(0), TINY, tmp_path / "a")
+    b = save_megatron_checkpoint(tiny_model(0), TINY, tmp_path / "b")
+    assert (a / ".metadata").read_bytes() != (b / ".metadata").read_bytes()
+    assert base_identity(a)["fingerprint"] == base_identity(b)["fingerprint"]
+    check_lora_base(base_identity(a), b, "run")
+    (b / FINGERPRINT_FILE).unlink()  # hashed again from the files: the same
+    assert base_identity(b)["fingerprint"] == base_identity(a)["fingerprint"]
+    # a LoRA checkpoint of an earlier packsft recorded the fingerprint over every file, .metadata included
+    lines = "".join(f"{p.name} {p.stat().st_size} {hashlib.blake2b(p.read_bytes(), digest_size=20).hexdigest()}\n"
+                    for p in sorted(a.iterdir()) if p.name not in ("model_config.json", "hf_config.json",
+                                                                   FINGERPRINT_FILE))
+    legacy = {"path": str(a), "fingerprint": hashlib.blake2b(lines.encode(), digest_size=16).hexdigest()}
+    assert check_lora_base(legacy, a, "run") == a
+    with pytest.raises(BaseMismatchError, match="a different model"):  # its own .metadata: not b's
+        check_lora_base(legacy, b, "run")
+    other = save_megatron_checkpoint(tiny_model(1), TINY, tmp_path / "other")
+    with pytest.raises(BaseMismatchError, match="a different model"):
+        check_lora_base(base_identity(a), other, "run")

@@ -47,27 +47,56 @@ def _weight_files(ckpt_dir: Path) -> list[Path]:
     return sorted(p for p in ckpt_dir.iterdir() if p.is_file() and p.name not in _NOT_WEIGHTS)
 
 
+_UNSTABLE = (".metadata",)
+"""Files left out of the fingerprint: torch's distributed checkpoint index, which besides the tensors' places holds
+a random save id and the path it was written at, so two imports of one model differ there only."""
+
+
+def _fingerprint(files: dict[str, dict], skip: tuple[str, ...] = _UNSTABLE) -> str:
+    """BLAKE2b-128 (32 hex) of the ``name size hash`` lines of ``files`` (in their order), but ``skip``."""
+    lines = "".join(f"{name} {f['bytes']} {f['blake2b']}\n" for name, f in files.items() if name not in skip)
+    return hashlib.blake2b(lines.encode(), digest_size=16).hexdigest()
+
+
 def weights_fingerprint(ckpt_dir: str | Path) -> dict:
     """Hash every ``dist_checkpointing`` file of a model folder (not its JSON configs).
 
     Returns:
         ``{"files": {name: {"bytes": int, "mtime_ns": int, "blake2b": 40 hex}}, "fingerprint": 32 hex}``; the
-        fingerprint is the BLAKE2b-128 of the sorted ``name size hash`` lines, so it changes with any byte of any
-        weight file (``mtime_ns`` only tells :func:`base_identity` whether the stored one still applies).
+        fingerprint is the BLAKE2b-128 of the sorted ``name size hash`` lines of the files holding the weights
+        (not torch's ``.metadata`` index: :data:`_UNSTABLE`), so it changes with any byte of any weight and is the
+        same for two imports of one model (``mtime_ns`` only tells :func:`base_identity` whether the stored
+        hashes still apply).
     """
     stats = {p: p.stat() for p in _weight_files(Path(ckpt_dir))}
     files = {p.name: {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "blake2b": file_blake2b(p)}
              for p, st in stats.items()}
-    lines = "".join(f"{name} {f['bytes']} {f['blake2b']}\n" for name, f in files.items())
-    return {"files": files, "fingerprint": hashlib.blake2b(lines.encode(), digest_size=16).hexdigest()}
+    return {"files": files, "fingerprint": _fingerprint(files)}
+
+
+def _identity(ckpt_dir: Path) -> tuple[str, str]:
+    """``(fingerprint, legacy fingerprint)`` of a model folder: the legacy one (packsft before 2026-12-05, and the
+    identity its LoRA checkpoints recorded) also hashed ``.metadata``."""
+    files = None
+    try:
+        stored = json.loads((ckpt_dir / FINGERPRINT_FILE).read_text())
+        stats = {p.name: (st.st_size, st.st_mtime_ns) for p in _weight_files(ckpt_dir) for st in [p.stat()]}
+        if {n: (f["bytes"], f["mtime_ns"]) for n, f in stored["files"].items()} == stats and \
+                all(isinstance(f["blake2b"], str) for f in stored["files"].values()):
+            files = stored["files"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        files = None
+    if files is None:
+        files = weights_fingerprint(ckpt_dir)["files"]
+    return _fingerprint(files), _fingerprint(files, skip=())
 
 
 def base_identity(ckpt_dir: str | Path) -> dict[str, str]:
     """``{"path": absolute folder, "fingerprint": 32 hex}`` of a model folder (an imported base).
 
-    Reads ``weights_fingerprint.json`` when its files are exactly the folder's, with the same sizes and
-    modification times (other weights of the same shapes have the same sizes); otherwise hashes the files
-    (:func:`weights_fingerprint`).
+    Uses the file hashes of ``weights_fingerprint.json`` when its files are exactly the folder's, with the same
+    sizes and modification times (other weights of the same shapes have the same sizes); otherwise hashes the
+    files (:func:`weights_fingerprint`).
 
     Raises:
         FileNotFoundError: ``ckpt_dir`` is not a folder.
@@ -75,17 +104,7 @@ def base_identity(ckpt_dir: str | Path) -> dict[str, str]:
     ckpt_dir = Path(ckpt_dir).resolve()
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"base checkpoint {ckpt_dir} does not exist")
-    stored = None
-    try:
-        stored = json.loads((ckpt_dir / FINGERPRINT_FILE).read_text())
-        stats = {p.name: (st.st_size, st.st_mtime_ns) for p in _weight_files(ckpt_dir) for st in [p.stat()]}
-        recorded = {n: (f["bytes"], f["mtime_ns"]) for n, f in stored["files"].items()}
-        if recorded != stats or not isinstance(stored["fingerprint"], str):
-            stored = None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        stored = None
-    fingerprint = stored["fingerprint"] if stored else weights_fingerprint(ckpt_dir)["fingerprint"]
-    return {"path": str(ckpt_dir), "fingerprint": fingerprint}
+    return {"path": str(ckpt_dir), "fingerprint": _identity(ckpt_dir)[0]}
 
 
 def check_lora_base(recorded: dict, base_dir: str | Path | None, checkpoint: str | Path) -> Path:
@@ -97,14 +116,14 @@ def check_lora_base(recorded: dict, base_dir: str | Path | None, checkpoint: str
         BaseMismatchError: the folder is missing, or its fingerprint differs from the recorded one (both named).
     """
     base_dir = Path(base_dir if base_dir is not None else recorded["path"])
-    try:
-        current = base_identity(base_dir)
-    except FileNotFoundError:
+    if not base_dir.is_dir():
         raise BaseMismatchError(
             f"checkpoint {checkpoint} holds LoRA adapters of the base {recorded['path']} (fingerprint "
             f"{recorded['fingerprint']}), but {base_dir} does not exist; point checkpoint.init_from (export: "
-            "--lora-base) at that base folder") from None
-    if current["fingerprint"] != recorded["fingerprint"]:
+            "--lora-base) at that base folder")
+    fingerprints = _identity(base_dir.resolve())  # a checkpoint of an earlier packsft recorded the legacy one
+    current = {"path": str(base_dir.resolve()), "fingerprint": fingerprints[0]}
+    if recorded["fingerprint"] not in fingerprints:
         raise BaseMismatchError(
             f"checkpoint {checkpoint} holds LoRA adapters of the base {recorded['path']} (fingerprint "
             f"{recorded['fingerprint']}), but the base given, {current['path']}, has fingerprint "

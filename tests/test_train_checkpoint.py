@@ -251,3 +251,30 @@ def test_two_imports_of_one_model_have_one_base_identity(tmp_path, parallel_stat
     other = save_megatron_checkpoint(tiny_model(1), TINY, tmp_path / "other")
     with pytest.raises(BaseMismatchError, match="a different model"):
         check_lora_base(base_identity(a), other, "run")
+
+
+def test_a_bf16_import_starts_an_fp32_run(tmp_path, parallel_state_1proc):  # noqa: F811
+    """``import --params-dtype bfloat16`` wrote params_dtype bfloat16, which init_from then imposed (a run in bf16
+    parameters, no fp32 master with the torch optimizer): params_dtype may differ, the weights are cast on load."""
+    import dataclasses
+
+    from packsft.train.config import check_init_model, load_config
+    from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+
+    bf16 = dataclasses.replace(TINY, params_dtype="bfloat16")
+    torch.manual_seed(0)
+    source = build_gpt_model(bf16)
+    base = save_megatron_checkpoint(source, bf16, tmp_path / "base")
+    fp32 = build_gpt_model(TINY)
+    load_megatron_checkpoint(fp32, base)
+    for (name, a), b in zip(source.state_dict().items(), fp32.state_dict().values()):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            assert b.dtype == torch.float32 and torch.equal(a.float(), b), name
+    run = ["data.train_path=x", "data.tokenizer=t", "data.max_seq_len=32", "train.train_steps=2",
+           "train.global_batch_size=1", f"checkpoint.init_from={base}"]
+    assert load_config(None, run).model.params_dtype == "bfloat16"  # the import's, unless set
+    cfg = load_config(None, [*run, "model.params_dtype=float32"])   # refused before
+    assert cfg.model.params_dtype == "float32"
+    with pytest.raises(ValueError, match=r"model.hidden_size \(64\) differs"):  # a weight's shape still may not
+        check_init_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=64)),
+                         dataclasses.asdict(bf16))

@@ -36,7 +36,11 @@ from packsft.model.lora import LoraConfig
 DECAY_STYLES = ("cosine", "linear", "constant")
 INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std", "recompute_granularity",
                              "recompute_method", "recompute_num_layers", "recompute_modules")
-"""``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight)."""
+"""``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight),
+and from a checkpoint resumed or exported."""
+INIT_ONLY_FREE_MODEL_KEYS = ("params_dtype",)
+"""``model`` keys that may also differ from ``init_from``'s (a base imported in bf16 trains in fp32: the weights are
+cast on load), but not on resume, whose optimizer state is that of the recorded dtype."""
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 OPTIMIZER_BACKENDS = ("torch", "megatron")
 RENAMED_KEYS = {
@@ -332,7 +336,7 @@ class CheckpointConfig:
     """Model-only checkpoint folder (``tools/convert_checkpoint.py import --out``) whose weights start the run when
     there is nothing to resume (a checkpoint found by ``resume`` wins); optimizer, schedule and data order start
     fresh. Its ``model_config.json`` fills the ``model`` section; ``model`` keys set in the YAML or overrides must
-    agree with it, except those in ``INIT_FROM_FREE_MODEL_KEYS``."""
+    agree with it, except those in ``INIT_FROM_FREE_MODEL_KEYS`` and ``INIT_ONLY_FREE_MODEL_KEYS``."""
     keep_last: int = 0
     """Keep only the N newest complete checkpoints (by step; never the one ``latest`` names); 0 keeps all."""
 
@@ -607,11 +611,11 @@ def check_init_model(cfg: Config, imported: dict, source: str | None = None) -> 
     ``source`` names where ``imported`` comes from (default: ``checkpoint.init_from``'s ``model_config.json``).
 
     Raises:
-        ValueError: a ``model`` field (other than ``INIT_FROM_FREE_MODEL_KEYS``) differs from ``imported``; the
-            message names the field and both values.
+        ValueError: a ``model`` field (other than ``INIT_FROM_FREE_MODEL_KEYS`` and ``INIT_ONLY_FREE_MODEL_KEYS``)
+            differs from ``imported``; the message names the field and both values.
     """
     current = asdict(cfg.model)
-    key = _first_difference(current, imported, INIT_FROM_FREE_MODEL_KEYS)
+    key = _first_difference(current, imported, INIT_FROM_FREE_MODEL_KEYS + INIT_ONLY_FREE_MODEL_KEYS)
     source = source or f"checkpoint.init_from's {MODEL_CONFIG_FILE}"
     if key is not None:
         raise ValueError(f"model.{key} ({current.get(key)!r}) differs from {source} ({imported[key]!r}): the "

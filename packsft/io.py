@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -116,12 +118,20 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     crash leaves the old folder (where :func:`replace_dir` cannot swap, possibly set aside as ``.<name>.old-*``)
     or the complete new one, not one of empty files.
 
+    The temp folder is ``.<name>.tmp-<host>-<pid>-XXXXXXXX``: one a killed writer on this host left (its process
+    is gone) is removed first.
+
     Yields:
         The temp folder to fill. If the block raises, it is removed and ``path`` is untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    prefix, host = f".{path.name}.tmp-", socket.gethostname()
+    for stale in path.parent.glob(f"{glob.escape(prefix)}*"):
+        m = re.fullmatch(rf"{re.escape(prefix)}(.+)-(\d+)-\w+", stale.name)
+        if m and m.group(1) == host and not _process_alive(int(m.group(2))) and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{host}-{os.getpid()}-", dir=path.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
@@ -131,6 +141,17 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _umask() -> int:

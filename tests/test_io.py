@@ -225,3 +225,27 @@ def test_exchange_paths_swaps_and_changes_nothing_when_it_fails(tmp_path):
     assert (tmp_path / "a").is_dir() and (tmp_path / "b").read_text() == "a"
     assert not exchange_paths(tmp_path / "a", tmp_path / "missing")      # the caller's os.replace reports it
     assert (tmp_path / "a").is_dir() and not (tmp_path / "missing").exists()
+
+
+def test_atomic_dir_removes_the_temp_folder_of_a_killed_writer_on_this_host(tmp_path):
+    """A killed export left ``.out.tmp-XXXXXXXX`` (143 MB in one report) that no later run removed."""
+    import socket
+    import subprocess
+    import sys
+
+    import packsft.io as io_module
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(done.stdout)  # a process that has exited
+    host = socket.gethostname()
+    killed = tmp_path / f".out.tmp-{host}-{dead}-abcd1234"
+    running = tmp_path / f".out.tmp-{host}-{os.getpid()}-efgh5678"  # a live writer (here: this process)
+    elsewhere = tmp_path / f".out.tmp-other-host-{dead}-ijkl9012"  # another node on a shared file system
+    other_name = tmp_path / f".outer.tmp-{host}-{dead}-mnop3456"
+    for d in (killed, running, elsewhere, other_name):
+        (d / "sub").mkdir(parents=True)
+    with io_module.atomic_dir(tmp_path / "out") as tmp:
+        assert tmp.name.startswith(f".out.tmp-{host}-{os.getpid()}-")
+        (tmp / "f").write_text("x")
+    assert (tmp_path / "out" / "f").read_text() == "x"
+    assert not killed.exists() and running.is_dir() and elsewhere.is_dir() and other_name.is_dir()

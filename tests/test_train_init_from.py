@@ -194,4 +194,4 @@ def test_an_unreadable_init_from_checkpoint_is_one_error_line(setup, tmp_path):
                           capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(errors) == 1 and "cannot load the checkpoint" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and f"error: {broken}: cannot load the checkpoint" in errors[0], proc.stderr[-3000:]

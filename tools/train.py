@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         except CheckpointException as err:      # torch's reader: a truncated or missing .distcp (a BaseException)
-            print(f"error: {unreadable_checkpoint_message(err)}", file=sys.stderr)
+            where = f"{err.checkpoint}: " if getattr(err, "checkpoint", None) else ""
+            print(f"error: {where}{unreadable_checkpoint_message(err)}", file=sys.stderr)
             return 2
         if trainer.ctx.rank == 0:
             with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.nn.parallel import DistributedDataParallel
 
 from packsft.data.loader import (
@@ -127,6 +128,17 @@ class TrainState:
     def from_dict(cls, saved: dict[str, Any]) -> TrainState:
         """From a checkpoint's dict; fields of older versions (``consumed_tokens``) are ignored."""
         return cls(**{f.name: int(saved[f.name]) for f in fields(cls) if f.name in saved})
+
+
+@contextlib.contextmanager
+def _naming(checkpoint):
+    """torch's ``CheckpointException`` (a ``BaseException``) raised while reading ``checkpoint`` gets its folder as
+    ``err.checkpoint``, which ``tools/train.py`` names in its error line."""
+    try:
+        yield
+    except CheckpointException as err:
+        err.checkpoint = str(checkpoint)
+        raise
 
 
 class Trainer:
@@ -274,7 +286,8 @@ class Trainer:
             base_dir = check_lora_base(recorded, init_from, path)
             self._load_base(base_dir)
             self.lora_base = {"path": str(Path(base_dir).resolve()), "fingerprint": recorded["fingerprint"]}
-        ckpt.load_model_and_optimizer(path, self.model, self.optimizer, adapters_only=recorded is not None)
+        with _naming(path):
+            ckpt.load_model_and_optimizer(path, self.model, self.optimizer, adapters_only=recorded is not None)
         self.state = TrainState.from_dict(saved["state"])
         was = recorded_sections["train"].get("global_batch_size")
         if was is not None and was != self.cfg.train.global_batch_size and self.ctx.rank == 0:
@@ -291,7 +304,8 @@ class Trainer:
     def _load_base(self, base_dir) -> None:
         """Load an imported model folder into every chunk (LoRA: all but the adapters); refresh fp32 masters."""
         for gpt in self.gpts:            # global layer names: each stage loads its own layers
-            load_megatron_checkpoint(gpt, base_dir, base_only=self.cfg.lora.enabled)
+            with _naming(base_dir):
+                load_megatron_checkpoint(gpt, base_dir, base_only=self.cfg.lora.enabled)
         if self.megatron:                # fp32 master weights are copies made before the load
             self.optimizer.reload_model_params()
 

@@ -5,9 +5,14 @@ import shutil
 
 import pytest
 import torch
+from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
 from safetensors.torch import load_file, save_file
 from test_tools_errors import TOOLS, assert_user_error, run_tool
 from transformers import AutoModelForCausalLM, LlamaConfig
+
+from packsft.model.gpt import build_gpt_model
+from packsft.model.hf_config import model_config_from_hf
+from packsft.model.hf_io import load_hf_checkpoint, load_hf_config, load_hf_state_into_model
 
 CONVERT = TOOLS / "convert_checkpoint.py"
 
@@ -79,10 +84,18 @@ def test_export_of_an_unloadable_checkpoint_is_a_user_error(tmp_path):
     other = tiny_llama(tmp_path / "other", head_dim=16)                      # its attention is half as wide
     rc, stderr = run_tool(CONVERT, "import", "--hf", other, "--out", tmp_path / "mg_other")
     assert rc == 0, stderr[-3000:]
-    # torch's checkpoint reader raises a CheckpointException (a BaseException) wrapping the shape mismatch
+    # another model's config: refused against the folder's own model_config.json before any weight is read
+    # (before: torch's reader raised a CheckpointException wrapping the shape mismatch; a config whose shapes
+    # matched exported another model silently)
     assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
                                 "--config", tmp_path / "mg_other" / "model_config.json"),
-                      f"{tmp_path / 'mg'}: cannot load the checkpoint: CheckpointingException: Global shape mismatch")
+                      f"differs from {tmp_path / 'mg' / 'model_config.json'}")
+    # torch's checkpoint reader raises a CheckpointException (a BaseException) wrapping the shape mismatch
+    wrong = tmp_path / "mg_wrong"
+    shutil.copytree(tmp_path / "mg", wrong)
+    shutil.copy(tmp_path / "mg_other" / "model_config.json", wrong / "model_config.json")
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", wrong, "--out", tmp_path / "out"),
+                      f"{wrong}: cannot load the checkpoint: CheckpointingException: Global shape mismatch")
     distcp = sorted((tmp_path / "mg").glob("*.distcp"))[-1]
     with open(distcp, "r+b") as f:
         f.truncate(1000)
@@ -148,3 +161,152 @@ def test_tied_config_with_a_different_lm_head_is_refused(tmp_path):
     edit_tensors(hf, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()}))
     rc, stderr = run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out")     # an equal copy is fine
     assert rc == 0, stderr[-3000:]
+
+
+
+def test_import_of_a_non_floating_tensor_is_refused(parallel_state_1proc, tmp_path):  # noqa: F811
+    """An int8 (quantized) or int64 tensor was cast to float on import: garbage weights, exit 0."""
+    hf = tiny_llama(tmp_path / "hf")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    edit_tensors(hf, lambda s: s.update({q: (s[q] * 100).to(torch.int8)}))
+    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
+                      f"{hf / 'model.safetensors'}: tensor '{q}' has dtype I8, not floating point; packsft imports "
+                      "unquantized weights (a quantized checkpoint must be dequantized first")
+    assert not (tmp_path / "out").exists()
+    edit_tensors(hf, lambda s: s.update({q: s[q].float(), "model.norm.weight": torch.ones(64, dtype=torch.int64)}))
+    with pytest.raises(ValueError, match="model.safetensors: tensor 'model.norm.weight' has dtype I64, not floating"):
+        load_hf_checkpoint(hf)
+    cfg = model_config_from_hf(load_hf_config(hf))          # a state dict handed over directly: checked too
+    with pytest.raises(ValueError, match="HF state dict: tensor 'model.norm.weight' has dtype int64, not floating"):
+        load_hf_state_into_model(build_gpt_model(cfg), load_file(hf / "model.safetensors"), cfg)
+
+
+def _convert_tool():
+    """tools/convert_checkpoint.py as a module (its functions, without a process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", CONVERT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_export_config_yaml_with_a_partial_or_no_model_section(tmp_path):
+    """Training allows ``model: {max_position_embeddings: 256}`` with init_from; export crashed with a TypeError
+    (missing 6 required arguments), and a YAML without ``model:`` was blamed for unknown fields ['checkpoint', ...]."""
+    import json
+    from dataclasses import asdict, replace
+
+    import yaml
+
+    from packsft.model.config import ModelConfig
+    from packsft.model.lora import LoraConfig
+
+    export_sections = _convert_tool().export_sections
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, max_position_embeddings=128, kv_channels=32, rotary_base=50000.0)
+    lora = LoraConfig(enabled=True, rank=2, alpha=4.0)
+    run = {"data": {"max_seq_len": 64}, "optimizer": {"lr": 1e-3}}
+
+    def config(name, **sections):
+        (tmp_path / name).write_text(yaml.safe_dump({**run, **sections}))
+        return str(tmp_path / name)
+
+    partial = config("partial.yaml", model={"max_position_embeddings": 256}, lora=asdict(lora))
+    longer = replace(cfg, max_position_embeddings=256)
+    saved = {"config": yaml.safe_dump({"model": asdict(cfg), "lora": asdict(lora)})}  # a LoRA run's train_state
+    assert export_sections(tmp_path / "iter_0000002", partial, saved) == (longer, lora)
+    saved = {"config": yaml.safe_dump({"model": asdict(cfg)})}
+    assert export_sections(tmp_path / "iter_0000002", config("none.yaml"), saved) == (cfg, None)
+
+    imported = tmp_path / "imported"                    # an imported folder: its model_config.json
+    imported.mkdir()
+    (imported / "model_config.json").write_text(json.dumps(asdict(cfg)))
+    partial = config("partial_base.yaml", model={"max_position_embeddings": 256})
+    assert export_sections(imported, partial, None) == (longer, None)
+    with pytest.raises(ValueError, match=r"model.rotary_base \(7.0\) differs from .*imported/model_config.json "
+                                         r"\(50000.0\): the weights have the latter"):
+        export_sections(imported, config("bad.yaml", model={"rotary_base": 7.0}), None)
+
+    empty = tmp_path / "empty"                          # nothing to take the rest from
+    empty.mkdir()
+    for yaml_file in (partial, config("no_model.yaml")):
+        with pytest.raises(ValueError, match=r"\.yaml: missing ModelConfig fields \['num_layers', 'hidden_size', "
+                                             r".*a partial model section takes the rest from"):
+            export_sections(empty, yaml_file, None)
+    with_init = config("init.yaml", model={"max_position_embeddings": 256}, checkpoint={"init_from": str(imported)})
+    assert export_sections(empty, with_init, None) == (longer, None)      # as training resolves it
+    # a model_config.json given as --config over an imported folder: it exported another rope base, exit 0
+    wrong = tmp_path / "wrong_model_config.json"
+    wrong.write_text(json.dumps(asdict(replace(cfg, rotary_base=10000.0))))
+    with pytest.raises(ValueError, match=r"model.rotary_base \(10000.0\) differs from .*imported/model_config.json"):
+        export_sections(imported, str(wrong), None)
+    same = tmp_path / "same_model_config.json"
+    same.write_text(json.dumps(asdict(replace(cfg, max_position_embeddings=256))))  # a free key
+    assert export_sections(imported, str(same), None) == (longer, None)
+
+
+def test_export_hf_config_of_another_layer_count_is_a_user_error(tmp_path):
+    """Its layer_types (3) against num_layers 2: huggingface_hub's StrictDataclassClassValidationError, exit 1."""
+    import json
+    from dataclasses import asdict
+
+    from transformers import Qwen3Config
+
+    from packsft.model.config import ModelConfig
+    from packsft.model.hf_config import hf_config_from_model_config
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, max_position_embeddings=128, kv_channels=32, qk_layernorm=True)
+    other = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, vocab_size=256)
+    message = "transformers refuses the qwen3 config.json built from it and the model config: `num_hidden_layers` " \
+              "(2) must be equal to the number of `layer_types` (3)"
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        hf_config_from_model_config(cfg, base=other.to_dict())
+    other.save_pretrained(tmp_path / "other")
+    (tmp_path / "mg").mkdir()
+    (tmp_path / "mg" / "model_config.json").write_text(json.dumps(asdict(cfg)))    # refused before any weight is read
+    hf_config = tmp_path / "other" / "config.json"
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+                                "--hf-config", hf_config), f"--hf-config {hf_config}: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_gguf_of_another_head_dim_is_a_user_error(tmp_path, monkeypatch):
+    """transformers reads every Qwen3 GGUF as head_dim 128: a head_dim 16 one failed with its RuntimeError."""
+    from test_hf_convert import hf_model, write_tiny_gguf
+
+    gguf = tmp_path / "qwen3.gguf"
+    write_tiny_gguf(hf_model("qwen3", seed=15, head_dim=16), gguf, arch="qwen3")
+    assert_user_error(*run_tool(CONVERT, "import", "--hf", gguf, "--out", tmp_path / "out"),
+                      f"{gguf}: its attention heads are 16 wide (qwen3.attention.key_length), but transformers' GGUF "
+                      "loader builds head_dim 128")
+    assert not (tmp_path / "out").exists()
+    import gguf as gguf_package  # a GGUF without key_length: transformers' shape check, caught
+
+    monkeypatch.setattr(gguf_package.GGUFWriter, "add_key_length", lambda self, n: None)
+    monkeypatch.setattr(gguf_package.GGUFWriter, "add_value_length", lambda self, n: None)
+    bare = tmp_path / "bare.gguf"
+    write_tiny_gguf(hf_model("qwen3", seed=15, head_dim=16), bare, arch="qwen3")
+    with pytest.raises(ValueError, match=f"{bare}: its tensors do not have the shapes of the config transformers' "
+                                         "GGUF loader derives from it"):
+        load_hf_checkpoint(bare)
+
+
+def test_gguf_folder_of_several_files_and_a_truncated_gguf_are_named(tmp_path):
+    """Two .gguf files: 'Unrecognized model ... model_type'; a truncated one: a numpy reshape error, no file."""
+    from test_hf_convert import hf_model, write_tiny_gguf
+
+    folder = tmp_path / "ggufs"
+    folder.mkdir()
+    write_tiny_gguf(hf_model("llama", seed=13), folder / "a.gguf")
+    shutil.copyfile(folder / "a.gguf", folder / "b.gguf")
+    for read in (load_hf_config, load_hf_checkpoint):
+        with pytest.raises(ValueError, match=f"{folder} holds 2 .gguf files \\(a.gguf, b.gguf\\): pass one of them"):
+            read(folder)
+    with open(folder / "b.gguf", "r+b") as f:
+        f.truncate((folder / "b.gguf").stat().st_size - 1000)
+    for read in (load_hf_config, load_hf_checkpoint):
+        with pytest.raises(ValueError, match=f"{folder / 'b.gguf'}: not readable as a GGUF model: cannot reshape"):
+            read(folder / "b.gguf")

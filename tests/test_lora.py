@@ -84,6 +84,13 @@ def test_merged_export_and_peft_adapter_equal_the_lora_model(parallel_state_1pro
     with torch.no_grad():
         torch.testing.assert_close(peft_model(tokens).logits[0], lora_logits, atol=1e-4, rtol=0)
 
+    bf16 = save_peft_adapter(megatron, cfg, LORA, tmp_path / "bf16", base_model_name_or_path=str(base_dir),
+                             dtype=torch.bfloat16)  # export --dtype: the adapter stayed float32
+    from safetensors.torch import load_file
+    fp32, half = (load_file(d / "adapter_model.safetensors") for d in (adapter_dir, bf16))
+    assert fp32.keys() == half.keys() and all(half[k].dtype == torch.bfloat16 and fp32[k].dtype == torch.float32
+                                              and torch.equal(half[k], fp32[k].bfloat16()) for k in fp32)
+
     merge_lora(megatron)
     merged_dir = save_hf_checkpoint(megatron, cfg, tmp_path / "merged", hf_config=model.config)
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()

@@ -192,3 +192,17 @@ def test_train_te_backend_without_transformer_engine(tmp_path, packed):  # noqa:
     cfg = write_config(tmp_path / "c.yaml", packed, tmp_path / "run")
     assert_user_error(*run_tool(TOOLS / "train.py", "--config", cfg, "model.attention_backend=te"),
                       "model.attention_backend='te' needs TransformerEngine")
+
+
+def test_convert_checkpoint_lora_base_on_a_whole_model_is_refused(tmp_path):
+    """``--lora-base`` on a checkpoint that holds its whole model was silently ignored."""
+    from dataclasses import asdict
+
+    from packsft.model.config import ModelConfig
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, max_position_embeddings=128)
+    (tmp_path / "model_config.json").write_text(json.dumps(asdict(cfg)))
+    assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", "export", "--megatron", tmp_path, "--out",
+                                tmp_path / "out", "--lora-base", tmp_path / "base"),
+                      f"--lora-base is for the checkpoint of a LoRA run started from an imported base (it holds only "
+                      f"the adapters); {tmp_path} holds its whole model")

@@ -40,6 +40,7 @@ checkpoints you trust. The HF input is read as safetensors (or GGUF) and JSON, w
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -48,9 +49,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packsft.model.config import ModelConfig, config_from_dict, read_model_config  # noqa: E402
+from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig, config_from_dict, read_model_config  # noqa: E402
 from packsft.model.gpt import build_gpt_model  # noqa: E402
-from packsft.model.hf_config import model_config_from_hf  # noqa: E402
+from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf  # noqa: E402
 from packsft.model.hf_io import (  # noqa: E402
     HF_CONFIG_FILE,
     load_hf_checkpoint,
@@ -66,7 +67,12 @@ from packsft.model.hf_io import (  # noqa: E402
 from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.packing.cli import positive_int  # noqa: E402
 from packsft.train.checkpoint import INIT_FROM, LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
-from packsft.train.config import check_recorded_architecture, recorded_architecture  # noqa: E402
+from packsft.train.config import (  # noqa: E402
+    check_model_fields,
+    check_recorded_architecture,
+    read_yaml_model,
+    recorded_architecture,
+)
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
 from packsft.train.model_checkpoint import (  # noqa: E402
     check_lora_base,
@@ -115,7 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="folder with tokenizer files and chat template to copy; its bos/eos/pad ids fill "
                           "config.json where the HF config lacks them")
     exp.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                     help="dtype of the safetensors (default: the model's)")
+                     help="dtype of the safetensors, the PEFT adapter's too (default: the model's parameters', "
+                          "float32 unless model.params_dtype says otherwise, whatever the imported HF model's)")
     lora = exp.add_mutually_exclusive_group()
     lora.add_argument("--merge-lora", action="store_true",
                       help="LoRA run: fold the adapters into the exported weights")
@@ -159,26 +166,39 @@ def export_sections(megatron: Path, config: str | None, saved: dict | None) -> t
 
     A training checkpoint (``saved``: its ``train_state.json``) records the config it was trained with: that is used
     when ``config`` is None, and ``config`` must agree with it otherwise. Other folders: ``config``, else the
-    folder's ``model_config.json``.
+    folder's ``model_config.json``. A YAML ``config``'s ``model:`` section may be partial or absent, as in training
+    with ``checkpoint.init_from``: it is merged over the recorded section, else over the folder's
+    ``model_config.json`` (which it must then agree with), else over its own ``checkpoint.init_from``'s
+    (``packsft.train.config.read_yaml_model``).
 
     Raises:
-        ValueError: ``config`` differs from the recorded architecture (naming the key), or unknown fields.
+        ValueError: ``config`` differs from the recorded architecture or the folder's ``model_config.json`` (naming
+            the key), unknown fields, or required fields with nothing to take them from.
     """
+    is_yaml = config is not None and Path(config).suffix in (".yaml", ".yml")
     if saved is None:
-        return read_model_config(config or megatron), read_lora_config(config) if config else None
+        own = megatron / MODEL_CONFIG_FILE
+        base = json.loads(own.read_text()) if own.is_file() else None
+        if is_yaml:
+            return read_yaml_model(config, base, str(own)), read_lora_config(config)
+        model = read_model_config(config or megatron)
+        if config is not None and base is not None:  # the folder's own: its weights have those (a silent mismatch)
+            check_model_fields(model, base, str(own))
+        return model, read_lora_config(config) if config else None
     recorded = recorded_architecture(saved, megatron)
     if config is None:
         model = config_from_dict(ModelConfig, recorded["model"], f"{megatron / TRAIN_STATE} model")
         lora = recorded["lora"]
         where = f"{megatron / TRAIN_STATE} lora"
         return model, (config_from_dict(LoraConfig, lora, where) if lora.get("enabled") else None)
-    model = read_model_config(config)
-    if Path(config).suffix in (".yaml", ".yml"):
+    if is_yaml:     # checked against the recorded section below
+        model = read_yaml_model(config, recorded["model"], f"{megatron / TRAIN_STATE} model", check=False)
         lora = read_lora_config(config)
-    elif recorded["lora"].get("enabled"):   # a model_config.json has no lora section: the recorded one
-        lora = config_from_dict(LoraConfig, recorded["lora"], f"{megatron / TRAIN_STATE} lora")
     else:
-        lora = None
+        model = read_model_config(config)
+        # a model_config.json has no lora section: the recorded one
+        lora = config_from_dict(LoraConfig, recorded["lora"], f"{megatron / TRAIN_STATE} lora") \
+            if recorded["lora"].get("enabled") else None
     check_recorded_architecture(model, lora, recorded, megatron,
                                 fix="pass that run's config.yaml as --config, or leave --config out to use the "
                                     "recorded one")
@@ -282,13 +302,22 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("the checkpoint holds LoRA adapters: pass --merge-lora or --lora-adapter DIR")
         if lora is not None and pp > 1:
             raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
+        if args.lora_base and recorded is None:  # it was ignored
+            raise ValueError(f"--lora-base is for the checkpoint of a LoRA run started from an imported base (it "
+                             f"holds only the adapters); {megatron} holds its whole model: leave --lora-base out")
         base_dir = check_lora_base(recorded, args.lora_base, megatron) if recorded is not None else None
         refuse_out_over_inputs(args, **{"the run's LoRA base": base_dir})
         hf_config = given_hf_config(args.hf_config) if args.hf_config else read_hf_config(megatron)
+        origin = f"--hf-config {args.hf_config}" if args.hf_config else str(megatron / HF_CONFIG_FILE)
         if hf_config is None:       # the original HF config of the imported folder the run started from
             start = base_dir or recorded_init_from(saved)
             refuse_out_over_inputs(args, **{"the folder the run started from": start})
             hf_config = read_hf_config(start) if start is not None else None
+            origin = str(start / HF_CONFIG_FILE) if hf_config is not None else "the model config"
+        try:                # before any weight is read, on every rank (rank 0 alone builds it to write it)
+            hf_config_from_model_config(cfg, base=hf_config, token_ids=token_ids)
+        except ValueError as err:
+            raise ValueError(f"{origin}: {err}") from None
         model = build_gpt_model(cfg)
         if lora is not None:
             apply_lora(model, lora)
@@ -304,7 +333,7 @@ def _run(args: argparse.Namespace) -> int:
                            tp_group=ctx.tp_group, pp_group=ctx.pp_group, dtype=dtype, token_ids=token_ids)
         if args.lora_adapter:   # after its base: a failed base export leaves no new adapter beside an old base
             save_peft_adapter(model, cfg, lora, args.lora_adapter, base_model_name_or_path=args.out,
-                              tp_group=ctx.tp_group)
+                              tp_group=ctx.tp_group, dtype=dtype)
     if ctx.rank == 0:
         print(f"{args.command}: wrote {args.out}")
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -260,7 +260,8 @@ def read_model_config(path: str | Path) -> ModelConfig:
     """``ModelConfig`` from a ``model_config.json``, a checkpoint folder holding one, or a YAML's ``model:`` section.
 
     Raises:
-        ValueError: naming unknown fields.
+        ValueError: naming unknown or missing fields (a partial YAML ``model:`` section, as training allows with
+            ``checkpoint.init_from``: see ``packsft.train.config.read_yaml_model``), or a YAML without one.
         FileNotFoundError: no such file (a folder without ``model_config.json``: not a packsft checkpoint).
     """
     path = Path(path)
@@ -273,22 +274,65 @@ def read_model_config(path: str | Path) -> ModelConfig:
     elif not path.is_file():
         raise FileNotFoundError(f"model config not found: {path}")
     if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(path.read_text())
-        data = data.get("model", data)
+        data = yaml_model_section(path)
+        if data is None:
+            raise ValueError(f"{path} has no model: section")
     else:
         data = json.loads(path.read_text())
     return config_from_dict(ModelConfig, data, str(path))
 
 
-def config_from_dict(cls, values: dict, where: str):
-    """``cls(**values)`` for a config dataclass (``ModelConfig``, ``LoraConfig``) read from a file.
+def yaml_model_section(path: str | Path) -> dict | None:
+    """A YAML file's ``model:`` section as a dict (``{}`` when null; the whole file when its keys are all
+    ``ModelConfig`` fields), or None when it has none (e.g. a training config that takes the model from
+    ``checkpoint.init_from``).
 
     Raises:
-        ValueError: ``"{where}: unknown <cls> fields [...]"`` for keys that are not fields of ``cls``.
+        ValueError: naming the file: not YAML, not a mapping, or a ``model:`` that is not a mapping.
     """
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a YAML mapping of config sections")
+    if "model" not in data:
+        return data if data and set(data) <= {f.name for f in fields(ModelConfig)} else None
+    section = {} if data["model"] is None else data["model"]
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: model: must be a mapping of ModelConfig fields, got {section!r}")
+    return section
+
+
+def check_field_names(cls, values: dict, where: str) -> None:
+    """Refuse ``values`` that is not a mapping or has keys that are not fields of the dataclass ``cls``.
+
+    Raises:
+        ValueError: ``"{where}: unknown <cls> fields [...]"``, or naming the value that is not a mapping.
+    """
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {values!r}")
     unknown = set(values) - {f.name for f in fields(cls)}
     if unknown:
         raise ValueError(f"{where}: unknown {cls.__name__} fields {sorted(unknown)}")
-    return cls(**values)
+
+
+def config_from_dict(cls, values: dict, where: str, missing_hint: str = ""):
+    """``cls(**values)`` for a config dataclass (``ModelConfig``, ``LoraConfig``) read from a file.
+
+    Raises:
+        ValueError: unknown fields or not a mapping (:func:`check_field_names`), ``"{where}: missing <cls> fields
+            [...]{missing_hint}"`` for required ones it lacks, or a value of the wrong type.
+    """
+    check_field_names(cls, values, where)
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+               and f.name not in values]
+    if missing:
+        raise ValueError(f"{where}: missing {cls.__name__} fields {missing}{missing_hint}")
+    try:
+        return cls(**values)
+    except TypeError as err:        # a value of the wrong type compared in __post_init__
+        raise ValueError(f"{where}: {cls.__name__} field of the wrong type: {err}") from None

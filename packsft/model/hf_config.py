@@ -214,9 +214,15 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
 
     Raises:
         ValueError: if ``cfg.add_qkv_bias`` or ``cfg.qk_layernorm`` disagrees with the base's ``model_type``
-            (only Qwen2 has the bias, only Qwen3 the q/k norms).
+            (only Qwen2 has the bias, only Qwen3 the q/k norms), or transformers refuses the merged config (one line:
+            e.g. a base of another model, whose ``layer_types`` has another length than ``cfg.num_layers``).
     """
     from transformers import AutoConfig
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5's config validation
+    except ImportError:  # an older huggingface_hub: transformers raises ValueError
+        StrictDataclassError = ValueError  # noqa: N806
 
     base = base.to_dict() if hasattr(base, "to_dict") else dict(base or {})
     model_type = base.get("model_type") or ("qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama")
@@ -243,6 +249,11 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
                  rope_parameters=rope, hidden_act="silu", dtype=cfg.params_dtype)
     if cfg.kv_channels is None and "head_dim" not in base and model_type != "qwen3":
         del shape["head_dim"]   # Qwen2Config has no head_dim field; Qwen3Config's default is 128, not h / np
-    hf_config = AutoConfig.for_model(model_type, **{**base, **shape})
+    try:
+        hf_config = AutoConfig.for_model(model_type, **{**base, **shape})
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as err:   # transformers' own validation
+        detail = err.__cause__ or err      # huggingface_hub's validation error wraps the validator's message
+        raise ValueError(f"transformers refuses the {model_type} config.json built from it and the model config: "
+                         f"{' '.join(str(detail).split())} (the HF config of another model?)") from None
     hf_config.architectures = [ARCHITECTURES[model_type]]
     return hf_config

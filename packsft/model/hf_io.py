@@ -53,24 +53,91 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
+FLOATING_SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ")
+"""The safetensors header dtypes read as weights (cast to the model's dtype); any other is refused."""
+
+
+def _check_floating(name: str, dtype, where) -> None:
+    """Refuse an HF tensor ``name`` whose dtype (a safetensors header string or a ``torch.dtype``) is not floating
+    point: integer (quantized) or bool values cast to float would load as garbage weights.
+
+    Raises:
+        ValueError: naming ``where`` (the file, or the state dict), the tensor and its dtype.
+    """
+    floating = dtype in FLOATING_SAFETENSORS_DTYPES if isinstance(dtype, str) else dtype.is_floating_point
+    if not floating:
+        raise ValueError(f"{where}: tensor {name!r} has dtype {str(dtype).removeprefix('torch.')}, not floating "
+                         "point; packsft imports unquantized weights (a quantized checkpoint must be dequantized "
+                         "first, e.g. loaded in transformers and saved in bfloat16)")
+
+
 def _gguf_file(path: Path) -> Path | None:
-    """The GGUF file ``path`` names (a ``*.gguf`` file, or a folder with exactly one and no safetensors), else None."""
+    """The GGUF file ``path`` names (a ``*.gguf`` file, or a folder with exactly one and no safetensors), else None.
+
+    Raises:
+        ValueError: ``path`` is a folder without safetensors holding several ``*.gguf`` files (named).
+    """
     if path.suffix == ".gguf" and path.is_file():
         return path
     if path.is_dir() and not _safetensors_files(path):
         candidates = sorted(path.glob("*.gguf"))
-        return candidates[0] if len(candidates) == 1 else None
+        if len(candidates) > 1:
+            raise ValueError(f"{path} holds {len(candidates)} .gguf files ({', '.join(c.name for c in candidates)}): "
+                             "pass one of them, not the folder")
+        return candidates[0] if candidates else None
     return None
 
 
+def _read_gguf(gguf: Path, read):
+    """``read()``, a transformers GGUF loader call on ``gguf``, with a bad file's errors (truncated, not GGUF,
+    tensors of other shapes than the config it derives) as one ``ValueError`` naming the file."""
+    try:
+        return read()
+    except (ValueError, RuntimeError, KeyError, IndexError, EOFError) as err:
+        message = " ".join(str(err).split()) or type(err).__name__
+        if "ignore_mismatched_sizes" in message:    # transformers' report of the mismatches is in its log
+            raise ValueError(f"{gguf}: its tensors do not have the shapes of the config transformers' GGUF loader "
+                             "derives from it (e.g. a Qwen3 GGUF whose head_dim is not 128); import the model's "
+                             "safetensors folder instead") from None
+        raise ValueError(message if str(gguf) in message else f"{gguf}: not readable as a GGUF model: {message}") \
+            from None
+
+
+def _check_gguf_head_dim(gguf: Path, config) -> None:
+    """Refuse a GGUF whose ``<arch>.attention.key_length`` (its heads' width) differs from the ``head_dim`` of
+    ``config``, the transformers config read from it (its Qwen3 reader ignores ``key_length`` and keeps 128).
+
+    Raises:
+        ValueError: naming the file and both widths.
+    """
+    from gguf import GGUFReader
+
+    fields = _read_gguf(gguf, lambda: GGUFReader(str(gguf))).fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    key_length = fields.get(f"{arch}.attention.key_length")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if key_length is not None and int(key_length.contents()) != head_dim:
+        raise ValueError(f"{gguf}: its attention heads are {key_length.contents()} wide ({arch}.attention.key_length), "
+                         f"but transformers' GGUF loader builds head_dim {head_dim} for model_type "
+                         f"{config.model_type!r} (it ignores key_length): packsft cannot import this GGUF (Qwen3 "
+                         "GGUFs need head_dim 128); import the model's safetensors folder instead")
+
+
 def load_hf_config(path: str | Path):
-    """The transformers config of a local HF checkpoint (safetensors folder or GGUF file), without its tensors."""
+    """The transformers config of a local HF checkpoint (safetensors folder or GGUF file), without its tensors.
+
+    Raises:
+        ValueError: a folder of several GGUF files, an unreadable GGUF, or one whose head width transformers
+            misreads (:func:`_check_gguf_head_dim`), naming the file.
+    """
     from transformers import AutoConfig
 
     path = Path(path)
     gguf = _gguf_file(path)
     if gguf is not None:
-        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = _read_gguf(gguf, lambda: AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+        _check_gguf_head_dim(gguf, config)
+        return config
     return AutoConfig.from_pretrained(str(path))
 
 
@@ -110,9 +177,12 @@ def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[obje
         ``(hf_config, state_dict)``: the transformers config and HF names -> full CPU tensors.
 
     Raises:
-        FileNotFoundError: if ``path`` holds neither safetensors nor exactly one GGUF file.
-        ValueError: if a safetensors file is not readable (truncated, corrupt header), or holds tensors that
-            ``expected`` refuses (named: e.g. more layers than the config's, a bias it does not use).
+        FileNotFoundError: if ``path`` holds neither safetensors nor a GGUF file.
+        ValueError: naming the file: a safetensors file that is not readable (truncated, corrupt header), holds a
+            tensor whose dtype is not floating point (integer or bool: quantized weights, refused rather than cast)
+            or tensors that ``expected`` refuses (e.g. more layers than the config's, a bias it does not use); a
+            folder of several GGUF files, or a GGUF that transformers cannot read (truncated; tensors of other shapes
+            than the config it derives).
     """
     from transformers import AutoConfig
 
@@ -122,11 +192,12 @@ def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[obje
     if gguf is not None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = _read_gguf(gguf, lambda: AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32))
         return model.config, {k: v.detach() for k, v in model.state_dict().items() if keep(k)}
     files = _safetensors_files(path) if path.is_dir() else []
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files and not exactly one *.gguf file")
+        raise FileNotFoundError(f"{path}: no *.safetensors files and no *.gguf file")
     from safetensors import SafetensorError, safe_open
 
     state: dict[str, Tensor] = {}
@@ -135,6 +206,8 @@ def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[obje
         try:
             with safe_open(str(f), framework="pt") as handle:
                 names = list(handle.keys())
+                for k in names:         # from the header: every rank refuses the same file, whatever it keeps
+                    _check_floating(k, handle.get_slice(k).get_dtype(), f)
                 unused += [k for k in names if expected is not None and not expected(k)]
                 state.update({k: handle.get_tensor(k) for k in names if keep(k)})
         except SafetensorError as err:
@@ -279,9 +352,10 @@ def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfi
         tp_group: the tensor-parallel process group (``None`` for TP=1).
 
     Raises:
-        ValueError: naming an HF tensor the model needs that ``hf_state`` lacks or holds in another shape than the
-            config implies, a tied config whose ``lm_head.weight`` differs from the embedding, or Megatron
-            parameters the conversion left unset or produced in excess.
+        ValueError: naming an HF tensor the model needs that ``hf_state`` lacks, holds in another shape than the
+            config implies or in a dtype that is not floating point (quantized: never cast), a tied config whose
+            ``lm_head.weight`` differs from the embedding, or Megatron parameters the conversion left unset or
+            produced in excess.
     """
     tp_rank, tp_size = rank_and_size(tp_group)
     layers, first, last = stage_parts(model)
@@ -293,6 +367,8 @@ def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfi
                          "keeps them apart); set tie_word_embeddings to false in its config.json")
     needed = stage_hf_names(model, cfg)
     for name, t in hf_state.items():
+        if needed(name):
+            _check_floating(name, t.dtype, "the HF state dict")
         expected = hf_tensor_shape(name, cfg) if needed(name) else None
         if expected is not None and tuple(t.shape) != expected:
             raise ValueError(f"HF tensor {name!r} has shape {tuple(t.shape)}, but the config implies {expected}")
@@ -429,7 +505,7 @@ PEFT_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def save_peft_adapter(model, cfg: ModelConfig, lora, out_dir: str | Path, *, base_model_name_or_path: str | None = None,
-                      tp_group=None) -> Path | None:
+                      tp_group=None, dtype: torch.dtype | None = None) -> Path | None:
     """Export a LoRA model's adapters as a PEFT folder: ``adapter_config.json``, ``adapter_model.safetensors``.
 
     Collective over ``tp_group``; global rank 0 writes (atomically). ``peft.PeftModel.from_pretrained(base, out_dir)``
@@ -438,6 +514,8 @@ def save_peft_adapter(model, cfg: ModelConfig, lora, out_dir: str | Path, *, bas
     Args:
         lora: the ``packsft.model.lora.LoraConfig`` the model was trained with (rank, alpha, targets; the config
             file names the HF linears of ``state_dict_adapter.LORA_HF_MODULES``).
+        dtype: tensor dtype in ``adapter_model.safetensors`` (default: as the model holds them), as
+            :func:`save_hf_checkpoint`'s.
 
     Returns:
         ``out_dir`` on global rank 0, ``None`` elsewhere.
@@ -451,6 +529,8 @@ def save_peft_adapter(model, cfg: ModelConfig, lora, out_dir: str | Path, *, bas
     out = None
     if global_rank() == 0:
         state = megatron_lora_to_peft_state_dict(shards, cfg, lora.target_modules)
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
         targets = [name for t in lora.target_modules for name in LORA_HF_MODULES[t][1]]
         config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                 target_modules=targets, bias="none", task_type="CAUSAL_LM",

@@ -30,7 +30,13 @@ from omegaconf.errors import OmegaConfBaseException
 from packsft.data.loader import DataLoaderConfig
 from packsft.io import missing_file
 from packsft.layout import row_granularity
-from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
+from packsft.model.config import (
+    MODEL_CONFIG_FILE,
+    ModelConfig,
+    check_field_names,
+    config_from_dict,
+    yaml_model_section,
+)
 from packsft.model.lora import LoraConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -501,10 +507,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             check_init_model(cfg, imported, source)
             check_init_window(cfg, merged.checkpoint.init_from)
         return cfg
-    except OmegaConfBaseException as err:  # its message, then lines of full_key and types: one line, key first
-        key = getattr(err, "full_key", None)
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"invalid config {where}: {f'{key}: ' if key else ''}{first}") from err
+    except OmegaConfBaseException as err:
+        raise _config_error(err, f"invalid config {where}") from err
     except ValueError as err:
         raise ValueError(f"invalid config {where}: {err}") from err
     except TypeError as err:  # OmegaConf.merge: a dotted override into a list item made a dict of it
@@ -512,6 +516,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                          "data.train.1.weight=0 tries: give the whole list, data.train=[{...}, {...}])") from err
     except yaml.YAMLError as err:  # the file is not YAML (its own message spans lines: one is kept)
         raise ValueError(f"invalid config {where}: not valid YAML: {' '.join(str(err).split())}") from err
+
+
+def _config_error(err: OmegaConfBaseException, where: str) -> ValueError:
+    """OmegaConf's error (its message, then lines of full_key and types) as one line: ``where``, the key, the first
+    line."""
+    key = getattr(err, "full_key", None)
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return ValueError(f"{where}: {f'{key}: ' if key else ''}{first}")
 
 
 def _rename_old_keys(layer, where: str):
@@ -614,12 +626,58 @@ def check_init_model(cfg: Config, imported: dict, source: str | None = None) -> 
         ValueError: a ``model`` field (other than ``INIT_FROM_FREE_MODEL_KEYS`` and ``INIT_ONLY_FREE_MODEL_KEYS``)
             differs from ``imported``; the message names the field and both values.
     """
-    current = asdict(cfg.model)
+    check_model_fields(cfg.model, imported, source or f"checkpoint.init_from's {MODEL_CONFIG_FILE}")
+
+
+def check_model_fields(model: ModelConfig, imported: dict, source: str) -> None:
+    """Refuse a ``model`` section that differs from a checkpoint's ``ModelConfig`` fields ``imported`` (read from
+    ``source``, named in the message) in a key other than ``INIT_FROM_FREE_MODEL_KEYS`` and
+    ``INIT_ONLY_FREE_MODEL_KEYS``.
+
+    Raises:
+        ValueError: naming the field and both values.
+    """
+    current = asdict(model)
     key = _first_difference(current, imported, INIT_FROM_FREE_MODEL_KEYS + INIT_ONLY_FREE_MODEL_KEYS)
-    source = source or f"checkpoint.init_from's {MODEL_CONFIG_FILE}"
     if key is not None:
         raise ValueError(f"model.{key} ({current.get(key)!r}) differs from {source} ({imported[key]!r}): the "
                          f"weights have the latter; drop model.{key} from the config or set it to match")
+
+
+def read_yaml_model(path: str | Path, base: dict | None, source: str | None = None, *,
+                    check: bool = True) -> ModelConfig:
+    """The ``ModelConfig`` of a training YAML's ``model:`` section merged over ``base`` (a checkpoint's
+    ``ModelConfig`` fields, read from ``source``), as :func:`load_config` merges ``checkpoint.init_from``'s
+    ``model_config.json`` under it: a partial section, or none, takes the rest from ``base``, and (``check``) a key
+    that differs from ``base`` is refused (:func:`check_model_fields`). Without ``base``, the YAML's own
+    ``checkpoint.init_from`` supplies it (:func:`read_init_model_fields`) when set.
+
+    Raises:
+        ValueError: naming the file: unknown fields, required fields with nothing to take them from, an invalid
+            value, or (``check``) a key that differs from ``base``.
+        FileNotFoundError: the YAML's ``checkpoint.init_from`` (read without ``base``) has no ``model_config.json``.
+    """
+    section = yaml_model_section(path)
+    section = {} if section is None else section
+    if base is None:
+        checkpoint = (yaml.safe_load(Path(path).read_text()) or {}).get("checkpoint")
+        init_from = checkpoint.get("init_from") if isinstance(checkpoint, dict) else None
+        if init_from:
+            base, source = read_init_model_fields(init_from), str(Path(init_from) / MODEL_CONFIG_FILE)
+    if base is None:
+        return config_from_dict(ModelConfig, section, str(path), missing_hint=(
+            ": a partial model section takes the rest from a checkpoint model config (model_config.json, "
+            "train_state.json) or checkpoint.init_from, and there is none here; give every field"))
+    check_field_names(ModelConfig, section, str(path))
+    try:
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), base, section))
+    except OmegaConfBaseException as err:
+        raise _config_error(err, f"{path} model section over {source}") from None
+    except ValueError as err:
+        raise ValueError(f"{path} model section over {source}: {err}") from None
+    if check:
+        check_model_fields(model, base, source or "the checkpoint's model config")
+    return model
 
 
 RESUME_FREE_LORA_KEYS = ("dropout", "seed")

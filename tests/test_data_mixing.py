@@ -13,7 +13,6 @@ from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_w
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning")
 
 
-
 def mixed(sizes=(300, 50, 150), tag="v1"):
     return MixedDataset({f"s{i}": MaskDataset([1] * n, fingerprint=f"{tag}-{i}") for i, n in enumerate(sizes)})
 

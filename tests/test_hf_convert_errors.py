@@ -163,7 +163,6 @@ def test_tied_config_with_a_different_lm_head_is_refused(tmp_path):
     assert rc == 0, stderr[-3000:]
 
 
-
 def test_import_of_a_non_floating_tensor_is_refused(parallel_state_1proc, tmp_path):  # noqa: F811
     """An int8 (quantized) or int64 tensor was cast to float on import: garbage weights, exit 0."""
     hf = tiny_llama(tmp_path / "hf")

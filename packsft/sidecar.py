@@ -410,6 +410,13 @@ def cache_settings_blake2b(meta: dict[str, Any]) -> str:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=20).hexdigest()
 
 
+def cache_settings_changed(meta: dict[str, Any]) -> bool:
+    """Whether the sidecar's ``token_cache`` entry records a ``settings_blake2b`` that its :data:`CACHE_SETTINGS` no
+    longer give (the sidecar edited after packing; an entry without it, from an earlier packsft, is trusted)."""
+    entry = meta.get("token_cache")
+    return isinstance(entry, dict) and entry.get("settings_blake2b") not in (None, cache_settings_blake2b(meta))
+
+
 def check_token_cache(meta: dict[str, Any], packed_path: str | Path, verify_hash: bool | None = None) -> bool:
     """Refuse token cache files (:mod:`packsft.token_cache`) that are not the ones the sidecar records.
 

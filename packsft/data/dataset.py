@@ -54,7 +54,7 @@ from packsft.sidecar import (
     CACHE_SETTINGS,
     REPACK_INTRO,
     SidecarError,
-    cache_settings_blake2b,
+    cache_settings_changed,
     check_rows_file,
     check_sidecar,
     check_token_cache,
@@ -136,6 +136,11 @@ def rows_key(sidecar: dict[str, Any] | None) -> int:
         return 0
 
 
+def row_index_path(path: str | Path, index_path: str | Path | None = None) -> Path:
+    """Where the row index of packed file ``path`` lives: ``index_path`` when given, else ``<path>.idx``."""
+    return Path(index_path) if index_path is not None else Path(str(path) + INDEX_SUFFIX)
+
+
 def load_or_build_index(path: str | Path, index_path: str | Path | None = None, key: int = 0) -> np.ndarray:
     """Return the cached index of ``path``, rebuilding and re-caching it when missing or stale.
 
@@ -150,7 +155,7 @@ def load_or_build_index(path: str | Path, index_path: str | Path | None = None, 
     Raises:
         FileNotFoundError: ``path`` does not exist.
     """
-    index_path = Path(index_path) if index_path is not None else Path(str(path) + INDEX_SUFFIX)
+    index_path = row_index_path(path, index_path)
     if index_path.is_file():
         try:
             index = np.load(index_path, mmap_mode="r", allow_pickle=False)
@@ -280,7 +285,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.context_parallel_size = context_parallel_size
         self.sidecar = self._check_sidecar(require_sidecar)
         self.rows_hash_checked = check_rows_file(self.sidecar, self.path, verify_rows_hash) if self.sidecar else False
-        self.index_path = Path(index_path) if index_path is not None else Path(str(self.path) + INDEX_SUFFIX)
+        self.index_path = row_index_path(self.path, index_path)
         self._index = load_or_build_index(self.path, self.index_path, rows_key(self.sidecar))
         self.token_cache, self.token_cache_status = self._open_token_cache(use_token_cache, verify_rows_hash)
         self._fingerprint: str | None = None
@@ -326,8 +331,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         tokens_path, index_path = cache_paths(self.path)
         if "token_cache" not in self.sidecar:
             reason = "its sidecar records no token cache (packed by an earlier packsft or with --no-token-cache)"
-        elif isinstance(entry := self.sidecar["token_cache"], dict) \
-                and entry.get("settings_blake2b") not in (None, cache_settings_blake2b(self.sidecar)):
+        elif cache_settings_changed(self.sidecar):
             reason = ("its token cache was written under other tokenizer or prompt-format settings than its sidecar "
                       f"now records ({', '.join(CACHE_SETTINGS)}: the sidecar was edited after packing)")
         elif not (tokens_path.is_file() and index_path.is_file()):

@@ -49,6 +49,8 @@ def test_extreme_weights_name_the_source_that_vanishes():
     """1e300 against 3: the error blamed the weight 3 as not positive ("got [0.0, 1.0]")."""
     with pytest.raises(ValueError, match=r"weights \[1e\+300, 3\]: source 'b' has a share under 1e-12"):
         normalize_weights([1e300, 3], ["a", "b"])
+    with pytest.raises(ValueError, match=r"source 'a' \(a.jsonl.packed\) has a share under 1e-12"):
+        normalize_weights([1e-300, 3], ["a", "b"], ["a.jsonl.packed", "b.jsonl.packed"])
     with pytest.raises(ValueError, match="and their sum finite"):
         normalize_weights([1e308, 1e308])
     assert normalize_weights([3, 1]) == [0.75, 0.25]

@@ -205,4 +205,4 @@ def test_convert_checkpoint_lora_base_on_a_whole_model_is_refused(tmp_path):
     assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", "export", "--megatron", tmp_path, "--out",
                                 tmp_path / "out", "--lora-base", tmp_path / "base"),
                       f"--lora-base is for the checkpoint of a LoRA run started from an imported base (it holds only "
-                      f"the adapters); {tmp_path} holds its whole model")
+                      f"the adapters), and {tmp_path} is none (its train_state.json records no LoRA base)")

@@ -304,7 +304,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("LoRA export runs at --pipeline-model-parallel-size 1 (the checkpoint loads at any size)")
         if args.lora_base and recorded is None:  # it was ignored
             raise ValueError(f"--lora-base is for the checkpoint of a LoRA run started from an imported base (it "
-                             f"holds only the adapters); {megatron} holds its whole model: leave --lora-base out")
+                             f"holds only the adapters), and {megatron} is none (its {TRAIN_STATE} records no LoRA "
+                             "base): leave --lora-base out")
         base_dir = check_lora_base(recorded, args.lora_base, megatron) if recorded is not None else None
         refuse_out_over_inputs(args, **{"the run's LoRA base": base_dir})
         hf_config = given_hf_config(args.hf_config) if args.hf_config else read_hf_config(megatron)

@@ -24,17 +24,18 @@ WEIGHT_DIGITS = 12
 """Normalised weights are rounded to this many decimals, so ``[7, 3]`` and ``[0.7, 0.3]`` are the same plan."""
 
 
-def normalize_weights(weights: Sequence[float], names: Sequence[str] | None = None) -> list[float]:
+def normalize_weights(weights: Sequence[float], names: Sequence[str] | None = None,
+                      files: Sequence[str] | None = None) -> list[float]:
     """Weights scaled to sum 1 and rounded to :data:`WEIGHT_DIGITS` decimals.
 
     Raises:
         ValueError: a weight that is not a positive finite number, or whose share rounds to 0 (naming its source
-            when ``names`` is given).
+            when ``names`` is given, and its file with ``files``).
     """
     w = np.asarray(weights, dtype=np.float64)
 
     def where(bad: list[int]) -> str:
-        return ", ".join(repr(names[i]) if names else str(i) for i in bad)
+        return ", ".join((repr(names[i]) if names else str(i)) + (f" ({files[i]})" if files else "") for i in bad)
 
     bad = [i for i, x in enumerate(w) if not (np.isfinite(x) and x > 0)]
     with np.errstate(over="ignore"):
@@ -119,7 +120,7 @@ def rows_per_source(weights: Sequence[float], samples_per_epoch: int, names: Seq
     Raises:
         ValueError: a weight that is not positive, or a source whose count rounds to zero (named, with its file).
     """
-    w = np.asarray(normalize_weights(weights, names), dtype=np.float64)
+    w = np.asarray(normalize_weights(weights, names, files), dtype=np.float64)
     exact = w / w.sum() * samples_per_epoch
     counts = np.floor(exact).astype(np.int64)
     by_remainder = np.argsort(-(exact - counts), kind="stable")

@@ -206,7 +206,8 @@ class Trainer:
             raise ValueError(f"loader.sampler={self.cfg.loader.sampler!r}: a mixture of data.train sources is "
                              "sampled by their weights (packsft.data.mixing.WeightedMixingSampler); leave "
                              "loader.sampler random")
-        weights = normalize_weights([w for _, _, w, _ in self.cfg.data.train_sources()], self.train_set.names)
+        sources = self.cfg.data.train_sources()
+        weights = normalize_weights([w for _, _, w, _ in sources], self.train_set.names, [p for _, p, _, _ in sources])
         return replace(self.cfg.loader, sampler="custom", sampler_class_path=class_path(WeightedMixingSampler),
                        sampler_kwargs={"weights": weights, "samples_per_epoch": self.cfg.data.samples_per_epoch})
 

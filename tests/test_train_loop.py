@@ -112,6 +112,25 @@ def test_resume_with_another_global_batch_size_continues_the_data_with_a_note(tm
     assert [r["consumed_samples"] for _, r in sorted(train_records(out).items())] == [2, 4, 8, 12]
 
 
+def test_resume_at_the_last_step_trains_saves_and_validates_nothing_with_a_note(tmp_path, packed):  # noqa: F811
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", packed, out, train={"global_batch_size": 2, "train_steps": 4},
+                       data={"train_path": str(packed["many"]), "split_validation_size": 0.2},
+                       validation={"val_period": 0, "max_batches": 1})
+    train(cfg, "train.stop_at_step=2")
+    saved = out / "checkpoints" / "iter_0000002"
+    before = {p.name: p.stat().st_mtime_ns for p in saved.iterdir()}
+    records = (out / "metrics.jsonl").read_text().splitlines()
+    proc = train(out / "config.yaml")   # the run's own config records train.stop_at_step=2
+    assert "note: nothing to train: the run resumes at step 2 and train.stop_at_step is 2 (train.stop_at_step=null " \
+           "trains on to train.train_steps=4)" in proc.stdout, proc.stdout
+    proc = train(cfg, "train.train_steps=2")   # a finished run submitted again: no second validation or save
+    assert "note: nothing to train: the run resumes at step 2 and train.train_steps is 2" in proc.stdout, proc.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in saved.iterdir()} == before
+    after = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()[len(records):]]
+    assert [r["kind"] for r in after] == ["summary", "summary"]
+
+
 def assert_same_run(a_dir: Path, b_dir: Path, steps: int) -> None:
     """Two runs logged the same metrics at every step and wrote bit-identical final checkpoints (model + Adam state)."""
     a, b = train_records(a_dir), train_records(b_dir)

@@ -130,6 +130,15 @@ class TrainState:
         return cls(**{f.name: int(saved[f.name]) for f in fields(cls) if f.name in saved})
 
 
+def _nothing_to_train(step: int, stop_at_step: int | None, train_steps: int) -> str:
+    """The note of a run that resumes at ``step``, at or past its last step: it trains, validates and saves nothing."""
+    if stop_at_step is not None and step >= stop_at_step and step < train_steps:
+        return (f"note: nothing to train: the run resumes at step {step} and train.stop_at_step is {stop_at_step} "
+                f"(train.stop_at_step=null trains on to train.train_steps={train_steps})")
+    return (f"note: nothing to train: the run resumes at step {step} and train.train_steps is {train_steps} "
+            "(raise train.train_steps to train on)")
+
+
 @contextlib.contextmanager
 def _naming(checkpoint):
     """torch's ``CheckpointException`` (a ``BaseException``) raised while reading ``checkpoint`` gets its folder as
@@ -601,6 +610,8 @@ class Trainer:
             logger.log({"kind": "validation", "step": 0, **self.validate()})
         saved_at = validated_at = None
         started_at = self.state.step
+        if started_at >= last:  # resumed at or past its end: the checkpoint it resumed from already holds it all
+            logger.message(_nothing_to_train(started_at, cfg.train.stop_at_step, cfg.train.train_steps))
         installed = cfg.train.save_on_sigterm and process_guard.STOP_SIGNAL.install()
         try:
             while self.state.step < last:
@@ -618,7 +629,7 @@ class Trainer:
             if self.stopped_by:
                 if saved_at != self.state.step and self.state.step > started_at:
                     self.save()
-            else:   # a stop at train.stop_at_step is not the end of the run: no final validation
+            elif self.state.step > started_at:   # a stop at train.stop_at_step is not the end: no final validation
                 at_end = self.state.step == cfg.train.train_steps
                 if cfg.validation.val_at_end and at_end and validated_at != self.state.step:
                     logger.log({"kind": "validation", "step": self.state.step, **self.validate()})

@@ -183,6 +183,8 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
     except NonFiniteNumber:
         field = _find_in(_TRACING_JSON.decode(text.rstrip("\r\n")), _is_constant)
         raise ConversationError(path, line, field or "", NON_FINITE) from None
+    except DuplicateKey as e:
+        raise ConversationError(path, line, _duplicate_field(text.rstrip("\r\n")) or e.key, str(e)) from None
     except json.JSONDecodeError as e:
         hint = ""
         if text.startswith("\ufeff"):
@@ -205,6 +207,47 @@ def loads_line(text: str | None, path: str | Path, line: int, decode_error: str 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
+class DuplicateKey(ValueError):
+    """A JSON object holding one key twice: :mod:`json` keeps the last value, so the first would be lost unseen."""
+
+    def __init__(self, key: str):
+        super().__init__(f"duplicate key {key!r} (JSON keeps only its last value; the others would be lost)")
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return value
+
+
+class _Duplicated(dict):
+    """An object of an input line holding ``key`` twice, decoded to be found and named."""
+
+    key = ""
+
+
+def _mark_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    try:
+        return _unique_keys(pairs)
+    except DuplicateKey as e:
+        marked = _Duplicated(pairs)
+        marked.key = e.key
+        return marked
+
+
+def _duplicate_field(text: str) -> str | None:
+    """The field (``messages[1].content``) of the first duplicated key of ``text``, a line that holds one."""
+    found: list[_Duplicated] = []
+    where = _find_in(json.JSONDecoder(object_pairs_hook=_mark_duplicates).decode(text),
+                     lambda v: isinstance(v, _Duplicated) and not found.append(v))
+    if where is None:
+        return None
+    return f"{where}.{found[0].key}" if where else found[0].key
+
+
 class NonFiniteNumber(ValueError):
     """JSON text holding ``NaN``, ``Infinity``, ``-Infinity`` or a number beyond float range (``1e999``)."""
 
@@ -224,15 +267,18 @@ def _refuse_constant(text: str):
     raise NonFiniteNumber(text)
 
 
-_STRICT_JSON = json.JSONDecoder(parse_float=_finite_float, parse_constant=_refuse_constant)
+_STRICT_JSON = json.JSONDecoder(parse_float=_finite_float, parse_constant=_refuse_constant,
+                                object_pairs_hook=_unique_keys)
 
 
 def loads_strict(text: str) -> Any:
-    """``json.loads`` (the same C scanner) of standard JSON only.
+    """``json.loads`` (the same C scanner) of standard JSON only, each key once per object.
 
     Raises:
         NonFiniteNumber: ``text`` holds ``NaN`` / ``Infinity`` (which :mod:`json` accepts) or a number that is
-            infinite as a float; other errors as :func:`json.loads`.
+            infinite as a float.
+        DuplicateKey: an object of ``text`` holds a key twice (:mod:`json` would keep the last value).
+        json.JSONDecodeError, ValueError, RecursionError: as :func:`json.loads`.
     """
     return _STRICT_JSON.decode(text)
 
@@ -345,6 +391,11 @@ def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> No
                 raise _fail(path, line, f"{cw}.function.arguments", f"is a string holding {NON_FINITE}") from None
             except json.JSONDecodeError as e:
                 raise _fail(path, line, f"{cw}.function.arguments", f"is a string but not JSON ({e.msg})") from e
+            except DuplicateKey as e:
+                raise _fail(path, line, f"{cw}.function.arguments", f"is a string whose JSON has a {e}") from None
+            except (ValueError, RecursionError) as e:  # nested too deeply, an integer of too many digits
+                raise _fail(path, line, f"{cw}.function.arguments",
+                            f"is a string but not JSON here ({e or 'nested too deeply'})") from e
         if not isinstance(args, dict):
             raise _fail(path, line, f"{cw}.function.arguments",
                         f"must be a JSON object or a string holding one, got {type(args).__name__}")

@@ -5,6 +5,7 @@ import pytest
 from packsft.conversation import (
     NON_FINITE,
     ConversationError,
+    DuplicateKey,
     NonFiniteNumber,
     iter_jsonl_lines,
     iter_jsonl_lines_sized,
@@ -199,6 +200,29 @@ def test_tool_call_arguments_as_a_string_must_be_finite_json():
                  "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": NaN}'}}]},
                 {"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(ConversationError, match=r"tool_calls\[0\].function.arguments: is a string holding NaN"):
+        validate_messages(messages, "x.jsonl", 2)
+
+
+def test_a_key_given_twice_is_refused_naming_its_field():
+    """json keeps the last of two equal keys: the first value (a whole conversation) would be lost unseen."""
+    dup = " (JSON keeps only its last value; the others would be lost)"
+    for text, field in (('{"messages": [], "messages": [{"role": "user", "content": "b"}]}', "messages"),
+                        ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}',
+                         "messages[0].content"),
+                        ('{"a": {"b": [1, {"c": 1, "d": {}, "c": 2}]}}', "a.b[1].c")):
+        with pytest.raises(ConversationError) as e:
+            loads_line(text, "x.jsonl", 3)
+        key = field.rsplit(".", 1)[-1]
+        assert str(e.value) == f"x.jsonl:3: {field}: duplicate key '{key}'{dup}"
+    with pytest.raises(DuplicateKey):
+        loads_strict('{"a": 1, "a": 1}')
+    assert loads_strict('{"a": {"k": 1}, "b": {"k": 2}}') == {"a": {"k": 1}, "b": {"k": 2}}  # per object
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"x": 1, "x": 2}'}}]},
+                {"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(ConversationError, match=r"tool_calls\[0\].function.arguments: is a string whose JSON has a "
+                                                "duplicate key 'x'"):
         validate_messages(messages, "x.jsonl", 2)
 
 

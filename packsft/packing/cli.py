@@ -33,6 +33,8 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"{NON_FINITE}: {text!r}") from None
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from e
+    except (ValueError, RecursionError) as e:  # a duplicate key, nested too deeply, too many digits
+        raise argparse.ArgumentTypeError(f"not JSON here ({e or 'nested too deeply'}): {text!r}") from e
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {text!r}")
     return value

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -694,6 +695,47 @@ def _passthrough_segments(messages, fmt: PromptFormat) -> list[Segment]:
     return segments
 
 
+def unrendered(messages: list[dict[str, Any]], tools: list | None, fmt: PromptFormat) -> list[tuple[str, str]]:
+    """Warnings ``(kind, message)`` for what a conversation holds that ``fmt`` never renders.
+
+    ``tools_not_rendered``: it has tool schemas and the format does not render them (the presets and
+    ``passthrough``; a chat template that never reads ``tools``, e.g. SmolLM2's). ``tool_calls_not_rendered``:
+    an assistant turn with content also carries ``tool_calls``, which the format drops (a chat template whose
+    text never names ``tool_calls``). The row keeps both; the model is trained without them.
+    """
+    out = []
+    if tools and not _renders(fmt.name, fmt.chat_template, "tools"):
+        out.append(("tools_not_rendered", f"tools: {len(tools)} tool schema(s) that {_format_words(fmt)} does not "
+                    "render: the model never sees them (the row keeps them); use a template that renders tools"))
+    calls = sum(1 for m in messages if m.get("tool_calls"))
+    if calls and not _renders(fmt.name, fmt.chat_template, "tool_calls"):
+        out.append(("tool_calls_not_rendered", f"tool_calls of {calls} assistant turn(s) that {_format_words(fmt)} "
+                    "does not render: only their content is trained (the row keeps the calls); use a template "
+                    "that renders tool calls"))
+    return out
+
+
+def _format_words(fmt: PromptFormat) -> str:
+    return "the chat template" if fmt.name == "chat-template" else f"prompt format {fmt.name}"
+
+
+@functools.lru_cache(maxsize=16)
+def _renders(name: str, template: str | None, what: str) -> bool:
+    """Whether prompt format ``name`` with chat ``template`` can render ``what`` (``tools``: the template reads
+    that variable; ``tool_calls``: its text names them)."""
+    if name != "chat-template" or not template:
+        return False
+    if what == "tool_calls":
+        return "tool_calls" in template
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return what in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateError:
+        return True  # not this check's to report: rendering it says what is wrong
+
+
 def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat,
                     chat_template_kwargs: dict[str, Any] | None = None) -> list[Segment]:
     """Render a conversation into text segments with their training flags (no tokenization).
@@ -717,6 +759,10 @@ def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: Pr
     if fmt.name == "chat-template":
         return _chat_template_segments(messages, tools, tokenizer, fmt, chat_template_kwargs)
     if fmt.name == "passthrough":
+        for i, m in enumerate(messages):
+            if m.get("tool_calls") and not (m.get("content") or "").strip():  # would train only its end (EOS)
+                raise PromptFormatError("empty assistant turn (passthrough does not render tool_calls; use "
+                                        "chat-template)", i)
         _check_masks(messages, fmt)
         return _passthrough_segments(messages, fmt)
     for i, m in enumerate(messages):

@@ -100,10 +100,14 @@ def test_pack_rejects_non_megatron_rows_or_keeps_them_as_packsft_only(tmp_path, 
 
     with pytest.warns(UserWarning, match="packsft-only"):
         report = run_pack(PackConfig(output=str(tmp_path / "b.jsonl.packed"), allow_non_megatron=True, **cfg))
-    assert not report.rejected and report.warning_counts() == {"non_megatron": 2}
-    assert [w["line"] for w in report.warnings] == [2, 3]
+    # identity renders contents only: the tool conversation's call is warned about (its content is trained)
+    assert not report.rejected and report.warning_counts() == {"non_megatron": 2, "tool_calls_not_rendered": 1}
+    assert [(w["kind"], w["line"]) for w in report.warnings if w["kind"] != "non_megatron"] == [
+        ("tool_calls_not_rendered", 4)]
+    warned = [w for w in report.warnings if w["kind"] == "non_megatron"]
+    assert [w["line"] for w in warned] == [2, 3]
     kept = "kept with --allow-non-megatron (packsft-only): "  # with the input's own message index, as rejected
-    assert [w["message"][:58] for w in report.warnings] == [kept + "messages[1]", kept + "messages[3]"]
+    assert [w["message"][:58] for w in warned] == [kept + "messages[1]", kept + "messages[3]"]
     no_system = tmp_path / "no_system.jsonl"  # the packer adds the system message; the input's index is named
     turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
              {"role": "assistant", "content": "b"}]
@@ -113,7 +117,7 @@ def test_pack_rejects_non_megatron_rows_or_keeps_them_as_packsft_only(tmp_path, 
                                     **{**cfg, "inputs": [str(no_system)]}))
     assert [w["message"][:58] for w in added.warnings] == [kept + "messages[2]"]
     meta = json.loads((tmp_path / "b.jsonl.packed.meta.json").read_text())
-    assert meta["megatron_lm_compatible"] is False and meta["counts"]["warnings"] == {"non_megatron": 2}
+    assert meta["megatron_lm_compatible"] is False and meta["counts"]["warnings"] == report.warning_counts()
     ds = PackedSFTDataset(tmp_path / "b.jsonl.packed", tok, "identity", 128)
     assert sum(int(ds[i]["cu_seqlens"][-1]) for i in range(len(ds))) == report.real_tokens
 

@@ -12,6 +12,7 @@ from packsft.prompt_formats import (
     render_segments,
     tokenize_conversation,
     tokenize_conversations,
+    unrendered,
 )
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -88,6 +89,36 @@ def test_nemotron_tool_turns_render_to_nothing_and_tool_only_assistant_is_an_err
     with_tool = tool_only[:3] + [{"role": "tool", "content": "ignored"}] + tool_only[3:]
     assert [s.text for s in render_segments(with_tool, None, nemo, fmt)] == \
         [s.text for s in render_segments(tool_only, None, nemo, fmt)]
+
+
+def test_passthrough_refuses_a_tool_call_turn_it_would_train_as_an_empty_reply(qwen):
+    """passthrough renders contents only: a call without content trained only its EOS after the prompt."""
+    fmt = get_prompt_format("passthrough", qwen, append_eos=True)
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    msgs = [CONV[0], CONV[1], call, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn \(passthrough does not "
+                                                r"render tool_calls; use chat-template\)"):
+        tokenize_conversation(msgs, qwen, fmt)
+    tokenize_conversation([*msgs[:2], {**call, "content": "Calling f."}, *msgs[3:]], qwen, fmt)  # content: trained
+
+
+def test_what_a_format_does_not_render_is_named(qwen, nemo, tokenizer_dir):
+    smol = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    call = {"role": "assistant", "content": "Calling f.",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    msgs = [CONV[0], CONV[1], call, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "ok"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    assert unrendered(msgs, tools, get_prompt_format("chat-template", qwen)) == []   # Qwen2.5 renders both
+    assert unrendered(CONV, None, get_prompt_format("passthrough", qwen)) == []
+    for fmt, words in ((get_prompt_format("chat-template", smol), "the chat template"),   # reads neither
+                       (get_prompt_format("passthrough", qwen), "prompt format passthrough"),
+                       (get_prompt_format("identity", nemo), "prompt format identity")):
+        got = unrendered(msgs, tools, fmt)
+        assert [k for k, _ in got] == ["tools_not_rendered", "tool_calls_not_rendered"]
+        assert got[0][1].startswith(f"tools: 1 tool schema(s) that {words} does not render")
+        assert got[1][1].startswith(f"tool_calls of 1 assistant turn(s) that {words} does not render")
+    assert [k for k, _ in unrendered(CONV, tools, get_prompt_format("chat-template", smol))] == ["tools_not_rendered"]
 
 
 @pytest.mark.parametrize("content", ["", "   \n "])

@@ -95,6 +95,7 @@ from packsft.prompt_formats import (
     get_prompt_format,
     tokenize_conversation,
     tokenize_conversations,
+    unrendered,
 )
 from packsft.record_formats import ROW_JSON, RecordFormatError, adapter_identity, record_converter, source_field
 from packsft.sidecar import (
@@ -532,10 +533,11 @@ def _process_lines(path: str, items: list[tuple[int, int, str | None, str | None
 
     Returns:
         Per line, ``(counts, row_messages_json, None, cut, tokens, runs)`` for a good line, with ``counts`` =
-        ``(num_tokens, trained, trained_in_row, non_megatron)`` (``trained``: tokens the model is trained to
+        ``(num_tokens, trained, trained_in_row, notes)`` (``trained``: tokens the model is trained to
         predict, or at least 1 for a cut conversation (its cut-off part is not counted); ``trained_in_row``:
-        those within the first ``max_seq_len`` tokens, what the loader's truncation keeps; ``non_megatron``:
-        the reason with ``--allow-non-megatron``, else ``None``; ``cut``: the packer cut it; ``tokens``: list
+        those within the first ``max_seq_len`` tokens, what the loader's truncation keeps; ``notes``: its
+        warnings ``(kind, message)``: ``non_megatron`` (kept with ``--allow-non-megatron``) and those of
+        :func:`packsft.prompt_formats.unrendered`; ``cut``: the packer cut it; ``tokens``: list
         of int ids, ``runs``: their targets as runs, ``tokenize_conversation(..., runs=True)``), or
         ``(None, None, reason, False, None, None)`` for a rejected line.
     """
@@ -600,7 +602,10 @@ def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first, known=N
     n = len(tokens)
     trained = _trained_in(runs, 1, n)  # targets[1:], the tokens predicted
     in_row = trained if n <= cfg.max_seq_len else _trained_in(runs, 1, cfg.max_seq_len)
-    counts = (n, max(1, in_row) if cut else trained, in_row, non_megatron)
+    notes = unrendered(conv.messages, conv.tools, fmt)
+    if non_megatron is not None:
+        notes.insert(0, ("non_megatron", f"kept with --allow-non-megatron (packsft-only): {non_megatron}"))
+    counts = (n, max(1, in_row) if cut else trained, in_row, notes)
     return counts, ROW_JSON(conv.to_row_messages()), None, cut, tokens, runs
 
 
@@ -795,9 +800,8 @@ def count_shard(shard: Shard) -> ShardResult:
             if cfg.strict:
                 break
             continue
-        n, trained, trained_in_row, non_megatron = counts
-        if non_megatron is not None:
-            warns.append(("non_megatron", line, f"kept with --allow-non-megatron (packsft-only): {non_megatron}"))
+        n, trained, trained_in_row, notes = counts
+        warns.extend((kind, line, message) for kind, message in notes)
         if trained == 0:
             warns.append(("no_trained_token", line, "conversation has no trained token (no assistant turn to "
                           "train: empty, weight 0, or not the last with --train-on last); it is packed as context "

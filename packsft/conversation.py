@@ -496,7 +496,9 @@ def parse_record(
                 raise _fail(path, line, key, "missing or not a string")
         messages = [{"role": "user", "content": record[input_key]},
                     {"role": "assistant", "content": record[output_key]}]
-        if isinstance(record.get("system"), str):
+        if record.get("system") is not None:
+            if not isinstance(record["system"], str):
+                raise _fail(path, line, "system", f"must be a string, got {_json_type(record['system'])}")
             messages.insert(0, {"role": "system", "content": record["system"]})
     else:
         if "messages" not in record:
@@ -514,6 +516,9 @@ def parse_record(
         messages.insert(0, {"role": "system", "content": default_system_prompt})
     else:
         if "tools" in messages[0]:
+            if tools and messages[0]["tools"] and tools != messages[0]["tools"]:
+                raise _fail(path, line, "messages[0].tools", "differs from the record's tools (one would be "
+                            "lost): give the schemas once")
             tools = tools or messages[0]["tools"]
             del messages[0]["tools"]
         if "chat_template_kwargs" in messages[0]:

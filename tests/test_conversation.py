@@ -33,6 +33,12 @@ def test_missing_system_gets_default_and_tools_ride_on_it():
     assert row[0]["tools"] == tools and "tools" not in conv.messages[0]
     back = split_row(row + row)
     assert len(back) == 2 and back[1].tools == tools and back[1].messages == conv.messages
+    again = {"messages": row, "tools": tools}   # a row's conversation given its tools twice: the same, kept
+    assert parse_record(again, "in.jsonl", 3).tools == tools
+    other = [{"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
+    err = _err({"messages": row, "tools": other})   # two lists: one would be lost
+    assert (err.field, err.reason) == ("messages[0].tools", "differs from the record's tools (one would be lost): "
+                                                            "give the schemas once")
 
 
 @pytest.mark.parametrize(
@@ -99,6 +105,8 @@ def test_prompt_response_records():
     assert [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
     assert conv.messages[0]["content"] == "math"
     assert _err({"prompt": "2+2?"}, input_key="prompt", output_key="response").field == "response"
+    err = _err({"prompt": "2+2?", "response": "4", "system": 3}, input_key="prompt", output_key="response")
+    assert (err.field, err.reason) == ("system", "must be a string, got number")   # was dropped unseen
 
 
 def test_jsonl_reader_keeps_line_numbers_crlf_blank_and_bad_utf8(tmp_path):

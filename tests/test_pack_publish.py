@@ -148,6 +148,29 @@ def test_stale_temps_of_a_killed_run_are_removed_and_others_kept(tmp_path, packe
     assert all(p.exists() for p in other)
 
 
+def test_a_full_disk_is_an_error_line_and_leaves_the_old_set(tmp_path, packed_sets, monkeypatch, capsys):
+    """ENOSPC while the spools are written (a real disk is not filled here: the write raises as one would)."""
+    import errno
+
+    from packsft.packing import pipeline
+
+    src, tok, sets = packed_sets
+    out = tmp_path / "rows.jsonl.packed"
+    assert cli.main(_argv(src, out, tok, 128)) == 0
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pipeline, "encode_runs", full)
+    capsys.readouterr()
+    assert cli.main(_argv(src, out, tok, 256)) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {os.strerror(errno.ENOSPC)} in {tmp_path} while packing {out}: free space or give --output "
+                   "on a larger disk; this run's temp files are removed and none of its outputs was published\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and _set(out) == sets[128]
+
+
 def test_loader_refuses_rows_that_are_not_the_sidecars(tmp_path, packed_sets):
     src, tok, sets = packed_sets
     out = tmp_path / "rows.jsonl.packed"

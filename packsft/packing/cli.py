@@ -6,9 +6,11 @@ See ``tools/pack_megatron_sft_jsonl.py`` for examples.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import warnings
+from pathlib import Path
 
 from packsft.conversation import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
@@ -139,6 +141,14 @@ def main(argv=None) -> int:
             report = run_pack(cfg)
     except (ValueError, PackError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = Path(e.filename).parent if e.filename else Path(cfg.output).resolve().parent
+        print(f"error: {e.strerror or 'no space left'} in {where} while packing {cfg.output}: free space or give "
+              "--output on a larger disk; this run's temp files are removed and none of its outputs was published",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C: this run's temp files are already removed
         print(f"error: interrupted (SIGINT); {_stopped(e)}", file=sys.stderr)

@@ -274,6 +274,21 @@ def test_nothing_to_pack_is_an_error_not_an_empty_file(tmp_path, tokenizer_dir):
     assert re.search(r"\n  rejected \S*bad.jsonl:1: not valid JSON: .* \(column 2\)\n  rejected \S*bad.jsonl:2: ",
                      str(e.value)), str(e.value)
     assert "bad.jsonl:3: not valid JSON: Expecting value (column 15)" in str(e.value)  # the end of its own line
+    # every reason once, with its count (reasons that differ in their numbers, a message index, are one)
+    user = {"role": "user", "content": "q"}
+    lines = [{"messages": [user, {"role": "assistant", "content": i}]} for i in range(30)]   # content not a string
+    lines += [{"messages": [user] * (2 + i % 3) + [{"role": "bot", "content": "a"}]} for i in range(5)]
+    lines += [{"messages": [user, {"role": "assistant", "content": "a", "weight": w}]} for w in range(2, 11)]
+    many = _write_lines(tmp_path / "many.jsonl", [json.dumps(x) for x in lines])
+    with pytest.raises(PackError) as e:
+        run_pack(PackConfig(inputs=[str(many)], output=str(tmp_path / "m.packed"), max_seq_len=128,
+                            tokenizer=str(tokenizer_dir("qwen2.5")), progress=False, histogram=""))
+    got = str(e.value).splitlines()[1:]
+    assert got[0] == (f"  rejected {many}:1 and 29 more line(s) like it: messages[1].content: must be a string, "
+                      "got number")
+    assert got[1] == f"  rejected {many}:36 and 8 more line(s) like it: messages[1].weight: must be 0 or 1, got 2"
+    assert got[2].startswith(f"  rejected {many}:31 and 4 more line(s) like it: messages[2].role: ")  # the most first
+    assert len(got) == 3
 
 
 def _cli(args, env_extra):

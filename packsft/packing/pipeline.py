@@ -47,6 +47,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import shutil
 import signal
 import stat
@@ -1309,15 +1310,26 @@ def _nothing_trained(cfg: PackConfig, report: PackReport, conversations: int) ->
     return "\n".join(lines)
 
 
-def _nothing_to_pack(cfg: PackConfig, report: PackReport) -> str:
-    """The error of a run that kept no conversation: the counts and the first reasons."""
+def _nothing_to_pack(cfg: PackConfig, report: PackReport, kinds: int = 8) -> str:
+    """The error of a run that kept no conversation: the counts, and every reason once with the number of lines
+    rejected for it (reasons that differ only in their numbers, such as a message index, count as one; the
+    ``kinds`` most frequent are listed, with their first line)."""
     lines = [f"no conversation to pack: {report.input_conversations} input {count_word(cfg.inputs)}(s) in "
              f"{', '.join(cfg.inputs)}, {len(report.rejected)} rejected, {len(report.oversize)} oversize (dropped)"]
-    lines += [f"  rejected {entry_where(r)}: {r['reason']}" for r in report.rejected[:5]]
-    lines += [f"  dropped {entry_where(o)}: {o['tokens']} tokens > max_seq_len {cfg.max_seq_len}"
-              for o in report.oversize[:5]]
-    if len(report.rejected) > 5 or len(report.oversize) > 5:
-        lines.append("  ... (more of them; --strict stops at the first)")
+    groups: dict[str, list[dict]] = {}
+    for r in report.rejected:
+        groups.setdefault(re.sub(r"\d+", "0", r["reason"]), []).append(r)
+    ranked = sorted(groups.values(), key=len, reverse=True)  # stable: the first seen first among equals
+    for entries in ranked[:kinds]:
+        more = f" and {len(entries) - 1:,} more line(s) like it" if len(entries) > 1 else ""
+        lines.append(f"  rejected {entry_where(entries[0])}{more}: {entries[0]['reason']}")
+    if len(ranked) > kinds:
+        rest = sum(map(len, ranked[kinds:]))
+        lines.append(f"  ... {rest:,} more rejected line(s) for {len(ranked) - kinds} other reason(s)")
+    if report.oversize:
+        o = report.oversize[0]
+        more = f" and {len(report.oversize) - 1:,} more" if len(report.oversize) > 1 else ""
+        lines.append(f"  dropped {entry_where(o)}{more}: {o['tokens']} tokens > max_seq_len {cfg.max_seq_len}")
     return "\n".join(lines)
 
 

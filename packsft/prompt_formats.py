@@ -221,6 +221,8 @@ def get_prompt_format(
         raise ValueError(f"chat_template_kwargs must be a JSON object, got {type(chat_template_kwargs).__name__}")
     _check_reserved(chat_template_kwargs, "--chat-template-kwargs")
     template = _resolve_template(tokenizer, chat_template) if canonical == "chat-template" else None
+    if template is not None:
+        _check_syntax(template, "--chat-template" if chat_template is not None else "the tokenizer's chat template")
     if pad_token is not None:
         pad = pad_token
     elif canonical in _PRESET_PAD:
@@ -254,6 +256,20 @@ def get_prompt_format(
             raise ValueError("--append-eos: the tokenizer has no EOS token")
         fmt = dataclasses.replace(fmt, append_eos=bool(append_eos))
     return fmt
+
+
+def _check_syntax(template: str, what: str) -> None:
+    """Raise ``ValueError`` (once, before any conversation) when ``template`` is not valid Jinja, as transformers
+    compiles it (its loop controls included)."""
+    import jinja2
+
+    try:
+        if _compile_jinja_template is not None:
+            _compile_jinja_template(template)  # cached by transformers: rendering reuses it
+        else:
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{what} is not a valid Jinja template: {e.message} (template line {e.lineno})") from None
 
 
 def _sha(text: str | None) -> str:

@@ -244,6 +244,12 @@ def test_custom_template_file_and_missing_template(tmp_path, tokenizer_dir):
     assert fmt.spec()["chat_template_sha256"] and fmt.chat_template.startswith("{% for")
     with pytest.raises(ValueError, match="neither a Jinja template nor an existing file"):
         get_prompt_format("chat-template", tok, chat_template=tmp_path / "missing.jinja", pad_token="!")
+    f.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")   # once here, not per conversation
+    with pytest.raises(ValueError, match=r"^--chat-template is not a valid Jinja template: unexpected '}' "
+                                         r"\(template line 2\)$"):
+        get_prompt_format("chat-template", tok, chat_template=f, pad_token="!")
+    loops = "{% for m in messages %}{{ m.content }}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}"
+    assert get_prompt_format("chat-template", tok, chat_template=loops, pad_token="!").chat_template == loops
 
 
 def test_fingerprint_differs_between_tokenizers(tokenizer_dir, nemo, qwen):

@@ -219,33 +219,27 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     value = dict(pairs)
     if len(value) != len(pairs):
         seen = set()
-        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
     return value
 
 
-class _Duplicated(dict):
-    """An object of an input line holding ``key`` twice, decoded to be found and named."""
-
-    key = ""
+_DUPLICATE = object()
+"""The value a duplicated key is decoded to by :func:`_duplicate_field`, to be found and named."""
 
 
 def _mark_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     try:
         return _unique_keys(pairs)
     except DuplicateKey as e:
-        marked = _Duplicated(pairs)
-        marked.key = e.key
-        return marked
+        return {**dict(pairs), e.key: _DUPLICATE}
 
 
 def _duplicate_field(text: str) -> str | None:
     """The field (``messages[1].content``) of the first duplicated key of ``text``, a line that holds one."""
-    found: list[_Duplicated] = []
-    where = _find_in(json.JSONDecoder(object_pairs_hook=_mark_duplicates).decode(text),
-                     lambda v: isinstance(v, _Duplicated) and not found.append(v))
-    if where is None:
-        return None
-    return f"{where}.{found[0].key}" if where else found[0].key
+    return _find_in(json.JSONDecoder(object_pairs_hook=_mark_duplicates).decode(text), lambda v: v is _DUPLICATE)
 
 
 class NonFiniteNumber(ValueError):

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from packsft.train.config import check_parallel_layout, config_to_yaml, load_config
@@ -70,11 +71,20 @@ def test_overrides_apply_after_the_file():
     (["lora.enabled=true", "lora.alpha=inf"], "lora.alpha must be a finite number > 0, got inf"),
     (["scheduler.min_lr=1.0", "optimizer.lr=0.003"], "scheduler.min_lr (1.0) must be <= optimizer.lr (0.003)"),
     (["data.samples_per_epoch=5"], "data.samples_per_epoch (5) sets the epoch of a mixture"),  # it was ignored
+    (["loader.seed=-1"], "seed must be in [0, 2**63), got -1"),   # numpy's traceback at the first batch before
 ])
 def test_config_errors_are_clear(overrides, message):
     with pytest.raises(ValueError) as err:
         load_config(TINY, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)  # one line (OmegaConf's ran over four)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_nccl_without_cuda_is_refused_by_name():
+    from packsft.train.distributed import init_distributed
+
+    with pytest.raises(ValueError, match=r"^parallel.backend=nccl needs CUDA GPUs .* no CUDA device: use gloo"):
+        init_distributed(backend="nccl")   # before any process group: torch's RuntimeError traceback before
 
 
 def test_missing_file():

@@ -58,6 +58,10 @@ def test_config_errors_name_the_source(tmp_path, packed):  # noqa: F811
     path = mixture_config(tmp_path, packed, "dup")
     with pytest.raises(ValueError, match=r"names must be unique, \['few'\]"):
         load_config(path, ["data.train=[{name: few, path: a}, {name: few, path: b}]"])
+    for validation in ("[{name: x, path: a}, {name: x, path: b}]",
+                       "[{path: d1/v.jsonl.packed}, {path: d2/v.jsonl.packed}]"):  # two files of one name
+        with pytest.raises(ValueError, match=r"data.validation: names must be unique"):   # one was dropped unseen
+            load_config(path, [f"data.validation={validation}"])
     with pytest.raises(ValueError, match=r"data.train\[1\].weight must be > 0"):
         load_config(path, ["data.train=[{path: a}, {path: b, weight: 0}]"])
     for item in ("data.train.1.weight=2", "data.train[1].weight=2"):  # a TypeError traceback before

@@ -122,7 +122,8 @@ class DataLoaderConfig:
         Raises:
             ValueError: naming the field and value: unknown ``sampler``, ``custom`` without (or a
                 built-in with) ``sampler_class_path``, an unresolvable or non-sampler class,
-                ``sampler_kwargs`` the class does not accept, negative workers, ``micro_batch_size < 1``.
+                ``sampler_kwargs`` the class does not accept, negative workers, ``micro_batch_size < 1``, a negative
+                ``seed``.
         """
         if self.sampler not in SAMPLER_NAMES:
             raise ValueError(f"sampler={self.sampler!r} is unknown; choose one of {list(SAMPLER_NAMES)}")
@@ -139,6 +140,8 @@ class DataLoaderConfig:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if not 0 <= self.seed < 2**63:  # numpy's SeedSequence and torch.Generator take no negative seed
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         cls = self.sampler_class()
         try:
             inspect.signature(cls).bind(0, dp_rank=0, dp_size=1, seed=self.seed, **_plain(self.sampler_kwargs))

@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from packsft.data.loader import DataLoaderConfig
 from packsft.io import missing_file
-from packsft.layout import row_granularity
+from packsft.layout import cp_granularity, row_granularity
 from packsft.model.config import (
     MODEL_CONFIG_FILE,
     ModelConfig,
@@ -154,8 +154,8 @@ class DataConfig:
             if not 0.0 <= source.split_validation_size < 1.0:
                 raise ValueError(f"data.train[{i}].split_validation_size must be in [0, 1), got "
                                  f"{source.split_validation_size!r}")
-        for kind, names in (("data.train", [n for n, *_ in self.train_sources()]),
-                            ("data.validation", list(self.validation_sources()))):
+        for kind, names in (("data.train", [n for n, *_ in self.train_sources()]),   # not validation_sources(),
+                            ("data.validation", [_source_name(v.name, v.path) for v in self.validation])):  # a dict
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{kind}: names must be unique, {dupes} appear twice (set name: per entry)")
@@ -332,7 +332,8 @@ class CheckpointConfig:
     save_interval: int = 0
     """Save every N steps; 0 = only at the end."""
     save_at_end: bool = True
-    """Save after the last step (``train_steps`` or ``stop_at_step``)."""
+    """Save after step ``train_steps``. A stop at ``train.stop_at_step`` always saves (it exists to resume later,
+    as Megatron-LM's ``--exit-interval`` saves)."""
     resume: str = "auto"
     """``auto`` (the ``latest`` checkpoint in ``dir`` if any), ``none``, or a path to an ``iter_XXXXXXX`` folder."""
     restore_data_order: bool = True
@@ -426,9 +427,10 @@ class Config:
             self.parallel.sequence_parallel = False
         granularity = row_granularity(cp, self.parallel.sequence_parallel_size)
         if seq % granularity:
-            raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of lcm(2 * parallel.context_parallel_size, "
-                             f"context_parallel_size * tensor_model_parallel_size) = {granularity} with "
-                             "parallel.sequence_parallel")
+            raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of {granularity} with "
+                             f"parallel.sequence_parallel: lcm(CP padding, CP x TP) = lcm({cp_granularity(cp)}, "
+                             f"{cp} x {self.parallel.tensor_model_parallel_size}), the CP padding being 2 x CP when CP "
+                             "> 1, else 1")
         if seq > self.model.max_position_embeddings:
             raise ValueError(f"data.max_seq_len ({seq}) must be <= model.max_position_embeddings "
                              f"({self.model.max_position_embeddings})")

@@ -96,11 +96,14 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
         :class:`DistributedContext`.
 
     Raises:
-        ValueError: if ``WORLD_SIZE`` is not a multiple of ``tp * cp * pp``, or ``parallel_state`` is
-            already initialised with other sizes.
+        ValueError: if ``WORLD_SIZE`` is not a multiple of ``tp * cp * pp``, ``parallel_state`` is already
+            initialised with other sizes, or ``backend`` is ``nccl`` without CUDA or NCCL.
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError("parallel.backend=nccl needs CUDA GPUs and a torch built with NCCL; this process has "
+                         f"{'no CUDA device' if not torch.cuda.is_available() else 'no NCCL'}: use gloo (or null)")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

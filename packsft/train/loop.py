@@ -633,8 +633,8 @@ class Trainer:
                 at_end = self.state.step == cfg.train.train_steps
                 if cfg.validation.val_at_end and at_end and validated_at != self.state.step:
                     logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
-                if cfg.checkpoint.save_at_end and saved_at != self.state.step:
-                    self.save()
+                if (cfg.checkpoint.save_at_end or not at_end) and saved_at != self.state.step:
+                    self.save()   # a stop at train.stop_at_step saves: it exists to resume later
         finally:
             if installed:  # also when a step raises: the process keeps no handler of this run
                 process_guard.STOP_SIGNAL.uninstall()

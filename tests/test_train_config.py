@@ -186,3 +186,13 @@ def test_a_checkpoint_refuses_another_optimizer_state_format():
         with pytest.raises(CheckpointError, match=message):
             check_recorded_optimizer(load_config(TINY, overrides).optimizer, recorded, "ck")
     check_recorded_optimizer(load_config(TINY).optimizer, {"optimizer": {}}, "ck")  # a config that predates them
+    # the distributed optimizer's shards are cut for TP and PP: another size was Megatron's "Global shape mismatch"
+    tp2 = recorded_architecture({"config": config_to_yaml(load_config(
+        TINY, [*megatron, "parallel.tensor_model_parallel_size=2"]))}, "ck")
+    now = load_config(TINY, megatron)
+    with pytest.raises(CheckpointError, match=r"^parallel.tensor_model_parallel_size is 1 but checkpoint ck was "
+                                              r"trained with 2, .*resume with parallel.tensor_model_parallel_size=2"):
+        check_recorded_optimizer(now.optimizer, tp2, "ck", now.parallel)
+    check_recorded_optimizer(now.optimizer, recorded, "ck", now.parallel)   # same TP and PP (any DP): resumes
+    plain = load_config(TINY, megatron[:1])   # Megatron's optimizer without sharding: resharded on load
+    check_recorded_optimizer(plain.optimizer, {**tp2, "optimizer": {"backend": "megatron"}}, "ck", plain.parallel)

@@ -124,8 +124,11 @@ def test_resume_at_the_last_step_trains_saves_and_validates_nothing_with_a_note(
     proc = train(out / "config.yaml")   # the run's own config records train.stop_at_step=2
     assert "note: nothing to train: the run resumes at step 2 and train.stop_at_step is 2 (train.stop_at_step=null " \
            "trains on to train.train_steps=4)" in proc.stdout, proc.stdout
-    proc = train(cfg, "train.train_steps=2")   # a finished run submitted again: no second validation or save
+    proc = train(cfg, "train.train_steps=2",   # a finished run submitted again: no second validation or save
+                 "checkpoint.restore_data_order=false")   # (and the note of a data order started again)
     assert "note: nothing to train: the run resumes at step 2 and train.train_steps is 2" in proc.stdout, proc.stdout
+    assert "note: checkpoint.restore_data_order=false: the data order starts again from its first rows (epoch 0), " \
+           "which the 4 rows consumed up to step 2 may include: they are trained again" in proc.stdout, proc.stdout
     assert {p.name: p.stat().st_mtime_ns for p in saved.iterdir()} == before
     after = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()[len(records):]]
     assert [r["kind"] for r in after] == ["summary", "summary"]

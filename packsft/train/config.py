@@ -338,7 +338,8 @@ class CheckpointConfig:
     """``auto`` (the ``latest`` checkpoint in ``dir`` if any), ``none``, or a path to an ``iter_XXXXXXX`` folder."""
     restore_data_order: bool = True
     """Restore the loader's sampler position (needs the same data-parallel size and data); false restarts the
-    data order (use it to resume with another data-parallel size)."""
+    data order from its first rows, those already trained included (a ``note:`` says so; use it to resume with
+    another data-parallel size or context-parallel file)."""
     init_from: str | None = None
     """Model-only checkpoint folder (``tools/convert_checkpoint.py import --out``) whose weights start the run when
     there is nothing to resume (a checkpoint found by ``resume`` wins); optimizer, schedule and data order start
@@ -691,8 +692,8 @@ def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str
     (its ``train_state.json``).
 
     Returns:
-        ``{"model": {...}, "lora": {...}, "optimizer": {...}, "train": {...}}`` (``lora`` empty when the run
-        predates it), plain YAML values.
+        ``{"model": {...}, "lora": {...}, "optimizer": {...}, "train": {...}, "parallel": {...}}`` (``lora``
+        empty when the run predates it), plain YAML values.
 
     Raises:
         CheckpointError: ``train_state.json`` has no ``config`` with a ``model`` section.
@@ -705,30 +706,49 @@ def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str
     if not isinstance(recorded, dict) or not isinstance(recorded.get("model"), dict):
         raise CheckpointError(f"{Path(checkpoint) / TRAIN_STATE} records no config with a model section")
     return {"model": recorded["model"], "lora": recorded.get("lora") or {},
-            "optimizer": recorded.get("optimizer") or {}, "train": recorded.get("train") or {}}
+            "optimizer": recorded.get("optimizer") or {}, "train": recorded.get("train") or {},
+            "parallel": recorded.get("parallel") or {}}
 
 
 RESUME_FIXED_OPTIMIZER_KEYS = ("backend", "use_distributed_optimizer")
 """``optimizer`` keys that set the format of a checkpoint's optimizer state, so a resume must keep them."""
 
 
-def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dict], checkpoint: str | Path) -> None:
+DISTRIBUTED_OPTIMIZER_FIXED_PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+"""``parallel`` keys the distributed optimizer's state is sharded by (its ``dp_reshardable`` format: the DP size may
+change on resume, these may not)."""
+
+
+def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dict], checkpoint: str | Path,
+                             parallel: ParallelConfig | None = None) -> None:
     """Refuse a resume whose optimizer state format (:data:`RESUME_FIXED_OPTIMIZER_KEYS`) differs from the
-    checkpoint's (before: a ``KeyError`` traceback inside Megatron's ``load_state_dict``, or a silent conversion).
+    checkpoint's (before: a ``KeyError`` traceback inside Megatron's ``load_state_dict``, or a silent conversion),
+    or, with the distributed optimizer, whose :data:`DISTRIBUTED_OPTIMIZER_FIXED_PARALLEL_KEYS` differ (before:
+    Megatron's ``Global shape mismatch`` of the optimizer shards).
 
     Raises:
         CheckpointError: naming the dotted key and both values.
     """
     from packsft.train.checkpoint import CheckpointError
 
+    new_run = ("start a new run from its weights (tools/convert_checkpoint.py export, import, then "
+               "checkpoint.init_from)")
     for key in RESUME_FIXED_OPTIMIZER_KEYS:
         if key in recorded["optimizer"] and recorded["optimizer"][key] != getattr(optimizer, key):
             was = recorded["optimizer"][key]
             raise CheckpointError(f"optimizer.{key} is {getattr(optimizer, key)!r} but checkpoint {checkpoint} was "
                                   f"trained with {was!r}, and its optimizer state has that format; resume with "
-                                  f"optimizer.{key}={str(was).lower() if isinstance(was, bool) else was}, or start "
-                                  "a new run from its weights (tools/convert_checkpoint.py export, import, then "
-                                  "checkpoint.init_from)")
+                                  f"optimizer.{key}={str(was).lower() if isinstance(was, bool) else was}, or "
+                                  f"{new_run}")
+    if parallel is None or not optimizer.use_distributed_optimizer:
+        return
+    for key in DISTRIBUTED_OPTIMIZER_FIXED_PARALLEL_KEYS:
+        was = recorded.get("parallel", {}).get(key, 1)
+        if was != getattr(parallel, key):
+            raise CheckpointError(f"parallel.{key} is {getattr(parallel, key)} but checkpoint {checkpoint} was "
+                                  f"trained with {was}, and the distributed optimizer's state is sharded for it "
+                                  f"(only the data-parallel size may change); resume with parallel.{key}={was}, or "
+                                  f"{new_run}")
 
 
 def _lora_fields(lora: dict) -> dict:

@@ -287,7 +287,7 @@ class Trainer:
         recorded_sections = recorded_architecture(saved, path)
         check_recorded_architecture(self.cfg.model, self.cfg.lora if self.cfg.lora.enabled else None,
                                     recorded_sections, path, fix=RESUME_FIX)
-        check_recorded_optimizer(self.cfg.optimizer, recorded_sections, path)
+        check_recorded_optimizer(self.cfg.optimizer, recorded_sections, path, self.cfg.parallel)
         recorded = saved.get(ckpt.LORA_BASE)
         if recorded is not None:
             if not self.cfg.lora.enabled:
@@ -308,6 +308,10 @@ class Trainer:
         apply_weight_decay(self.optimizer, self.cfg.optimizer.weight_decay)
         if self.cfg.checkpoint.restore_data_order:
             load_loader_state_dict(self.train_loader, ckpt.load_loader_state(path, self.ctx.dp_rank))
+        elif self.ctx.rank == 0:
+            print(f"note: checkpoint.restore_data_order=false: the data order starts again from its first rows "
+                  f"(epoch 0), which the {self.state.consumed_samples} rows consumed up to step {self.state.step} "
+                  "may include: they are trained again", flush=True)
         ckpt.load_rng_state(path, self.ctx.rank)
         return str(path)
 

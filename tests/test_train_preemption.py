@@ -7,6 +7,7 @@ kill it, and scan ``/proc`` for processes that still carry the id.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,16 +197,29 @@ def _catches_sigterm(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_start_up_stops_cleanly_before_step_1(tmp_path, packed):  # noqa: F811
-    out = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", packed, out, **{**COMMON, "data": {"train_path": str(packed["many"])}})
+@pytest.mark.parametrize("save_on_sigterm", [True, False])
+def test_ctrl_c_during_start_up_stops_cleanly_before_step_1(tmp_path, packed, save_on_sigterm):  # noqa: F811
+    out, rows = tmp_path / "run", tmp_path / "data" / packed["many"].name
+    rows.parent.mkdir()
+    for f in packed["many"].parent.glob(packed["many"].name + "*"):   # the set without its row index
+        if not f.name.endswith(".idx"):
+            shutil.copy(f, rows.parent / f.name)
+    cfg = write_config(tmp_path / "c.yaml", packed, out, **{**COMMON, "data": {"train_path": str(rows)},
+                                                           "train": {**COMMON["train"],
+                                                                     "save_on_sigterm": save_on_sigterm}})
     proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "train.py"), "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env("startup"))
-    _wait_for(lambda: _catches_sigterm(proc.pid), proc, "the stop handler", seconds=60)   # before the heavy imports
+    if save_on_sigterm:   # before the heavy imports
+        _wait_for(lambda: _catches_sigterm(proc.pid), proc, "the stop handler", seconds=60)
+    else:                 # while the trainer is built (its data indexed): the config is read, torch imported
+        _wait_for(lambda: Path(str(rows) + ".idx").exists(), proc, "the row index", seconds=120)
     proc.send_signal(signal.SIGINT)
     text, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, text[-3000:]
-    assert "stopped by SIGINT after step 0: nothing new to save" in text and "Traceback" not in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]   # without save_on_sigterm: a KeyboardInterrupt traceback before
+    if save_on_sigterm:
+        assert proc.returncode == 0 and "stopped by SIGINT after step 0: nothing new to save" in text, text[-3000:]
+    else:
+        assert proc.returncode == 130 and "stopped by SIGINT during start-up" in text, text[-3000:]
     assert _train_steps(out) == [] and not (out / "checkpoints" / "latest").exists()
 
 

@@ -66,13 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not cfg.train.save_on_sigterm:             # the signals' defaults; one that came meanwhile ends the run now
-        received = stop.received
-        stop.uninstall()
-        if received:
-            print(f"stopped by {received} during start-up", file=sys.stderr)
-            return 128 + getattr(signal, received)
-    stop.action = stop.ACTION                    # from here on the run stops after a step and saves
+    # from here on the run stops after a step and saves; without save_on_sigterm, once the trainer is built
+    stop.action = stop.ACTION if cfg.train.save_on_sigterm else "stopping once the trainer is built"
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -97,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             where = f"{err.checkpoint}: " if getattr(err, "checkpoint", None) else ""
             print(f"error: {where}{unreadable_checkpoint_message(err)}", file=sys.stderr)
             return 2
+        if not cfg.train.save_on_sigterm:         # the signals' defaults; one that came meanwhile ends the run now
+            received = stop.received
+            stop.uninstall()
+            if received:
+                print(f"stopped by {received} during start-up", file=sys.stderr)
+                return 128 + getattr(signal, received)
         if trainer.ctx.rank == 0:
             with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:
                 f.write(config_to_yaml(cfg))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
 
+from packsft.layout import MAX_SEQ_LEN
 from packsft.model.config import ModelConfig
 from packsft.train.memory import Layout, max_seq_len, num_parameters, plan, static_bytes_per_parameter
 
@@ -49,6 +50,14 @@ def test_levers_reduce_memory_and_the_longest_row_is_the_edge():
     assert plan(LLAMA_8B, base, longest, GB80).fits and not plan(LLAMA_8B, base, longest + 4, GB80).fits
     with pytest.raises(ValueError, match="pipeline_model_parallel_size"):
         plan(LLAMA_8B, replace(base, pp=3), 8192, GB80)
+    sp = replace(base, tp=8, cp=3, sequence_parallel=True)   # rows of a multiple of lcm(6, 24) under SP
+    assert max_seq_len(LLAMA_8B, sp, GB80) % 24 == 0 and plan(LLAMA_8B, sp, max_seq_len(LLAMA_8B, sp, GB80), GB80).fits
+
+
+def test_the_longest_row_is_at_most_what_packsft_packs():
+    tiny = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                       vocab_size=1000, max_position_embeddings=512)
+    assert max_seq_len(tiny, Layout(cp=3), 1e15) == MAX_SEQ_LEN // 6 * 6   # memory alone: 45M tokens and more
 
 
 def test_plan_memory_cli():

@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_plan(p, cfg.model, layout))
-    print(f"longest row that fits : {max_seq_len(cfg.model, layout, gpu_bytes)} tokens")
+    longest, positions = max_seq_len(cfg.model, layout, gpu_bytes), cfg.model.max_position_embeddings
+    cap = f" (in memory; model.max_position_embeddings caps this config's rows at {positions})" if longest > positions \
+        else ""
+    print(f"longest row that fits : {longest} tokens{cap}")
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from packsft.layout import MAX_SEQ_LEN, row_granularity
 from packsft.model.config import ModelConfig
 
 GiB = 2**30
@@ -173,15 +174,17 @@ def plan(model: ModelConfig, layout: Layout, seq_len: int, gpu_bytes: float) -> 
 
 
 def max_seq_len(model: ModelConfig, layout: Layout, gpu_bytes: float) -> int:
-    """The longest row (a multiple of ``2 CP`` when CP > 1) that fits; 0 when none does.
+    """The longest row that fits in memory, at most packsft's ``MAX_SEQ_LEN`` and a multiple of the row
+    granularity (``2 CP`` when CP > 1, ``lcm`` with ``CP x TP`` under sequence parallelism); 0 when none does.
+    ``model.max_position_embeddings`` is not applied: it bounds what a config trains, not what would fit.
 
     Memory is affine in the row length, ``total(L) = A + B L``, so ``L_max = (usable - A) / B`` rounded down.
     """
-    step = 2 * layout.cp if layout.cp > 1 else 1
+    step = row_granularity(layout.cp, layout.tp if layout.sequence_parallel else 1)
     one, two = plan(model, layout, step, gpu_bytes).total, plan(model, layout, 2 * step, gpu_bytes).total
     per_token = (two - one) / step
     fixed = one - per_token * step
-    longest = (USABLE_FRACTION * gpu_bytes - fixed) / per_token
+    longest = min((USABLE_FRACTION * gpu_bytes - fixed) / per_token, MAX_SEQ_LEN)
     return max(0, int(longest) // step * step)
 
 

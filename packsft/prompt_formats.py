@@ -746,8 +746,10 @@ def _renders(name: str, template: str | None, what: str) -> bool:
     import jinja2
     from jinja2 import meta
 
-    try:
-        return what in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    try:   # parsed as transformers compiles it: its extensions ({% break %}, {% generation %}) included
+        env = _compile_jinja_template(template).environment if _compile_jinja_template is not None else \
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        return what in meta.find_undeclared_variables(env.parse(template))
     except jinja2.TemplateError:
         return True  # not this check's to report: rendering it says what is wrong
 
@@ -772,13 +774,14 @@ def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: Pr
         NonMegatronError: (presets, unless ``fmt.allow_non_megatron``) an assistant turn that does not follow
             a user or tool turn.
     """
+    if fmt.name in _MASKABLE and not _renders(fmt.name, fmt.chat_template, "tool_calls"):
+        for i, m in enumerate(messages):   # such a turn would train only its end of turn, right after the prompt
+            if m.get("tool_calls") and not (m.get("content") or "").strip():
+                raise PromptFormatError(f"empty assistant turn ({_format_words(fmt)} does not render tool_calls; "
+                                        "use a chat template that does)", i)
     if fmt.name == "chat-template":
         return _chat_template_segments(messages, tools, tokenizer, fmt, chat_template_kwargs)
     if fmt.name == "passthrough":
-        for i, m in enumerate(messages):
-            if m.get("tool_calls") and not (m.get("content") or "").strip():  # would train only its end (EOS)
-                raise PromptFormatError("empty assistant turn (passthrough does not render tool_calls; use "
-                                        "chat-template)", i)
         _check_masks(messages, fmt)
         return _passthrough_segments(messages, fmt)
     for i, m in enumerate(messages):

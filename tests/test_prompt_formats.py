@@ -97,10 +97,16 @@ def test_passthrough_refuses_a_tool_call_turn_it_would_train_as_an_empty_reply(q
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     msgs = [CONV[0], CONV[1], call, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "ok"}]
-    with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn \(passthrough does not "
-                                                r"render tool_calls; use chat-template\)"):
+    with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn \(prompt format passthrough "
+                                                r"does not render tool_calls; use a chat template that does\)"):
         tokenize_conversation(msgs, qwen, fmt)
     tokenize_conversation([*msgs[:2], {**call, "content": "Calling f."}, *msgs[3:]], qwen, fmt)  # content: trained
+    plain = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n{% endfor %}" \
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"   # a template without tool calls
+    with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn \(the chat template does not "
+                                                r"render tool_calls"):
+        tokenize_conversation(msgs, qwen, get_prompt_format("chat-template", qwen, chat_template=plain))
+    tokenize_conversation(msgs, qwen, get_prompt_format("chat-template", qwen))   # Qwen2.5's renders the call
 
 
 def test_what_a_format_does_not_render_is_named(qwen, nemo, tokenizer_dir):
@@ -119,6 +125,10 @@ def test_what_a_format_does_not_render_is_named(qwen, nemo, tokenizer_dir):
         assert got[0][1].startswith(f"tools: 1 tool schema(s) that {words} does not render")
         assert got[1][1].startswith(f"tool_calls of 1 assistant turn(s) that {words} does not render")
     assert [k for k, _ in unrendered(CONV, tools, get_prompt_format("chat-template", smol))] == ["tools_not_rendered"]
+    ext = ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% if loop.index > 9 %}"
+           "{% break %}{% endif %}{% endfor %}")   # transformers' extensions: parsed as transformers parses
+    fmt = get_prompt_format("chat-template", qwen, chat_template=ext)
+    assert [k for k, _ in unrendered(msgs, tools, fmt)] == ["tools_not_rendered", "tool_calls_not_rendered"]
 
 
 @pytest.mark.parametrize("content", ["", "   \n "])
@@ -213,10 +223,12 @@ def test_preset_token_crossing_a_boundary_names_the_message_and_both_sides(monke
 
 def test_template_failure_is_a_clear_error(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
-    fmt = get_prompt_format("chat-template", tok)
-    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"},
-            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
-    with pytest.raises(PromptFormatError, match="chat template failed"):
+    strict = ("{% for m in messages %}{% if m.role == 'user' and loop.index0 > 1 %}"
+              "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}")
+    fmt = get_prompt_format("chat-template", tok, chat_template=strict)
+    msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "c"}]
+    with pytest.raises(PromptFormatError, match="chat template failed: .*roles must alternate"):
         tokenize_conversation(msgs, tok, fmt)
 
 

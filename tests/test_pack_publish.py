@@ -166,9 +166,13 @@ def test_a_full_disk_is_an_error_line_and_leaves_the_old_set(tmp_path, packed_se
     capsys.readouterr()
     assert cli.main(_argv(src, out, tok, 256)) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: {os.strerror(errno.ENOSPC)} in {tmp_path} while packing {out}: free space or give --output "
-                   "on a larger disk; this run's temp files are removed and none of its outputs was published\n")
+    assert err == (f"error: {os.strerror(errno.ENOSPC)} in {tmp_path.resolve()} while packing {out}: free space there, "
+                   "or write the outputs (--output, --report, --histogram) to a larger disk; this run's temp files are "
+                   "removed and none of its outputs was published\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == before and _set(out) == sets[128]
+    report = tmp_path / "reports" / "r.json"   # a failed write names no file: every folder written is named
+    assert cli.main([*_argv(src, tmp_path / "o2.jsonl.packed", tok, 256), "--report", str(report)]) == 2
+    assert f" in {tmp_path.resolve()} or {report.parent.resolve()} while packing" in capsys.readouterr().err
 
 
 def test_loader_refuses_rows_that_are_not_the_sidecars(tmp_path, packed_sets):

@@ -21,6 +21,7 @@ from packsft.packing.pipeline import (
     PackError,
     PackWarning,
     Terminated,
+    output_folders,
     run_pack,
 )
 from packsft.packing.ray_engine import ENGINES
@@ -145,10 +146,10 @@ def main(argv=None) -> int:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        where = Path(e.filename).parent if e.filename else Path(cfg.output).resolve().parent
-        print(f"error: {e.strerror or 'no space left'} in {where} while packing {cfg.output}: free space or give "
-              "--output on a larger disk; this run's temp files are removed and none of its outputs was published",
-              file=sys.stderr)
+        where = Path(e.filename).resolve().parent if e.filename else " or ".join(output_folders(cfg))
+        print(f"error: {e.strerror or 'no space left'} in {where} while packing {cfg.output}: free space there, or "
+              "write the outputs (--output, --report, --histogram) to a larger disk; this run's temp files are removed "
+              "and none of its outputs was published", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C: this run's temp files are already removed
         print(f"error: interrupted (SIGINT); {_stopped(e)}", file=sys.stderr)

@@ -1386,6 +1386,11 @@ def _stale_outputs(paths: dict[str, str]) -> tuple[Path, ...]:
     return tuple(p for p in stale if p.resolve() not in written)
 
 
+def output_folders(cfg: PackConfig) -> list[str]:
+    """The folders a run writes to (its outputs', the spools beside ``cfg.output``), resolved, in order."""
+    return list(dict.fromkeys(str(Path(p).resolve().parent) for p in _output_paths(cfg).values()))
+
+
 def _output_paths(cfg: PackConfig) -> dict[str, str]:
     """``{rows, sidecar, report, histogram?, token_cache?, token_index?}``: the paths a run writes."""
     paths = {"rows": cfg.output, "sidecar": str(sidecar_path(cfg.output)),

@@ -71,7 +71,7 @@ def test_overrides_apply_after_the_file():
     (["lora.enabled=true", "lora.alpha=inf"], "lora.alpha must be a finite number > 0, got inf"),
     (["scheduler.min_lr=1.0", "optimizer.lr=0.003"], "scheduler.min_lr (1.0) must be <= optimizer.lr (0.003)"),
     (["data.samples_per_epoch=5"], "data.samples_per_epoch (5) sets the epoch of a mixture"),  # it was ignored
-    (["loader.seed=-1"], "seed must be in [0, 2**63), got -1"),   # numpy's traceback at the first batch before
+    (["loader.seed=-1"], "loader.seed must be in [0, 2**63), got -1"),   # numpy's traceback at the first batch before
 ])
 def test_config_errors_are_clear(overrides, message):
     with pytest.raises(ValueError) as err:

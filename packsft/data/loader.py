@@ -137,11 +137,11 @@ class DataLoaderConfig:
                 f"but sampler={self.sampler!r}"
             )
         if self.num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+            raise ValueError(f"loader.num_workers must be >= 0, got {self.num_workers}")
         if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+            raise ValueError(f"loader.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if not 0 <= self.seed < 2**63:  # numpy's SeedSequence and torch.Generator take no negative seed
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise ValueError(f"loader.seed must be in [0, 2**63), got {self.seed}")
         cls = self.sampler_class()
         try:
             inspect.signature(cls).bind(0, dp_rank=0, dp_size=1, seed=self.seed, **_plain(self.sampler_kwargs))

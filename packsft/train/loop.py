@@ -600,8 +600,8 @@ class Trainer:
         self._last_step, self._logged_step, self._logged_at = last, self.state.step, time.perf_counter()
         restart = self.state.step if self.resumed_from else -1
         logger = MetricsLogger(cfg.logging.output_dir, enabled=ctx.rank == 0, tensorboard=cfg.logging.tensorboard,
-                               progress=cfg.logging.progress, initial_step=self.state.step, total_steps=last,
-                               restart_step=restart)
+                               progress=cfg.logging.progress and self.state.step < last,  # no bar of no step
+                               initial_step=self.state.step, total_steps=last, restart_step=restart)
         summary = self.summary()
         logger.log(summary)
         logger.message(format_summary(summary))

@@ -258,16 +258,26 @@ def get_prompt_format(
     return fmt
 
 
+def _parsed_template(template: str):
+    """The Jinja syntax tree of ``template`` as transformers compiles it (its extensions, ``{% break %}`` and
+    ``{% generation %}``, included; the compiled template is cached by transformers, so rendering reuses it).
+
+    Raises:
+        jinja2.TemplateSyntaxError: ``template`` is not valid Jinja.
+    """
+    import jinja2
+
+    env = (_compile_jinja_template(template).environment if _compile_jinja_template is not None
+           else jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]))
+    return env.parse(template)
+
+
 def _check_syntax(template: str, what: str) -> None:
-    """Raise ``ValueError`` (once, before any conversation) when ``template`` is not valid Jinja, as transformers
-    compiles it (its loop controls included)."""
+    """Raise ``ValueError`` (once, before any conversation) when ``template`` is not valid Jinja."""
     import jinja2
 
     try:
-        if _compile_jinja_template is not None:
-            _compile_jinja_template(template)  # cached by transformers: rendering reuses it
-        else:
-            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        _parsed_template(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"{what} is not a valid Jinja template: {e.message} (template line {e.lineno})") from None
 
@@ -746,10 +756,8 @@ def _renders(name: str, template: str | None, what: str) -> bool:
     import jinja2
     from jinja2 import meta
 
-    try:   # parsed as transformers compiles it: its extensions ({% break %}, {% generation %}) included
-        env = _compile_jinja_template(template).environment if _compile_jinja_template is not None else \
-            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-        return what in meta.find_undeclared_variables(env.parse(template))
+    try:
+        return what in meta.find_undeclared_variables(_parsed_template(template))
     except jinja2.TemplateError:
         return True  # not this check's to report: rendering it says what is wrong
 

@@ -7,7 +7,6 @@ kill it, and scan ``/proc`` for processes that still carry the id.
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -196,24 +195,41 @@ def _catches_sigterm(pid: int) -> bool:
     return bool(mask >> (signal.SIGTERM - 1) & 1)
 
 
+INTERRUPTED_BUILD = """
+import os, runpy, signal, sys
+sys.path.insert(0, {repo!r})
+from packsft.train import loop
+build = loop.Trainer.__init__
+
+
+def interrupted(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C while the trainer is built
+    build(self, *args, **kwargs)
+
+
+loop.Trainer.__init__ = interrupted
+sys.argv = [{train!r}, "--config", {config!r}]
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("save_on_sigterm", [True, False])
 def test_ctrl_c_during_start_up_stops_cleanly_before_step_1(tmp_path, packed, save_on_sigterm):  # noqa: F811
-    out, rows = tmp_path / "run", tmp_path / "data" / packed["many"].name
-    rows.parent.mkdir()
-    for f in packed["many"].parent.glob(packed["many"].name + "*"):   # the set without its row index
-        if not f.name.endswith(".idx"):
-            shutil.copy(f, rows.parent / f.name)
-    cfg = write_config(tmp_path / "c.yaml", packed, out, **{**COMMON, "data": {"train_path": str(rows)},
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", packed, out, **{**COMMON, "data": {"train_path": str(packed["many"])},
                                                            "train": {**COMMON["train"],
                                                                      "save_on_sigterm": save_on_sigterm}})
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "train.py"), "--config", str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env("startup"))
-    if save_on_sigterm:   # before the heavy imports
+    train = str(REPO / "tools" / "train.py")
+    if save_on_sigterm:   # a real Ctrl-C before the heavy imports
+        proc = subprocess.Popen([sys.executable, train, "--config", str(cfg)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=_env("startup"))
         _wait_for(lambda: _catches_sigterm(proc.pid), proc, "the stop handler", seconds=60)
-    else:                 # while the trainer is built (its data indexed): the config is read, torch imported
-        _wait_for(lambda: Path(str(rows) + ".idx").exists(), proc, "the row index", seconds=120)
-    proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
+    else:                 # one while the trainer is built: the config read, its handler kept until the first step
+        script = INTERRUPTED_BUILD.format(repo=str(REPO), train=train, config=str(cfg))
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=_env("startup"))
     text, _ = proc.communicate(timeout=240)
     assert "Traceback" not in text, text[-3000:]   # without save_on_sigterm: a KeyboardInterrupt traceback before
     if save_on_sigterm:

@@ -92,15 +92,15 @@ def main(argv: list[str] | None = None) -> int:
             where = f"{err.checkpoint}: " if getattr(err, "checkpoint", None) else ""
             print(f"error: {where}{unreadable_checkpoint_message(err)}", file=sys.stderr)
             return 2
+        if trainer.ctx.rank == 0:
+            with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:
+                f.write(config_to_yaml(cfg))
         if not cfg.train.save_on_sigterm:         # the signals' defaults; one that came meanwhile ends the run now
             received = stop.received
             stop.uninstall()
             if received:
                 print(f"stopped by {received} during start-up", file=sys.stderr)
                 return 128 + getattr(signal, received)
-        if trainer.ctx.rank == 0:
-            with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:
-                f.write(config_to_yaml(cfg))
         try:
             state = trainer.run()
         except CheckpointSpaceError as err:

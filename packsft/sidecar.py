@@ -125,6 +125,15 @@ def sidecar_path(packed_path: str | Path) -> Path:
     return p if p.name.endswith(SIDECAR_SUFFIX) else p.with_name(p.name + SIDECAR_SUFFIX)
 
 
+ROW_INDEX_SUFFIX = ".idx"
+
+
+def row_index_path(path: str | Path, index_path: str | Path | None = None) -> Path:
+    """Where the loader caches the row index of packed file ``path``: ``index_path`` when given, else
+    ``<path>.idx`` (the packer refuses an input of that name: the loader would overwrite it)."""
+    return Path(index_path) if index_path is not None else Path(str(path) + ROW_INDEX_SUFFIX)
+
+
 def rows_path(path: str | Path) -> Path:
     """The packed file of a sidecar path (``X.jsonl.packed.meta.json`` -> ``X.jsonl.packed``); others are kept."""
     p = Path(path)

@@ -255,6 +255,11 @@ def test_outputs_that_would_replace_each_other_or_a_folder_or_device_are_refused
     # before: packed twice, and the report's per-input counts of the file doubled
     with pytest.raises(ValueError, match="--input .*a.jsonl is given twice"):
         run_pack(PackConfig(**{**base, "inputs": [str(src), str(tmp_path / "." / "a.jsonl")]}))
+    # an input named as the rows' index: packing kept it, the loader's first read replaced it
+    index = _write_lines(tmp_path / "o.jsonl.packed.idx", EDGE_LINES[:1])
+    with pytest.raises(ValueError, match=r"--input .*o.jsonl.packed.idx is the path of the loader's row index of "):
+        run_pack(PackConfig(**{**base, "inputs": [str(index)]}))
+    index.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "adir", "fifo"]
     assert run_pack(PackConfig(**base)).packed_conversations == 1
 

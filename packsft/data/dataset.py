@@ -62,13 +62,13 @@ from packsft.sidecar import (
     read_sidecar,
     refuse_sidecar_as_rows,
     repack_hint,
+    row_index_path,
     sidecar_path,
     special_tokens,
 )
 from packsft.token_cache import TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
-INDEX_SUFFIX = ".idx"
 INDEX_MAGIC = 0x504B5346545F4958  # "PKSFT_IX"
 INDEX_VERSION = 2
 _HEADER = 6
@@ -134,11 +134,6 @@ def rows_key(sidecar: dict[str, Any] | None) -> int:
         return int(str(digest)[:15], 16)
     except ValueError:
         return 0
-
-
-def row_index_path(path: str | Path, index_path: str | Path | None = None) -> Path:
-    """Where the row index of packed file ``path`` lives: ``index_path`` when given, else ``<path>.idx``."""
-    return Path(index_path) if index_path is not None else Path(str(path) + INDEX_SUFFIX)
 
 
 def load_or_build_index(path: str | Path, index_path: str | Path | None = None, key: int = 0) -> np.ndarray:

@@ -103,6 +103,7 @@ from packsft.sidecar import (
     REPORT_SUFFIX,
     cache_settings_blake2b,
     efficiency,
+    row_index_path,
     rows_file_fields,
     sidecar_path,
     sidecar_text,
@@ -267,6 +268,9 @@ class PackConfig:
                 if _same_file(p, out):
                     raise ValueError(f"--input {p} is also the {what} path {out}: packing would overwrite its "
                                      "own input; write the output elsewhere")
+            if _same_file(p, row_index_path(self.output)):
+                raise ValueError(f"--input {p} is the path of the loader's row index of {self.output}: loading the "
+                                 "rows would overwrite it; rename the input or write the output elsewhere")
         targets: dict[tuple[Path, str], str] = {}
         for what, out in written.items():
             _check_output_target(what, out)

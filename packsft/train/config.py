@@ -318,6 +318,8 @@ class TrainConfig:
         """Raise ``ValueError`` naming the field for invalid values."""
         _positive("train", self, "global_batch_size", "train_steps", "stop_at_step")
         _positive("train", self, "max_skipped_steps", allow_zero=True)
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed overflows past 64 bits; negative seeds as loader.seed
+            raise ValueError(f"train.seed must be in [0, 2**63), got {self.seed}")
         if self.autocast_dtype not in (None, *AUTOCAST_DTYPES):
             raise ValueError(f"train.autocast_dtype must be null or one of {AUTOCAST_DTYPES}, "
                              f"got {self.autocast_dtype!r}")

@@ -446,10 +446,13 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
                         "a system message may only come first (a later one would split the conversation)")
         if role == "tool" and previous not in ("tool_call", "tool"):
             raise _fail(path, line, f"{where}.role", "a tool message must follow an assistant turn with tool_calls")
-        if "tools" in m and i == 0 and role == "system":
-            _check_tools(m["tools"], path, line, f"{where}.tools")
-        if "chat_template_kwargs" in m and i == 0 and role == "system":
-            _check_kwargs(m["chat_template_kwargs"], path, line, f"{where}.chat_template_kwargs")
+        for key, check in (("tools", _check_tools), ("chat_template_kwargs", _check_kwargs)):
+            if key not in m:
+                continue
+            if i != 0 or role != "system":  # a template reads neither from another message: it would be dropped
+                raise _fail(path, line, f"{where}.{key}", f"only the record or its first (system) message may "
+                                                         f"carry {key}, not {role} message {i}")
+            check(m[key], path, line, f"{where}.{key}")
         previous = "tool_call" if has_calls else role
 
 

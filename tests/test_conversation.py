@@ -78,6 +78,13 @@ def test_missing_system_gets_default_and_tools_ride_on_it():
          "messages[1].weight", "must be 0 or 1"),
         ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": [1]}, "chat_template_kwargs",
          "must be an object"),
+        # a template reads tools and kwargs from the record (its first message): elsewhere they were dropped
+        ({"messages": [{"role": "user", "content": "a", "tools": [{"type": "function", "function": {"name": "f"}}]},
+                       {"role": "assistant", "content": "b"}]},
+         "messages[0].tools", "only the record or its first (system) message may carry tools, not user message 0"),
+        ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+                       {"role": "assistant", "content": "b", "chat_template_kwargs": {"x": 1}}]},
+         "messages[2].chat_template_kwargs", "may carry chat_template_kwargs, not assistant message 2"),
     ],
 )
 def test_invalid_records_name_file_line_and_field(record, field, words):

@@ -331,7 +331,7 @@ def _find(value: Any, where: str, bad: Callable[[Any], bool]) -> str | None:
     return None
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     """JSON name of a decoded value's type (``null``, ``array``, ``object``, ...) for error messages."""
     names = {type(None): "null", list: "array", dict: "object", str: "string", bool: "boolean", int: "number",
              float: "number"}
@@ -344,11 +344,11 @@ def _fail(path: str | Path, line: int, field: str, reason: str) -> ConversationE
 
 def _check_tools(tools: Any, path: str | Path, line: int, prefix: str = "tools") -> None:
     if not isinstance(tools, list):
-        raise _fail(path, line, prefix, f"must be a list of function schemas, got {type(tools).__name__}")
+        raise _fail(path, line, prefix, f"must be a list of function schemas, got {json_type(tools)}")
     for i, tool in enumerate(tools):
         where = f"{prefix}[{i}]"
         if not isinstance(tool, dict):
-            raise _fail(path, line, where, f"must be an object, got {type(tool).__name__}")
+            raise _fail(path, line, where, f"must be an object, got {json_type(tool)}")
         if tool.get("type", "function") != "function":
             raise _fail(path, line, f"{where}.type", f"only 'function' tools are supported, got {tool['type']!r}")
         fn = tool.get("function")
@@ -364,7 +364,7 @@ def _check_tools(tools: Any, path: str | Path, line: int, prefix: str = "tools")
 def _check_kwargs(kwargs: Any, path: str | Path, line: int, where: str) -> None:
     if not isinstance(kwargs, dict):
         raise _fail(path, line, where, f"must be an object of apply_chat_template keyword arguments, got "
-                                       f"{_json_type(kwargs)}")
+                                       f"{json_type(kwargs)}")
 
 
 def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> None:
@@ -392,7 +392,7 @@ def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> No
                             f"is a string but not JSON here ({e or 'nested too deeply'})") from e
         if not isinstance(args, dict):
             raise _fail(path, line, f"{cw}.function.arguments",
-                        f"must be a JSON object or a string holding one, got {type(args).__name__}")
+                        f"must be a JSON object or a string holding one, got {json_type(args)}")
 
 
 def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0) -> None:
@@ -407,14 +407,14 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
         ConversationError: naming ``path``, ``line`` and the field (``messages[i].role`` ...).
     """
     if not isinstance(messages, list):
-        raise _fail(path, line, "messages", f"must be a list, got {type(messages).__name__}")
+        raise _fail(path, line, "messages", f"must be a list, got {json_type(messages)}")
     if not any(isinstance(m, dict) and m.get("role") != "system" for m in messages):
         raise _fail(path, line, "messages", "needs at least one user, assistant or tool message")
     previous = None
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _fail(path, line, where, f"must be an object, got {type(m).__name__}")
+            raise _fail(path, line, where, f"must be an object, got {json_type(m)}")
         role = m.get("role")
         if "role" not in m:
             raise _fail(path, line, f"{where}.role", f"missing (expected one of {', '.join(ROLES)})")
@@ -431,7 +431,7 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
         elif not isinstance(content, str):
             parts = isinstance(content, list)
             why = " (lists of content parts are not supported; join the text parts)" if parts else ""
-            raise _fail(path, line, f"{where}.content", f"must be a string, got {_json_type(content)}{why}")
+            raise _fail(path, line, f"{where}.content", f"must be a string, got {json_type(content)}{why}")
         if "weight" in m:
             if role != "assistant":
                 raise _fail(path, line, f"{where}.weight", f"only assistant turns may carry a weight, not {role}")
@@ -484,7 +484,7 @@ def parse_record(
         ConversationError: on any invalid field, naming ``path``, ``line`` and the field.
     """
     if not isinstance(record, dict):
-        raise _fail(path, line, "", f"a record must be a JSON object, got {_json_type(record)}")
+        raise _fail(path, line, "", f"a record must be a JSON object, got {json_type(record)}")
     if input_key or output_key:
         if not (input_key and output_key):
             raise ValueError("input_key and output_key must be given together")
@@ -495,7 +495,7 @@ def parse_record(
                     {"role": "assistant", "content": record[output_key]}]
         if record.get("system") is not None:
             if not isinstance(record["system"], str):
-                raise _fail(path, line, "system", f"must be a string, got {_json_type(record['system'])}")
+                raise _fail(path, line, "system", f"must be a string, got {json_type(record['system'])}")
             messages.insert(0, {"role": "system", "content": record["system"]})
     else:
         if "messages" not in record:

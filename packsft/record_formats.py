@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packsft.conversation import NON_FINITE, NonFiniteNumber, loads_strict
+from packsft.conversation import NON_FINITE, NonFiniteNumber, json_type, loads_strict
 
 RECORD_FORMATS = ("messages", "input-output", "sharegpt", "alpaca")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -41,7 +41,7 @@ def _optional_text(record: dict[str, Any], key: str, fmt: str) -> str | None:
     """
     value = record.get(key)
     if value is not None and not isinstance(value, str):
-        raise RecordFormatError(f"{key}: must be a string, got {type(value).__name__} ({fmt} records)")
+        raise RecordFormatError(f"{key}: must be a string, got {json_type(value)} ({fmt} records)")
     return value
 
 
@@ -180,7 +180,7 @@ def alpaca_to_messages(record: dict[str, Any]) -> dict[str, Any]:
     if history is None:
         history = []
     if not isinstance(history, list):
-        raise RecordFormatError(f"history: must be a list of [prompt, response] pairs, got {type(history).__name__}")
+        raise RecordFormatError(f"history: must be a list of [prompt, response] pairs, got {json_type(history)}")
     messages = [{"role": "system", "content": system}] if system is not None else []
     for k, pair in enumerate(history):
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):

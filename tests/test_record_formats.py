@@ -120,7 +120,7 @@ def test_fields_a_format_knows_are_used_or_rejected_never_dropped():
                           ({**ALPACA, "system": 123}, "system")):
         with pytest.raises(RecordFormatError, match=f"^{field}: must be a string, got "):
             alpaca_to_messages(record)
-    with pytest.raises(RecordFormatError, match="^system: must be a string, got list"):
+    with pytest.raises(RecordFormatError, match="^system: must be a string, got array"):
         sharegpt_to_messages({**SHAREGPT, "system": ["not", "text"]})
     assert alpaca_to_messages({**ALPACA, "input": None, "system": None})["messages"] == [
         {"role": "user", "content": "Add the numbers."}, {"role": "assistant", "content": "5"}]

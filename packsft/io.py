@@ -285,7 +285,11 @@ def publish_files(renames: list[tuple[Path, Path]], journal: Path,
         after_rename: called with ``None`` once the journal is written, then with each final path once it is
             renamed (a test hook).
         removes: files of the old set that the new one does not have, removed (if present) before the renames.
+
+    The journal records absolute paths: a reader finishing it may run in another folder.
     """
+    renames = [(Path(os.path.abspath(t)), Path(os.path.abspath(f))) for t, f in renames]
+    removes = tuple(Path(os.path.abspath(r)) for r in removes)
     record = {"format": JOURNAL_FORMAT, "version": 1, "renames": [[str(t), str(f)] for t, f in renames],
               "removes": [str(r) for r in removes]}
     with atomic_open(journal) as f:
@@ -328,6 +332,11 @@ def complete_publish(journal: Path) -> bool:
         pairs = None
     if pairs is None:
         raise OSError(errno.EINVAL, "not a packsft publish journal; remove it and re-run the writer", str(journal))
+    if not all(p.is_absolute() for p in (*removes, *(q for pair in pairs for q in pair))):
+        # relative to the folder its writer ran in, which is unknown here: renaming (or removing) them from this
+        # process's folder would touch other files
+        raise OSError(errno.EINVAL, "publish journal with relative paths (written by an older packsft): run the "
+                                    "writer again from the folder it ran in, or remove the journal", str(journal))
     for old in removes:
         old.unlink(missing_ok=True)
     for tmp, final in pairs:

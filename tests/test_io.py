@@ -5,6 +5,7 @@ import json
 import multiprocessing as mp
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,36 @@ def test_a_publish_killed_midway_is_finished_by_complete_publish(tmp_path, kille
     assert _contents(pairs) == [f"new {f.name}" for _, f in pairs]
     assert not journal.exists()
     assert complete_publish(journal) is False  # nothing left to do
+
+
+def test_a_publish_of_relative_paths_is_finished_from_another_folder(tmp_path, monkeypatch):
+    """The journal holds absolute paths: a reader in another folder renamed the new set into its own folder (and
+    its ``removes`` would have deleted files there)."""
+    (tmp_path / "run" / "out").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "out").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "run")
+    final, tmp = Path("out/rows"), Path("out/.rows.tmp")
+    final.write_text("old")
+    tmp.write_text("new")
+    (tmp_path / "elsewhere" / "out" / "stale").write_text("not of this set")
+    journal = journal_path(tmp_path / "run" / "out" / "rows")
+
+    def kill(final):
+        raise _Killed
+
+    with pytest.raises(_Killed):
+        publish_files([(tmp, final)], journal, kill, removes=(Path("out/stale"),))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert complete_publish(journal) is True
+    assert (tmp_path / "run" / "out" / "rows").read_text() == "new"
+    assert sorted(p.name for p in (tmp_path / "elsewhere" / "out").iterdir()) == ["stale"]
+
+
+def test_a_journal_with_relative_paths_is_refused(tmp_path):
+    journal = journal_path(tmp_path / "rows")
+    journal.write_text(json.dumps({"format": "packsft-publish", "version": 1, "renames": [[".rows.tmp", "rows"]]}))
+    with pytest.raises(OSError, match="relative paths"):
+        complete_publish(journal)
 
 
 def test_a_journal_that_is_not_one_is_refused_by_name(tmp_path):

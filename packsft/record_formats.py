@@ -10,6 +10,7 @@ that raises rejects that line into the report, like any validation error. Exampl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -233,7 +234,15 @@ def record_converter(record_format: str, adapter: str | None) -> Callable[[Any],
         if record_format != "messages":
             raise ValueError("--adapter replaces --format: give one of them")
         return _checked(import_adapter(adapter), adapter)
-    return {"sharegpt": sharegpt_to_messages, "alpaca": alpaca_to_messages}.get(record_format)
+    fn = {"sharegpt": sharegpt_to_messages, "alpaca": alpaca_to_messages}.get(record_format)
+    return None if fn is None else functools.partial(_from_object, fn)
+
+
+def _from_object(fn: Callable[[dict[str, Any]], dict[str, Any]], record: Any) -> dict[str, Any]:
+    """``fn(record)`` for a JSON object; any other JSON value (a line holding ``[1, 2]``) is rejected."""
+    if not isinstance(record, dict):
+        raise RecordFormatError(f"a record must be a JSON object, got {json_type(record)}")
+    return fn(record)
 
 
 def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:

@@ -176,6 +176,27 @@ def test_dataset_dict_needs_a_split_and_folders_must_be_datasets(tmp_path, token
     assert "without state.json or dataset_dict.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind", ["gzip", "zstd-like", "parquet"])
+def test_a_compressed_or_columnar_file_given_as_jsonl_is_refused(tmp_path, kind):
+    """Its bytes were split at newlines into fake lines, each rejected as not UTF-8: next to a JSONL file the run
+    exited 0 with a wrong input count."""
+    import gzip
+
+    path = tmp_path / "chats.jsonl.gz"
+    text = _jsonl(tmp_path / "t.jsonl", RECORDS).read_bytes()
+    if kind == "gzip":
+        path.write_bytes(gzip.compress(text))
+    elif kind == "zstd-like":
+        path.write_bytes(b"\x28\xb5\x2f\xfd" + text)        # zstd's frame magic
+    else:
+        datasets.Dataset.from_list(RECORDS).to_parquet(str(path))
+    cfg = PackConfig(inputs=[str(tmp_path / "t.jsonl"), str(path)], output=str(tmp_path / "o.jsonl.packed"),
+                     tokenizer="unused", max_seq_len=256)
+    word = {"gzip": "gzip-compressed", "zstd-like": "zstd-compressed", "parquet": "a Parquet file"}[kind]
+    with pytest.raises(SourceError, match=f"--input {path}: {word}, not JSONL text"):
+        cfg.validate()
+
+
 @pytest.mark.parametrize("missing", ["pyarrow", "datasets"])
 def test_missing_extra_names_it(tmp_path, monkeypatch, missing):
     ds = datasets.Dataset.from_list(RECORDS)

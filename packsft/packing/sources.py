@@ -126,6 +126,8 @@ def check_source(path: str | Path, split: str | None = None) -> None:
     elif p.is_file():
         if is_row_source(p):
             _import("pyarrow")
+        else:
+            _check_not_binary(p)
     elif p.exists():  # a pipe, /dev/stdin, a device
         raise SourceError(f"--input {path}: not a regular file (a pipe or a device); the packer reads its inputs "
                           "at byte offsets, so write the stream to a file first")
@@ -136,6 +138,31 @@ def check_source(path: str | Path, split: str | None = None) -> None:
                           "write the stream to a file first")
     else:
         raise SourceError(f"--input {path}: no such file")
+
+
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd-compressed", "zstd -d"),
+          (b"\xfd7zXZ\x00", "xz-compressed", "xz -dk"), (b"BZh", "bzip2-compressed", "bunzip2 -k"),
+          (b"PK\x03\x04", "a zip archive", "unzip"), (b"PAR1", "a Parquet file", None),
+          (b"ARROW1", "an Arrow IPC file", None), (b"\xff\xff\xff\xff", "an Arrow IPC stream", None))
+
+
+def _check_not_binary(path: Path) -> None:
+    """Refuse a JSONL input that starts as a compressed or columnar file (its bytes would be read as lines).
+
+    Raises:
+        SourceError: naming the kind and what to do.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return  # reading it reports the error with its line
+    for magic, kind, command in _MAGIC:
+        if head.startswith(magic) and (magic != b"BZh" or head[3:4].isdigit()):
+            fix = (f"decompress it first ({command} {path})" if command else
+                   f"name it {'.parquet' if 'Parquet' in kind else '.arrow'} to read it by rows")
+            raise SourceError(f"--input {path}: {kind}, not JSONL text (the packer reads JSONL at byte offsets): "
+                              f"{fix}")
 
 
 def input_bytes(paths: list[str]) -> int | None:

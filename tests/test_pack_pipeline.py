@@ -611,6 +611,35 @@ def test_a_stop_signal_while_the_spool_folder_is_removed_leaves_nothing(sig, tmp
     assert os.listdir(out.parent) == [".o.jsonl.packed.lock"]
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_handled_in_a_finalizer_still_stops_the_run(sig, tmp_path, tokenizer_dir, monkeypatch):
+    """Python drops an exception raised in ``__del__`` (a Ctrl-C landed in one while transformers was imported):
+    the run went on and published its outputs, exit 0."""
+    import signal
+
+    from packsft.packing import pipeline
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(getattr(signal, sig))   # its handler runs here, and its exception is dropped
+
+    real = pipeline.load_tokenizer
+
+    def loading(path):
+        Finalized()
+        return real(path)
+
+    monkeypatch.setattr(pipeline, "load_tokenizer", loading)
+    src = _write_lines(tmp_path / "in.jsonl", EDGE_LINES[:1] * 3)
+    out = tmp_path / "out" / "o.jsonl.packed"
+    with pytest.raises(pipeline.Terminated if sig == "SIGTERM" else KeyboardInterrupt) as e:
+        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("smollm2-135m-instruct")),
+                            max_seq_len=256, progress=False, histogram=""))
+    assert not getattr(e.value, "published", False)
+    assert os.listdir(out.parent) == [".o.jsonl.packed.lock"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # put back
+
+
 def test_rows_are_written_in_groups_bounded_by_bytes_with_the_same_output(tmp_path, shared_data, monkeypatch):
     import packsft.packing.pipeline as pipeline
 

@@ -1534,8 +1534,20 @@ class Terminated(SystemExit):
     """SIGTERM during :func:`run_pack`: unwinds so that every temp file is removed (exit code 143)."""
 
 
+_STOPS: list[int] = []
+"""Stop signals received by :func:`_on_sigterm` / :func:`_on_sigint` during :func:`run_pack`. Python prints and
+drops an exception raised in a finalizer (``__del__``, e.g. one run by an import), so a signal handled there would
+not stop the run: :func:`_publish` checks this list before the point of no return."""
+
+
 def _on_sigterm(signum, frame):
+    _STOPS.append(signum)
     raise Terminated(128 + signum)
+
+
+def _on_sigint(signum, frame):
+    _STOPS.append(signum)
+    raise KeyboardInterrupt
 
 
 def _restore_handler(signum: int, handler) -> None:
@@ -1544,16 +1556,20 @@ def _restore_handler(signum: int, handler) -> None:
     signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
-def _hold_sigterm() -> tuple[bool, Any]:
-    """Install :func:`_on_sigterm` (main thread only); return ``(installed, the handler it replaced)``.
+def _hold_sigterm() -> tuple[bool, Any, Any]:
+    """Install :func:`_on_sigterm`, and :func:`_on_sigint` where SIGINT has Python's default handler (main thread
+    only); return ``(installed, the SIGTERM handler replaced, the SIGINT one or None)``.
 
-    Whatever was there is replaced: a handler left by an earlier ``ray.init`` in this process (``sys.exit(15)``)
-    or one Python cannot see (``signal.getsignal`` is ``None``) would end the run without removing its temps.
+    Whatever SIGTERM had is replaced: a handler left by an earlier ``ray.init`` in this process (``sys.exit(15)``)
+    or one Python cannot see (``signal.getsignal`` is ``None``) would end the run without removing its temps. An
+    ignored SIGINT (a job started with ``&`` by a script) stays ignored.
     """
     try:
-        return True, signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread
-        return False, None
+        return False, None, None
+    sigint = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    return True, previous, signal.signal(signal.SIGINT, _on_sigint) if sigint else None
 
 
 def run_pack(cfg: PackConfig) -> PackReport:
@@ -1574,7 +1590,8 @@ def run_pack(cfg: PackConfig) -> PackReport:
         SystemExit: 143 on SIGTERM (nothing of this run is left behind).
     """
     cfg.validate()
-    held, previous = _hold_sigterm()
+    _STOPS.clear()
+    held, previous, previous_int = _hold_sigterm()
     try:
         if cfg.engine == "ray":
             from packsft.packing.ray_engine import ray_session
@@ -1587,6 +1604,8 @@ def run_pack(cfg: PackConfig) -> PackReport:
     finally:
         if held:
             _restore_handler(signal.SIGTERM, previous)
+        if previous_int is not None:
+            _restore_handler(signal.SIGINT, previous_int)
 
 
 def _run_pack(cfg: PackConfig) -> PackReport:
@@ -1765,6 +1784,8 @@ def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:
             _stage("journal_written" if final is None else "rows_published")
 
     journal = journal_path(paths["rows"])
+    if _STOPS:  # a stop signal whose exception a finalizer dropped: stop here, as the signal would have
+        raise Terminated(128 + signal.SIGTERM) if signal.SIGTERM in _STOPS else KeyboardInterrupt
     try:
         with _signals_held():
             try:

@@ -206,3 +206,18 @@ def test_convert_checkpoint_lora_base_on_a_whole_model_is_refused(tmp_path):
                                 tmp_path / "out", "--lora-base", tmp_path / "base"),
                       f"--lora-base is for the checkpoint of a LoRA run started from an imported base (it holds only "
                       f"the adapters), and {tmp_path} is none (its train_state.json records no LoRA base)")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_train_a_row_that_does_not_tokenize_is_an_error_line(tmp_path, packed, num_workers):  # noqa: F811
+    """A file without sidecar is checked for structure at open; a row that fails to tokenize surfaced at its step as
+    a traceback, exit 1 (with loader workers torch rebuilt it as a RuntimeError holding the worker's traceback)."""
+    bad = tmp_path / "bad.jsonl.packed"
+    row = {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "a"},
+                        {"role": "assistant", "content": ""}]}
+    bad.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    cfg = write_config(tmp_path / "c.yaml", packed, tmp_path / "run", data={"train_path": str(bad)},
+                       loader={"num_workers": num_workers})
+    rc, stderr = run_tool(TOOLS / "train.py", "--config", cfg, "train.train_steps=2", "scheduler.warmup_steps=1")
+    assert_user_error(rc, stderr, "conversation 0: messages[2]: empty assistant turn")
+    assert f"error: {bad}:" in stderr          # the file and its line (the sampler's first row: 1 or 2)

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from packsft.data.dataset import RowError
     from packsft.io import atomic_open
     from packsft.train.checkpoint import CheckpointSpaceError
     from packsft.train.distributed import destroy_distributed
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         except CheckpointSpaceError as err:
             print(f"error: {err.strerror}", file=sys.stderr)
             return 1
+        except RowError as err:                  # a row of a file without sidecar that does not tokenize
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         if trainer.ctx.rank == 0:
             if trainer.stopped_by:
                 saved = (f"checkpoint {trainer.last_checkpoint} written" if trainer.last_checkpoint

@@ -84,6 +84,25 @@ class TokenCacheNotice(PackedDataWarning):
     """A packed file without a usable token cache: its rows are re-tokenized at every read (slower, same tensors)."""
 
 
+class RowError(ConversationError):
+    """A packed row that cannot become tensors (read at a training or validation step), naming file, line and field.
+
+    In a ``DataLoader`` worker it reaches the main process rebuilt by torch as ``RowError(text)``, ``text`` being
+    ``Caught RowError in DataLoader worker process N. Original Traceback ...``: the error's own message, the text's
+    last line, is kept.
+    """
+
+    def __init__(self, path: str | Path, line: int | None = None, field: str = "", reason: str = ""):
+        if line is not None:
+            super().__init__(path, line, field, reason)
+            return
+        text = str(path).rstrip().splitlines()[-1]
+        for name in (f"{__name__}.RowError: ", "RowError: "):
+            text = text.removeprefix(name)
+        ValueError.__init__(self, text)
+        self.path, self.line, self.field, self.reason = "", 0, "", text
+
+
 def build_index(path: str | Path) -> np.ndarray:
     """Scan a packed file once, check every row's structure, and return its index array (layout above).
 
@@ -375,7 +394,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
         Raises:
             IndexError: ``i`` out of range.
-            ConversationError: no row at the index's offset: the file changed after its row index was built in a
+            RowError: no row at the index's offset: the file changed after its row index was built in a
                 way the index key misses (no sidecar, same size and modification time).
         """
         pos = self._position(i)
@@ -385,7 +404,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         try:
             return json.loads(self._file.readline())["messages"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ConversationError(self.path, self.line_number(pos), "", f"row {pos} is not at its row index's "
+            raise RowError(self.path, self.line_number(pos), "", f"row {pos} is not at its row index's "
                                     f"offset ({type(e).__name__}: {e}): the file changed after its index was "
                                     f"built; delete {self.index_path} (rebuilt on the next load)") from e
 
@@ -393,7 +412,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         """``(tokens, targets)`` of each conversation of row ``i``, as the packer counted them.
 
         Raises:
-            ConversationError: the row is malformed, or a conversation fails to tokenize (names file, line and
+            RowError: the row is malformed, or a conversation fails to tokenize (names file, line and
                 the conversation).
         """
         pos = self._position(i)
@@ -402,7 +421,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                                         self.tokenizer, self.prompt_format)  # as the packer does, one batch
         for k, got in enumerate(pieces):
             if isinstance(got, PromptFormatError):
-                raise ConversationError(self.path, self.line_number(pos), f"conversation {k}", str(got)) from got
+                raise RowError(self.path, self.line_number(pos), f"conversation {k}", str(got)) from got
         return pieces
 
     def __getitem__(self, i: int) -> dict[str, Any]:

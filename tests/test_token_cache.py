@@ -230,6 +230,10 @@ def test_a_sidecar_edited_after_packing_does_not_vouch_for_the_cache(tmp_path, s
     del meta["token_cache"]["settings_blake2b"]  # an earlier packsft's entry: trusted as before
     write_sidecar(out, meta)
     assert PackedSFTDataset(out, tok, "chat-template", 128).token_cache is not None
+    del meta["rows_file"]  # nothing ties the cache to the rows' bytes: an edited row took the cache's ids, silently
+    write_sidecar(out, meta)
+    with pytest.warns(TokenCacheNotice, match="records a token cache but not the rows file's size and hash"):
+        assert PackedSFTDataset(out, tok, "chat-template", 128).token_cache is None
 
 
 def test_no_token_cache_writes_none_and_removes_an_old_one(tmp_path, tokenizer_dir, capsys):

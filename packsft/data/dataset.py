@@ -345,6 +345,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         tokens_path, index_path = cache_paths(self.path)
         if "token_cache" not in self.sidecar:
             reason = "its sidecar records no token cache (packed by an earlier packsft or with --no-token-cache)"
+        elif not isinstance(self.sidecar.get("rows_file"), dict):  # nothing ties the cache to these rows' bytes
+            reason = ("its sidecar records a token cache but not the rows file's size and hash (rows_file: the "
+                      "sidecar was edited after packing)")
         elif cache_settings_changed(self.sidecar):
             reason = ("its token cache was written under other tokenizer or prompt-format settings than its sidecar "
                       f"now records ({', '.join(CACHE_SETTINGS)}: the sidecar was edited after packing)")
@@ -354,8 +357,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         else:
             hashed = check_token_cache(self.sidecar, self.path, verify_hash)
             try:
-                cache = TokenCache(self.path, len(self), self.max_seq_len, (self.sidecar.get("rows_file") or {})
-                                   .get("blake2b"))
+                cache = TokenCache(self.path, len(self), self.max_seq_len, self.sidecar["rows_file"].get("blake2b"))
             except TokenCacheError as e:
                 raise SidecarError(f"{e}: it does not belong to {self.path} and its sidecar "
                                    f"{sidecar_path(self.path)}; delete the cache files to re-tokenize, or re-pack"

@@ -123,22 +123,38 @@ def _check_gguf_head_dim(gguf: Path, config) -> None:
                          "GGUFs need head_dim 128); import the model's safetensors folder instead")
 
 
+def _auto_config(folder: Path, **kwargs):
+    """``AutoConfig.from_pretrained(folder)`` without running the folder's own code (a config's ``auto_map``:
+    transformers would ask on stdin and run it on ``y``).
+
+    Raises:
+        ValueError: one line naming ``folder`` for a config that needs its own code.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(f"{folder}: its config.json needs the checkpoint's own code (auto_map), which packsft never "
+                         "runs; convert a model type transformers itself supports") from e
+
+
 def load_hf_config(path: str | Path):
     """The transformers config of a local HF checkpoint (safetensors folder or GGUF file), without its tensors.
 
     Raises:
         ValueError: a folder of several GGUF files, an unreadable GGUF, or one whose head width transformers
-            misreads (:func:`_check_gguf_head_dim`), naming the file.
+            misreads (:func:`_check_gguf_head_dim`), naming the file; a config that needs its own code.
     """
-    from transformers import AutoConfig
-
     path = Path(path)
     gguf = _gguf_file(path)
     if gguf is not None:
-        config = _read_gguf(gguf, lambda: AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+        config = _read_gguf(gguf, lambda: _auto_config(gguf.parent, gguf_file=gguf.name))
         _check_gguf_head_dim(gguf, config)
         return config
-    return AutoConfig.from_pretrained(str(path))
+    return _auto_config(path)
 
 
 def stage_hf_names(model, cfg: ModelConfig):
@@ -184,8 +200,6 @@ def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[obje
             folder of several GGUF files, or a GGUF that transformers cannot read (truncated; tensors of other shapes
             than the config it derives).
     """
-    from transformers import AutoConfig
-
     path = Path(path)
     keep = keep or (lambda name: True)
     gguf = _gguf_file(path)
@@ -193,7 +207,7 @@ def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[obje
         from transformers import AutoModelForCausalLM
 
         model = _read_gguf(gguf, lambda: AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32))
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False))
         return model.config, {k: v.detach() for k, v in model.state_dict().items() if keep(k)}
     files = _safetensors_files(path) if path.is_dir() else []
     if not files:
@@ -216,7 +230,7 @@ def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[obje
         raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
                          "a checkpoint of another architecture than the config describes (num_hidden_layers, "
                          "attention_bias, ...); packsft refuses rather than drop weights")
-    return AutoConfig.from_pretrained(str(path)), state
+    return _auto_config(path), state
 
 
 def _write_safetensors(state: dict[str, Tensor], directory: Path, max_shard_bytes: int) -> None:

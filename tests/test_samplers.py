@@ -86,8 +86,19 @@ def test_resume_twice_within_one_epoch():
 def test_bad_arguments_and_state_are_refused():
     with pytest.raises(ValueError, match="dp_rank"):
         RandomSampler(10, dp_rank=2, dp_size=2)
-    with pytest.raises(ValueError, match="fewer than dp_size"):
+    with pytest.raises(ValueError, match="^the dataset has 3 rows, fewer than dp_size"):
         RandomSampler(3, dp_size=4)
+
+    class Empty:
+        path = "e.jsonl.packed"
+
+        def __len__(self):
+            return 0
+
+    with pytest.raises(ValueError, match="^the dataset e.jsonl.packed has 0 rows, fewer than dp_size=1"):
+        RandomSampler(Empty())
+    with pytest.raises(ValueError, match="^the eval dataset e.jsonl.packed has 0 rows, fewer than dp_size=1"):
+        EvalShardSampler(Empty())
     with pytest.raises(ValueError, match="lacks"):
         RandomSampler(10).load_state_dict({"epoch": 1})
     with pytest.raises(NotImplementedError):

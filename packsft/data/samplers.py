@@ -58,6 +58,12 @@ def epoch_rng(seed: int, epoch: int, salt: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), int(salt)]))
 
 
+def _named(data_source: Any) -> str:
+    """`` <path>`` of a dataset that has one (a packed file, a subset of one), for error messages; else ``""``."""
+    path = getattr(data_source, "path", None)
+    return f" {path}" if path else ""
+
+
 class EpochSampler:
     """Infinite, epoch-aware, data-parallel sampler of row indices; subclass and define ``global_order``.
 
@@ -76,9 +82,8 @@ class EpochSampler:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
         if self.num_rows < dp_size:
-            raise ValueError(
-                f"the dataset has {self.num_rows} rows, fewer than dp_size={dp_size}: some rank would get none"
-            )
+            raise ValueError(f"the dataset{_named(data_source)} has {self.num_rows} rows, fewer than "
+                             f"dp_size={dp_size}: some rank would get none")
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, int(seed)
         self.epoch, self.position = 0, 0
         self._cached: tuple[int, list[int]] | None = None
@@ -204,7 +209,7 @@ class EvalShardSampler:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
         if num_rows < dp_size:
-            raise ValueError(f"the eval dataset has {num_rows} rows, fewer than dp_size={dp_size}")
+            raise ValueError(f"the eval dataset{_named(data_source)} has {num_rows} rows, fewer than dp_size={dp_size}")
         self.num_skipped_rows = num_rows % dp_size
         self.rows = range(dp_rank, num_rows - self.num_skipped_rows, dp_size)
 

@@ -83,6 +83,12 @@ def test_one_file_read_twice_is_refused_where_held_out_rows_would_be_trained(tmp
         cfg = load_config(mixture_config(tmp_path, packed, "leak"), [f"data.train={json.dumps(sources)}"])
         with pytest.raises(ValueError, match="sources '.' and '.' read the same file .* the other would train on"):
             build_datasets(cfg)
+    greedy = [{"name": "a", "path": str(packed["few"])},
+              {"name": "b", "path": str(packed["many"]), "split_validation_size": 0.999}]
+    cfg = load_config(mixture_config(tmp_path, packed, "greedy"), [f"data.train={json.dumps(greedy)}"])
+    with pytest.raises(ValueError, match=rf"^data.train\[1\].split_validation_size=0.999 of the \d+ rows of "
+                                         rf"{packed['many']} leaves"):   # it named data.split_validation_size
+        build_datasets(cfg)
     warned = []
     twice = [{"name": "a", "path": str(packed["few"])}, {"name": "b", "path": str(link)}]
     cfg = load_config(mixture_config(tmp_path, packed, "twice"), [f"data.train={json.dumps(twice)}"])

@@ -50,15 +50,17 @@ class RowSubset(torch.utils.data.Dataset):
         return f"{getattr(self.base, 'fingerprint', None)}:{self.tag}:{len(self.indices)}"
 
 
-def split_rows(num_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+def split_rows(num_rows: int, fraction: float, seed: int, field: str = "data.split_validation_size",
+               path: str | None = None) -> tuple[list[int], list[int]]:
     """Seeded split of ``range(num_rows)`` into (train, validation) with ``ceil(fraction * num_rows)`` held out.
 
     Raises:
-        ValueError: when either side would be empty.
+        ValueError: when either side would be empty, naming ``field`` (and the file ``path``).
     """
     num_val = math.ceil(fraction * num_rows)
     if not 0 < num_val < num_rows:
-        raise ValueError(f"data.split_validation_size={fraction} of {num_rows} rows leaves {num_val} validation and "
+        of = f" of {path}" if path else ""
+        raise ValueError(f"{field}={fraction} of the {num_rows} rows{of} leaves {num_val} validation and "
                          f"{num_rows - num_val} training rows; both must be > 0")
     order = np.random.default_rng(seed).permutation(num_rows)
     return sorted(order[num_val:].tolist()), sorted(order[:num_val].tolist())
@@ -90,7 +92,7 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
 
     train, validation = {}, {}
     trained: dict[tuple[int, int], tuple[str, float]] = {}  # file identity -> (a source reading it, its split)
-    for name, path, _, split in data.train_sources():
+    for k, (name, path, _, split) in enumerate(data.train_sources()):
         dataset = packed(path)
         key = _file_key(dataset.path)
         if key in trained and max(split, trained[key][1]) > 0:
@@ -99,7 +101,8 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
                              "once; a larger weight draws it more often)")
         trained.setdefault(key, (name, split))
         if split > 0:
-            train_rows, val_rows = split_rows(len(dataset), split, cfg.loader.seed)
+            field = "data.split_validation_size" if data.train_path else f"data.train[{k}].split_validation_size"
+            train_rows, val_rows = split_rows(len(dataset), split, cfg.loader.seed, field, path)
             train[name] = RowSubset(dataset, train_rows, "train")
             validation["validation" if data.train_path else name] = RowSubset(dataset, val_rows, "validation")
         else:

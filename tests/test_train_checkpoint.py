@@ -78,7 +78,34 @@ def test_rng_states_are_restored(tmp_path, parallel_state_1proc):  # noqa: F811
     expected = torch.rand(3)
     torch.manual_seed(99)
     assert ckpt.load_rng_state(path, 0) and torch.equal(torch.rand(3), expected)
-    assert not ckpt.load_rng_state(path, 7)
+    assert not ckpt.load_rng_state(path, 7)          # another world size: this rank saved none
+    with pytest.raises(ckpt.CheckpointError, match="rng_rank7.pt: missing, though the checkpoint was saved by as many"):
+        ckpt.load_rng_state(path, 7, required=True)  # the same world size: a damaged folder (the resume was inexact)
+
+
+@pytest.mark.parametrize("size", [0, 500])
+@pytest.mark.parametrize("name", ["rng_rank0.pt", "dataloader_dp0.pt"])
+def test_a_truncated_state_file_is_named(tmp_path, parallel_state_1proc, name, size):  # noqa: F811
+    model = tiny_model(0)
+    opt = build_optimizer(model, OptimizerConfig())
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
+                                loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
+    with open(path / name, "r+b") as f:
+        f.truncate(size)
+    with pytest.raises(ckpt.CheckpointError, match=f"{name}: unreadable .*truncated or damaged"):  # RuntimeError
+        ckpt.load_rng_state(path, 0) if name.startswith("rng") else ckpt.load_loader_state(path, 0)
+
+
+def test_a_missing_common_pt_is_megatrons_error_not_a_crash(tmp_path, parallel_state_1proc):  # noqa: F811
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    model = tiny_model(0)
+    opt = build_optimizer(model, OptimizerConfig())
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={}, loader_state=None, dp_rank=0,
+                                write_loader_state=False)
+    (path / "common.pt").unlink()
+    with pytest.raises(CheckpointingException, match="common.pt does not exist"):   # an AttributeError before
+        ckpt.load_model_and_optimizer(path, model, opt)
 
 
 class _Payload:

@@ -96,6 +96,10 @@ def _load_plain(file: Path) -> Any:
     """
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError) as err:  # a truncated zip ("PytorchStreamReader failed ..."), an empty file
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{file}: unreadable ({reason}): the file is truncated or damaged; resume from another "
+                              "checkpoint (checkpoint.resume=<its iter_* folder>)") from None
     except pickle.UnpicklingError as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise CheckpointError(
@@ -511,7 +515,8 @@ def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_onl
             global shape (a different architecture).
     """
     loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True,
-                                                         adapters_only=adapters_only), str(path))
+                                                         adapters_only=adapters_only), Path(path))  # a str
+    # breaks megatron's message for a missing common.pt (it calls .iterdir() on the folder)
     _load_model_state(model, loaded["model"], adapters_only)
     if _is_megatron_optimizer(optimizer):
         with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters
@@ -557,14 +562,23 @@ def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
     return _load_plain(file)
 
 
-def load_rng_state(path: str | Path, rank: int) -> bool:
+def load_rng_state(path: str | Path, rank: int, required: bool = False) -> bool:
     """Restore this rank's RNG states if ``rng_rank{rank}.pt`` exists; return whether it did.
 
+    Args:
+        required: the checkpoint was saved by as many ranks as this run has, so the file must be there (without
+            it the resume would silently not be exact: dropout masks, ...).
+
     Raises:
-        CheckpointError: the file holds more than tensors and plain values, or lacks a state.
+        CheckpointError: the file holds more than tensors and plain values, lacks a state, is unreadable, or is
+            missing while ``required``.
     """
     file = Path(path) / f"rng_rank{rank}.pt"
     if not file.is_file():
+        if required:
+            raise CheckpointError(f"{file}: missing, though the checkpoint was saved by as many ranks as this run "
+                                  "has: the folder is incomplete; resume from another checkpoint "
+                                  "(checkpoint.resume=<its iter_* folder>)")
         return False
     state = _load_plain(file)
     try:

@@ -312,7 +312,8 @@ class Trainer:
             print(f"note: checkpoint.restore_data_order=false: the data order starts again from its first rows "
                   f"(epoch 0), which the {self.state.consumed_samples} rows consumed up to step {self.state.step} "
                   "may include: they are trained again", flush=True)
-        ckpt.load_rng_state(path, self.ctx.rank)
+        same_ranks = (saved.get("layout") or {}).get("world_size") == self.ctx.world_size
+        ckpt.load_rng_state(path, self.ctx.rank, required=same_ranks)
         return str(path)
 
     def _load_base(self, base_dir) -> None:

@@ -193,7 +193,7 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = F
     sharded = model.sharded_state_dict()
     if base_only or adapters_only:
         sharded = {k: v for k, v in sharded.items() if is_adapter_key(k) == adapters_only}
-    loaded = dist_checkpointing.load({"model": sharded}, str(ckpt_dir))
+    loaded = dist_checkpointing.load({"model": sharded}, Path(ckpt_dir))  # a str breaks megatron's missing-file error
     check_partial_load(model.load_state_dict(loaded["model"], strict=not (base_only or adapters_only)),
                        adapters_only=adapters_only, what=f"{ckpt_dir}: checkpoint")
 

@@ -245,6 +245,32 @@ def test_export_config_yaml_with_a_partial_or_no_model_section(tmp_path):
     assert export_sections(imported, str(same), None) == (longer, None)
 
 
+@pytest.mark.parametrize(("base", "message"), [
+    # every layer a window of 8 tokens for a model trained on 128 (logits off by more than their size)
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+     "sliding_window=8"),
+    ({"model_type": "llama", "attention_bias": True}, "attention_bias"),      # transformers adds zero biases
+    ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
+    ({"model_type": "llama", "rms_norm_eps": 1e-3, "hidden_act": "gelu"}, None),   # replaced by the model's: fine
+])
+def test_export_hf_config_fields_that_change_the_model_are_refused(base, message):
+    """``--hf-config`` fields other than the shape were copied as they are: an export transformers runs differently
+    from the trained model, exit 0."""
+    from packsft.model.config import ModelConfig
+    from packsft.model.hf_config import hf_config_from_model_config
+
+    qwen3 = base["model_type"] == "qwen3"
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, max_position_embeddings=128, kv_channels=32 if qwen3 else None,
+                      qk_layernorm=qwen3)
+    if message is None:
+        exported = hf_config_from_model_config(cfg, base=base)
+        assert (exported.rms_norm_eps, exported.hidden_act) == (cfg.norm_epsilon, "silu")
+        return
+    with pytest.raises(ValueError, match=f"the exported config.json would not describe the trained model: .*{message}"):
+        hf_config_from_model_config(cfg, base=base)
+
+
 def test_export_hf_config_of_another_layer_count_is_a_user_error(tmp_path):
     """Its layer_types (3) against num_layers 2: huggingface_hub's StrictDataclassClassValidationError, exit 1."""
     import json
@@ -309,3 +335,15 @@ def test_gguf_folder_of_several_files_and_a_truncated_gguf_are_named(tmp_path):
     for read in (load_hf_config, load_hf_checkpoint):
         with pytest.raises(ValueError, match=f"{folder / 'b.gguf'}: not readable as a GGUF model: cannot reshape"):
             read(folder / "b.gguf")
+
+
+def test_a_config_field_of_the_wrong_type_is_one_line(tmp_path):
+    """``"rms_norm_eps": "abc"``: huggingface_hub's StrictDataclassFieldValidationError, a traceback and exit 1."""
+    import json
+
+    LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rms_norm_eps": "abc"}))
+    with pytest.raises(ValueError, match=f"^{tmp_path}: config.json has an invalid field: .*rms_norm_eps"):
+        load_hf_config(tmp_path)

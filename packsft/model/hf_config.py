@@ -256,4 +256,29 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
         raise ValueError(f"transformers refuses the {model_type} config.json built from it and the model config: "
                          f"{' '.join(str(detail).split())} (the HF config of another model?)") from None
     hf_config.architectures = [ARCHITECTURES[model_type]]
+    _check_describes(hf_config, cfg)
     return hf_config
+
+
+_DESCRIBED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size",
+              "head_dim", "rotary_base", "norm_epsilon", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm",
+              "rope_scaling_factor", "rope_interpolation_factor")
+"""The ``ModelConfig`` fields an exported ``config.json`` must give back when imported (the computation's shape)."""
+
+
+def _check_describes(hf_config, cfg: ModelConfig) -> None:
+    """Refuse an export config that transformers would run differently from ``cfg``: it is read back as an import
+    reads one (:func:`model_config_from_hf`, which refuses fields of the base config that change the computation:
+    a reachable sliding window, attention biases, ...) and compared on :data:`_DESCRIBED`.
+
+    Raises:
+        ValueError: naming the field(s), one line.
+    """
+    try:
+        back = model_config_from_hf(hf_config, max_seq_len=cfg.max_position_embeddings)
+    except ValueError as err:
+        raise ValueError(f"the exported config.json would not describe the trained model: {err}") from None
+    differ = [f"{f}: {getattr(back, f)!r} against the model's {getattr(cfg, f)!r}" for f in _DESCRIBED
+              if getattr(back, f) != getattr(cfg, f)]
+    if differ:
+        raise ValueError(f"the exported config.json would not describe the trained model ({'; '.join(differ)})")

@@ -133,7 +133,14 @@ def _auto_config(folder: Path, **kwargs):
     from transformers import AutoConfig
 
     try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5's field validation
+    except ImportError:  # an older huggingface_hub: transformers does not validate field types
+        StrictDataclassError = ()  # noqa: N806 - catches nothing
+    try:
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=False, **kwargs)
+    except StrictDataclassError as e:  # e.g. "rms_norm_eps": "abc"
+        detail = e.__cause__ or e
+        raise ValueError(f"{folder}: config.json has an invalid field: {' '.join(str(detail).split())}") from None
     except ValueError as e:
         if "trust_remote_code" not in str(e):
             raise

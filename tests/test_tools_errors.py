@@ -69,7 +69,8 @@ def test_convert_checkpoint_export_refuses_a_tokenizer_larger_than_the_model(tmp
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("length", [["--max-seq-len", "256"], []], ids=["length", "no_length"])
+@pytest.mark.parametrize("length", [["--max-seq-len", "256"], ["--max-seq-length", "256"], []],
+                         ids=["length", "packer_spelling", "no_length"])
 def test_inspect_packed(tmp_path, length):
     assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.packed", "--tokenizer",
                                 tmp_path, "--prompt-format", "chat-template", *length),
@@ -108,10 +109,11 @@ def test_make_megatron_sft_fixtures_needs_a_megatron_lm_folder(tmp_path, tokeniz
 
 
 def test_inspect_packed_sizes_must_be_positive(tmp_path):
-    for flag in ("--max-seq-len", "--context-parallel-size"):  # 0 was taken as "not given"
+    for flag, name in (("--max-seq-len", "--max-seq-len/--max-seq-length"),  # 0 was taken as "not given"
+                       ("--context-parallel-size", "--context-parallel-size")):
         rc, err = run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.jsonl.packed", "--tokenizer",
                            tmp_path, "--prompt-format", "chat-template", flag, "0")
-        assert rc == 2 and f"argument {flag}: must be >= 1, got 0" in err, err
+        assert rc == 2 and f"argument {name}: must be >= 1, got 0" in err, err
 
 
 def test_pack(tmp_path):

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-format", required=True, help="identity, nemotron-nano-v2, nemotron-h-aligned, "
                                                                "chat-template")
     parser.add_argument("--row", type=int, default=0, help="row index, 0-based (negative: from the end)")
-    parser.add_argument("--max-seq-len", type=positive_int, help="default: the sidecar's")
+    parser.add_argument("--max-seq-len", "--max-seq-length", dest="max_seq_len", type=positive_int,
+                        help="default: the sidecar's (--max-seq-length as the packer spells it)")
     parser.add_argument("--context-parallel-size", type=positive_int, help="default: the sidecar's, else 1")
     parser.add_argument("--pad-token", help="override the prompt format's pad token")
     parser.add_argument("--chat-template", help="chat-template only: a Jinja string or file")

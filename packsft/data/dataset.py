@@ -407,8 +407,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             return json.loads(self._file.readline())["messages"]
         except (ValueError, KeyError, TypeError) as e:
             raise RowError(self.path, self.line_number(pos), "", f"row {pos} is not at its row index's "
-                                    f"offset ({type(e).__name__}: {e}): the file changed after its index was "
-                                    f"built; delete {self.index_path} (rebuilt on the next load)") from e
+                           f"offset ({type(e).__name__}: {e}): the file changed after its index was "
+                           f"built; delete {self.index_path} (rebuilt on the next load)") from e
 
     def tokenize_row(self, i: int) -> list[tuple[list[int], list[int]]]:
         """``(tokens, targets)`` of each conversation of row ``i``, as the packer counted them.

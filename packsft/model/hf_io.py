@@ -128,7 +128,7 @@ def _auto_config(folder: Path, **kwargs):
     transformers would ask on stdin and run it on ``y``).
 
     Raises:
-        ValueError: one line naming ``folder`` for a config that needs its own code.
+        ValueError: one line naming ``folder`` for a config that needs its own code or has a field of the wrong type.
     """
     from transformers import AutoConfig
 

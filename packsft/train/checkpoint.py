@@ -514,9 +514,9 @@ def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_onl
         megatron ``CheckpointingException``: a tensor of the model is missing from the checkpoint or has another
             global shape (a different architecture).
     """
+    # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
     loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True,
-                                                         adapters_only=adapters_only), Path(path))  # a str
-    # breaks megatron's message for a missing common.pt (it calls .iterdir() on the folder)
+                                                         adapters_only=adapters_only), Path(path))
     _load_model_state(model, loaded["model"], adapters_only)
     if _is_megatron_optimizer(optimizer):
         with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters

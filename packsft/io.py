@@ -119,7 +119,8 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     or the complete new one, not one of empty files.
 
     The temp folder is ``.<name>.tmp-<host>-<pid>-XXXXXXXX``: one a killed writer on this host left (its process
-    is gone) is removed first.
+    is gone) is removed first. Its folders get ``0777 & ~umask`` and its files ``0666 & ~umask`` (0755 / 0644),
+    whatever modes their writers gave them (``mkdtemp`` and safetensors create them private).
 
     Yields:
         The temp folder to fill. If the block raises, it is removed and ``path`` is untouched.
@@ -134,7 +135,10 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{host}-{os.getpid()}-", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())
+        umask = _umask()
+        for p in (tmp, *tmp.rglob("*")):
+            if not p.is_symlink():
+                os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
         fsync_tree(tmp)
         replace_dir(tmp, path)
         fsync_dir(path.parent)

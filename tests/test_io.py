@@ -11,6 +11,7 @@ import pytest
 
 from packsft.io import (
     FileLock,
+    atomic_dir,
     complete_publish,
     finish_interrupted_publish,
     journal_path,
@@ -209,6 +210,23 @@ def test_atomic_dir_fsyncs_every_file_and_folder_before_publishing(tmp_path, mon
     inside = [os.path.relpath(n, tmp.name) for n in names[:-1]]                       # before the rename
     assert sorted(inside) == [".", "model.safetensors", "sub", "sub/config.json"], names
     assert names[-1] == "." and (tmp_path / "out" / "sub" / "config.json").read_text() == "{}"   # then the parent
+
+
+def test_atomic_dir_gives_its_files_the_usual_modes(tmp_path):
+    """A PEFT adapter folder held adapter_model.safetensors as 0600 (safetensors writes it private); an HF export
+    chmod'ed its own files, nothing else did."""
+    umask = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "out") as tmp:
+            (tmp / "sub").mkdir(mode=0o700)
+            for name in ("private", "sub/private"):
+                fd = os.open(tmp / name, os.O_CREAT | os.O_WRONLY, 0o600)
+                os.close(fd)
+    finally:
+        os.umask(umask)
+    out = tmp_path / "out"
+    modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777 for p in (out, *out.rglob("*"))}
+    assert modes == {".": 0o755, "private": 0o644, "sub": 0o755, "sub/private": 0o644}
 
 
 @pytest.mark.parametrize("swap", [True, False], ids=["exchange", "fallback"])

@@ -21,10 +21,11 @@ where the HF config lacks them (a tokenizer with more tokens than the model's ``
 
 A LoRA run (its ``--config`` YAML has ``lora.enabled: true``) is exported merged or as a PEFT adapter::
 
-    python tools/convert_checkpoint.py export --megatron out/train/checkpoints/iter_0000024 \
-        --config out/train/config.yaml --out hf/merged --merge-lora
-    python tools/convert_checkpoint.py export --megatron out/train/checkpoints/iter_0000024 \
-        --config out/train/config.yaml --out hf/base --lora-adapter hf/adapter   # base + PEFT adapter folder
+    python tools/convert_checkpoint.py export --megatron out/train/checkpoints/iter_0000024 \\
+        --config out/train/config.yaml --out hf/merged --merge-lora --tokenizer out/demo/smollm2-tokenizer
+    python tools/convert_checkpoint.py export --megatron out/train/checkpoints/iter_0000024 \\
+        --config out/train/config.yaml --out hf/base --lora-adapter hf/adapter \\
+        --tokenizer out/demo/smollm2-tokenizer   # base + PEFT adapter folder; the tokenizer's files in --out
 
 A LoRA run started from an imported base stores only its adapters; the export loads the base from the folder its
 ``train_state.json`` records (or ``--lora-base DIR``) after checking the base's fingerprint, then the adapters.

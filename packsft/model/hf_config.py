@@ -47,7 +47,7 @@ def _rope_scaling_factor(hf_config) -> float | None:
     """Megatron ``rope_scaling_factor`` for the config's RoPE type, or ``None`` for plain RoPE.
 
     Raises:
-        ValueError: for a RoPE type other than ``default`` / ``llama3``, or ``llama3`` with constants
+        ValueError: for a RoPE type other than ``default`` / ``linear`` / ``llama3``, or ``llama3`` with constants
             Megatron cannot express (it fixes low 1, high 4, original 8192).
     """
     rope = _rope_parameters(hf_config)

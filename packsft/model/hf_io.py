@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -332,11 +331,7 @@ def write_hf_checkpoint(hf_state: dict[str, Tensor], hf_config, out_dir: str | P
         hf_config.save_pretrained(str(tmp))
         generation.save_pretrained(str(tmp))
         for f in tok_files:
-            shutil.copyfile(f, tmp / f.name)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
+            shutil.copyfile(f, tmp / f.name)   # their modes as any file's: atomic_dir gives 0666 & ~umask
     return out_dir
 
 

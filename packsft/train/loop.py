@@ -640,6 +640,9 @@ class Trainer:
                     logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
                 if (cfg.checkpoint.save_at_end or not at_end) and saved_at != self.state.step:
                     self.save()   # a stop at train.stop_at_step saves: it exists to resume later
+        except BaseException:
+            logger.close()   # the bar ends its line before the error is printed (it was glued onto the bar)
+            raise
         finally:
             if installed:  # also when a step raises: the process keeps no handler of this run
                 process_guard.STOP_SIGNAL.uninstall()

@@ -51,8 +51,9 @@ def test_extreme_weights_name_the_source_that_vanishes():
         normalize_weights([1e300, 3], ["a", "b"])
     with pytest.raises(ValueError, match=r"source 'a' \(a.jsonl.packed\) has a share under 1e-12"):
         normalize_weights([1e-300, 3], ["a", "b"], ["a.jsonl.packed", "b.jsonl.packed"])
-    with pytest.raises(ValueError, match="and their sum finite"):
-        normalize_weights([1e308, 1e308])
+    assert normalize_weights([1e308, 1e308]) == [0.5, 0.5]   # refused: their sum overflowed
+    with pytest.raises(ValueError, match=r"weights must be positive finite numbers; got \[inf, 1\] \(source 0\)"):
+        normalize_weights([float("inf"), 1])
     assert normalize_weights([3, 1]) == [0.75, 0.25]
 
 

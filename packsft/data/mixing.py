@@ -38,11 +38,14 @@ def normalize_weights(weights: Sequence[float], names: Sequence[str] | None = No
         return ", ".join((repr(names[i]) if names else str(i)) + (f" ({files[i]})" if files else "") for i in bad)
 
     bad = [i for i, x in enumerate(w) if not (np.isfinite(x) and x > 0)]
+    if len(w) == 0 or bad:
+        raise ValueError(f"weights must be positive finite numbers; got {list(weights)}"
+                         + (f" (source {where(bad)})" if bad else ""))
     with np.errstate(over="ignore"):
         total = w.sum()
-    if len(w) == 0 or bad or not np.isfinite(total):
-        raise ValueError(f"weights must be positive finite numbers (and their sum finite); got {list(weights)}"
-                         + (f" (source {where(bad)})" if bad else ""))
+    if not np.isfinite(total):   # only the ratios count: [1e308, 1e308] is 1:1 (other weights keep their arithmetic)
+        w = w / w.max()
+        total = w.sum()
     shares = [round(float(x), WEIGHT_DIGITS) for x in w / total]
     if zero := [i for i, x in enumerate(shares) if x == 0]:
         raise ValueError(f"weights {list(weights)}: source {where(zero)} has a share under 1e-{WEIGHT_DIGITS} of "

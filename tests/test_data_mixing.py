@@ -149,6 +149,13 @@ def test_mixing_through_the_loader_resumes_and_refuses_changed_sources():
     old = {k: v for k, v in state.items() if k != "sampler_kwargs"}  # a state of an earlier packsft: the digest
     with pytest.raises(ValueError, match="sampler_kwargs_digest: checkpoint"):
         load_loader_state_dict(build_train_dataloader(ds, other, collate_fn=default_collate), old)
+    # the sources listed in another order, each weight with its source: the order named (only the weights were)
+    swapped = MixedDataset({"s1": MaskDataset([1] * 6, fingerprint="v1-1"), "s0": MaskDataset([1] * 10,
+                                                                                          fingerprint="v1-0")})
+    turned = DataLoaderConfig(**{**vars(cfg), "sampler_kwargs": {"weights": [1, 3], "samples_per_epoch": 16}})
+    with pytest.raises(ValueError, match=r"training sources are in another order: checkpoint \['s0', 's1'\], now "
+                                         r"\['s1', 's0'\]"):
+        load_loader_state_dict(build_train_dataloader(swapped, turned, collate_fn=default_collate), state)
     # a mixture resumed with one of its sources alone (read as one file): said so, not "'s0' is gone"
     single = build_train_dataloader(MaskDataset([1] * 10, fingerprint="v1-0"), DataLoaderConfig(micro_batch_size=4),
                                     collate_fn=default_collate)

@@ -305,3 +305,52 @@ def test_a_bf16_import_starts_an_fp32_run(tmp_path, parallel_state_1proc):  # no
     with pytest.raises(ValueError, match=r"model.hidden_size \(64\) differs"):  # a weight's shape still may not
         check_init_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=64)),
                          dataclasses.asdict(bf16))
+
+
+def test_auto_resume_without_latest_takes_the_newest_complete_checkpoint(tmp_path):
+    for step in (2, 10):
+        (tmp_path / f"iter_{step:07d}").mkdir()
+        (tmp_path / f"iter_{step:07d}" / ckpt.TRAIN_STATE).write_text("{}")
+    (tmp_path / "iter_0000012").mkdir()                       # no train_state.json: not complete
+    (tmp_path / "iter_0000014.tmp").mkdir()                   # a killed save
+    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "iter_0000010"
+    assert ckpt.complete_checkpoints(tmp_path) == [tmp_path / "iter_0000002", tmp_path / "iter_0000010"]
+    with pytest.raises(ckpt.CheckpointDirError, match=r"holds iter_0000002, iter_0000010"):
+        ckpt.check_fresh_start("none", tmp_path / "run", tmp_path)   # starting over would overwrite them
+
+
+def test_latest_that_is_not_a_file_is_refused(tmp_path):
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "iter_0000002" / ckpt.TRAIN_STATE).write_text("{}")
+    (tmp_path / "latest").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match=r"latest is not a file"):
+        ckpt.find_resume_checkpoint(tmp_path, "auto")
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d["state"].pop("step"), "state.step is missing"),
+    (lambda d: d["state"].update(step="a"), 'state.step is "a"'),
+    (lambda d: d["state"].update(step=-5), "state.step is -5"),
+    (lambda d: d["state"].update(consumed_samples=-4), "state.consumed_samples is -4"),
+    (lambda d: d["state"].update(trained_tokens=True), "state.trained_tokens is true"),
+    (lambda d: d.pop("scheduler"), "scheduler.last_epoch is null"),
+    (lambda d: d["scheduler"].update(last_epoch=2.5), "scheduler.last_epoch is 2.5"),
+])
+def test_resume_state_with_a_wrong_counter_is_refused(tmp_path, edit, field):
+    saved = {"state": {"step": 2, "consumed_samples": 4, "trained_tokens": 9}, "scheduler": {"last_epoch": 2}}
+    counters = ("step", "consumed_samples", "trained_tokens", "skipped_steps")
+    ckpt.check_resume_state(saved, tmp_path, counters)
+    edit(saved)
+    with pytest.raises(ckpt.CheckpointError, match=rf"train_state.json: not a packsft train state \({field}"):
+        ckpt.check_resume_state(saved, tmp_path, counters)
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b""])
+def test_damaged_common_file_is_a_checkpoint_error(tmp_path, parallel_state_1proc, content):  # noqa: F811
+    model = tiny_model(0)
+    opt = build_optimizer(model, OptimizerConfig())
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
+                                loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
+    (path / ckpt.COMMON_FILE).write_bytes(content)
+    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000001: common.pt cannot be loaded .*damaged"):
+        ckpt.load_model_and_optimizer(path, model, opt)

@@ -101,12 +101,15 @@ def test_stopped_and_resumed_run_is_bit_exact(tmp_path, packed, parallel_state_1
     assert_same_run(full, parts, steps=8)
 
 
-def test_resume_with_another_global_batch_size_continues_the_data_with_a_note(tmp_path, packed):  # noqa: F811
+def test_resume_without_latest_and_with_another_global_batch_size_continues_the_data_with_notes(tmp_path, packed):  # noqa: F811
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "c.yaml", packed, out, train={"global_batch_size": 2, "train_steps": 4},
                        data={"train_path": str(packed["many"])})
     train(cfg, "train.stop_at_step=2")
+    (out / "checkpoints" / "latest").unlink()    # as a save killed between publishing its folder and `latest` leaves
     proc = train(cfg, "train.global_batch_size=4")
+    assert f"note: {out / 'checkpoints'} has no latest (a save was stopped before writing it); resuming its newest " \
+           "complete checkpoint, iter_0000002" in proc.stdout, proc.stdout
     assert f"note: train.global_batch_size is 4, checkpoint {out / 'checkpoints' / 'iter_0000002'} was trained " \
            "with 2: the data continues after the 4 rows consumed, 4 a step from now on" in proc.stdout, proc.stdout
     assert [r["consumed_samples"] for _, r in sorted(train_records(out).items())] == [2, 4, 8, 12]

@@ -76,6 +76,8 @@ TRAIN_STATE = "train_state.json"
 OLD_TRAIN_STATE = "train_state.pt"
 """The pickled train state of checkpoints written before ``train_state.json``; such checkpoints are refused."""
 COMMON_STEP = "common_step"
+COMMON_FILE = "common.pt"
+"""The ``dist_checkpointing`` file of a checkpoint's unsharded values (read with ``weights_only=True``)."""
 LORA_BASE = "lora_base"
 """``train_state.json`` key of an adapters-only LoRA checkpoint: the base's ``{"path", "fingerprint"}``."""
 INIT_FROM = "init_from"
@@ -408,11 +410,10 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
     ckpt_dir = Path(ckpt_dir)
     latest = ckpt_dir / LATEST
     pinned = latest.read_text().strip() if latest.is_file() else None
-    complete = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir()
-                      if (m := _CHECKPOINT_NAME.fullmatch(p.name)) and (p / TRAIN_STATE).is_file())
-    keep = {p.name for _, p in complete[-keep_last:]} | {pinned}
+    complete = complete_checkpoints(ckpt_dir)
+    keep = {p.name for p in complete[-keep_last:]} | {pinned}
     removed = []
-    for _, path in complete:
+    for path in complete:
         if path.name not in keep:
             trash = ckpt_dir / f".{path.name}{_DELETING}"
             shutil.rmtree(trash, ignore_errors=True)
@@ -440,19 +441,36 @@ def remove_partial_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     return partial
 
 
+def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """The published ``iter_XXXXXXX`` folders of ``ckpt_dir`` that hold ``train_state.json``, lowest step first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir()
+                   if (m := _CHECKPOINT_NAME.fullmatch(p.name)) and (p / TRAIN_STATE).is_file())
+    return [p for _, p in found]
+
+
 def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
-    """Resolve ``checkpoint.resume``: ``none`` -> None; ``auto`` -> ``latest`` in ``ckpt_dir`` or None; else a path.
+    """Resolve ``checkpoint.resume``: ``none`` -> None; else a path, or for ``auto`` the checkpoint ``latest`` names
+    in ``ckpt_dir`` (without ``latest``: the highest-step complete checkpoint, as a save killed between publishing
+    its folder and writing ``latest`` leaves; None when there is none).
 
     Raises:
         FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.json``.
-        CheckpointError: the checkpoint has the old pickled ``train_state.pt`` (:func:`check_checkpoint_format`).
+        CheckpointError: ``latest`` is not a file, or the checkpoint has the old pickled ``train_state.pt``
+            (:func:`check_checkpoint_format`).
     """
     if resume == "none":
         return None
     if resume == "auto":
         latest = Path(ckpt_dir) / LATEST
+        if latest.exists() and not latest.is_file():
+            raise CheckpointError(f"{latest} is not a file: it should name the newest checkpoint (e.g. "
+                                  "iter_0000100); remove it, or resume a checkpoint with checkpoint.resume=<path>")
         if not latest.is_file():
-            return None
+            complete = complete_checkpoints(ckpt_dir)
+            return complete[-1] if complete else None
         path = Path(ckpt_dir) / latest.read_text().strip()
     else:
         path = Path(resume)
@@ -466,7 +484,8 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
 def check_fresh_start(resume: str, output_dir: str | Path, ckpt_dir: str | Path) -> None:
     """With ``checkpoint.resume=none``, refuse a run folder that holds an earlier run.
 
-    An earlier run: a ``"kind": "train"`` record in ``<output_dir>/metrics.jsonl``, or ``<ckpt_dir>/latest``.
+    An earlier run: a ``"kind": "train"`` record in ``<output_dir>/metrics.jsonl``, ``<ckpt_dir>/latest``, or a
+    complete checkpoint in ``<ckpt_dir>``.
     Starting over there would append a second run to ``metrics.jsonl`` (and its plot) and mix checkpoints.
 
     Raises:
@@ -482,6 +501,8 @@ def check_fresh_start(resume: str, output_dir: str | Path, ckpt_dir: str | Path)
                 found.append(f"{metrics} has training records")
     if latest.is_file():
         found.append(f"{latest} names {latest.read_text().strip()}")
+    elif complete := complete_checkpoints(ckpt_dir):
+        found.append(f"{ckpt_dir} holds {', '.join(p.name for p in complete)}")
     if found:
         raise CheckpointDirError(
             f"checkpoint.resume=none but the run folder holds an earlier run ({'; '.join(found)}); starting over "
@@ -511,12 +532,18 @@ def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_onl
     ``adapters_only``: an adapters-only LoRA checkpoint; the base weights must already be loaded.
 
     Raises:
+        CheckpointError: ``common.pt`` is damaged (not loadable with ``weights_only=True``).
         megatron ``CheckpointingException``: a tensor of the model is missing from the checkpoint or has another
             global shape (a different architecture).
     """
     # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
-    loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True,
-                                                         adapters_only=adapters_only), Path(path))
+    try:
+        loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True,
+                                                             adapters_only=adapters_only), Path(path))
+    except (pickle.UnpicklingError, EOFError) as err:   # common.pt: torch.load(weights_only=True) of megatron
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint {path}: {COMMON_FILE} cannot be loaded ({reason}); the checkpoint is "
+                              "damaged: resume an earlier one with checkpoint.resume=<path>") from None
     _load_model_state(model, loaded["model"], adapters_only)
     if _is_megatron_optimizer(optimizer):
         with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters
@@ -545,6 +572,26 @@ def load_train_state(path: str | Path) -> dict[str, Any]:
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise CheckpointError(f"{file}: not a packsft train state (a JSON object with a 'state' object)")
     return saved
+
+
+def check_resume_state(saved: dict[str, Any], path: str | Path, counters: tuple[str, ...]) -> None:
+    """Refuse a train state (:func:`load_train_state`) a resume cannot continue from: ``state.step`` missing, one of
+    ``counters`` in ``state`` or ``scheduler.last_epoch`` not an integer >= 0.
+
+    Raises:
+        CheckpointError: naming the file and the field.
+    """
+    file = Path(path) / TRAIN_STATE
+    scheduler = saved.get("scheduler")
+    values = {f"state.{k}": saved["state"][k] for k in counters if k in saved["state"]}
+    values["scheduler.last_epoch"] = scheduler.get("last_epoch") if isinstance(scheduler, dict) else None
+    wrong = [f"{k} is {json.dumps(v)}" for k, v in values.items()
+             if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if "step" not in saved["state"]:
+        wrong.insert(0, "state.step is missing")
+    if wrong:
+        raise CheckpointError(f"{file}: not a packsft train state ({'; '.join(wrong)}; each must be an integer "
+                              ">= 0); the checkpoint is damaged: resume an earlier one with checkpoint.resume=<path>")
 
 
 def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:

@@ -284,6 +284,10 @@ class Trainer:
                 self.initialized_from = init_from
             return None
         saved = ckpt.load_train_state(path)
+        ckpt.check_resume_state(saved, path, tuple(f.name for f in fields(TrainState)))
+        if self.cfg.checkpoint.resume == "auto" and not (path.parent / ckpt.LATEST).is_file() and self.ctx.rank == 0:
+            print(f"note: {path.parent} has no {ckpt.LATEST} (a save was stopped before writing it); resuming its "
+                  f"newest complete checkpoint, {path.name}", flush=True)
         recorded_sections = recorded_architecture(saved, path)
         check_recorded_architecture(self.cfg.model, self.cfg.lora if self.cfg.lora.enabled else None,
                                     recorded_sections, path, fix=RESUME_FIX)

@@ -52,6 +52,24 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8
         raise
 
 
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """The JSON object in the UTF-8 file ``path``.
+
+    Raises:
+        ValueError: naming the file: not valid JSON, or JSON that is not an object.
+        OSError: the file cannot be read.
+    """
+    from packsft.conversation import json_type
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON {json_type(data)}, not an object")
+    return data
+
+
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """Write ``obj`` as indented JSON to ``path`` atomically (see :func:`atomic_open`)."""
     with atomic_open(path) as f:

@@ -204,7 +204,8 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
     (:func:`packsft.io.finish_interrupted_publish`), so the sidecar read belongs to the rows beside it.
 
     Raises:
-        SidecarError: not valid JSON, not an object, an unknown ``format_version``, or a checked field missing.
+        SidecarError: not valid JSON, not an object, an unknown ``format_version``, a checked field missing, or
+            ``max_seq_len`` / ``context_parallel_size`` not an integer >= 1.
         OSError: an interrupted publish that this process cannot finish (read-only folder).
     """
     target = sidecar_path(path)
@@ -226,6 +227,10 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
     missing = [f for f in CHECKED_FIELDS if _get(meta, f) is _MISSING]
     if missing:
         raise SidecarError(f"{target}: missing field(s) {missing}; re-pack the file with {PACK_TOOL}")
+    wrong = [f"{f} is {json.dumps(meta[f])}" for f in ("max_seq_len", "context_parallel_size")
+             if isinstance(meta[f], bool) or not isinstance(meta[f], int) or meta[f] < 1]
+    if wrong:
+        raise SidecarError(f"{target}: {'; '.join(wrong)}, not an integer >= 1; re-pack the file with {PACK_TOOL}")
     return meta
 
 

@@ -347,3 +347,41 @@ def test_a_config_field_of_the_wrong_type_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "rms_norm_eps": "abc"}))
     with pytest.raises(ValueError, match=f"^{tmp_path}: config.json has an invalid field: .*rms_norm_eps"):
         load_hf_config(tmp_path)
+
+
+def test_a_config_with_zero_heads_is_one_line(tmp_path):
+    """``"num_attention_heads": 0``: a ZeroDivisionError in transformers' validation, a traceback and exit 1."""
+    import json
+
+    LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    with pytest.raises(ValueError, match=f"^{tmp_path}: config.json has an invalid field: .*ZeroDivisionError"):
+        load_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize(("text", "message"), [("{oops", "not valid JSON"), ("[]", "a JSON array, not an object")])
+def test_damaged_json_files_are_named(tmp_path, text, message):
+    """A garbled ``hf_config.json``, ``model_config.json`` or safetensors index was ``error: Expecting value: line 1
+    column 1 (char 0)`` naming no file; a JSON array as ``hf_config.json`` was read as no config."""
+    from packsft.model.config import read_model_config
+    from packsft.model.hf_io import _safetensors_files, read_hf_config
+
+    for name, read in (("hf_config.json", read_hf_config), ("model_config.json", read_model_config),
+                       ("model.safetensors.index.json", _safetensors_files)):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"^{tmp_path / name}: {message}"):
+            read(tmp_path)
+
+
+def test_export_as_a_model_type_packsft_does_not_write_is_one_line():
+    """``--hf-config`` of a Gemma 3 (or GPT-2) config: ``KeyError: 'gemma3_text'`` after transformers built it."""
+    from packsft.model.config import ModelConfig
+    from packsft.model.hf_config import hf_config_from_model_config
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, max_position_embeddings=128)
+    for model_type in ("gemma3_text", "gpt2"):
+        with pytest.raises(ValueError, match=f"model_type '{model_type}' cannot be exported; packsft writes llama, "):
+            hf_config_from_model_config(cfg, base={"model_type": model_type, "hidden_size": 64})

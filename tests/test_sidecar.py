@@ -72,6 +72,11 @@ def test_missing_sidecar_reads_as_none(tmp_path):
         (json.dumps({**meta(), "format_version": 3}), "format_version 3 is not supported"),
         (json.dumps({"format_version": 2, **meta(max_seq_len=None) | {"prompt_format": {"name": "x"}}}),
          "missing field.*prompt_format.pad_token"),
+        # inspect_packed took these as its defaults: a TypeError traceback, or an error naming no file
+        (json.dumps({"format_version": 2, **meta(), "max_seq_len": "256"}),
+         r"x.jsonl.packed.meta.json: max_seq_len is \"256\", not an integer >= 1"),
+        (json.dumps({"format_version": 2, **meta(), "context_parallel_size": 0}),
+         "context_parallel_size is 0, not an integer >= 1"),
     ],
 )
 def test_unreadable_sidecars_are_refused(tmp_path, text, message):

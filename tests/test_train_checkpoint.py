@@ -345,12 +345,14 @@ def test_resume_state_with_a_wrong_counter_is_refused(tmp_path, edit, field):
         ckpt.check_resume_state(saved, tmp_path, counters)
 
 
-@pytest.mark.parametrize("content", [b"garbage\n", b""])
-def test_damaged_common_file_is_a_checkpoint_error(tmp_path, parallel_state_1proc, content):  # noqa: F811
+@pytest.mark.parametrize("name, content", [("common.pt", b"garbage\n"), ("common.pt", b""),
+                                           ("metadata.json", b"{oops")])
+def test_damaged_common_file_is_a_checkpoint_error(tmp_path, parallel_state_1proc, name, content):  # noqa: F811
+    """Was a traceback (``UnpicklingError``, exit 1), or for metadata.json an error line naming no file."""
     model = tiny_model(0)
     opt = build_optimizer(model, OptimizerConfig())
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
                                 loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
-    (path / ckpt.COMMON_FILE).write_bytes(content)
-    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000001: common.pt cannot be loaded .*damaged"):
+    (path / name).write_bytes(content)
+    with pytest.raises(ckpt.CheckpointError, match=rf"iter_0000001: {name} cannot be loaded .*damaged"):
         ckpt.load_model_and_optimizer(path, model, opt)

@@ -41,7 +41,6 @@ checkpoints you trust. The HF input is read as safetensors (or GGUF) and JSON, w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -50,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from packsft.io import read_json_object  # noqa: E402
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig, config_from_dict, read_model_config  # noqa: E402
 from packsft.model.gpt import build_gpt_model  # noqa: E402
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf  # noqa: E402
@@ -179,7 +179,7 @@ def export_sections(megatron: Path, config: str | None, saved: dict | None) -> t
     is_yaml = config is not None and Path(config).suffix in (".yaml", ".yml")
     if saved is None:
         own = megatron / MODEL_CONFIG_FILE
-        base = json.loads(own.read_text()) if own.is_file() else None
+        base = read_json_object(own) if own.is_file() else None
         if is_yaml:
             return read_yaml_model(config, base, str(own)), read_lora_config(config)
         model = read_model_config(config or megatron)

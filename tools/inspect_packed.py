@@ -23,6 +23,7 @@ from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.data.describe import describe_row  # noqa: E402
 from packsft.io import missing_file  # noqa: E402
 from packsft.packing.cli import positive_int  # noqa: E402
+from packsft.prompt_formats import PRESETS  # noqa: E402
 from packsft.sidecar import read_sidecar, refuse_sidecar_as_rows  # noqa: E402
 
 
@@ -31,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--packed", required=True, help="the .jsonl.packed file")
     parser.add_argument("--tokenizer", required=True, help="tokenizer folder or tokenizer.json")
-    parser.add_argument("--prompt-format", required=True, help="identity, nemotron-nano-v2, nemotron-h-aligned, "
-                                                               "chat-template")
+    parser.add_argument("--prompt-format", required=True, choices=PRESETS, help="the format the file was packed with")
     parser.add_argument("--row", type=int, default=0, help="row index, 0-based (negative: from the end)")
     parser.add_argument("--max-seq-len", "--max-seq-length", dest="max_seq_len", type=positive_int,
                         help="default: the sidecar's (--max-seq-length as the packer spells it)")

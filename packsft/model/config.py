@@ -8,13 +8,14 @@ optionally tied input/output embeddings. Everything that varies between those fa
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from packsft.io import read_json_object
 
 ATTENTION_BACKENDS = ("torch", "te")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
@@ -278,7 +279,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
         if data is None:
             raise ValueError(f"{path} has no model: section")
     else:
-        data = json.loads(path.read_text())
+        data = read_json_object(path)
     return config_from_dict(ModelConfig, data, str(path))
 
 

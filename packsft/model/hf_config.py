@@ -215,7 +215,8 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
         ``model.max_position_embeddings`` keeps the original model's context).
 
     Raises:
-        ValueError: if ``cfg.add_qkv_bias`` or ``cfg.qk_layernorm`` disagrees with the base's ``model_type``
+        ValueError: the base's ``model_type`` is not one packsft exports (``ARCHITECTURES``), or
+            ``cfg.add_qkv_bias`` or ``cfg.qk_layernorm`` disagrees with it
             (only Qwen2 has the bias, only Qwen3 the q/k norms), or transformers refuses the merged config (one line:
             e.g. a base of another model, whose ``layer_types`` has another length than ``cfg.num_layers``).
     """
@@ -228,6 +229,9 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
 
     base = base.to_dict() if hasattr(base, "to_dict") else dict(base or {})
     model_type = base.get("model_type") or ("qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type {model_type!r} cannot be exported; packsft writes {', '.join(ARCHITECTURES)} "
+                         "configs (the HF config of another model?)")
     if cfg.add_qkv_bias != (model_type == "qwen2"):
         raise ValueError(f"model.add_qkv_bias={cfg.add_qkv_bias} cannot be exported as model_type {model_type!r}")
     if cfg.qk_layernorm != (model_type == "qwen3"):

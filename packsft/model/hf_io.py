@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from packsft.io import atomic_dir
+from packsft.io import atomic_dir, read_json_object
 from packsft.model.config import ModelConfig
 from packsft.model.hf_config import TOKEN_ID_FIELDS, hf_config_from_model_config
 from packsft.model.state_dict_adapter import (
@@ -45,7 +45,10 @@ def _safetensors_files(directory: Path) -> list[Path]:
     """The checkpoint's safetensors files: the index's, else ``model.safetensors``, else every one."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> file name")
+        names = sorted(set(weight_map.values()))
         return [directory / n for n in names]
     if (directory / "model.safetensors").exists():
         return [directory / "model.safetensors"]
@@ -127,7 +130,8 @@ def _auto_config(folder: Path, **kwargs):
     transformers would ask on stdin and run it on ``y``).
 
     Raises:
-        ValueError: one line naming ``folder`` for a config that needs its own code or has a field of the wrong type.
+        ValueError: one line naming ``folder`` for a config that needs its own code, has a field of the wrong type
+            or one transformers' validation divides by (a size of 0).
     """
     from transformers import AutoConfig
 
@@ -140,6 +144,9 @@ def _auto_config(folder: Path, **kwargs):
     except StrictDataclassError as e:  # e.g. "rms_norm_eps": "abc"
         detail = e.__cause__ or e
         raise ValueError(f"{folder}: config.json has an invalid field: {' '.join(str(detail).split())}") from None
+    except ArithmeticError as e:  # transformers' own checks, e.g. hidden_size % num_attention_heads with 0 heads
+        raise ValueError(f"{folder}: config.json has an invalid field: transformers' validation failed with "
+                         f"{type(e).__name__} ({e}): a size of 0?") from None
     except ValueError as e:
         if "trust_remote_code" not in str(e):
             raise
@@ -514,7 +521,7 @@ def read_hf_config(path: str | Path) -> dict | None:
     """An HF ``config.json`` as a dict: ``path`` itself, or a checkpoint folder's ``hf_config.json`` (else ``None``)."""
     path = Path(path)
     path = path / HF_CONFIG_FILE if path.is_dir() else path
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json_object(path) if path.is_file() else None
 
 
 PEFT_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")

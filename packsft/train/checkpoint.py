@@ -68,7 +68,13 @@ from megatron.core.dist_checkpointing.optimizer import (
 from packsft.io import atomic_open, replace_dir, write_json_atomic
 from packsft.model.gpt import unwrap_model
 from packsft.train import process_guard
-from packsft.train.model_checkpoint import check_partial_load, is_adapter_key
+from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError, COMMON_FILE: this module's API
+    COMMON_FILE,
+    CheckpointError,
+    check_partial_load,
+    is_adapter_key,
+    load_dist_checkpoint,
+)
 from packsft.train.optim import optimizer_params
 
 LATEST = "latest"
@@ -76,18 +82,12 @@ TRAIN_STATE = "train_state.json"
 OLD_TRAIN_STATE = "train_state.pt"
 """The pickled train state of checkpoints written before ``train_state.json``; such checkpoints are refused."""
 COMMON_STEP = "common_step"
-COMMON_FILE = "common.pt"
-"""The ``dist_checkpointing`` file of a checkpoint's unsharded values (read with ``weights_only=True``)."""
 LORA_BASE = "lora_base"
 """``train_state.json`` key of an adapters-only LoRA checkpoint: the base's ``{"path", "fingerprint"}``."""
 INIT_FROM = "init_from"
 """``train_state.json`` key: the absolute path of ``checkpoint.init_from`` (export reads its ``hf_config.json``)."""
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint packsft refuses to read: the old pickled format, or a state file that is not plain data."""
 
 
 def _load_plain(file: Path) -> Any:
@@ -532,18 +532,12 @@ def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_onl
     ``adapters_only``: an adapters-only LoRA checkpoint; the base weights must already be loaded.
 
     Raises:
-        CheckpointError: ``common.pt`` is damaged (not loadable with ``weights_only=True``).
+        CheckpointError: a damaged ``common.pt`` or ``metadata.json``.
         megatron ``CheckpointingException``: a tensor of the model is missing from the checkpoint or has another
             global shape (a different architecture).
     """
-    # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
-    try:
-        loaded = dist_checkpointing.load(sharded_train_state(model, optimizer, is_loading=True,
-                                                             adapters_only=adapters_only), Path(path))
-    except (pickle.UnpicklingError, EOFError) as err:   # common.pt: torch.load(weights_only=True) of megatron
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"checkpoint {path}: {COMMON_FILE} cannot be loaded ({reason}); the checkpoint is "
-                              "damaged: resume an earlier one with checkpoint.resume=<path>") from None
+    loaded = load_dist_checkpoint(sharded_train_state(model, optimizer, is_loading=True, adapters_only=adapters_only),
+                                  path)
     _load_model_state(model, loaded["model"], adapters_only)
     if _is_megatron_optimizer(optimizer):
         with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters

@@ -15,7 +15,6 @@ Sections (every field is documented in ``docs/training.md``): ``model`` (:class:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from packsft.data.loader import DataLoaderConfig
-from packsft.io import missing_file
+from packsft.io import missing_file, read_json_object
 from packsft.layout import cp_granularity, row_granularity
 from packsft.model.config import (
     MODEL_CONFIG_FILE,
@@ -580,7 +579,7 @@ def read_init_model_fields(init_from: str | Path) -> dict:
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint.init_from={str(init_from)!r}: {file} not found; point it at a folder "
                                 "written by `tools/convert_checkpoint.py import --out DIR`")
-    return json.loads(file.read_text())
+    return read_json_object(file)
 
 
 def _first_difference(current: dict, reference: dict, free: tuple[str, ...] = ()) -> str | None:
@@ -615,7 +614,7 @@ def check_init_window(cfg: Config, init_from: str | Path) -> None:
     file = Path(init_from) / "hf_config.json"       # written by tools/convert_checkpoint.py import
     if not file.is_file():
         return
-    window = full_attention_length(json.loads(file.read_text()))
+    window = full_attention_length(read_json_object(file))
     if window is not None and cfg.data.max_seq_len > window:
         raise ValueError(f"data.max_seq_len ({cfg.data.max_seq_len}) is longer than the sliding_window ({window}) of "
                          f"the model checkpoint.init_from holds ({file}): packsft's full causal attention equals "

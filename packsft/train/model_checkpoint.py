@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -176,6 +177,33 @@ def is_adapter_key(key: str) -> bool:
     return ".lora_" in key
 
 
+class CheckpointError(ValueError):
+    """A checkpoint packsft refuses to read: the old pickled format, a state file that is not plain data, or a
+    damaged ``dist_checkpointing`` file."""
+
+
+COMMON_FILE, METADATA_FILE = "common.pt", "metadata.json"
+"""``dist_checkpointing``'s files of unsharded values (read with ``weights_only=True``) and of its format."""
+
+
+def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
+    """``dist_checkpointing.load(sharded, ckpt_dir)``, naming a damaged ``common.pt`` or ``metadata.json``.
+
+    Raises:
+        CheckpointError: ``common.pt`` does not load with ``weights_only=True``, or ``metadata.json`` is not JSON.
+        megatron ``CheckpointingException``, torch ``CheckpointException``: as ``dist_checkpointing.load``.
+    """
+    from megatron.core import dist_checkpointing
+
+    try:   # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
+        return dist_checkpointing.load(sharded, Path(ckpt_dir))
+    except (pickle.UnpicklingError, EOFError) as err:
+        name, reason = COMMON_FILE, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except json.JSONDecodeError as err:
+        name, reason = METADATA_FILE, f"not valid JSON: {err}"
+    raise CheckpointError(f"checkpoint {ckpt_dir}: {name} cannot be loaded ({reason}); the checkpoint is damaged")
+
+
 def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = False,
                              adapters_only: bool = False) -> None:
     """Load ``save_megatron_checkpoint``'s (or a trainer checkpoint's) ``"model"`` entry into ``model`` (any TP).
@@ -187,13 +215,12 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = F
 
     Raises:
         RuntimeError: (``load_state_dict``) a tensor that should have been loaded was not.
+        CheckpointError: a damaged ``common.pt`` or ``metadata.json`` (:func:`load_dist_checkpoint`).
     """
-    from megatron.core import dist_checkpointing
-
     sharded = model.sharded_state_dict()
     if base_only or adapters_only:
         sharded = {k: v for k, v in sharded.items() if is_adapter_key(k) == adapters_only}
-    loaded = dist_checkpointing.load({"model": sharded}, Path(ckpt_dir))  # a str breaks megatron's missing-file error
+    loaded = load_dist_checkpoint({"model": sharded}, ckpt_dir)
     check_partial_load(model.load_state_dict(loaded["model"], strict=not (base_only or adapters_only)),
                        adapters_only=adapters_only, what=f"{ckpt_dir}: checkpoint")
 

@@ -349,6 +349,12 @@ def test_a_config_field_of_the_wrong_type_is_one_line(tmp_path):
         load_hf_config(tmp_path)
 
 
+def test_a_folder_without_config_json_is_named(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")          # was transformers' "Should have a model_type key"
+    with pytest.raises(ValueError, match=f"^{tmp_path}: no config.json"):
+        load_hf_config(tmp_path)
+
+
 def test_a_config_with_zero_heads_is_one_line(tmp_path):
     """``"num_attention_heads": 0``: a ZeroDivisionError in transformers' validation, a traceback and exit 1."""
     import json

@@ -53,6 +53,9 @@ def test_convert_checkpoint_parallel_sizes_must_be_positive(tmp_path):
         rc, err = run_tool(TOOLS / "convert_checkpoint.py", flag, value, "import", "--hf", tmp_path, "--out",
                            tmp_path / "out")
         assert rc == 2 and f"argument {flag}: must be >= 1, got {value}" in err, err
+    rc, err = run_tool(TOOLS / "convert_checkpoint.py", "import", "--hf", tmp_path, "--out", tmp_path / "out",
+                       "--max-seq-len", "-5")      # was accepted
+    assert rc == 2 and "argument --max-seq-len: must be >= 1, got -5" in err, err
 
 
 def test_convert_checkpoint_export_refuses_a_tokenizer_larger_than_the_model(tmp_path, tokenizer_dir):

@@ -74,6 +74,7 @@ def test_overrides_apply_after_the_file():
     (["loader.seed=-1"], "loader.seed must be in [0, 2**63), got -1"),   # numpy's traceback at the first batch before
     (["train.seed=18446744073709551616"], "train.seed must be in [0, 2**63), got 18446744073709551616"),  # overflow
     (["train.seed=-1"], "train.seed must be in [0, 2**63), got -1"),
+    (["train.train_steps"], "override 'train.train_steps' is not key=value"),   # was "Incompatible value 'None'"
 ])
 def test_config_errors_are_clear(overrides, message):
     with pytest.raises(ValueError) as err:
@@ -87,6 +88,18 @@ def test_nccl_without_cuda_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"^parallel.backend=nccl needs CUDA GPUs .* no CUDA device: use gloo"):
         init_distributed(backend="nccl")   # before any process group: torch's RuntimeError traceback before
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("- a\n", "the file must be a mapping of sections (model:, data:, train:, ...), not a list"),  # was "Index
+    # 'loader' (str) is not an int"; below: a hint about overrides the run did not give
+    ("data:\n  train:\n    path: x\n", "a mapping where a list is expected: data.train and data.validation are lists"),
+])
+def test_a_file_of_the_wrong_shape_is_named(tmp_path, text, message):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_config(tmp_path / "c.yaml")
+    assert str(err.value).startswith(f"invalid config {tmp_path / 'c.yaml'}: ") and message in str(err.value)
 
 
 def test_missing_file():

@@ -50,6 +50,8 @@ def test_levers_reduce_memory_and_the_longest_row_is_the_edge():
     assert plan(LLAMA_8B, base, longest, GB80).fits and not plan(LLAMA_8B, base, longest + 4, GB80).fits
     with pytest.raises(ValueError, match="pipeline_model_parallel_size"):
         plan(LLAMA_8B, replace(base, pp=3), 8192, GB80)
+    with pytest.raises(ValueError, match=r"vocab_size \(128257\) is not a multiple of tensor_model_parallel_size"):
+        plan(replace(LLAMA_8B, vocab_size=128257), replace(base, tp=4), 8192, GB80)   # the trainer refuses it
     sp = replace(base, tp=8, cp=3, sequence_parallel=True)   # rows of a multiple of lcm(6, 24) under SP
     assert max_seq_len(LLAMA_8B, sp, GB80) % 24 == 0 and plan(LLAMA_8B, sp, max_seq_len(LLAMA_8B, sp, GB80), GB80).fits
 
@@ -66,7 +68,7 @@ def test_plan_memory_cli():
     out = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "fits" in out.stdout and "with full recompute" in out.stdout and "distributed optimizer" in out.stdout
-    for value in ("lots", "80", "1KB"):                    # a bare number would be bytes: refused
+    for value in ("lots", "80", "1KB", "1.2.3GB"):          # a bare number would be bytes: refused
         bad = subprocess.run(run + ["--gpu-memory", value], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and bad.stderr.startswith("error:"), (value, bad.stderr)
     sweep = subprocess.run(run + ["--sweep", "--seq-lens", "8192", "32768"], capture_output=True, text=True,

@@ -105,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          parents=[sub_layout])
     imp.add_argument("--hf", required=True, help="HF checkpoint folder or *.gguf file")
     imp.add_argument("--out", required=True, help="Megatron checkpoint folder to write")
-    imp.add_argument("--max-seq-len", type=int, default=None,
+    imp.add_argument("--max-seq-len", type=positive_int, default=None,
                      help="longest training row; lets a sliding_window >= it be accepted (Mistral, Qwen2/Qwen3)")
     imp.add_argument("--params-dtype", choices=("float32", "bfloat16"), default="float32")
     imp.add_argument("--attention-backend", choices=("torch", "te"), default="torch",

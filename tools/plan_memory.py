@@ -37,7 +37,7 @@ def parse_bytes(text: str) -> float:
     Raises:
         ValueError: not a positive number with a unit (B, KB, MB, GB, KiB, MiB, GiB), or under 1 GB (a GPU).
     """
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]+)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]+)\s*", text)
     if not match or match.group(2).upper() not in UNITS:
         raise ValueError(f"--gpu-memory {text!r}: expected a size with its unit, like 80GB or 141GiB")
     value = float(match.group(1)) * UNITS[match.group(2).upper()]
@@ -53,7 +53,8 @@ def sweep(model, base: Layout, world_size: int, seq_lens: list[int], gpu_bytes: 
              "|" + "---|" * (9 + len(seq_lens))]
     powers = [2**i for i in range(8) if 2**i <= world_size]
     for tp, cp, pp in itertools.product([t for t in powers if t <= 8], powers, powers):
-        if world_size % (tp * cp * pp) or model.num_layers % pp or model.num_query_groups % tp:
+        if world_size % (tp * cp * pp) or model.num_layers % pp or model.num_query_groups % tp or \
+                model.vocab_size % tp:
             continue
         for dist_opt, recompute in ((False, None), (True, None), (True, "full")):
             layout = replace(base, tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp), megatron_optimizer=True,

@@ -159,7 +159,8 @@ def load_hf_config(path: str | Path):
 
     Raises:
         ValueError: a folder of several GGUF files, an unreadable GGUF, or one whose head width transformers
-            misreads (:func:`_check_gguf_head_dim`), naming the file; a config that needs its own code.
+            misreads (:func:`_check_gguf_head_dim`), naming the file; a folder without ``config.json``; a config
+            that needs its own code.
     """
     path = Path(path)
     gguf = _gguf_file(path)
@@ -167,6 +168,9 @@ def load_hf_config(path: str | Path):
         config = _read_gguf(gguf, lambda: _auto_config(gguf.parent, gguf_file=gguf.name))
         _check_gguf_head_dim(gguf, config)
         return config
+    if path.is_dir() and not (path / "config.json").is_file():   # transformers: "Should have a model_type key"
+        raise ValueError(f"{path}: no config.json (an HF checkpoint folder holds config.json and the model's "
+                         "*.safetensors; or pass a *.gguf file)")
     return _auto_config(path)
 
 

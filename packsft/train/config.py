@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from packsft.data.loader import DataLoaderConfig
@@ -500,7 +500,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None and not Path(path).is_file():
         raise missing_file("config file", path)
     try:
-        layers = [_rename_old_keys(OmegaConf.load(path) if path else OmegaConf.create(), str(path)),
+        loose = [o for o in overrides if "=" not in o]
+        if loose:
+            raise ValueError(f"override {loose[0]!r} is not key=value (e.g. train.train_steps=100)")
+        loaded = OmegaConf.load(path) if path else OmegaConf.create()
+        if not isinstance(loaded, DictConfig):
+            raise ValueError("the file must be a mapping of sections (model:, data:, train:, ...), not a list")
+        layers = [_rename_old_keys(loaded, str(path)),
                   _rename_old_keys(OmegaConf.from_dotlist(list(overrides)), "the overrides")]
         merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
         imported, source = _init_model_fields(merged)
@@ -515,9 +521,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise _config_error(err, f"invalid config {where}") from err
     except ValueError as err:
         raise ValueError(f"invalid config {where}: {err}") from err
-    except TypeError as err:  # OmegaConf.merge: a dotted override into a list item made a dict of it
-        raise ValueError(f"invalid config {where}: {err} (an override cannot set one item of a list, as "
-                         "data.train.1.weight=0 tries: give the whole list, data.train=[{...}, {...}])") from err
+    except TypeError as err:  # OmegaConf.merge: a mapping where the schema has a list (data.train, data.validation)
+        raise ValueError(f"invalid config {where}: {err} (a mapping where a list is expected: data.train and "
+                         "data.validation are lists of entries, data.train=[{path: ..., weight: ...}, {...}]; an "
+                         "override cannot set one item of a list, as data.train.1.weight=0 tries)") from err
     except yaml.YAMLError as err:  # the file is not YAML (its own message spans lines: one is kept)
         raise ValueError(f"invalid config {where}: not valid YAML: {' '.join(str(err).split())}") from err
 

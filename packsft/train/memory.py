@@ -139,7 +139,8 @@ def plan(model: ModelConfig, layout: Layout, seq_len: int, gpu_bytes: float) -> 
     ``PP`` micro-batches, i.e. the same as without pipelining (Megatron-LM's observation).
 
     Raises:
-        ValueError: a layout that does not divide the model (layers by PP, heads by TP) or the row by ``2 CP``.
+        ValueError: a layout that does not divide the model (layers by PP, heads and vocabulary by TP) or the row
+            by ``2 CP``.
     """
     if model.num_layers % layout.pp:
         raise ValueError(f"num_layers ({model.num_layers}) is not a multiple of pipeline_model_parallel_size "
@@ -147,6 +148,9 @@ def plan(model: ModelConfig, layout: Layout, seq_len: int, gpu_bytes: float) -> 
     if model.num_query_groups % layout.tp:
         raise ValueError(f"num_query_groups ({model.num_query_groups}) is not a multiple of "
                          f"tensor_model_parallel_size ({layout.tp})")
+    if model.vocab_size % layout.tp:   # refused by the trainer (build_gpt_model)
+        raise ValueError(f"vocab_size ({model.vocab_size}) is not a multiple of tensor_model_parallel_size "
+                         f"({layout.tp}); pad the vocabulary")
     if layout.cp > 1 and seq_len % (2 * layout.cp):
         raise ValueError(f"max_seq_len ({seq_len}) is not a multiple of 2 * context_parallel_size")
     params = num_parameters(model)

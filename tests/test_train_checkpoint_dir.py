@@ -21,7 +21,8 @@ GIB = 2**30
 def test_a_folder_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ckpt.CheckpointDirError, match="checkpoint.dir .*file/checkpoints is not writable"):
+    with pytest.raises(ckpt.CheckpointDirError, match=f"checkpoint.dir .*file/checkpoints is not writable \\({blocker} "
+                       "is a file, not a folder\\)"):   # e.g. logging.output_dir=<a file>: was "(Not a directory)"
         ckpt.check_checkpoint_dir(blocker / "checkpoints", 1)
     read_only = tmp_path / "ro"
     read_only.mkdir()

@@ -147,7 +147,9 @@ def check_checkpoint_dir(ckpt_dir: str | Path, need_bytes: int) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
-        raise CheckpointDirError(f"checkpoint.dir {ckpt_dir} is not writable ({err.strerror or err}); set "
+        blocker = next((p for p in (ckpt_dir, *ckpt_dir.parents) if p.exists() and not p.is_dir()), None)
+        reason = f"{blocker} is a file, not a folder" if blocker else err.strerror or err   # e.g. logging.output_dir
+        raise CheckpointDirError(f"checkpoint.dir {ckpt_dir} is not writable ({reason}); set "
                                  "checkpoint.dir to a writable folder (checked before step 1)") from None
     free = shutil.disk_usage(ckpt_dir).free
     if free < need_bytes:

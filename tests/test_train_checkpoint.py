@@ -235,6 +235,11 @@ def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
         check_lora_base(recorded, other, path)
     with pytest.raises(BaseMismatchError, match="does not exist"):
         check_lora_base(recorded, tmp_path / "gone", path)
+    hf = tmp_path / "hf"                          # the HF folder the base was imported from: was "a different model"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(BaseMismatchError, match=f"but {hf} is not an imported checkpoint \\(no model_config.json\\)"):
+        check_lora_base(recorded, hf, path)
     # another model's weight files copied over the base keep every size (same shapes) and the stored fingerprint
     # file: their modification times differ, so they are hashed again (before: the stored fingerprint was trusted)
     swapped = tmp_path / "swapped"

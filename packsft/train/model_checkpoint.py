@@ -114,7 +114,8 @@ def check_lora_base(recorded: dict, base_dir: str | Path | None, checkpoint: str
     ``base_dir``: the folder given now (``checkpoint.init_from``, ``--lora-base``), or None for the recorded path.
 
     Raises:
-        BaseMismatchError: the folder is missing, or its fingerprint differs from the recorded one (both named).
+        BaseMismatchError: the folder is missing or not an imported checkpoint, or its fingerprint differs from the
+            recorded one (both named).
     """
     base_dir = Path(base_dir if base_dir is not None else recorded["path"])
     if not base_dir.is_dir():
@@ -122,6 +123,11 @@ def check_lora_base(recorded: dict, base_dir: str | Path | None, checkpoint: str
             f"checkpoint {checkpoint} holds LoRA adapters of the base {recorded['path']} (fingerprint "
             f"{recorded['fingerprint']}), but {base_dir} does not exist; point checkpoint.init_from (export: "
             "--lora-base) at that base folder")
+    if not (base_dir / MODEL_CONFIG_FILE).is_file():   # e.g. the HF folder the base was imported from
+        raise BaseMismatchError(
+            f"checkpoint {checkpoint} holds LoRA adapters of the base {recorded['path']}, but {base_dir} is not an "
+            f"imported checkpoint (no {MODEL_CONFIG_FILE}); point checkpoint.init_from (export: --lora-base) at "
+            "the folder `tools/convert_checkpoint.py import` wrote")
     fingerprints = _identity(base_dir.resolve())  # a checkpoint of an earlier packsft recorded the legacy one
     current = {"path": str(base_dir.resolve()), "fingerprint": fingerprints[0]}
     if recorded["fingerprint"] not in fingerprints:

@@ -5,10 +5,13 @@ import math
 import pytest
 import torch
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from test_train_loop import packed  # noqa: F401 - fixture
+from test_train_step_syncs import trainer_for
 
 from packsft.train.config import OptimizerConfig, SchedulerConfig
 from packsft.train.optim import (
     WarmupDecay,
+    apply_optimizer_settings,
     build_optimizer,
     build_scheduler,
     clip_grads,
@@ -97,3 +100,27 @@ def test_grad_norm_is_the_same_with_tp2():
     assert tp2[0] == tp2[1]
     assert math.isclose(tp2[0], reference, rel_tol=1e-5), (tp2, reference)
     assert reference > 0
+
+
+def test_resumed_optimizer_takes_the_configs_betas_eps_and_weight_decay():
+    """``load_state_dict`` restores the saved groups: a resume with another ``adam_eps`` trained with the old one
+    while ``config.yaml`` recorded the new one."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    saved = build_optimizer(model, OptimizerConfig()).state_dict()
+    new = OptimizerConfig(adam_beta1=0.8, adam_beta2=0.5, adam_eps=0.1, weight_decay=0.3)
+    opt = build_optimizer(model, new)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["eps"] == OptimizerConfig().adam_eps              # the saved value
+    apply_optimizer_settings(opt, new)
+    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [((0.8, 0.5), 0.1, 0.3),
+                                                                                     ((0.8, 0.5), 0.1, 0.0)]
+
+
+def test_megatron_optimizer_groups_take_the_configs_betas_and_eps(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+    trainer = trainer_for(tmp_path, packed, optimizer={"backend": "megatron", "use_distributed_optimizer": True})
+    groups = trainer.optimizer.param_groups
+    for group in groups:                                                     # as a loaded checkpoint's
+        group["betas"], group["eps"] = (0.1, 0.2), 0.3
+    cfg = trainer.cfg.optimizer
+    apply_optimizer_settings(trainer.optimizer, cfg)
+    assert {(g["betas"], g["eps"]) for g in groups} == {((cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)}

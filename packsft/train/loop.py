@@ -96,7 +96,7 @@ from packsft.train.model_checkpoint import base_identity, check_lora_base, load_
 from packsft.train.optim import (
     ParamGroupSchedule,
     allreduce_sequence_parallel_grads,
-    apply_weight_decay,
+    apply_optimizer_settings,
     build_megatron_optimizer,
     build_optimizer,
     build_scheduler,
@@ -309,7 +309,7 @@ class Trainer:
                   f"trained with {was}: the data continues after the {self.state.consumed_samples} rows consumed, "
                   f"{self.cfg.train.global_batch_size} a step from now on", flush=True)
         set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
-        apply_weight_decay(self.optimizer, self.cfg.optimizer.weight_decay)
+        apply_optimizer_settings(self.optimizer, self.cfg.optimizer)    # the config's, as lr: not the saved
         if self.cfg.checkpoint.restore_data_order:
             load_loader_state_dict(self.train_loader, ckpt.load_loader_state(path, self.ctx.dp_rank))
         elif self.ctx.rank == 0:

@@ -56,7 +56,7 @@ def build_megatron_optimizer(model: torch.nn.Module | list[torch.nn.Module], cfg
     ``OptimizerConfig(optimizer="adam")`` with ``cfg``'s lr, betas, eps, weight decay (decoupled: AdamW) and
     ``clip_grad``; ``bf16`` keeps fp32 master weights of bf16 parameters; ``use_distributed_optimizer`` as in
     ``cfg`` (must match the DDP config). Megatron groups parameters by ``wd_mult`` (0 for 1-D parameters and biases,
-    as :func:`param_groups`); :func:`apply_weight_decay` sets each group's ``weight_decay`` from it.
+    as :func:`param_groups`); :func:`apply_optimizer_settings` sets each group's ``weight_decay`` from it.
 
     Returns:
         A ``megatron.core.optimizer.MegatronOptimizer`` (a ``ChainedOptimizer``); ``step()`` returns
@@ -71,18 +71,23 @@ def build_megatron_optimizer(model: torch.nn.Module | list[torch.nn.Module], cfg
         params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=cfg.use_distributed_optimizer,
         decoupled_weight_decay=True)
     optimizer = get_megatron_optimizer(config, model if isinstance(model, list) else [model])
-    apply_weight_decay(optimizer, cfg.weight_decay)
+    apply_optimizer_settings(optimizer, cfg)
     return optimizer
 
 
-def apply_weight_decay(optimizer, weight_decay: float) -> None:
-    """Set each group's ``weight_decay``: ``weight_decay`` for matrices, 0 for 1-D parameters.
+def apply_optimizer_settings(optimizer, cfg: OptimizerConfig) -> None:
+    """Set each group's ``weight_decay`` (``cfg.weight_decay`` for matrices, 0 for 1-D parameters), ``betas`` and
+    ``eps`` from ``cfg``: after a resume, whose ``load_state_dict`` restored the checkpoint's.
 
     torch groups (:func:`param_groups`) are told apart by ``name``; Megatron groups by ``wd_mult``.
     """
     for group in optimizer.param_groups:
         mult = group["wd_mult"] if "wd_mult" in group else float(group["name"] == "decay")
-        group["weight_decay"] = weight_decay * mult
+        group["weight_decay"] = cfg.weight_decay * mult
+        if "betas" in group:
+            group["betas"] = (cfg.adam_beta1, cfg.adam_beta2)
+        if "eps" in group:
+            group["eps"] = cfg.adam_eps
 
 
 class ParamGroupSchedule:

@@ -1,5 +1,7 @@
 """Checkpoint layout, atomic publication, ``checkpoint.resume`` resolution, and model + AdamW round trip."""
 
+import re
+
 import pytest
 import torch
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
@@ -324,11 +326,19 @@ def test_auto_resume_without_latest_takes_the_newest_complete_checkpoint(tmp_pat
         ckpt.check_fresh_start("none", tmp_path / "run", tmp_path)   # starting over would overwrite them
 
 
-def test_latest_that_is_not_a_file_is_refused(tmp_path):
+@pytest.mark.parametrize("make, shown", [
+    (lambda p: p.mkdir(), "is not one"),                                   # the run was lost, then a traceback
+    (lambda p: p.write_bytes(b"\xff\xfe"), "is not one"),                   # an error naming no file
+    (lambda p: p.write_text(""), "holds ''"),                              # named the folder itself
+    (lambda p: p.write_text("../../other/checkpoints/iter_0000008\n"), "holds '../../other/"),  # another run's
+    (lambda p: p.symlink_to(p.parent / "gone"), "is not one"),             # taken as no latest
+])
+def test_latest_that_does_not_name_a_checkpoint_folder_is_refused(tmp_path, make, shown):
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "iter_0000002" / ckpt.TRAIN_STATE).write_text("{}")
-    (tmp_path / "latest").mkdir()
-    with pytest.raises(ckpt.CheckpointError, match=r"latest is not a file"):
+    make(tmp_path / "latest")
+    with pytest.raises(ckpt.CheckpointError, match=rf"latest should be a file naming the newest checkpoint .*but "
+                                                   rf"{re.escape(shown)}"):
         ckpt.find_resume_checkpoint(tmp_path, "auto")
 
 
@@ -340,24 +350,34 @@ def test_latest_that_is_not_a_file_is_refused(tmp_path):
     (lambda d: d["state"].update(trained_tokens=True), "state.trained_tokens is true"),
     (lambda d: d.pop("scheduler"), "scheduler.last_epoch is null"),
     (lambda d: d["scheduler"].update(last_epoch=2.5), "scheduler.last_epoch is 2.5"),
+    (lambda d: d["state"].pop("consumed_samples"), "state.consumed_samples is missing"),   # restarted at 0
+    (lambda d: d["state"].update(step=1), "state.step is 1 in the checkpoint of step 2"),  # resumed as step 1
+    (lambda d: d.update(layout="x"), 'layout is "x", not an object'),                     # a traceback
 ])
 def test_resume_state_with_a_wrong_counter_is_refused(tmp_path, edit, field):
     saved = {"state": {"step": 2, "consumed_samples": 4, "trained_tokens": 9}, "scheduler": {"last_epoch": 2}}
     counters = ("step", "consumed_samples", "trained_tokens", "skipped_steps")
-    ckpt.check_resume_state(saved, tmp_path, counters)
+    path = tmp_path / "iter_0000002"
+    ckpt.check_resume_state(saved, path, counters)
     edit(saved)
     with pytest.raises(ckpt.CheckpointError, match=rf"train_state.json: not a packsft train state \({field}"):
-        ckpt.check_resume_state(saved, tmp_path, counters)
+        ckpt.check_resume_state(saved, path, counters)
 
 
-@pytest.mark.parametrize("name, content", [("common.pt", b"garbage\n"), ("common.pt", b""),
-                                           ("metadata.json", b"{oops")])
+@pytest.mark.parametrize("name, content", [("common.pt", b"garbage\n"), ("common.pt", b""), ("common.pt", "half"),
+                                           ("common.pt", None), ("metadata.json", b"{oops"),
+                                           ("metadata.json", b'{"\xdd": 1}'), ("metadata.json", None)])
 def test_damaged_common_file_is_a_checkpoint_error(tmp_path, parallel_state_1proc, name, content):  # noqa: F811
     """Was a traceback (``UnpicklingError``, exit 1), or for metadata.json an error line naming no file."""
     model = tiny_model(0)
     opt = build_optimizer(model, OptimizerConfig())
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
                                 loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
-    (path / name).write_bytes(content)
+    file = path / name
+    if content is None:                 # a folder in its place: IsADirectoryError traceback
+        file.unlink()
+        file.mkdir()
+    else:                               # "half": truncated, RuntimeError traceback; \xdd: an error naming no file
+        file.write_bytes(file.read_bytes()[:file.stat().st_size // 2] if content == "half" else content)
     with pytest.raises(ckpt.CheckpointError, match=rf"iter_0000001: {name} cannot be loaded .*damaged"):
         ckpt.load_model_and_optimizer(path, model, opt)

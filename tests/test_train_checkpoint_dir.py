@@ -113,10 +113,14 @@ def test_prune_never_removes_the_latest_checkpoint(tmp_path):
         (tmp_path / ckpt.checkpoint_name(step) / ckpt.TRAIN_STATE).write_text("{}")
     (tmp_path / "iter_0000009").mkdir()                                        # incomplete: no train_state.json
     (tmp_path / ".iter_0000000.deleting").mkdir()                              # left by a killed prune
-    (tmp_path / "latest").write_text("iter_0000001\n")                         # e.g. resumed from an older one
+    (tmp_path / "latest").write_text("iter_0000002\n")                         # e.g. resumed from an older one
     removed = ckpt.prune_checkpoints(tmp_path, 1)
-    assert [p.name for p in removed] == ["iter_0000002"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "iter_0000003", "iter_0000009", "latest"]
+    # iter_0000003 is of the run this one does not continue: kept until this run's step 3 replaces it (the highest
+    # step was kept and this run's own earlier checkpoints deleted: keep_last=1 kept two, one of them stale)
+    assert [p.name for p in removed] == ["iter_0000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000003", "iter_0000009", "latest"]
+    (tmp_path / "latest").write_text("iter_0000003\n")
+    assert [p.name for p in ckpt.prune_checkpoints(tmp_path, 1)] == ["iter_0000002"]
 
 
 def test_resume_none_refuses_a_folder_with_an_earlier_run(tmp_path):

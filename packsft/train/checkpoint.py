@@ -98,7 +98,8 @@ def _load_plain(file: Path) -> Any:
     """
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError) as err:  # a truncated zip ("PytorchStreamReader failed ..."), an empty file
+    except (RuntimeError, EOFError, OSError, UnicodeDecodeError) as err:  # a truncated zip ("PytorchStreamReader
+        # failed ..."), an empty file, a folder in its place, flipped bytes
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{file}: unreadable ({reason}): the file is truncated or damaged; resume from another "
                               "checkpoint (checkpoint.resume=<its iter_* folder>)") from None
@@ -400,7 +401,8 @@ _DELETING = ".deleting"
 
 
 def prune_checkpoints(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the ``keep_last`` highest-step complete checkpoints; never the one ``latest`` names.
+    """Delete all but the ``keep_last`` highest-step complete checkpoints up to the one ``latest`` names (never it;
+    those past it, of a run a resume from an earlier checkpoint does not continue, are left to be replaced).
 
     Complete: an ``iter_XXXXXXX`` folder with ``train_state.json`` (``.tmp`` folders and other files are left alone).
     Each folder is first renamed to a hidden ``.iter_XXXXXXX.deleting`` (atomic), then removed, so no reader sees
@@ -413,6 +415,8 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
     latest = ckpt_dir / LATEST
     pinned = latest.read_text().strip() if latest.is_file() else None
     complete = complete_checkpoints(ckpt_dir)
+    if pinned is not None and step_of(pinned) is not None:   # past `latest`: a run this one does not continue,
+        complete = [p for p in complete if step_of(p) <= step_of(pinned)]  # replaced as its steps are saved again
     keep = {p.name for p in complete[-keep_last:]} | {pinned}
     removed = []
     for path in complete:
@@ -460,20 +464,27 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
 
     Raises:
         FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.json``.
-        CheckpointError: ``latest`` is not a file, or the checkpoint has the old pickled ``train_state.pt``
+        CheckpointError: ``latest`` is not a file naming an ``iter_XXXXXXX`` folder, or the checkpoint has the old
+            pickled ``train_state.pt``
             (:func:`check_checkpoint_format`).
     """
     if resume == "none":
         return None
     if resume == "auto":
         latest = Path(ckpt_dir) / LATEST
-        if latest.exists() and not latest.is_file():
-            raise CheckpointError(f"{latest} is not a file: it should name the newest checkpoint (e.g. "
-                                  "iter_0000100); remove it, or resume a checkpoint with checkpoint.resume=<path>")
-        if not latest.is_file():
+        if not (latest.exists() or latest.is_symlink()):
             complete = complete_checkpoints(ckpt_dir)
             return complete[-1] if complete else None
-        path = Path(ckpt_dir) / latest.read_text().strip()
+        try:
+            name = latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
+        except (OSError, UnicodeDecodeError):
+            name = None
+        if name is None or not _CHECKPOINT_NAME.fullmatch(name):
+            raise CheckpointError(f"{latest} should be a file naming the newest checkpoint of {ckpt_dir} (e.g. "
+                                  f"iter_0000100), but {'holds ' + repr(name) if name is not None else 'is not one'}; "
+                                  "resume a checkpoint with checkpoint.resume=<path>, or remove it to resume the "
+                                  "newest complete checkpoint")
+        path = Path(ckpt_dir) / name
     else:
         path = Path(resume)
     check_checkpoint_format(path)
@@ -481,6 +492,12 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
         raise FileNotFoundError(f"checkpoint {path} (checkpoint.resume={resume!r}) is missing or incomplete: "
                                 f"no {TRAIN_STATE}")
     return path
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step of a checkpoint folder named ``iter_XXXXXXX``, else None."""
+    m = _CHECKPOINT_NAME.fullmatch(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def check_fresh_start(resume: str, output_dir: str | Path, ckpt_dir: str | Path) -> None:
@@ -571,8 +588,9 @@ def load_train_state(path: str | Path) -> dict[str, Any]:
 
 
 def check_resume_state(saved: dict[str, Any], path: str | Path, counters: tuple[str, ...]) -> None:
-    """Refuse a train state (:func:`load_train_state`) a resume cannot continue from: ``state.step`` missing, one of
-    ``counters`` in ``state`` or ``scheduler.last_epoch`` not an integer >= 0.
+    """Refuse a train state (:func:`load_train_state`) a resume cannot continue from: ``state.step`` or
+    ``state.consumed_samples`` missing, one of ``counters`` in ``state`` or ``scheduler.last_epoch`` not an integer
+    >= 0, a step other than the ``iter_XXXXXXX`` folder's, or a ``layout`` that is not an object.
 
     Raises:
         CheckpointError: naming the file and the field.
@@ -581,13 +599,17 @@ def check_resume_state(saved: dict[str, Any], path: str | Path, counters: tuple[
     scheduler = saved.get("scheduler")
     values = {f"state.{k}": saved["state"][k] for k in counters if k in saved["state"]}
     values["scheduler.last_epoch"] = scheduler.get("last_epoch") if isinstance(scheduler, dict) else None
-    wrong = [f"{k} is {json.dumps(v)}" for k, v in values.items()
-             if isinstance(v, bool) or not isinstance(v, int) or v < 0]
-    if "step" not in saved["state"]:
-        wrong.insert(0, "state.step is missing")
+    wrong = [f"state.{k} is missing" for k in ("step", "consumed_samples") if k not in saved["state"]]
+    wrong += [f"{k} is {json.dumps(v)}, not an integer >= 0" for k, v in values.items()
+              if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    step = step_of(path)
+    if step is not None and saved["state"].get("step") not in (None, step) and not wrong:
+        wrong.append(f"state.step is {saved['state']['step']} in the checkpoint of step {step}")
+    if not isinstance(saved.get("layout", {}), dict):
+        wrong.append(f"layout is {json.dumps(saved['layout'])}, not an object")
     if wrong:
-        raise CheckpointError(f"{file}: not a packsft train state ({'; '.join(wrong)}; each must be an integer "
-                              ">= 0); the checkpoint is damaged: resume an earlier one with checkpoint.resume=<path>")
+        raise CheckpointError(f"{file}: not a packsft train state ({'; '.join(wrong)}); the checkpoint is damaged: "
+                              "resume an earlier one with checkpoint.resume=<path>")
 
 
 def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
@@ -599,6 +621,9 @@ def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
         CheckpointError: the file holds more than tensors and plain values.
     """
     file = Path(path) / f"dataloader_dp{dp_rank}.pt"
+    if file.exists() and not file.is_file():
+        raise CheckpointError(f"{file}: not a file; the checkpoint is damaged: resume another one "
+                              "(checkpoint.resume=<its iter_* folder>)")
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist: the checkpoint was written with another data-parallel size; "
                                 "resume with checkpoint.restore_data_order=false to restart the data order")

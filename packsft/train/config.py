@@ -710,9 +710,14 @@ def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str
 
     from packsft.train.checkpoint import TRAIN_STATE, CheckpointError
 
-    recorded = yaml.safe_load(train_state.get("config") or "") or {}
+    text = train_state.get("config")
+    try:
+        recorded = yaml.safe_load(text) if isinstance(text, str) else None
+    except yaml.YAMLError:
+        recorded = None
     if not isinstance(recorded, dict) or not isinstance(recorded.get("model"), dict):
-        raise CheckpointError(f"{Path(checkpoint) / TRAIN_STATE} records no config with a model section")
+        raise CheckpointError(f"{Path(checkpoint) / TRAIN_STATE} records no config with a model section (its "
+                              "'config' is the run's YAML config as a string)")
     return {"model": recorded["model"], "lora": recorded.get("lora") or {},
             "optimizer": recorded.get("optimizer") or {}, "train": recorded.get("train") or {},
             "parallel": recorded.get("parallel") or {}}

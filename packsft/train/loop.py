@@ -288,6 +288,12 @@ class Trainer:
         if self.cfg.checkpoint.resume == "auto" and not (path.parent / ckpt.LATEST).is_file() and self.ctx.rank == 0:
             print(f"note: {path.parent} has no {ckpt.LATEST} (a save was stopped before writing it); resuming its "
                   f"newest complete checkpoint, {path.name}", flush=True)
+        newer = [p.name for p in ckpt.complete_checkpoints(self.cfg.checkpoint_dir)
+                 if ckpt.step_of(p) > saved["state"]["step"]]
+        if newer and self.ctx.rank == 0:
+            print(f"note: {self.cfg.checkpoint_dir} holds checkpoints past step {saved['state']['step']} ("
+                  f"{', '.join(newer)}), which this run does not continue: each is replaced when this run saves its "
+                  "step", flush=True)
         recorded_sections = recorded_architecture(saved, path)
         check_recorded_architecture(self.cfg.model, self.cfg.lora if self.cfg.lora.enabled else None,
                                     recorded_sections, path, fix=RESUME_FIX)

@@ -203,11 +203,29 @@ def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
 
     try:   # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
         return dist_checkpointing.load(sharded, Path(ckpt_dir))
-    except (pickle.UnpicklingError, EOFError) as err:
-        name, reason = COMMON_FILE, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    except json.JSONDecodeError as err:
-        name, reason = METADATA_FILE, f"not valid JSON: {err}"
-    raise CheckpointError(f"checkpoint {ckpt_dir}: {name} cannot be loaded ({reason}); the checkpoint is damaged")
+    except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, OSError) as err:
+        damaged = _damaged_common_file(Path(ckpt_dir))
+        if damaged is None:          # the files megatron reads whole are sound: not theirs
+            raise
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    raise CheckpointError(f"checkpoint {ckpt_dir}: {damaged} cannot be loaded ({reason}); the checkpoint is damaged")
+
+
+def _damaged_common_file(ckpt_dir: Path) -> str | None:
+    """``metadata.json`` or ``common.pt`` of ``ckpt_dir`` when it is present but not readable (not a file, not JSON /
+    not loadable with ``weights_only=True``: truncated, garbage, bytes flipped), else None."""
+    import torch
+
+    for name, read in ((METADATA_FILE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
+                       (COMMON_FILE, lambda f: torch.load(f, map_location="cpu", weights_only=True))):
+        file = ckpt_dir / name
+        if not file.exists():
+            continue
+        try:
+            read(file)
+        except Exception:  # noqa: BLE001 - any failure to read it back is the damage being named
+            return name
+    return None
 
 
 def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = False,

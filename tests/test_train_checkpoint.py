@@ -327,11 +327,11 @@ def test_auto_resume_without_latest_takes_the_newest_complete_checkpoint(tmp_pat
 
 
 @pytest.mark.parametrize("make, shown", [
-    (lambda p: p.mkdir(), "is not one"),                                   # the run was lost, then a traceback
-    (lambda p: p.write_bytes(b"\xff\xfe"), "is not one"),                   # an error naming no file
+    (lambda p: p.mkdir(), "is not a file"),                                # the run was lost, then a traceback
+    (lambda p: p.write_bytes(b"\xff\xfe"), "cannot be read as text"),       # an error naming no file
     (lambda p: p.write_text(""), "holds ''"),                              # named the folder itself
     (lambda p: p.write_text("../../other/checkpoints/iter_0000008\n"), "holds '../../other/"),  # another run's
-    (lambda p: p.symlink_to(p.parent / "gone"), "is not one"),             # taken as no latest
+    (lambda p: p.symlink_to(p.parent / "gone"), "is not a file"),          # taken as no latest
 ])
 def test_latest_that_does_not_name_a_checkpoint_folder_is_refused(tmp_path, make, shown):
     (tmp_path / "iter_0000002").mkdir()
@@ -348,7 +348,7 @@ def test_latest_that_does_not_name_a_checkpoint_folder_is_refused(tmp_path, make
     (lambda d: d["state"].update(step=-5), "state.step is -5"),
     (lambda d: d["state"].update(consumed_samples=-4), "state.consumed_samples is -4"),
     (lambda d: d["state"].update(trained_tokens=True), "state.trained_tokens is true"),
-    (lambda d: d.pop("scheduler"), "scheduler.last_epoch is null"),
+    (lambda d: d.pop("scheduler"), "scheduler is missing"),
     (lambda d: d["scheduler"].update(last_epoch=2.5), "scheduler.last_epoch is 2.5"),
     (lambda d: d["state"].pop("consumed_samples"), "state.consumed_samples is missing"),   # restarted at 0
     (lambda d: d["state"].update(step=1), "state.step is 1 in the checkpoint of step 2"),  # resumed as step 1
@@ -366,7 +366,9 @@ def test_resume_state_with_a_wrong_counter_is_refused(tmp_path, edit, field):
 
 @pytest.mark.parametrize("name, content", [("common.pt", b"garbage\n"), ("common.pt", b""), ("common.pt", "half"),
                                            ("common.pt", None), ("metadata.json", b"{oops"),
-                                           ("metadata.json", b'{"\xdd": 1}'), ("metadata.json", None)])
+                                           ("metadata.json", b'{"\xdd": 1}'), ("metadata.json", None),
+                                           ("metadata.json", b"[1, 2]"), ("metadata.json", b'{"foo": 1}'),
+                                           ("common.pt", "list")])
 def test_damaged_common_file_is_a_checkpoint_error(tmp_path, parallel_state_1proc, name, content):  # noqa: F811
     """Was a traceback (``UnpicklingError``, exit 1), or for metadata.json an error line naming no file."""
     model = tiny_model(0)
@@ -377,7 +379,28 @@ def test_damaged_common_file_is_a_checkpoint_error(tmp_path, parallel_state_1pro
     if content is None:                 # a folder in its place: IsADirectoryError traceback
         file.unlink()
         file.mkdir()
+    elif content == "list":             # loads, other contents: megatron's message naming no file
+        torch.save([1, 2], file)
     else:                               # "half": truncated, RuntimeError traceback; \xdd: an error naming no file
         file.write_bytes(file.read_bytes()[:file.stat().st_size // 2] if content == "half" else content)
     with pytest.raises(ckpt.CheckpointError, match=rf"iter_0000001: {name} cannot be loaded .*damaged"):
         ckpt.load_model_and_optimizer(path, model, opt)
+
+
+@pytest.mark.parametrize("name", ["rng_rank0.pt", "dataloader_dp0.pt"])
+def test_damaged_state_files_are_named_as_damaged(tmp_path, parallel_state_1proc, name):  # noqa: F811
+    """Random bytes were "refused: ... could run code ... altered or not written by packsft"; a folder in place of
+    the RNG file was "missing"."""
+    model = tiny_model(0)
+    opt = build_optimizer(model, OptimizerConfig())
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
+                                loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
+    load = (lambda: ckpt.load_rng_state(path, 0, required=True)) if name.startswith("rng") else \
+        (lambda: ckpt.load_loader_state(path, 0))
+    (path / name).write_bytes(bytes(range(7, 250)) * 4)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{name}: unreadable \(not a file torch.load reads"):
+        load()
+    (path / name).unlink()
+    (path / name).mkdir()
+    with pytest.raises(ckpt.CheckpointError, match=rf"{name}: not a file; the checkpoint is damaged"):
+        load()

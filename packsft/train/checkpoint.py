@@ -105,6 +105,9 @@ def _load_plain(file: Path) -> Any:
                               "checkpoint (checkpoint.resume=<its iter_* folder>)") from None
     except pickle.UnpicklingError as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        if "global" not in str(err).lower():   # not a refused class or function: bytes that are no pickle at all
+            raise CheckpointError(f"{file}: unreadable (not a file torch.load reads: {reason}): the file is damaged; "
+                                  "resume from another checkpoint (checkpoint.resume=<its iter_* folder>)") from None
         raise CheckpointError(
             f"{file}: refused: it holds objects other than tensors and plain values, which could run code when "
             f"loaded (torch.load(weights_only=True): {reason}). packsft never writes such files: the checkpoint was "
@@ -477,11 +480,12 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
             return complete[-1] if complete else None
         try:
             name = latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
-        except (OSError, UnicodeDecodeError):
-            name = None
+            shown = f"holds {name!r}" if name is not None else "is not a file"
+        except (OSError, UnicodeDecodeError) as err:
+            name, shown = None, f"cannot be read as text ({err})"
         if name is None or not _CHECKPOINT_NAME.fullmatch(name):
             raise CheckpointError(f"{latest} should be a file naming the newest checkpoint of {ckpt_dir} (e.g. "
-                                  f"iter_0000100), but {'holds ' + repr(name) if name is not None else 'is not one'}; "
+                                  f"iter_0000100), but {shown}; "
                                   "resume a checkpoint with checkpoint.resume=<path>, or remove it to resume the "
                                   "newest complete checkpoint")
         path = Path(ckpt_dir) / name
@@ -598,8 +602,11 @@ def check_resume_state(saved: dict[str, Any], path: str | Path, counters: tuple[
     file = Path(path) / TRAIN_STATE
     scheduler = saved.get("scheduler")
     values = {f"state.{k}": saved["state"][k] for k in counters if k in saved["state"]}
-    values["scheduler.last_epoch"] = scheduler.get("last_epoch") if isinstance(scheduler, dict) else None
     wrong = [f"state.{k} is missing" for k in ("step", "consumed_samples") if k not in saved["state"]]
+    if isinstance(scheduler, dict):
+        values["scheduler.last_epoch"] = scheduler.get("last_epoch")
+    else:
+        wrong.append("scheduler is missing" if scheduler is None else f"scheduler is {json.dumps(scheduler)}")
     wrong += [f"{k} is {json.dumps(v)}, not an integer >= 0" for k, v in values.items()
               if isinstance(v, bool) or not isinstance(v, int) or v < 0]
     step = step_of(path)
@@ -642,6 +649,9 @@ def load_rng_state(path: str | Path, rank: int, required: bool = False) -> bool:
             missing while ``required``.
     """
     file = Path(path) / f"rng_rank{rank}.pt"
+    if file.exists() and not file.is_file():
+        raise CheckpointError(f"{file}: not a file; the checkpoint is damaged: resume another one "
+                              "(checkpoint.resume=<its iter_* folder>)")
     if not file.is_file():
         if required:
             raise CheckpointError(f"{file}: missing, though the checkpoint was saved by as many ranks as this run "

@@ -203,17 +203,20 @@ def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
 
     try:   # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
         return dist_checkpointing.load(sharded, Path(ckpt_dir))
-    except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - unpickling, JSON, zip, OS errors, megatron's over other contents
         damaged = _damaged_common_file(Path(ckpt_dir))
         if damaged is None:          # the files megatron reads whole are sound: not theirs
             raise
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, pickle.UnpicklingError):   # torch's first line suggests weights_only=False: never
+            reason = "not a file torch.load(weights_only=True) reads"
     raise CheckpointError(f"checkpoint {ckpt_dir}: {damaged} cannot be loaded ({reason}); the checkpoint is damaged")
 
 
 def _damaged_common_file(ckpt_dir: Path) -> str | None:
     """``metadata.json`` or ``common.pt`` of ``ckpt_dir`` when it is present but not readable (not a file, not JSON /
-    not loadable with ``weights_only=True``: truncated, garbage, bytes flipped), else None."""
+    not loadable with ``weights_only=True``: truncated, garbage, bytes flipped) or not a dict (``metadata.json``:
+    without ``sharded_backend``), else None."""
     import torch
 
     for name, read in ((METADATA_FILE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
@@ -222,8 +225,10 @@ def _damaged_common_file(ckpt_dir: Path) -> str | None:
         if not file.exists():
             continue
         try:
-            read(file)
+            value = read(file)
         except Exception:  # noqa: BLE001 - any failure to read it back is the damage being named
+            return name
+        if not isinstance(value, dict) or (name == METADATA_FILE and "sharded_backend" not in value):
             return name
     return None
 

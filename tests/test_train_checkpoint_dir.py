@@ -137,7 +137,10 @@ def test_resume_none_refuses_a_folder_with_an_earlier_run(tmp_path):
     (out / "metrics.jsonl").unlink()
     ckpt_dir.mkdir()
     (ckpt_dir / "latest").write_text("iter_0000004\n")
-    with pytest.raises(ckpt.CheckpointDirError, match="latest names iter_0000004"):
+    with pytest.raises(ckpt.CheckpointDirError, match="latest names 'iter_0000004'"):
+        ckpt.check_fresh_start("none", out, ckpt_dir)
+    (ckpt_dir / "latest").write_bytes(b"\xff\xfe")                      # was a UnicodeDecodeError naming no file
+    with pytest.raises(ckpt.CheckpointDirError, match="latest names '\ufffd\ufffd'"):
         ckpt.check_fresh_start("none", out, ckpt_dir)
 
 

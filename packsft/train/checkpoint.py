@@ -468,8 +468,7 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
     Raises:
         FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.json``.
         CheckpointError: ``latest`` is not a file naming an ``iter_XXXXXXX`` folder, or the checkpoint has the old
-            pickled ``train_state.pt``
-            (:func:`check_checkpoint_format`).
+            pickled ``train_state.pt`` (:func:`check_checkpoint_format`).
     """
     if resume == "none":
         return None
@@ -523,7 +522,7 @@ def check_fresh_start(resume: str, output_dir: str | Path, ckpt_dir: str | Path)
             if any('"kind": "train"' in line for line in f):
                 found.append(f"{metrics} has training records")
     if latest.is_file():
-        found.append(f"{latest} names {latest.read_text().strip()}")
+        found.append(f"{latest} names {latest.read_text(encoding='utf-8', errors='replace').strip()!r}")
     elif complete := complete_checkpoints(ckpt_dir):
         found.append(f"{ckpt_dir} holds {', '.join(p.name for p in complete)}")
     if found:

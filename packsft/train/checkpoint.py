@@ -68,8 +68,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 from packsft.io import atomic_open, replace_dir, write_json_atomic
 from packsft.model.gpt import unwrap_model
 from packsft.train import process_guard
-from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError, COMMON_FILE: this module's API
-    COMMON_FILE,
+from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError: this module's API
     CheckpointError,
     check_partial_load,
     is_adapter_key,
@@ -94,8 +93,12 @@ def _load_plain(file: Path) -> Any:
     """``torch.load(file, weights_only=True)``: tensors and plain Python values only; nothing in the file runs.
 
     Raises:
-        CheckpointError: the file holds other objects (a pickled class, function or ``__reduce__`` payload).
+        CheckpointError: the file holds other objects (a pickled class, function or ``__reduce__`` payload), is not a
+            file, or is unreadable (truncated, damaged).
     """
+    if not file.is_file():
+        raise CheckpointError(f"{file}: not a file; the checkpoint is damaged: resume another one "
+                              "(checkpoint.resume=<its iter_* folder>)")
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, UnicodeDecodeError) as err:  # a truncated zip ("PytorchStreamReader
@@ -455,9 +458,8 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
-    found = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir()
-                   if (m := _CHECKPOINT_NAME.fullmatch(p.name)) and (p / TRAIN_STATE).is_file())
-    return [p for _, p in found]
+    return sorted((p for p in ckpt_dir.iterdir() if step_of(p) is not None and (p / TRAIN_STATE).is_file()),
+                  key=step_of)
 
 
 def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
@@ -627,10 +629,7 @@ def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:
         CheckpointError: the file holds more than tensors and plain values.
     """
     file = Path(path) / f"dataloader_dp{dp_rank}.pt"
-    if file.exists() and not file.is_file():
-        raise CheckpointError(f"{file}: not a file; the checkpoint is damaged: resume another one "
-                              "(checkpoint.resume=<its iter_* folder>)")
-    if not file.is_file():
+    if not file.exists():
         raise FileNotFoundError(f"{file} does not exist: the checkpoint was written with another data-parallel size; "
                                 "resume with checkpoint.restore_data_order=false to restart the data order")
     return _load_plain(file)
@@ -648,10 +647,7 @@ def load_rng_state(path: str | Path, rank: int, required: bool = False) -> bool:
             missing while ``required``.
     """
     file = Path(path) / f"rng_rank{rank}.pt"
-    if file.exists() and not file.is_file():
-        raise CheckpointError(f"{file}: not a file; the checkpoint is damaged: resume another one "
-                              "(checkpoint.resume=<its iter_* folder>)")
-    if not file.is_file():
+    if not file.exists():
         if required:
             raise CheckpointError(f"{file}: missing, though the checkpoint was saved by as many ranks as this run "
                                   "has: the folder is incomplete; resume from another checkpoint "

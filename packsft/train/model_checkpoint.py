@@ -30,7 +30,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from packsft.io import file_blake2b, replace_dir, write_json_atomic
+from packsft.io import file_blake2b, read_json_object, replace_dir, write_json_atomic
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.hf_io import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
@@ -219,7 +219,7 @@ def _damaged_common_file(ckpt_dir: Path) -> str | None:
     without ``sharded_backend``), else None."""
     import torch
 
-    for name, read in ((METADATA_FILE, lambda f: json.loads(f.read_text(encoding="utf-8"))),
+    for name, read in ((METADATA_FILE, read_json_object),
                        (COMMON_FILE, lambda f: torch.load(f, map_location="cpu", weights_only=True))):
         file = ckpt_dir / name
         if not file.exists():

@@ -262,13 +262,20 @@ def _make_loader(dataset: Any, batch_sampler: Any, config: DataLoaderConfig, col
         collate_fn=collate_fn if collate_fn is not None else _default_collate(),
         generator=torch.Generator().manual_seed(config.seed),
         snapshot_every_n_steps=1,
-        worker_init_fn=ignore_sigint if workers > 0 else None,
+        worker_init_fn=leave_stop_signals_to_the_trainer if workers > 0 else None,
     )
 
 
-def ignore_sigint(worker_id: int) -> None:
-    """Loader worker initializer: ignore SIGINT. A terminal's Ctrl-C reaches every process of its group; the trainer
-    handles it (finishes the step, saves), which needs its workers alive."""
+def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """Loader worker initializer: ignore SIGTERM and SIGINT, so that only the trainer decides what a stop does.
+
+    A terminal's Ctrl-C reaches every process of its group, torchrun sends its SIGTERM to each trainer's whole
+    process group and Slurm signals every process of the job; the trainer then finishes its step and saves, which
+    needs its workers alive (torch's own worker handler would end them: ``DataLoader worker ... killed by signal:
+    Terminated``). They still end with the trainer: on its shutdown message, by torch's ``ManagerWatchdog`` once
+    the trainer is gone (checked every ``MP_STATUS_CHECK_INTERVAL`` = 5 s) and by a SIGKILL to the group.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

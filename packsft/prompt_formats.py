@@ -494,9 +494,11 @@ def _turn_spans(msgs, tools, tokenizer, fmt: PromptFormat, kwargs, turns, full: 
     Turn ``i`` ends where ``render(messages[:i + 1])`` ends (trailing whitespace removed) and starts where
     ``render(messages[:i], add_generation_prompt=True)`` ends; when the template renders the prompt
     differently once the turn follows (Mistral's moves the system prompt to the last user turn), it starts
-    where that rendering first differs from one whose turn ``i`` is a sentinel character. When the rendering
-    is a prefix of ``full`` the span is taken as is; otherwise (templates that place tools before the *last*
-    user turn) the trained text is searched in ``full`` after the previous span and must follow the same
+    where that rendering first differs from one whose turn ``i`` is a sentinel character. It starts there too
+    when that point lies further on and right after the generation header (the message renders its own role
+    marker after an empty generation prompt: the marker is masked, as :func:`_marked_spans` masks it). When the
+    rendering is a prefix of ``full`` the span is taken as is; otherwise (templates that place tools before the
+    *last* user turn) the trained text is searched in ``full`` after the previous span and must follow the same
     prompt ending.
 
     Raises:
@@ -510,7 +512,11 @@ def _turn_spans(msgs, tools, tokenizer, fmt: PromptFormat, kwargs, turns, full: 
     spans, done = [], 0
     for k, i in enumerate(turns):
         end_text, probe, gen = texts[k], texts[n + k], gens[k]
-        own = len(gen) if end_text.startswith(gen) else len(os.path.commonprefix([end_text, probe]))
+        content = len(os.path.commonprefix([end_text, probe]))  # where the turn's own text starts to differ
+        own = len(gen) if end_text.startswith(gen) else content
+        if content > own and end_text.endswith(shape.header or "", 0, content):
+            own = content  # text the message renders before its content (a role marker after an empty generation
+            # prompt) is masked, as the marker path masks it: the same spans with and without tool calls
         if shape.header and not end_text.endswith(shape.header, 0, own):
             raise PromptFormatError(
                 f"assistant turn does not follow the template's generation header {shape.header!r} (it is rendered "

@@ -589,3 +589,72 @@ def test_a_pad_token_the_tokenizer_lacks_says_which_and_what_to_pass(tokenizer_d
         get_prompt_format("identity", smollm2)
     with pytest.raises(ValueError, match=r"^--pad-token: token '<nope>' is not"):
         get_prompt_format("chat-template", smollm2, pad_token="<nope>")
+
+
+_CALLS = ("{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}({{ c.function.arguments | tojson }})</call>"
+          "{% endfor %}")
+_OTHER = "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
+# one hand-made template per shape the turn-span rule must handle (docs/prompt_formats.md, "Locating the assistant
+# turns"): which text renders the assistant header, and whether add_generation_prompt appends anything
+SHAPES = {
+    "generation prompt = header, also rendered by the message (ChatML)":
+        "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}" + _CALLS
+        + "<|im_end|>\n{% else %}" + _OTHER + "\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "empty generation prompt, the message renders its own marker":
+        "{% for m in messages %}{% if m.role == 'assistant' %}Assistant: {{ m.content or '' }}" + _CALLS
+        + "<|im_end|>{% else %}" + _OTHER + "{% endif %}{% endfor %}",
+    "empty generation prompt, the user or tool turn before renders the header":
+        "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content or '' }}" + _CALLS + "<|im_end|>"
+        "{% else %}" + _OTHER + "{% if m.role != 'system' %}<|im_start|>assistant\n{% endif %}{% endif %}"
+        "{% endfor %}",
+    "generation prompt = header, also rendered by the message, no end of turn (EOS appended)":
+        "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content or '' }}" + _CALLS + "{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+}
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}
+TOOL_CONVERSATIONS = {
+    "plain": ([{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+               {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "again"},
+               {"role": "assistant", "content": "Bye"}],
+              ["Hello", "Bye"]),
+    "tool calls": ([{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                    {"role": "assistant", "content": "Let me see", "tool_calls": [_CALL]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "2"},
+                    {"role": "assistant", "content": "Bye"}],
+                   ['<call>f({"x": 1})</call>', 'Let me see<call>f({"x": 1})</call>', "Bye"]),
+}
+
+
+def _trained_runs(tok, tokens, targets):
+    """The decoded runs of consecutive trained tokens."""
+    runs, run = [], []
+    for t, g in zip(tokens, targets):
+        if g != IGNORE_INDEX:
+            run.append(t)
+        elif run:
+            runs, run = runs + [tok.decode(run)], []
+    return runs + ([tok.decode(run)] if run else [])
+
+
+@pytest.mark.parametrize("conversation", list(TOOL_CONVERSATIONS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_turn_spans_mask_the_assistant_header_with_and_without_tool_calls(monkeypatch, qwen, shape, conversation):
+    """Every assistant turn trains its content (tool calls included) and end of turn, never the header or marker
+    before it, whichever text renders that header; the per-turn path (tool calls) and the marker fast path (plain
+    turns) give the same spans. Before: with an empty generation prompt and a marker rendered by the message, the
+    per-turn path trained the marker of every turn of a tool-call conversation."""
+    import packsft.prompt_formats as pf
+
+    messages, contents = TOOL_CONVERSATIONS[conversation]
+    fmt = get_prompt_format("chat-template", qwen, chat_template=SHAPES[shape])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    got = tokenize_conversation(messages, qwen, fmt, tools)
+    eos = "<|im_end|>" if fmt.append_eos else ""  # appended to each trained turn, not rendered
+    assert qwen.decode(got[0]).replace(eos, "") == qwen.apply_chat_template(
+        pf._template_messages(messages), tools=tools, chat_template=SHAPES[shape], tokenize=False)
+    assert _trained_runs(qwen, *got) == [c + "<|im_end|>" for c in contents]  # (<|im_end|> is also Qwen's EOS)
+    monkeypatch.setattr(pf, "_marked_spans", lambda *a, **k: None)  # every turn located by the per-turn path
+    assert tokenize_conversation(messages, qwen, fmt, tools) == got

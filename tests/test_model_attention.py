@@ -105,3 +105,111 @@ def test_rejects_what_it_does_not_implement(attn):
         TorchCoreAttention(attn.config, 1, AttnMaskType.no_mask, "self")
     with pytest.raises(ValueError, match="cu_seqlens"):
         attn(q, k, v, None, packed_seq_params=make_packed_seq_params(torch.tensor([0, 3]), 3))
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """The ``varlen_attn`` contract (``packsft.model.attention.VarlenKernel``) on SDPA with a dense mask: sequence
+    ``i`` is ``q[cu_q[i]:cu_q[i+1]]`` over ``k[cu_k[i]:cu_k[i+1]]``, causal bottom-right aligned, GQA. For tests."""
+    cq, ck = cu_q.long(), cu_k.long()
+    assert int((cq.diff()).max()) <= max_q and int((ck.diff()).max()) <= max_k
+    sq = torch.searchsorted(cq[1:], torch.arange(q.shape[0]), right=True)
+    sk = torch.searchsorted(ck[1:], torch.arange(k.shape[0]), right=True)
+    iq, ik = torch.arange(q.shape[0]) - cq[sq], torch.arange(k.shape[0]) - ck[sk]
+    shift = (ck.diff() - cq.diff())[sq]                      # lk - lq of each query's sequence
+    mask = (sq[:, None] == sk[None, :]) & (ik[None, :] <= iq[:, None] + shift[:, None])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+def _with_kernel(attn, kernel):
+    layer = TorchCoreAttention(attn.config, 1, AttnMaskType.causal, "self")
+    layer.kernel = kernel
+    return layer
+
+
+def test_varlen_path_gives_the_loops_outputs_and_gradients(attn):
+    """cp=1: the varlen path's inputs (the row's offsets, the longest segment, [t, n, hn] layouts, GQA) through a
+    reference kernel with varlen_attn's contract reproduce the per-conversation loop, forward and backward."""
+    from packsft.model.attention import AttentionKernel
+
+    cu = [0, 7, 19, 19, 24, 32]                                 # with an empty segment
+    varlen = _with_kernel(attn, AttentionKernel("reference", reference_varlen))
+    loop = _with_kernel(attn, AttentionKernel("loop", None))
+    results = []
+    for layer in (varlen, loop):
+        q, k, v = (x.requires_grad_() for x in _qkv(32, seed=6))
+        out = layer(q, k, v, None, packed_seq_params=make_packed_seq_params(torch.tensor(cu), 12))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(results[0][0], _naive(*_qkv(32, seed=6), _doc_causal_mask(cu)), atol=1e-5, rtol=0)
+
+
+def test_context_parallel_plan_feeds_one_varlen_call_per_rank():
+    """cp=2, 3: the plan's zigzag positions are TE's, and one varlen call with the rank's two chunks per
+    conversation as queries over their causal key prefixes (bottom-right aligned) gives the row's attention."""
+    from packsft.layout import cp_partition_indices
+    from packsft.model.attention import context_parallel_plan
+
+    q, k, v = _qkv(48, seed=7)
+    for cp, cu in ((2, [0, 8, 20, 20, 24, 48]), (3, [0, 12, 24, 48])):
+        want = _naive(q, k, v, _doc_causal_mask(cu))
+        ranks = [cp_partition_indices(torch.tensor(cu), cp, r) for r in range(cp)]
+        gathered_k, gathered_v = torch.cat([k[i] for i in ranks]), torch.cat([v[i] for i in ranks])
+        for r, index in enumerate(ranks):
+            plan = context_parallel_plan(cu, cp, r, "cpu")
+            assert torch.equal(plan.q_pos, index) and torch.equal(gathered_k[plan.order], k)
+            out = reference_varlen(q[index], gathered_k[plan.k_index], gathered_v[plan.k_index], plan.cu_q,
+                                   plan.cu_k, plan.max_q, plan.max_k, HN**-0.5)
+            torch.testing.assert_close(out.flatten(1), want[index], atol=1e-5, rtol=0)
+
+
+def test_kernel_choice_by_device_dtype_and_varlen_signature(monkeypatch):
+    """varlen_attn only on CUDA in bf16/fp16; causal and GQA arguments by the installed signature (2.10 is_causal,
+    2.11 window_size without enable_gqa: K/V repeated, 2.12+ enable_gqa)."""
+    import torch.nn.attention.varlen as varlen_module
+
+    from packsft.model.attention import select_attention_kernel
+
+    assert select_attention_kernel("cpu", torch.float32).varlen is None
+    assert "CPU fallback" in select_attention_kernel("cpu", torch.bfloat16).name
+    assert select_attention_kernel("cuda", torch.float32).varlen is None
+    calls = []
+
+    def v210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        calls.append((key.shape[1], {"is_causal": is_causal}))
+        return query
+
+    def v211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1)):
+        calls.append((key.shape[1], {"window_size": window_size, "scale": scale}))
+        return query
+
+    def v212(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1), enable_gqa=False):
+        calls.append((key.shape[1], {"window_size": window_size, "scale": scale, "enable_gqa": enable_gqa}))
+        return query
+
+    q, k, v = _qkv(8)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    expected = [(NP, {"is_causal": True}), (NP, {"window_size": (-1, 0), "scale": 0.5}),
+                (NG, {"window_size": (-1, 0), "scale": 0.5, "enable_gqa": True})]
+    for fake, want in zip((v210, v211, v212), expected):
+        monkeypatch.setattr(varlen_module, "varlen_attn", fake)
+        select_attention_kernel.cache_clear()
+        try:
+            choice = select_attention_kernel("cuda", torch.bfloat16)
+            assert choice.name == "varlen_attn (FlashAttention-2)"
+            choice.varlen(q, k, v, cu, cu, 8, 8, 0.5)
+        finally:
+            select_attention_kernel.cache_clear()
+        assert calls.pop() == want
+    monkeypatch.delattr(varlen_module, "varlen_attn")
+    select_attention_kernel.cache_clear()
+    try:
+        assert "no varlen_attn" in select_attention_kernel("cuda", torch.bfloat16).name
+    finally:
+        select_attention_kernel.cache_clear()

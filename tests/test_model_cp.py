@@ -56,7 +56,21 @@ def _cp_worker(rank, world_size):
     local = slice_batch_for_cp(_row(), world_size, ctx.cp_rank)
     local["packed_seq_params"] = make_packed_seq_params(CU, max(LENGTHS), cp_group=ctx.cp_group)
     results = {fused: _loss_and_grads(model, local, fused, grad_group=ctx.cp_group) for fused in (False, True)}
-    return results, _sbhd_loss(model, world_size, ctx.cp_rank)
+    sbhd = _sbhd_loss(model, world_size, ctx.cp_rank)
+    _use_reference_varlen(model)                       # the CUDA path's inputs, through a CPU kernel of its contract
+    local["packed_seq_params"] = make_packed_seq_params(CU, max(LENGTHS), cp_group=ctx.cp_group)
+    results["varlen"] = _loss_and_grads(model, local, False, grad_group=ctx.cp_group)
+    return results, sbhd
+
+
+def _use_reference_varlen(model):
+    from test_model_attention import reference_varlen
+
+    from packsft.model.attention import AttentionKernel, TorchCoreAttention
+
+    for module in model.modules():
+        if isinstance(module, TorchCoreAttention):
+            module.kernel = AttentionKernel("reference varlen", reference_varlen)
 
 
 def _sbhd_loss(model, cp_size, cp_rank):
@@ -93,7 +107,7 @@ def test_cp2_matches_cp1_loss_and_gradients(reference):
                                    atol=1e-5, rtol=0)
         index = cp_partition_indices(CU, 2, rank)
         for fused, (loss, grads) in results.items():
-            torch.testing.assert_close(loss, ref_loss[index], atol=1e-5, rtol=0,
+            torch.testing.assert_close(loss, ref_loss[index], atol=1e-5, rtol=0,   # fused "varlen": the varlen path
                                        msg=lambda m, r=rank, f=fused: f"rank {r} fused={f}: {m}")
             for name, ref in ref_grads.items():
                 torch.testing.assert_close(grads[name], ref, atol=1e-5, rtol=0,

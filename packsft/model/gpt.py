@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from packsft.model.attention import TorchCoreAttention
 from packsft.model.config import ModelConfig
 from packsft.model.cpu_compat import apply_cpu_workarounds
+from packsft.model.rope import install_sync_free_rope
 
 
 class RMSNorm:
@@ -92,7 +93,8 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_p
 
     The model is Llama-style: RMSNorm, SwiGLU, RoPE with ``cfg.rotary_base`` (and Llama-3.1 frequency
     scaling when ``cfg.rope_scaling_factor`` is set, linear scaling with ``cfg.rope_interpolation_factor``;
-    positions restart at 0 in every THD segment), GQA, optional per-head q/k RMSNorm (``cfg.qk_layernorm``),
+    positions restart at 0 in every THD segment, computed on the device without a host sync:
+    ``packsft.model.rope``, installed here), GQA, optional per-head q/k RMSNorm (``cfg.qk_layernorm``),
     no biases except an optional QKV bias (``cfg.add_qkv_bias``), ``share_embeddings_and_output_weights =
     cfg.tie_word_embeddings``, ``parallel_output=True`` (logits stay vocab-sharded). ``sequence_parallel``:
     Megatron's sequence parallelism over the TP group (norms and residual stream on ``t / tp`` tokens).
@@ -117,6 +119,7 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_p
         raise RuntimeError("megatron parallel_state is not initialised; call "
                            "packsft.train.distributed.init_distributed() before build_gpt_model()")
     apply_cpu_workarounds()
+    install_sync_free_rope()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()

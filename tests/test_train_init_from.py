@@ -21,11 +21,12 @@ SEQ = 256
 ENV = {"OMP_NUM_THREADS": "1", "PATH": "", "HF_HUB_OFFLINE": "1"}
 
 
-def tiny_hf_llama(seed: int = 0):
-    """A random tied Llama (hidden 64, 2 layers, 4 heads / 2 KV heads) over the SmolLM2 vocabulary (49152)."""
+def tiny_hf_llama(seed: int = 0, num_layers: int = 2):
+    """A random tied Llama (hidden 64, ``num_layers`` layers, 4 heads / 2 KV heads) over the SmolLM2 vocabulary
+    (49152)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                          rope_theta=50000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
     torch.manual_seed(seed)
@@ -195,3 +196,62 @@ def test_an_unreadable_init_from_checkpoint_is_one_error_line(setup, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and f"error: {broken}: cannot load the checkpoint" in errors[0], proc.stderr[-3000:]
+
+
+def _vpp_worker(rank, world_size, config, runs):
+    """Per run (overrides): a Trainer at PP=2 x VP=2 from ``init_from``; validation of 1 batch and of all rows, then
+    one step."""
+    from megatron.core import parallel_state
+
+    from packsft.train.loop import Trainer
+
+    out = []
+    for overrides in runs:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        trainer = Trainer(load_config(config, overrides))
+        one = trainer.validate()                                   # validation.max_batches=1: 1 micro-batch < PP
+        trainer.cfg.validation.max_batches = None
+        every = trainer.validate()
+        out.append({"one": one, "every": every, "step": trainer.train_step(trainer.next_micro_batches()),
+                    "layout": trainer.layout(), "stages": [(g.pre_process, g.post_process) for g in trainer.gpts]})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_virtual_pipeline_stages_start_from_an_import_and_validate_any_number_of_rows(setup):
+    """A 4-layer import loaded at PP=2 x VP=2 (4 model chunks of 1 layer; plain and as a LoRA base, whose zero
+    ``lora_B`` leaves the loss the base's): the validation loss of 1 row (fewer micro-batches than stages) and of
+    every row, and the first training loss over rows 0 and 1, are transformers' (one load of all chunks: each chunk
+    loaded alone failed with megatron's 'Invalid access pattern'; 1 validation micro-batch failed in the interleaved
+    schedule)."""
+    from distributed_helpers import run_distributed
+
+    hf = tiny_hf_llama(seed=3, num_layers=4)
+    hf.save_pretrained(setup["dir"] / "hf4")
+    imported = setup["dir"] / "imported4"
+    run("tools/convert_checkpoint.py", "import", "--hf", str(setup["dir"] / "hf4"), "--out", str(imported))
+    common = [f"checkpoint.init_from={imported}", "parallel.pipeline_model_parallel_size=2",
+              "parallel.virtual_pipeline_model_parallel_size=2", "optimizer.backend=megatron",
+              "train.global_batch_size=2", f"data.validation_path={setup['rows']}", "validation.max_batches=1"]
+    runs = [[*common, f"logging.output_dir={setup['dir'] / 'vpp'}"],
+            [*common, f"logging.output_dir={setup['dir'] / 'vpp_lora'}", "lora.enabled=true", "lora.rank=4"]]
+    per_rank = run_distributed(_vpp_worker, 2, write_config(setup, "vpp"), runs, timeout_s=400)
+    dataset = PackedSFTDataset(setup["rows"], setup["tokenizer"], "chat-template", SEQ)
+    rows = [dataset[i] for i in range(len(dataset))]
+    sums = [hf_row_loss(hf, row) * row["num_trained_tokens"] for row in rows]
+    counts = [row["num_trained_tokens"] for row in rows]
+    expected = {"one": sums[0] / counts[0], "every": sum(sums) / sum(counts), "step": sum(sums[:2]) / sum(counts[:2])}
+    assert len(rows) % 2 == 1       # the full pass ends with 1 micro-batch too
+    for rank, results in enumerate(per_rank):
+        for result in results:
+            assert result["layout"]["virtual_pipeline_model_parallel_size"] == 2
+            assert result["stages"] == [[(True, False), (False, False)], [(False, False), (False, True)]][rank]
+            got = {"one": result["one"]["val_loss"], "every": result["every"]["val_loss"],
+                   "step": result["step"]["loss"]}
+            print("rank", rank, "loss", got, "transformers", expected)
+            assert got == pytest.approx(expected, rel=1e-5, abs=1e-5)
+            assert result["one"]["val_trained_tokens"] == counts[0]
+            assert result["every"]["val_trained_tokens"] == sum(counts)
+            assert result["step"]["trained_tokens"] == sum(counts[:2])

@@ -328,9 +328,8 @@ class Trainer:
 
     def _load_base(self, base_dir) -> None:
         """Load an imported model folder into every chunk (LoRA: all but the adapters); refresh fp32 masters."""
-        for gpt in self.gpts:            # global layer names: each stage loads its own layers
-            with _naming(base_dir):
-                load_megatron_checkpoint(gpt, base_dir, base_only=self.cfg.lora.enabled)
+        with _naming(base_dir):          # global layer names: each stage's chunks load their layers, in one load
+            load_megatron_checkpoint(self.gpts, base_dir, base_only=self.cfg.lora.enabled)
         if self.megatron:                # fp32 master weights are copies made before the load
             self.optimizer.reload_model_params()
 
@@ -576,7 +575,18 @@ class Trainer:
 
     def _pipeline_totals(self, batches: list[dict[str, Any]]) -> torch.Tensor:
         """``[loss sum, trained tokens]`` (fp64) of ``batches`` by the forward-only schedule (zeros before the last
-        stage)."""
+        stage).
+
+        The interleaved schedule (virtual stages) runs only a multiple of ``P`` micro-batches (its groups of ``P``
+        contiguous micro-batches per chunk): a last group of fewer rows is filled with copies of its first row
+        that train no token (labels ``IGNORE_INDEX``, loss mask 0), which add exactly 0 to both totals.
+        """
+        pp = self.ctx.pipeline_model_parallel_size
+        if self.ctx.virtual_pipeline_model_parallel_size is not None and len(batches) % pp:
+            filler = {**batches[0], "labels": torch.full_like(batches[0]["labels"], IGNORE_INDEX),
+                      "loss_mask": torch.zeros_like(batches[0]["loss_mask"]),
+                      "trained_index": batches[0]["trained_index"][:0]}
+            batches = [*batches, *[filler] * (pp - len(batches) % pp)]
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for out in self.run_pipeline(batches, forward_only=True):
             totals += torch.stack([out["loss_sum"].double(), out["trained_tokens"].double()])

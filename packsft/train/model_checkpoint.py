@@ -35,6 +35,7 @@ from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.hf_io import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
 from packsft.train import process_guard
+from packsft.train.safe_checkpoint_read import CheckpointError  # noqa: F401 - this module's API
 
 FINGERPRINT_FILE = "weights_fingerprint.json"
 _NOT_WEIGHTS = (MODEL_CONFIG_FILE, HF_CONFIG_FILE, FINGERPRINT_FILE)
@@ -183,26 +184,26 @@ def is_adapter_key(key: str) -> bool:
     return ".lora_" in key
 
 
-class CheckpointError(ValueError):
-    """A checkpoint packsft refuses to read: the old pickled format, a state file that is not plain data, or a
-    damaged ``dist_checkpointing`` file."""
-
-
 COMMON_FILE, METADATA_FILE = "common.pt", "metadata.json"
 """``dist_checkpointing``'s files of unsharded values (read with ``weights_only=True``) and of its format."""
 
 
 def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
-    """``dist_checkpointing.load(sharded, ckpt_dir)``, naming a damaged ``common.pt`` or ``metadata.json``.
+    """``dist_checkpointing.load(sharded, ckpt_dir)`` without running code from the folder
+    (:func:`packsft.train.safe_checkpoint_read.load`), naming a damaged ``common.pt`` or ``metadata.json``.
 
     Raises:
-        CheckpointError: ``common.pt`` does not load with ``weights_only=True``, or ``metadata.json`` is not JSON.
+        CheckpointError: ``.metadata``, a ``.distcp`` item, ``common.pt`` or a layer's ``_extra_state`` holds
+            something that could run code (``refused``, named), ``.metadata`` is damaged, ``common.pt`` does not
+            load with ``weights_only=True``, or ``metadata.json`` is not JSON.
         megatron ``CheckpointingException``, torch ``CheckpointException``: as ``dist_checkpointing.load``.
     """
-    from megatron.core import dist_checkpointing
+    from packsft.train import safe_checkpoint_read
 
-    try:   # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
-        return dist_checkpointing.load(sharded, Path(ckpt_dir))
+    try:
+        return safe_checkpoint_read.load(sharded, Path(ckpt_dir))
+    except CheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - unpickling, JSON, zip, OS errors, megatron's over other contents
         damaged = _damaged_common_file(Path(ckpt_dir))
         if damaged is None:          # the files megatron reads whole are sound: not theirs
@@ -235,8 +236,13 @@ def _damaged_common_file(ckpt_dir: Path) -> str | None:
 
 def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = False,
                              adapters_only: bool = False) -> None:
-    """Load ``save_megatron_checkpoint``'s (or a trainer checkpoint's) ``"model"`` entry into ``model`` (any TP).
+    """Load ``save_megatron_checkpoint``'s (or a trainer checkpoint's) ``"model"`` entry into ``model`` (any TP, PP).
 
+    ``model``: a ``GPTModel``, or a list of them (this pipeline rank's virtual-stage chunks). A list is read by one
+    ``dist_checkpointing.load`` of ``{"model": {"chunk<i>": chunk i's sharded state}}`` (the trainer's layout,
+    :mod:`packsft.train.checkpoint`): the tensors' keys are global, so a one-chunk import fills any number of chunks,
+    and the load must cover every chunk at once (one load per chunk fails megatron's access check: each reads
+    only part of the stacked layers).
     ``base_only``: ``model`` carries LoRA adapters (``packsft.model.lora``) that the checkpoint (an imported base
     model) lacks; every other tensor is loaded strictly and the adapters keep their initial values.
     ``adapters_only``: the checkpoint is a LoRA run's (adapters only); exactly the adapters are loaded and the
@@ -246,12 +252,19 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = F
         RuntimeError: (``load_state_dict``) a tensor that should have been loaded was not.
         CheckpointError: a damaged ``common.pt`` or ``metadata.json`` (:func:`load_dist_checkpoint`).
     """
-    sharded = model.sharded_state_dict()
-    if base_only or adapters_only:
-        sharded = {k: v for k, v in sharded.items() if is_adapter_key(k) == adapters_only}
-    loaded = load_dist_checkpoint({"model": sharded}, ckpt_dir)
-    check_partial_load(model.load_state_dict(loaded["model"], strict=not (base_only or adapters_only)),
-                       adapters_only=adapters_only, what=f"{ckpt_dir}: checkpoint")
+    chunks = model if isinstance(model, list) else [model]
+    states = []
+    for gpt in chunks:
+        sharded = gpt.sharded_state_dict()
+        if base_only or adapters_only:
+            sharded = {k: v for k, v in sharded.items() if is_adapter_key(k) == adapters_only}
+        states.append(sharded)
+    request = states[0] if len(chunks) == 1 else {f"chunk{i}": s for i, s in enumerate(states)}
+    loaded = load_dist_checkpoint({"model": request}, ckpt_dir)["model"]
+    for i, gpt in enumerate(chunks):
+        state = loaded if len(chunks) == 1 else loaded[f"chunk{i}"]
+        check_partial_load(gpt.load_state_dict(state, strict=not (base_only or adapters_only)),
+                           adapters_only=adapters_only, what=f"{ckpt_dir}: checkpoint")
 
 
 def check_partial_load(result, *, adapters_only: bool, what: str) -> None:

@@ -35,7 +35,6 @@ from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.hf_io import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
 from packsft.train import process_guard
-from packsft.train.safe_checkpoint_read import CheckpointError  # noqa: F401 - this module's API
 
 FINGERPRINT_FILE = "weights_fingerprint.json"
 _NOT_WEIGHTS = (MODEL_CONFIG_FILE, HF_CONFIG_FILE, FINGERPRINT_FILE)
@@ -184,26 +183,26 @@ def is_adapter_key(key: str) -> bool:
     return ".lora_" in key
 
 
+class CheckpointError(ValueError):
+    """A checkpoint packsft refuses to read: the old pickled format, a state file that is not plain data, or a
+    damaged ``dist_checkpointing`` file."""
+
+
 COMMON_FILE, METADATA_FILE = "common.pt", "metadata.json"
 """``dist_checkpointing``'s files of unsharded values (read with ``weights_only=True``) and of its format."""
 
 
 def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
-    """``dist_checkpointing.load(sharded, ckpt_dir)`` without running code from the folder
-    (:func:`packsft.train.safe_checkpoint_read.load`), naming a damaged ``common.pt`` or ``metadata.json``.
+    """``dist_checkpointing.load(sharded, ckpt_dir)``, naming a damaged ``common.pt`` or ``metadata.json``.
 
     Raises:
-        CheckpointError: ``.metadata``, a ``.distcp`` item, ``common.pt`` or a layer's ``_extra_state`` holds
-            something that could run code (``refused``, named), ``.metadata`` is damaged, ``common.pt`` does not
-            load with ``weights_only=True``, or ``metadata.json`` is not JSON.
+        CheckpointError: ``common.pt`` does not load with ``weights_only=True``, or ``metadata.json`` is not JSON.
         megatron ``CheckpointingException``, torch ``CheckpointException``: as ``dist_checkpointing.load``.
     """
-    from packsft.train import safe_checkpoint_read
+    from megatron.core import dist_checkpointing
 
-    try:
-        return safe_checkpoint_read.load(sharded, Path(ckpt_dir))
-    except CheckpointError:
-        raise
+    try:   # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
+        return dist_checkpointing.load(sharded, Path(ckpt_dir))
     except Exception as err:  # noqa: BLE001 - unpickling, JSON, zip, OS errors, megatron's over other contents
         damaged = _damaged_common_file(Path(ckpt_dir))
         if damaged is None:          # the files megatron reads whole are sound: not theirs

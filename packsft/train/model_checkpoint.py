@@ -35,6 +35,7 @@ from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.hf_io import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
 from packsft.train import process_guard
+from packsft.train.safe_checkpoint_read import CheckpointError  # noqa: F401 - this module's API
 
 FINGERPRINT_FILE = "weights_fingerprint.json"
 _NOT_WEIGHTS = (MODEL_CONFIG_FILE, HF_CONFIG_FILE, FINGERPRINT_FILE)
@@ -146,6 +147,9 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
     to any TP size on load), ``model_config.json`` (``ModelConfig`` fields) and, when given,
     ``hf_config.json`` (the original HF config, reused on export). On CPU it needs the cuda shim of
     ``packsft.model.cpu_compat`` and the calling script needs an ``if __name__ == "__main__"`` guard.
+
+    Raises:
+        CheckpointWriteError: a ``dist_checkpointing`` writer process failed or died (on any rank).
     """
     from megatron.core import dist_checkpointing
 
@@ -157,7 +161,13 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
         tmp.mkdir(parents=True)
     barrier()
     process_guard.start_checkpoint_writer()     # its helper process dies with this one
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
+    try:
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
+    except BaseException as err:   # torch DCP's CheckpointException is a BaseException
+        failed = checkpoint_write_error(err, ckpt_dir)
+        if failed is None:
+            raise
+        raise failed from err
     barrier()
     if rank == 0:
         (tmp / MODEL_CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -168,6 +178,30 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
         replace_dir(tmp, ckpt_dir)
     barrier()
     return ckpt_dir
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint was not written: a ``dist_checkpointing`` writer failed or died (``str()``: one line naming the
+    folder, the rank and the writer's error, e.g. a missing dependency of Megatron-Core's writer)."""
+
+
+def checkpoint_write_error(err: BaseException, target: str | Path) -> CheckpointWriteError | None:
+    """torch's ``CheckpointException`` from ``dist_checkpointing.save`` into ``target`` as a
+    :class:`CheckpointWriteError` (None for any other exception). The rank that writes the metadata holds every
+    rank's failures (a writer's ``"Worker failure: ..."``: ``process_guard.write_buckets_supervised``); the
+    other ranks' exceptions are empty and point to it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(err, CheckpointException):
+        return None
+    failures = getattr(err, "failures", None) or {}
+    if failures:
+        rank, wrapped = next(iter(failures.items()))
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        reason = f"rank {rank}: {' '.join(str(exc).split()) or type(exc).__name__}"
+    else:
+        reason = "a checkpoint writer failed (the error line of global rank 0 names it)"
+    return CheckpointWriteError(f"cannot write checkpoint {target}: {reason}")
 
 
 def unreadable_checkpoint_message(err: BaseException) -> str:
@@ -183,26 +217,26 @@ def is_adapter_key(key: str) -> bool:
     return ".lora_" in key
 
 
-class CheckpointError(ValueError):
-    """A checkpoint packsft refuses to read: the old pickled format, a state file that is not plain data, or a
-    damaged ``dist_checkpointing`` file."""
-
-
 COMMON_FILE, METADATA_FILE = "common.pt", "metadata.json"
 """``dist_checkpointing``'s files of unsharded values (read with ``weights_only=True``) and of its format."""
 
 
 def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
-    """``dist_checkpointing.load(sharded, ckpt_dir)``, naming a damaged ``common.pt`` or ``metadata.json``.
+    """``dist_checkpointing.load(sharded, ckpt_dir)`` without running code from the folder
+    (:func:`packsft.train.safe_checkpoint_read.load`), naming a damaged ``common.pt`` or ``metadata.json``.
 
     Raises:
-        CheckpointError: ``common.pt`` does not load with ``weights_only=True``, or ``metadata.json`` is not JSON.
+        CheckpointError: ``.metadata``, a ``.distcp`` item, ``common.pt`` or a layer's ``_extra_state`` holds
+            something that could run code (``refused``, named), ``.metadata`` is damaged, ``common.pt`` does not
+            load with ``weights_only=True``, or ``metadata.json`` is not JSON.
         megatron ``CheckpointingException``, torch ``CheckpointException``: as ``dist_checkpointing.load``.
     """
-    from megatron.core import dist_checkpointing
+    from packsft.train import safe_checkpoint_read
 
-    try:   # a Path: with a str, megatron's message for a missing common.pt fails (it calls .iterdir() on the folder)
-        return dist_checkpointing.load(sharded, Path(ckpt_dir))
+    try:
+        return safe_checkpoint_read.load(sharded, Path(ckpt_dir))
+    except CheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - unpickling, JSON, zip, OS errors, megatron's over other contents
         damaged = _damaged_common_file(Path(ckpt_dir))
         if damaged is None:          # the files megatron reads whole are sound: not theirs

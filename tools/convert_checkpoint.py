@@ -33,9 +33,10 @@ A LoRA run started from an imported base stores only its adapters; the export lo
 Layouts, supported families and refused options: docs/checkpoints.md. User errors (missing files, bad
 arguments, unsupported models) print ``error: ...`` and exit with status 2.
 
-Trust: a Megatron checkpoint (``--megatron``, and what ``import`` writes) is a ``dist_checkpointing`` folder whose
-``.metadata`` and ``common.pt`` are pickles, read by Megatron-Core/torch: loading one can run code, so export only
-checkpoints you trust. The HF input is read as safetensors (or GGUF) and JSON, which cannot run code.
+Trust: a Megatron checkpoint (``--megatron``, ``--lora-base``, and what ``import`` writes) is read without running
+code from it (``.metadata`` through an unpickler that admits only torch's checkpoint metadata classes, the rest as
+JSON or ``torch.load(weights_only=True)``; anything else is refused by name: docs/checkpoints.md). The HF input is read
+as safetensors (or GGUF) and JSON, which cannot run code.
 """
 
 from __future__ import annotations

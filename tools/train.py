@@ -25,10 +25,9 @@ writes a checkpoint and exits 0 (``stopped by SIGTERM after step N ...``); rerun
 itself then exits 1: it re-raises the signal it forwarded). Under torchrun every worker dies with torchrun
 (``prctl(PR_SET_PDEATHSIG)``), and the checkpoint writer's helper process dies with its trainer.
 
-Trust: packsft's own checkpoint files (``train_state.json``, ``dataloader_dp*.pt``, ``rng_rank*.pt``) are read
-without running code (JSON, ``torch.load(weights_only=True)``). The ``dist_checkpointing`` files of a checkpoint
-(``.metadata``, ``common.pt``, read by Megatron-Core/torch) and of ``checkpoint.init_from`` are pickles that can run
-code: resume or initialise only from checkpoints you trust (docs/checkpoints.md).
+Trust: no file of a checkpoint (``checkpoint.resume``) or of ``checkpoint.init_from`` runs code when read: JSON,
+``torch.load(weights_only=True)``, and torch's ``.metadata`` through an unpickler that admits only its own classes; a
+file holding anything else is refused by name (docs/checkpoints.md).
 """
 
 from __future__ import annotations

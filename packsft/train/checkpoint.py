@@ -37,10 +37,11 @@ is silently wrong under TP>1 (a TP shard has the same key on each rank and is de
 The data order (``dataloader_dp*.pt``) only continues with the same DP size and data; the RNG files are restored
 when one exists for this rank.
 
-Trust: packsft's own files are JSON or plain tensors/values read with ``torch.load(weights_only=True)``, so they cannot
-run code; a file holding anything else is refused (:class:`CheckpointError`), as is a checkpoint of the older format
-with a pickled ``train_state.pt``. The ``dist_checkpointing`` files (``.metadata``, ``common.pt``) are pickles read by
-Megatron-Core / torch: load only checkpoints you (or someone you trust) wrote.
+Trust: nothing read from a checkpoint runs code. packsft's own files are JSON or plain tensors/values read with
+``torch.load(weights_only=True)``; the ``dist_checkpointing`` files are read by
+:mod:`packsft.train.safe_checkpoint_read` (``.metadata`` with a restricted unpickler, ``.distcp`` items and
+``common.pt`` with ``weights_only=True``). A file holding anything else is refused (:class:`CheckpointError`, naming
+it), as is a checkpoint of the older format with a pickled ``train_state.pt``.
 """
 
 from __future__ import annotations

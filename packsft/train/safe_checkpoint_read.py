@@ -120,8 +120,8 @@ def read_dcp_metadata(ckpt_dir: str | Path) -> Metadata:
         with open(file, "rb") as f:
             metadata = MetadataUnpickler(f).load()
     except NotAdmittedError as err:
-        raise refused(file, f"it references {err.qualname}, which is not one of the classes "
-                            "torch.distributed.checkpoint metadata is made of") from None
+        raise refused(file, f"it references {err.qualname} (not one of the classes torch.distributed.checkpoint "
+                            "metadata is made of)") from None
     except FileNotFoundError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,

@@ -677,3 +677,44 @@ def test_ctrl_c_while_the_cli_starts_is_an_error_line_not_a_traceback(tmp_path, 
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.strip().startswith("error: interrupted (SIGINT)") and "Traceback" not in err, err
+
+
+def test_length_histogram_shows_lengths_before_the_cut_and_the_dropped(tmp_path, tokenizer_dir, monkeypatch):
+    """The histogram gets each conversation's length as tokenized, before the packer's own-row cut and before
+    --oversize drop (it plotted the stored, cut lengths and left the dropped out: no long tail)."""
+    import packsft.packing.report as report_module
+
+    tok_dir = tokenizer_dir("qwen2.5")
+
+    def conv(turns: int, words: int) -> dict:
+        msgs = []
+        for i in range(turns):
+            msgs += [{"role": "user", "content": f"question {i} " + "why " * words},
+                     {"role": "assistant", "content": f"answer {i} " + "because " * words}]
+        return {"messages": msgs}
+
+    # short ones; one tokenized whole, then cut (about 400 tokens); one too long to tokenize whole (estimated)
+    records = [conv(1, 3), conv(2, 5), conv(7, 20), conv(60, 20)]
+    src = _write_lines(tmp_path / "in.jsonl", records)
+    tok = load_tokenizer(tok_dir)
+    fmt = get_prompt_format("chat-template", tok)
+    true = [count_conversation_tokens(parse_record(r).messages, tok, fmt) for r in records]
+    L = 256
+    high = own_row_window(L)[1]
+    assert true[0] <= L and true[1] <= L and true[2] > high and len(json.dumps(records[3])) > 8 * high
+    calls = []
+    real_plot = report_module.plot_lengths
+    monkeypatch.setattr(report_module, "plot_lengths", lambda *a, **k: calls.append((a, k)) or real_plot(*a, **k))
+    base = dict(inputs=[str(src)], tokenizer=str(tok_dir), max_seq_len=L, progress=False)
+    report = run_pack(PackConfig(output=str(tmp_path / "o.jsonl.packed"), **base))
+    assert [o.get("cut_by_packer") for o in report.oversize] == [True, True]  # stored: about L tokens each
+    (path, fitting, _, max_seq_len), kw = calls[-1]
+    assert sorted(fitting.tolist()) == sorted(true[:2]) and max_seq_len == L and not kw["dropped"]
+    exact, estimate = kw["truncated"]
+    assert exact == true[2] and kw["estimated"] == 1                  # tokenized whole before it was cut
+    assert 0.8 * true[3] < estimate < 1.25 * true[3]                  # scaled from the stored cut
+    assert Path(str(tmp_path / "o.jsonl.packed") + ".lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    run_pack(PackConfig(output=str(tmp_path / "d.jsonl.packed"), oversize="drop", **base))
+    (_, fitting, _, _), kw = calls[-1]
+    assert sorted(fitting.tolist()) == sorted(true[:2]) and kw["dropped"] == true[2:] and not kw["truncated"]
+    assert kw["estimated"] == 0

@@ -429,8 +429,9 @@ def _cut_messages(messages: list[dict[str, Any]], budget: int, train_on: str,
 
 
 def _tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
-    """``(conv, tokens, runs, cut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first), its
-    targets as runs (``tokenize_conversation(..., runs=True)``).
+    """``(conv, tokens, runs, cut, uncut)``: ``conv`` tokenized with ``fmt`` (own-row: cut to its window first),
+    its targets as runs (``tokenize_conversation(..., runs=True)``), and ``uncut``: ``(tokens, exact)``, the
+    length of the conversation as given, before any cut (:func:`_fit_own_row`).
 
     ``first``: when already computed (:func:`_process_lines`, where :func:`_tokenized_whole` is true), the
     result of ``tokenize_conversation(..., runs=True)`` on the whole ``conv`` with ``fmt``, or the error it
@@ -438,13 +439,14 @@ def _tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     """
     cut = False
     if cfg.oversize == "own-row":
-        msgs, tokens, runs, cut = _fit_own_row(conv, tok, fmt, cfg, first, known)
+        msgs, tokens, runs, cut, uncut = _fit_own_row(conv, tok, fmt, cfg, first, known)
         if cut:
             conv = type(conv)(messages=msgs, tools=conv.tools, path=conv.path, line=conv.line,
                               meta=conv.meta, chat_template_kwargs=conv.chat_template_kwargs)
     else:
         tokens, runs = _whole(conv, tok, fmt, first)
-    return conv, tokens, runs, cut
+        uncut = (len(tokens), True)
+    return conv, tokens, runs, cut, uncut
 
 
 def _whole(conv, tok, fmt, first=None, known=None):
@@ -477,7 +479,10 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         first, known: as in :func:`_tokenize_record`.
 
     Returns:
-        ``(messages, tokens, runs, cut)``: the messages to store and their tokenization (targets as runs).
+        ``(messages, tokens, runs, cut, uncut)``: the messages to store and their tokenization (targets as
+        runs); ``uncut = (n, exact)``: the whole conversation's tokens, or (``exact`` false: it was not
+        tokenized whole) an estimate, the stored tokens scaled by the characters of all the messages over
+        those of the stored ones.
 
     Raises:
         PromptFormatError: the conversation (or every cut of it tried) does not tokenize.
@@ -488,9 +493,16 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
     if first is not None or _tokenized_whole(conv, cfg):  # most conversations: tokenized whole, once
         whole = _whole(conv, tok, fmt, first, known)
         if len(whole[0]) <= high:
-            return conv.messages, *whole, False
+            return conv.messages, *whole, False, (len(whole[0]), True)
     sizes = [_message_chars(m) for m in conv.messages]
     total = sum(sizes)
+
+    def done(msgs, tokens, runs, cut):
+        if whole is not None:
+            return msgs, tokens, runs, cut, (len(whole[0]), True)
+        kept = sum(map(_message_chars, msgs)) if cut else total
+        return msgs, tokens, runs, cut, (max(len(tokens), round(len(tokens) * total / max(1, kept))), not cut)
+
     budget = min(total, 8 * high)
     lo, hi = 0, None  # budgets known to give fewer than `low` tokens / more than `high`
     best = None  # the smallest cut seen above `low` (used if the window is never hit)
@@ -507,9 +519,9 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         else:
             n = len(tokens)
             if not cut and n <= high:
-                return msgs, tokens, runs, False
+                return done(msgs, tokens, runs, False)
             if low <= n <= high:
-                return msgs, tokens, runs, True
+                return done(msgs, tokens, runs, True)
             if n > high:
                 hi = budget
                 if best is None or n < len(best[1]):
@@ -525,7 +537,7 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         if hi is not None and hi - lo <= 1:
             break
     if best is not None:
-        return best
+        return done(*best)
     raise error or PromptFormatError("the conversation could not be cut to max_seq_len")
 
 
@@ -538,11 +550,12 @@ def _process_lines(path: str, items: list[tuple[int, int, str | None, str | None
 
     Returns:
         Per line, ``(counts, row_messages_json, None, cut, tokens, runs)`` for a good line, with ``counts`` =
-        ``(num_tokens, trained, trained_in_row, notes)`` (``trained``: tokens the model is trained to
+        ``(num_tokens, trained, trained_in_row, notes, uncut)`` (``trained``: tokens the model is trained to
         predict, or at least 1 for a cut conversation (its cut-off part is not counted); ``trained_in_row``:
         those within the first ``max_seq_len`` tokens, what the loader's truncation keeps; ``notes``: its
         warnings ``(kind, message)``: ``non_megatron`` (kept with ``--allow-non-megatron``) and those of
-        :func:`packsft.prompt_formats.unrendered`; ``cut``: the packer cut it; ``tokens``: list
+        :func:`packsft.prompt_formats.unrendered`; ``uncut``: ``(tokens, exact)`` before the packer's cut
+        (:func:`_fit_own_row`); ``cut``: the packer cut it; ``tokens``: list
         of int ids, ``runs``: their targets as runs, ``tokenize_conversation(..., runs=True)``), or
         ``(None, None, reason, False, None, None)`` for a rejected line.
     """
@@ -596,12 +609,12 @@ def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first, known=N
     try:
         non_megatron = None
         try:
-            conv, tokens, runs, cut = _tokenize_record(conv, tok, fmt, cfg, first, known)
+            conv, tokens, runs, cut, uncut = _tokenize_record(conv, tok, fmt, cfg, first, known)
         except NonMegatronError as e:
             if not cfg.allow_non_megatron:
                 raise
             non_megatron = _input_turn(e, record, source, cfg.record_format)  # the input's own message index
-            conv, tokens, runs, cut = _tokenize_record(conv, tok, _W["lenient"], cfg, known=known)
+            conv, tokens, runs, cut, uncut = _tokenize_record(conv, tok, _W["lenient"], cfg, known=known)
     except PromptFormatError as e:
         return _rejected(f"{cfg.prompt_format}: {_input_turn(e, record, source, cfg.record_format)}")
     n = len(tokens)
@@ -610,7 +623,7 @@ def _finish_line(cfg: PackConfig, tok, fmt, conv, record, source, first, known=N
     notes = unrendered(conv.messages, conv.tools, fmt)
     if non_megatron is not None:
         notes.insert(0, ("non_megatron", f"kept with --allow-non-megatron (packsft-only): {non_megatron}"))
-    counts = (n, max(1, in_row) if cut else trained, in_row, notes)
+    counts = (n, max(1, in_row) if cut else trained, in_row, notes, uncut)
     return counts, ROW_JSON(conv.to_row_messages()), None, cut, tokens, runs
 
 
@@ -683,9 +696,9 @@ class ShardResult:
         token_offset: int64 ``[n]``, byte offset of each one's bytes in ``token_spool`` (``None`` without it).
         rejected: ``(line, reason)`` of each rejected line.
         warnings: ``(kind, line, message)`` of each counting warning (``non_megatron``, ``no_trained_token``).
-        oversize: ``(index, line, num_tokens, cut, nbytes, trained, trained_in_row)`` of each accepted
-            conversation whose cost exceeds ``max_seq_len`` (``index`` into the arrays; the counts as in
-            :func:`_process_lines`).
+        oversize: ``(index, line, num_tokens, cut, uncut, exact, nbytes, trained, trained_in_row)`` of each
+            accepted conversation whose cost exceeds ``max_seq_len`` (``index`` into the arrays; ``uncut``: its
+            tokens before the packer's cut, an estimate unless ``exact``; the counts as in :func:`_process_lines`).
         nbytes: bytes of input read.
         trained_fitting: accepted conversations of at most ``max_seq_len`` cost with a trained token.
     """
@@ -805,14 +818,14 @@ def count_shard(shard: Shard) -> ShardResult:
             if cfg.strict:
                 break
             continue
-        n, trained, trained_in_row, notes = counts
+        n, trained, trained_in_row, notes, (uncut, exact) = counts
         warns.extend((kind, line, message) for kind, message in notes)
         if trained == 0:
             warns.append(("no_trained_token", line, "conversation has no trained token (no assistant turn to "
                           "train: empty, weight 0, or not the last with --train-on last); it is packed as context "
                           "only"))
         if conversation_cost(n, cp) > L:
-            oversize.append((len(ntok), line, n, cut, nbytes, trained, trained_in_row))
+            oversize.append((len(ntok), line, n, cut, uncut, exact, nbytes, trained, trained_in_row))
         elif trained_in_row:
             trained_fitting += 1
         data = msgs_json.encode("utf-8")
@@ -1180,6 +1193,8 @@ class _Counted:
         token_spools: the token spool of each of ``spools`` (the same worker's), or ``None`` without the cache.
         token_offset: int64 ``[n]``, offset in ``token_spools[spool]``, or ``None`` without the cache.
         trained: conversations with a trained token within ``max_seq_len``.
+        uncut: ``(tokens, exact)`` of each conversation longer than ``max_seq_len`` (own row or dropped, in
+            input order) before the packer's cut: the length as given, for the histogram.
     """
 
     def __init__(self, results: list[ShardResult]):
@@ -1200,6 +1215,7 @@ class _Counted:
         self.spool = cat([np.full(len(r.num_tokens), ids[r.spool], np.int32) for r in results], np.int32)
         self.token_offset = cat([r.token_offset for r in results], np.int64) if cached else None
         self.trained = sum(r.trained_fitting for r in results)  # set by _count_all with the oversize ones kept
+        self.uncut: list[tuple[int, bool]] = []  # set by _count_all
 
     def keep(self, mask) -> None:
         """Keep only the conversations where boolean ``mask`` is true."""
@@ -1237,7 +1253,8 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
         bar = _NoBar()
     results: list[ShardResult] = []
     lines_before = {}  # file_idx -> lines of that file in the shards before
-    oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, nbytes, trained, in row)
+    oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, uncut, exact, nbytes,
+    #                              trained, in row)
     base = 0
     try:  # closed on an error too, so that the bar is not redrawn after the error line
         for r in _shard_results(cfg, shards, spool_dir, tok, fingerprint):
@@ -1269,6 +1286,7 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
     counted = _Counted(results)
     del results
     _apply_oversize(cfg, counted, oversize, report, np)
+    counted.uncut = [(uncut, exact) for *_, uncut, exact, _, _, _ in oversize]
     counted.trained += 0 if cfg.oversize == "drop" else sum(1 for o in oversize if o[-1])
     return counted
 
@@ -1276,7 +1294,7 @@ def _count_all(cfg: PackConfig, spool_dir: str, report: PackReport, tok=None, fi
 def _apply_oversize(cfg: PackConfig, counted: _Counted, oversize: list[tuple], report: PackReport, np) -> None:
     """Report (and with ``drop`` remove) the conversations longer than a row; ``error`` stops at the first."""
     drop = []
-    for index, file_idx, line, n, cut, nbytes, trained, in_row in oversize:
+    for index, file_idx, line, n, cut, _, _, nbytes, trained, in_row in oversize:
         cost = conversation_cost(n, cfg.context_parallel_size)
         if cfg.oversize == "error":
             raise PackError(f"{where(cfg.inputs[file_idx], line)}: conversation has {n} tokens (cost {cost}) > "
@@ -1678,7 +1696,7 @@ def _run_pack(cfg: PackConfig) -> PackReport:
             report.padding_tokens = report.rows * L - report.real_tokens
             row_fill = np.add.reduceat(costs[order], starts) if report.rows else costs[:0]
             _write_outputs(cfg, fmt, tok, report, lengths, row_fill, paths, temps, size, digest, cache_fields,
-                           fingerprint[0] if fingerprint else None)
+                           fingerprint[0] if fingerprint else None, counted.uncut)
         finally:
             with _signals_held():
                 for tmp in temps.values():
@@ -1687,9 +1705,10 @@ def _run_pack(cfg: PackConfig) -> PackReport:
 
 
 def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, temps, size, digest,
-                   cache_fields=None, fingerprint: str | None = None) -> None:
+                   cache_fields=None, fingerprint: str | None = None, uncut=()) -> None:
     """Write the sidecar, the report and the histogram to temp names and publish the set (``fingerprint``: the
-    tokenizer's, when already taken)."""
+    tokenizer's, when already taken; ``uncut``: :attr:`_Counted.uncut`, the oversize conversations' lengths
+    before the cut, which the histogram shows)."""
     report.outputs = dict(paths)
     report.rows_file = {"size": size, "blake2b": digest}
     sidecar = {
@@ -1730,7 +1749,10 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, 
         from packsft.packing.report import plot_lengths
 
         temps["histogram"] = temp_path(paths["histogram"])
-        plot_lengths(temps["histogram"], lengths, row_fill, cfg.max_seq_len)
+        over = [n for n, _ in uncut]
+        plot_lengths(temps["histogram"], lengths[lengths <= cfg.max_seq_len], row_fill, cfg.max_seq_len,
+                     truncated=over if cfg.oversize == "own-row" else (),
+                     dropped=over if cfg.oversize == "drop" else (), estimated=sum(not e for _, e in uncut))
     for key in ("sidecar", "report"):
         with open(temps[key], "rb+") as f:
             os.fsync(f.fileno())

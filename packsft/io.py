@@ -165,6 +165,16 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
+def foreign_entries(folder: str | Path, patterns: tuple[str, ...]) -> list[str]:
+    """The entries of ``folder`` that are not files named by one of ``patterns`` (``fnmatch``, e.g.
+    ``"model-*-of-*.safetensors"``), sorted: what replacing it by a new folder of those files would delete. A folder
+    (or a link to one) is listed as ``name/``, also when its name matches."""
+    from fnmatch import fnmatchcase
+
+    return sorted(f"{p.name}/" if p.is_dir() else p.name for p in Path(folder).iterdir()
+                  if p.is_dir() or not any(fnmatchcase(p.name, pat) for pat in patterns))
+
+
 def _process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host (one of another user counts)."""
     try:

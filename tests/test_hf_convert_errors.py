@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from packsft.model.gpt import build_gpt_model
 from packsft.model.hf_config import model_config_from_hf
-from packsft.model.hf_io import load_hf_checkpoint, load_hf_config, load_hf_state_into_model
+from packsft.model.hf_io import check_hf_weight_files, load_hf_checkpoint, load_hf_config, load_hf_state_into_model
 
 CONVERT = TOOLS / "convert_checkpoint.py"
 
@@ -51,6 +51,81 @@ def test_import_of_a_missing_or_misshapen_tensor_is_a_user_error(tmp_path, edit,
     edit_tensors(hf, edit)
     assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"), message)
     assert not (tmp_path / "out").exists()
+
+
+def _llama_8b_config(path):
+    """A folder with Llama-3-8B's config.json: building its model (32 GB in fp32) would be slow or killed."""
+    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192).save_pretrained(path)
+    return path
+
+
+def _truncated_copy(src, dst):
+    data = src.read_bytes()
+    dst.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize(("write", "message"), [
+    (lambda f: f.write_bytes(bytes(range(256)) * 64), "not a readable safetensors file (Error while deserializing "
+                                                      "header: header too large)"),
+    (lambda f: f.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4a1b\nsize 16060522496\n"),
+     "a Git LFS pointer, not the weights"),
+    (lambda f: (save_file({"model.norm.weight": torch.ones(4096)}, f.parent / "whole"),
+                _truncated_copy(f.parent / "whole", f)), "not a readable safetensors file"),
+    (lambda f: save_file({"model.norm.weight": torch.ones(4096), "model.embed_tokens.weight": torch.zeros(8, 4096)},
+                         f), "HF tensor 'model.embed_tokens.weight' has shape (8, 4096), but the config implies "
+                             "(128256, 4096)"),
+], ids=["junk", "lfs_pointer", "truncated", "wrong_shape"])
+def test_import_of_a_bad_weight_file_is_named_before_the_model_is_built(tmp_path, monkeypatch, capsys, write,
+                                                                        message):
+    """Import read the weights after building the model: an 8B config's junk or Git LFS pointer model.safetensors
+    was killed by the kernel (exit 137, no message) while the model was built."""
+    hf = _llama_8b_config(tmp_path / "hf")
+    write(hf / "model.safetensors")
+    tool = _convert_tool()
+
+    def build(cfg):
+        raise AssertionError("the model was built before the weight files were checked")
+
+    monkeypatch.setattr(tool, "build_gpt_model", build)
+    assert tool.main(["import", "--hf", str(hf), "--out", str(tmp_path / "out")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {hf / 'model.safetensors'}: ") and message in errors[0], \
+        errors
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_names_a_missing_tensor_from_the_headers(tmp_path):
+    hf = _llama_8b_config(tmp_path / "hf")
+    save_file({"model.norm.weight": torch.ones(4096)}, hf / "model.safetensors")
+    cfg = model_config_from_hf(load_hf_config(hf))
+    with pytest.raises(ValueError, match="hf: HF checkpoint has no tensor 'model.embed_tokens.weight' \\(and 289 "
+                                         "more\\), which its config needs"):
+        check_hf_weight_files(hf, cfg)
+
+
+def test_out_holding_other_files_is_refused_and_a_previous_import_is_replaced(tmp_path):
+    """import/export --out replaced a folder of notes and subfolders whole, printed 'wrote' and exited 0."""
+    hf = tiny_llama(tmp_path / "hf")
+    out = tmp_path / "mg"
+    for _ in range(2):                                       # the second replaces the first: a previous import
+        rc, stderr = run_tool(CONVERT, "import", "--hf", hf, "--out", out)
+        assert rc == 0, stderr[-3000:]
+    imported = sorted(p.name for p in out.iterdir())
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", out),
+                      f"--out {out} holds files that are not a previous import: notes.txt, sub/; the folder is "
+                      "replaced as a whole")
+    assert (out / "notes.txt").read_text() == "mine" and (out / "sub").is_dir()
+    (out / "notes.txt").unlink()
+    (out / "sub").rmdir()
+    assert sorted(p.name for p in out.iterdir()) == imported
+    other = tmp_path / "other"                               # an import is not an export
+    shutil.copytree(out, other)
+    assert_user_error(*run_tool(CONVERT, "export", "--megatron", out, "--out", other),
+                      f"--out {other} holds files that are not a previous export: .metadata, __0_0.distcp, ")
+    assert sorted(p.name for p in other.iterdir()) == imported
 
 
 def test_import_reads_a_checkpoint_with_rotary_buffers():
@@ -174,7 +249,7 @@ def test_import_of_a_non_floating_tensor_is_refused(parallel_state_1proc, tmp_pa
     assert not (tmp_path / "out").exists()
     edit_tensors(hf, lambda s: s.update({q: s[q].float(), "model.norm.weight": torch.ones(64, dtype=torch.int64)}))
     with pytest.raises(ValueError, match="model.safetensors: tensor 'model.norm.weight' has dtype I64, not floating"):
-        load_hf_checkpoint(hf)
+        check_hf_weight_files(hf, model_config_from_hf(load_hf_config(hf)))
     cfg = model_config_from_hf(load_hf_config(hf))          # a state dict handed over directly: checked too
     with pytest.raises(ValueError, match="HF state dict: tensor 'model.norm.weight' has dtype int64, not floating"):
         load_hf_state_into_model(build_gpt_model(cfg), load_file(hf / "model.safetensors"), cfg)

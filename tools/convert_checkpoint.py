@@ -50,16 +50,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packsft.io import read_json_object  # noqa: E402
+from packsft.io import foreign_entries, read_json_object  # noqa: E402
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig, config_from_dict, read_model_config  # noqa: E402
 from packsft.model.gpt import build_gpt_model  # noqa: E402
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf  # noqa: E402
 from packsft.model.hf_io import (  # noqa: E402
     HF_CONFIG_FILE,
+    HF_EXPORT_FILES,
+    PEFT_ADAPTER_FILES,
+    check_hf_weight_files,
     load_hf_checkpoint,
     load_hf_config,
     load_hf_state_into_model,
-    model_hf_names,
     read_hf_config,
     save_hf_checkpoint,
     save_peft_adapter,
@@ -77,6 +79,9 @@ from packsft.train.config import (  # noqa: E402
 )
 from packsft.train.distributed import destroy_distributed, init_distributed  # noqa: E402
 from packsft.train.model_checkpoint import (  # noqa: E402
+    COMMON_FILE,
+    FINGERPRINT_FILE,
+    METADATA_FILE,
     check_lora_base,
     load_megatron_checkpoint,
     save_megatron_checkpoint,
@@ -105,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     imp = sub.add_parser("import", help="HF safetensors folder or GGUF file -> Megatron checkpoint",
                          parents=[sub_layout])
     imp.add_argument("--hf", required=True, help="HF checkpoint folder or *.gguf file")
-    imp.add_argument("--out", required=True, help="Megatron checkpoint folder to write")
+    imp.add_argument("--out", required=True, help="Megatron checkpoint folder to write (new, empty or a previous "
+                                                  "import: replaced atomically)")
     imp.add_argument("--max-seq-len", type=positive_int, default=None,
                      help="longest training row; lets a sliding_window >= it be accepted (Mistral, Qwen2/Qwen3)")
     imp.add_argument("--params-dtype", choices=("float32", "bfloat16"), default="float32")
@@ -114,7 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "the norms into the linear layers, so its key names differ from torch's")
     exp = sub.add_parser("export", help="Megatron checkpoint -> HF safetensors folder", parents=[sub_layout])
     exp.add_argument("--megatron", required=True, help="Megatron checkpoint folder (model under key 'model')")
-    exp.add_argument("--out", required=True, help="HF folder to write (replaced atomically)")
+    exp.add_argument("--out", required=True, help="HF folder to write (new, empty or a previous export: replaced "
+                                                  "atomically)")
     exp.add_argument("--config", default=None, help="model_config.json or a YAML with a model: section")
     exp.add_argument("--hf-config", default=None,
                      help="config.json of the original HF model, or its folder (optional; default: the checkpoint's "
@@ -275,18 +282,47 @@ def refuse_out_over_inputs(args: argparse.Namespace, **resolved: Path | None) ->
                                  "replaced as a whole): write to another folder")
 
 
+IMPORT_FILES = (".metadata", "__*_*.distcp", COMMON_FILE, METADATA_FILE, MODEL_CONFIG_FILE, HF_CONFIG_FILE,
+                FINGERPRINT_FILE)
+"""The names (``fnmatch`` patterns) of the files ``import`` writes (``save_megatron_checkpoint``)."""
+
+
+def refuse_foreign_out(args: argparse.Namespace) -> None:
+    """Refuse an existing output folder (``--out``, ``--lora-adapter``) that holds anything but a previous output
+    of the same kind (an import's, an export's, a PEFT adapter's files: ``IMPORT_FILES``, ``HF_EXPORT_FILES``,
+    ``PEFT_ADAPTER_FILES``); an empty folder is fine. The new folder is written beside it and replaces it as a whole,
+    so its other files (notes, a subfolder) would be deleted.
+
+    Raises:
+        ValueError: naming the output and the entries that are not an output's (subfolders with a trailing ``/``).
+    """
+    outputs = {"--out": (args.out, IMPORT_FILES, "import") if args.command == "import"
+               else (args.out, HF_EXPORT_FILES, "export")}
+    if args.command == "export" and args.lora_adapter:
+        outputs["--lora-adapter"] = (args.lora_adapter, PEFT_ADAPTER_FILES, "PEFT adapter export")
+    for flag, (out, patterns, what) in outputs.items():
+        if not Path(out).is_dir():
+            continue
+        foreign = foreign_entries(out, patterns)
+        if foreign:
+            listed = ", ".join(foreign[:8]) + (f" ... ({len(foreign)} in all)" if len(foreign) > 8 else "")
+            raise ValueError(f"{flag} {out} holds files that are not a previous {what}: {listed}; the folder is "
+                             "replaced as a whole: write to a new or empty folder, or move them out")
+
+
 def _run(args: argparse.Namespace) -> int:
     """``import`` or ``export`` (errors propagate to :func:`main`)."""
     refuse_out_over_inputs(args)
+    refuse_foreign_out(args)
     pp = args.pipeline_model_parallel_size
     tp = args.tensor_model_parallel_size or max(1, int(os.environ.get("WORLD_SIZE", 1)) // pp)
     ctx = init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if args.command == "import":
         cfg = model_config_from_hf(load_hf_config(args.hf), max_seq_len=args.max_seq_len,
                                    attention_backend=args.attention_backend, params_dtype=args.params_dtype)
+        check_hf_weight_files(args.hf, cfg)      # headers only: a bad file is named before the model is built
         model = build_gpt_model(cfg)             # this rank's stage: its layers, embedding / head
-        hf_config, hf_state = load_hf_checkpoint(args.hf, keep=stage_hf_names(model, cfg),
-                                                   expected=model_hf_names(cfg))
+        hf_config, hf_state = load_hf_checkpoint(args.hf, keep=stage_hf_names(model, cfg))
         load_hf_state_into_model(model, hf_state, cfg, ctx.tp_group)
         del hf_state
         save_megatron_checkpoint(model, cfg, args.out, hf_config=hf_config)

@@ -29,6 +29,7 @@ from packsft.model.config import ModelConfig
 from packsft.model.hf_config import TOKEN_ID_FIELDS, hf_config_from_model_config
 from packsft.model.state_dict_adapter import (
     MissingTensorError,
+    hf_tensor_names,
     hf_tensor_shape,
     hf_to_megatron_state_dict,
     megatron_to_hf_state_dict,
@@ -39,6 +40,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 HF_CONFIG_FILE = "hf_config.json"
 """The source HF config kept in a Megatron checkpoint folder (see :func:`read_hf_config`)."""
+HF_EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                   "model.safetensors.index.json", *TOKENIZER_FILES)
+"""The names (``fnmatch`` patterns) of the files :func:`write_hf_checkpoint` writes: a folder holding nothing else is a
+previous export, which a new one may replace."""
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -194,13 +199,69 @@ def model_hf_names(cfg: ModelConfig):
     return lambda name: hf_tensor_shape(name, cfg) is not None or name.endswith("rotary_emb.inv_freq")
 
 
-def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[object, dict[str, Tensor]]:
+LFS_POINTER = b"version https://git-lfs"
+"""How a Git LFS pointer file (what a clone without ``git-lfs`` holds instead of the weights) begins."""
+
+
+def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:
+    """Check a safetensors checkpoint's weight files against ``cfg`` from their headers alone (no tensor is read).
+
+    Every file of the checkpoint (:func:`_safetensors_files`) must open with ``safetensors.safe_open`` (which checks
+    that the file is as long as its header says), every tensor must be floating point and one that a model of ``cfg``
+    has (:func:`model_hf_names`), in the shape ``cfg`` implies (``hf_tensor_shape``), and every tensor ``cfg`` needs
+    (``hf_tensor_names``) must be there. Cheap (headers only, memory-mapped), so it runs on every rank before the model
+    is built. A GGUF checkpoint is left to transformers' reader.
+
+    Raises:
+        FileNotFoundError: ``path`` holds neither safetensors nor a GGUF file.
+        ValueError: naming the file: a Git LFS pointer, not a safetensors file (junk, truncated, a corrupt header), a
+            tensor that is not floating point (quantized weights) or has another shape than ``cfg`` implies; naming
+            the folder: tensors ``cfg`` does not use (another architecture) or lacks.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if _gguf_file(path) is not None:
+        return
+    files = _safetensors_files(path) if path.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files and no *.gguf file")
+    used, found, unused = model_hf_names(cfg), set(), []
+    for f in files:
+        with open(f, "rb") as handle:   # a missing file (named by the index) raises FileNotFoundError naming it
+            if handle.read(len(LFS_POINTER)) == LFS_POINTER:
+                raise ValueError(f"{f}: a Git LFS pointer, not the weights (the model was cloned without git-lfs): "
+                                 f"run `git lfs pull` in its repository, or download the file itself")
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                header = {k: (st.get_slice(k).get_dtype(), tuple(st.get_slice(k).get_shape())) for k in st.keys()}
+        except SafetensorError as err:
+            raise ValueError(f"{f}: not a readable safetensors file ({err})") from None
+        for name, (dtype, shape) in header.items():
+            _check_floating(name, dtype, f)
+            if not used(name):
+                unused.append(name)
+            elif (expected := hf_tensor_shape(name, cfg)) is not None and shape != expected:
+                raise ValueError(f"{f}: HF tensor {name!r} has shape {shape}, but the config implies {expected}")
+        found.update(header)
+    if unused:
+        raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
+                         "a checkpoint of another architecture than the config describes (num_hidden_layers, "
+                         "attention_bias, ...); packsft refuses rather than drop weights")
+    missing = [n for n in hf_tensor_names(cfg) if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{path}: HF checkpoint has no tensor {missing[0]!r}{more}, which its config needs")
+
+
+def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, Tensor]]:
     """Read a local HF causal-LM checkpoint: a safetensors directory or a GGUF file.
 
     Safetensors: ``config.json`` through ``AutoConfig`` and the tensors (as stored, usually bf16)
     through ``safetensors.safe_open``, honouring ``model.safetensors.index.json``; only the names for which
-    ``keep(name)`` is true are read (default: all; :func:`stage_hf_names` for one pipeline stage), and a name for
-    which ``expected(name)`` is false is refused (default: none; :func:`model_hf_names`). GGUF (a
+    ``keep(name)`` is true are read (default: all; :func:`stage_hf_names` for one pipeline stage). The files are
+    read as they are: check them first with :func:`check_hf_weight_files` (the import does, before it builds the
+    model). GGUF (a
     ``*.gguf`` path, or a directory holding one GGUF and no safetensors): transformers' GGUF loader
     (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=float32)``, needs the ``gguf``
     package), which dequantizes every tensor to fp32 and undoes llama.cpp's q/k permutation (all of it is
@@ -211,11 +272,8 @@ def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[obje
 
     Raises:
         FileNotFoundError: if ``path`` holds neither safetensors nor a GGUF file.
-        ValueError: naming the file: a safetensors file that is not readable (truncated, corrupt header), holds a
-            tensor whose dtype is not floating point (integer or bool: quantized weights, refused rather than cast)
-            or tensors that ``expected`` refuses (e.g. more layers than the config's, a bias it does not use); a
-            folder of several GGUF files, or a GGUF that transformers cannot read (truncated; tensors of other shapes
-            than the config it derives).
+        ValueError: naming the file: a safetensors file that is not readable; a folder of several GGUF files, or a
+            GGUF that transformers cannot read (truncated; tensors of other shapes than the config it derives).
     """
     path = Path(path)
     keep = keep or (lambda name: True)
@@ -232,21 +290,12 @@ def load_hf_checkpoint(path: str | Path, keep=None, expected=None) -> tuple[obje
     from safetensors import SafetensorError, safe_open
 
     state: dict[str, Tensor] = {}
-    unused: list[str] = []
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as handle:
-                names = list(handle.keys())
-                for k in names:         # from the header: every rank refuses the same file, whatever it keeps
-                    _check_floating(k, handle.get_slice(k).get_dtype(), f)
-                unused += [k for k in names if expected is not None and not expected(k)]
-                state.update({k: handle.get_tensor(k) for k in names if keep(k)})
+                state.update({k: handle.get_tensor(k) for k in handle.keys() if keep(k)})
         except SafetensorError as err:
             raise ValueError(f"{f}: not a readable safetensors file ({err})") from None
-    if unused:
-        raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
-                         "a checkpoint of another architecture than the config describes (num_hidden_layers, "
-                         "attention_bias, ...); packsft refuses rather than drop weights")
     return _auto_config(path), state
 
 

@@ -80,11 +80,28 @@ def hf_tensor_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     """The full shape ``cfg`` implies for the HF tensor ``name`` (layouts above), or None for a name a model of
     ``cfg`` does not have (a layer beyond ``num_layers``, QKV biases without ``add_qkv_bias``, q/k norms without
     ``qk_layernorm``, any other name). ``lm_head.weight`` has a shape even when tied (it is read, to be compared)."""
+    top, layer = _hf_shapes(cfg)
+    if name in top:
+        return top[name]
+    parts = name.split(".", 3)
+    if len(parts) != 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() or int(parts[2]) >= cfg.num_layers:
+        return None
+    return layer.get(parts[3])
+
+
+def hf_tensor_names(cfg: ModelConfig) -> list[str]:
+    """Every HF tensor name a checkpoint of ``cfg`` must hold (:func:`hf_tensor_shape` gives their shapes):
+    ``lm_head.weight`` only when the embeddings are not tied."""
+    top, layer = _hf_shapes(cfg)
+    names = [n for n in top if n != "lm_head.weight" or not cfg.tie_word_embeddings]
+    return names + [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers) for suffix in layer]
+
+
+def _hf_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """``(top-level name -> shape, per-layer name suffix -> shape)`` of the HF tensors of ``cfg``."""
     h, v, f, hn = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hn, cfg.num_query_groups * hn
     top = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
-    if name in top:
-        return top[name]
     layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
              "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
              "self_attn.o_proj.weight": (h, q),
@@ -93,10 +110,7 @@ def hf_tensor_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
     if cfg.qk_layernorm:
         layer.update({"self_attn.q_norm.weight": (hn,), "self_attn.k_norm.weight": (hn,)})
-    parts = name.split(".", 3)
-    if len(parts) != 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() or int(parts[2]) >= cfg.num_layers:
-        return None
-    return layer.get(parts[3])
+    return top, layer
 
 
 def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_rank: int = 0,

@@ -9,6 +9,7 @@ from packsft.data.samplers import (
     EvalShardSampler,
     RandomSampler,
     ResumableBatchSampler,
+    SamplerError,
     SequentialSampler,
 )
 
@@ -117,6 +118,32 @@ def test_batch_sampler_groups_and_restores():
 def test_batch_sampler_refuses_a_finite_sampler():
     with pytest.raises(RuntimeError, match="must be infinite"):
         take(ResumableBatchSampler(range(3), micro_batch_size=2), 3)
+
+
+class YieldsAfterRowZero(EpochSampler):
+    """A custom sampler of row 0, then ``after`` (a bad index), every epoch."""
+
+    def __init__(self, data_source, after, **kwargs):
+        super().__init__(data_source, **kwargs)
+        self.after = after
+
+    def global_order(self, epoch):
+        return [0, self.after]
+
+
+@pytest.mark.parametrize("after", [5, -1])
+def test_an_index_outside_the_dataset_is_named_with_the_sampler(after):
+    """Row 5 of 5 rows was an IndexError traceback from the dataset (in a loader worker's); -1 read the last row."""
+    from packsft.data.loader import DataLoaderConfig, build_train_dataloader
+
+    config = DataLoaderConfig(sampler="custom", sampler_class_path=f"{__name__}.YieldsAfterRowZero",
+                              sampler_kwargs={"after": after})
+    loader = iter(build_train_dataloader(list(range(5)), config, collate_fn=lambda rows: rows))
+    assert next(loader) == [0]
+    with pytest.raises(SamplerError) as err:
+        next(loader)
+    assert str(err.value) == (f"sampler {__name__}.YieldsAfterRowZero yielded {after!r}, not a row index of the "
+                              "training data (0 to 4: 5 rows); a sampler must yield integers in range(len(data_source))")
 
 
 def test_eval_shard_sampler_splits_without_overlap():

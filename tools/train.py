@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from packsft.data.dataset import RowError
+    from packsft.data.samplers import SamplerError
     from packsft.io import atomic_open
     from packsft.train.checkpoint import CheckpointSpaceError
     from packsft.train.distributed import destroy_distributed
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         except CheckpointSpaceError as err:
             print(f"error: {err.strerror}", file=sys.stderr)
             return 1
-        except RowError as err:                  # a row of a file without sidecar that does not tokenize
+        except (RowError, SamplerError) as err:  # a row that does not tokenize (no sidecar); a sampler's bad index
             print(f"error: {err}", file=sys.stderr)
             return 2
         if trainer.ctx.rank == 0:

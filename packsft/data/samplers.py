@@ -28,6 +28,7 @@ new dict of plain Python values: torchdata calls it once per batch sent to a wor
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -156,15 +157,23 @@ class SequentialSampler(EpochSampler):
 BUILTIN_SAMPLERS: dict[str, type[EpochSampler]] = {"random": RandomSampler, "sequential": SequentialSampler}
 
 
+class SamplerError(ValueError):
+    """A sampler yielded something that is not a row index of its dataset (names the sampler and the value)."""
+
+
 class ResumableBatchSampler:
     """Group an infinite sampler's indices into micro-batches; the loader's ``batch_sampler``.
 
     Yields lists of ``micro_batch_size`` row indices forever; a micro-batch may span an epoch boundary.
     Its state is the inner sampler's state, wrapped with a ``header`` (see ``packsft.data.loader``)
-    describing what the state is valid for.
+    describing what the state is valid for. With ``header["num_rows"]`` (the loader sets it) every index
+    is checked here, in the main process, before any row is read: indices enter the dataset only
+    through this class.
 
     Raises:
         RuntimeError: (while iterating) if the inner sampler stops: samplers must roll epochs over.
+        SamplerError: (while iterating) the sampler yielded a value that is not an integer in
+            ``[0, num_rows)`` (named with the sampler's class path, ``header["sampler"]``).
     """
 
     def __init__(self, sampler: Any, micro_batch_size: int, header: dict[str, Any] | None = None) -> None:
@@ -176,17 +185,32 @@ class ResumableBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         """Yield micro-batches (lists of ``micro_batch_size`` row indices) forever."""
         it = iter(self.sampler)
+        num_rows = self.header.get("num_rows")
         while True:
             batch = []
             for _ in range(self.micro_batch_size):
                 try:
-                    batch.append(next(it))
+                    index = next(it)
                 except StopIteration:
                     raise RuntimeError(
                         f"sampler {type(self.sampler).__name__} stopped; training samplers must be infinite "
                         "and roll epochs over inside __iter__ (subclass packsft.data.samplers.EpochSampler)"
                     ) from None
+                if num_rows is not None:
+                    self._check_index(index, num_rows)
+                batch.append(index)
             yield batch
+
+    def _check_index(self, index: Any, num_rows: int) -> None:
+        try:
+            value = operator.index(index)
+        except TypeError:
+            value = None
+        if value is None or not 0 <= value < num_rows:
+            name = self.header.get("sampler") or type(self.sampler).__name__
+            raise SamplerError(f"sampler {name} yielded {index!r}, not a row index of the training data "
+                               f"(0 to {num_rows - 1}: {num_rows} rows); a sampler must yield integers in "
+                               "range(len(data_source))")
 
     def state_dict(self) -> dict[str, Any]:
         """Return ``{"sampler": inner sampler state}`` (a new dict; called once per batch by torchdata)."""

@@ -1,5 +1,6 @@
-"""The training step reads nothing back from the device in packsft's own code but the skip decision, and a step
-whose loss is not finite is skipped (no update) and counted; too many in a row stop the run."""
+"""A training step reads one value back from the device (the skip decision), anywhere: packsft's, Megatron's and
+torch's code counted; a logging step reads the documented few more. A step whose loss is not finite is skipped (no
+update) and counted; too many in a row stop the run."""
 
 import sys
 import traceback
@@ -13,13 +14,17 @@ from torch.overrides import TorchFunctionMode
 
 from packsft.train.config import load_config
 
-PACKAGE = str(Path(__file__).resolve().parents[1] / "packsft")
+TORCH = str(Path(torch.__file__).parent)
 READS_BACK = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero}
+              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu,
+              torch.Tensor.numpy}
+SKIP_DECISION = "isfinite"          # the one read of a step: the skip decision (docs/model.md, "Host syncs")
+LOGGING_READS = 5                   # + int(trained tokens) and the result's loss, grad_norm, trained_tokens .item()
 
 
 class HostReads(TorchFunctionMode):
-    """Records every tensor -> host read (a device sync on CUDA) made directly by packsft code."""
+    """Records every tensor -> host read (a device sync on CUDA) made by any code (packsft, Megatron, torch) while
+    active, each named by the first calling line outside torch's own package."""
 
     def __init__(self):
         super().__init__()
@@ -27,9 +32,9 @@ class HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in READS_BACK and isinstance(args[0], torch.Tensor) and args[0].device.type != "meta":
-            caller = traceback.extract_stack(sys._getframe(1), limit=1)[0]
-            if caller.filename.startswith(PACKAGE):
-                self.calls.append(f"{Path(caller.filename).name}:{caller.lineno} {caller.line}")
+            frames = traceback.extract_stack(sys._getframe(1), limit=12)[::-1]
+            caller = next((f for f in frames if not f.filename.startswith(TORCH)), frames[0])
+            self.calls.append(f"{Path(caller.filename).name}:{caller.lineno} {caller.line}")
         return func(*args, **(kwargs or {}))
 
 
@@ -41,15 +46,38 @@ def trainer_for(tmp_path, packed, **sections):  # noqa: F811
     return Trainer(cfg)
 
 
+BACKENDS = {"torch": {}, "megatron": {"backend": "megatron"},
+            "megatron_dist_opt": {"backend": "megatron", "use_distributed_optimizer": True}}
+
+
+def _count_reads_of_steps(trainer, tmp_path):
+    """Host reads of one non-logging and one logging step, after two warm-up steps (lazy state, first calls)."""
+    from packsft.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path / "o"), enabled=True, tensorboard=False, progress=False, initial_step=0,
+                           total_steps=100)
+    trainer._last_step = 100
+    trainer.cfg.logging.log_interval = 4
+    counts, draw = [], trainer.next_micro_batches
+    for _ in range(4):
+        batches = draw()                               # the loader reads host tensors: not counted
+        trainer.next_micro_batches = lambda batches=batches: batches
+        with HostReads() as reads:
+            trainer._one_step(logger)                  # steps 1-3 do not log, step 4 does
+        counts.append(reads.calls)
+    return counts[2], counts[3]
+
+
 @pytest.mark.parametrize("fused", [True, False])
-def test_a_step_reads_back_only_the_skip_decision(tmp_path, packed, parallel_state_1proc, fused):  # noqa: F811
-    trainer = trainer_for(tmp_path, packed, loss={"fused_linear_cross_entropy": fused})
-    batches = trainer.next_micro_batches()
-    trainer.step_tensors(batches)                                   # warm-up (lazy state, first-call checks)
-    batches = trainer.next_micro_batches()
-    with HostReads() as reads:
-        result = trainer.step_tensors(batches)
-    assert len(reads.calls) == 1 and "isfinite" in reads.calls[0], reads.calls
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_step_reads_back_only_the_skip_decision(tmp_path, packed, parallel_state_1proc, fused,  # noqa: F811
+                                                  backend):
+    trainer = trainer_for(tmp_path, packed, loss={"fused_linear_cross_entropy": fused},
+                          optimizer={"lr": 3e-3, "weight_decay": 0.0, **BACKENDS[backend]})
+    quiet, logging = _count_reads_of_steps(trainer, tmp_path)
+    assert len(quiet) == 1 and SKIP_DECISION in quiet[0], quiet
+    assert len(logging) == LOGGING_READS and SKIP_DECISION in logging[0], logging
+    result = trainer.step_tensors(trainer.next_micro_batches())
     assert all(torch.is_tensor(result[k]) for k in ("loss", "grad_norm", "trained_tokens"))
 
 

@@ -330,3 +330,10 @@ def _plan_for(packed_seq_params, bounds: list[int], group, device) -> ContextPar
     if packed_seq_params is not None:
         packed_seq_params.context_parallel_plan = (key, plan)
     return plan
+
+
+def describe_attention(backend: str, device_type: str, dtype: torch.dtype) -> str:
+    """The attention kernel a run of ``model.attention_backend`` ``backend`` uses, for its start-up line."""
+    if backend == "te":
+        return "TransformerEngine DotProductAttention (THD)"
+    return select_attention_kernel(device_type, dtype).name

@@ -75,6 +75,7 @@ from packsft.data.loader import (
 from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
+from packsft.model.attention import describe_attention
 from packsft.model.gpt import build_gpt_stages, unwrap_model
 from packsft.model.lora import apply_lora, enable_input_gradients
 from packsft.model.output_head import use_hidden_state_output
@@ -91,6 +92,7 @@ from packsft.train.config import (
 )
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
+from packsft.train.grad_clip import optimizer_implementation
 from packsft.train.metrics import DISCARDED_FILE, MetricsLogger, format_summary, peak_memory_gib
 from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
 from packsft.train.optim import (
@@ -594,7 +596,8 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        """Parameters, parallel layout, batch geometry, data rows and packing efficiency (from the sidecar)."""
+        """Parameters, parallel layout, batch geometry, data rows, packing efficiency (from the sidecar), and the
+        attention kernel and optimizer implementation in use."""
         params = [p for gpt in self.gpts for p in gpt.parameters()
                   if not getattr(p, "shared", False)]            # the last stage's copy of a tied embedding
         local = sum(p.numel() for p in params
@@ -611,8 +614,15 @@ class Trainer:
                 "validation_rows": {name: len(ds) for name, ds in self.val_sets.items()},
                 "train_sources": getattr(self.train_set, "names", None),
                 "packing_efficiency": packing_efficiency(sidecar), "device": str(self.ctx.device),
+                "attention": describe_attention(self.cfg.model.attention_backend, self.ctx.device.type,
+                                                getattr(torch, self._compute_dtype())),
+                "optimizer": optimizer_implementation(self.optimizer),
                 "resumed_from": self.resumed_from, "initialized_from": self.initialized_from,
                 "lora_base": self.lora_base}
+
+    def _compute_dtype(self) -> str:
+        """Activations' dtype: ``train.autocast_dtype``, bfloat16 under ``train.bf16``, else ``model.params_dtype``."""
+        return self.cfg.train.autocast_dtype or ("bfloat16" if self.cfg.train.bf16 else self.cfg.model.params_dtype)
 
     def run(self) -> TrainState:
         """Train until ``train.stop_at_step`` or ``train.train_steps``; validate and checkpoint on their periods."""

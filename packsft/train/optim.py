@@ -2,12 +2,16 @@
 
 Two backends (``optimizer.backend``):
 
-* ``torch``: ``torch.optim.AdamW`` (:func:`build_optimizer`), fp32 state replicated on every rank, clipped by
-  :func:`clip_grads`, scheduled by ``LambdaLR`` (:func:`build_scheduler`).
+* ``torch``: ``torch.optim.AdamW`` (:func:`build_optimizer`; fused where torch has the kernel), fp32 state replicated
+  on every rank, clipped by :func:`clip_grads`, scheduled by ``LambdaLR`` (:func:`build_scheduler`).
 * ``megatron``: ``megatron.core.optimizer.get_megatron_optimizer`` over a Megatron ``DistributedDataParallel``
   model (:func:`build_megatron_optimizer`): Adam(W) on fp32 master weights, optionally sharded over data parallelism
-  (``use_distributed_optimizer``), with its own TP-aware clipping; scheduled by :class:`ParamGroupSchedule`. On
-  CPU it runs through ``packsft.model.cpu_compat``'s optimizer shim.
+  (``use_distributed_optimizer``); its inner torch AdamW switched to the fused kernel, its TP/DP-aware gradient norm
+  and clipping done on the device (:func:`megatron_step_unless_non_finite`, ``packsft.train.grad_clip``); scheduled
+  by :class:`ParamGroupSchedule`. On CPU it runs through ``packsft.model.cpu_compat``'s optimizer shim.
+
+A step reads one value back to the host: the decision to skip a step whose loss or gradient norm is not finite
+(:func:`megatron_step_unless_non_finite`, ``Trainer.step_tensors``).
 
 Both are checkpointed through ``dist_checkpointing`` (``packsft.train.checkpoint``).
 """
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from packsft.train.config import OptimizerConfig, SchedulerConfig
+from packsft.train.grad_clip import clip_to_norm, megatron_grad_norm, total_norm, use_fused_adamw
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -44,9 +49,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """``torch.optim.AdamW`` over :func:`param_groups` with ``cfg``'s lr, betas and eps (``foreach`` default)."""
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    """``torch.optim.AdamW`` over :func:`param_groups` with ``cfg``'s lr, betas and eps; the fused kernel where torch
+    has one for the parameters' device (``packsft.train.grad_clip.use_fused_adamw``), else ``foreach``."""
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    use_fused_adamw(optimizer)
+    return optimizer
 
 
 def build_megatron_optimizer(model: torch.nn.Module | list[torch.nn.Module], cfg: OptimizerConfig, *, bf16: bool):
@@ -54,9 +62,11 @@ def build_megatron_optimizer(model: torch.nn.Module | list[torch.nn.Module], cfg
     one per virtual pipeline stage).
 
     ``OptimizerConfig(optimizer="adam")`` with ``cfg``'s lr, betas, eps, weight decay (decoupled: AdamW) and
-    ``clip_grad``; ``bf16`` keeps fp32 master weights of bf16 parameters; ``use_distributed_optimizer`` as in
-    ``cfg`` (must match the DDP config). Megatron groups parameters by ``wd_mult`` (0 for 1-D parameters and biases,
-    as :func:`param_groups`); :func:`apply_optimizer_settings` sets each group's ``weight_decay`` from it.
+    ``clip_grad``; the inner torch AdamW uses the fused kernel where torch has one (Megatron builds it without
+    ``fused=True`` when TE/Apex are absent); ``bf16`` keeps fp32 master weights of bf16 parameters;
+    ``use_distributed_optimizer`` as in ``cfg`` (must match the DDP config). Megatron groups parameters by
+    ``wd_mult`` (0 for 1-D parameters and biases, as :func:`param_groups`); :func:`apply_optimizer_settings` sets
+    each group's ``weight_decay`` from it.
 
     Returns:
         A ``megatron.core.optimizer.MegatronOptimizer`` (a ``ChainedOptimizer``); ``step()`` returns
@@ -77,7 +87,8 @@ def build_megatron_optimizer(model: torch.nn.Module | list[torch.nn.Module], cfg
 
 def apply_optimizer_settings(optimizer, cfg: OptimizerConfig) -> None:
     """Set each group's ``weight_decay`` (``cfg.weight_decay`` for matrices, 0 for 1-D parameters), ``betas`` and
-    ``eps`` from ``cfg``: after a resume, whose ``load_state_dict`` restored the checkpoint's.
+    ``eps`` from ``cfg``, and the fused AdamW kernel: after a resume, whose ``load_state_dict`` restored the
+    checkpoint's.
 
     torch groups (:func:`param_groups`) are told apart by ``name``; Megatron groups by ``wd_mult``.
     """
@@ -88,6 +99,7 @@ def apply_optimizer_settings(optimizer, cfg: OptimizerConfig) -> None:
             group["betas"] = (cfg.adam_beta1, cfg.adam_beta2)
         if "eps" in group:
             group["eps"] = cfg.adam_eps
+    use_fused_adamw(optimizer)
 
 
 class ParamGroupSchedule:
@@ -174,17 +186,12 @@ def grad_norm(params: Iterable[torch.nn.Parameter], tp_group: dist.ProcessGroup 
     replicated parameters ``tp`` times and sharded ones only locally.
 
     Returns:
-        fp32 scalar tensor on the gradients' device; 0 when no parameter has a gradient.
+        fp32 scalar tensor on the gradients' device (no host read); 0 when no parameter has a gradient.
     """
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if param_is_not_tensor_parallel_duplicate(p):
-            total += p.grad.detach().float().pow(2).sum()
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=tp_group)
-    return total.sqrt()
+    grads = [p.grad.detach() for p in params if param_is_not_tensor_parallel_duplicate(p)]
+    return total_norm(grads, tp_group, device)
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group: dist.ProcessGroup | None) -> None:
@@ -202,30 +209,27 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_g
         grad.copy_(synced)
 
 
-def megatron_step_unless_non_finite(optimizer, loss_sum: torch.Tensor) -> tuple[bool, float]:
-    """``MegatronOptimizer.step()`` split as Megatron splits it, skipping the update when anything is not finite.
+def megatron_step_unless_non_finite(optimizer, loss_sum: torch.Tensor) -> tuple[bool, torch.Tensor]:
+    """``MegatronOptimizer.step()`` split as Megatron splits it, skipping the update when anything is not finite, with
+    one host read.
 
     ``prepare_grads`` (main grads into the fp32 master grads; ``found_inf`` under a loss scaler), the TP/DP-aware
-    ``get_grad_norm`` (Megatron reads it back to the host, as its own ``step`` does), then, only when that norm and
-    ``loss_sum`` are finite: clipping to each optimizer's ``clip_grad`` (``clip_grad_by_total_norm_fp32``) and
+    gradient norm on the device (``packsft.train.grad_clip.megatron_grad_norm``: Megatron's ``get_grad_norm``
+    without its per-parameter and final ``.item()``), then one read, whether that norm and ``loss_sum`` are finite;
+    only then clipping of each optimizer's main grads to its ``clip_grad`` on the device and
     ``step_with_ready_grads`` (Adam, then the copy or all-gather back into the model weights).
 
     Returns:
-        ``(skipped, grad_norm)``; the grad norm is a float (NaN or inf when skipped for it).
+        ``(skipped, grad_norm)``; the grad norm an fp32 0-d tensor on ``loss_sum``'s device (NaN or inf when skipped
+        for it).
     """
-    import math
-
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
     found_inf = optimizer.prepare_grads()
-    norm = float(optimizer.get_grad_norm())
-    if found_inf or not math.isfinite(norm) or not bool(torch.isfinite(loss_sum)):
+    norm = megatron_grad_norm(optimizer, loss_sum.device)
+    if found_inf or not bool(torch.isfinite(norm + loss_sum)):      # the step's one host read
         return True, norm
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        params = opt.get_parameters()
-        if params and opt.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=norm,
-                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        if opt.config.clip_grad > 0.0:
+            clip_to_norm(opt.get_parameters(), opt.config.clip_grad, norm)
     optimizer.step_with_ready_grads()
     return False, norm
 
@@ -234,16 +238,12 @@ def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float,
                tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Scale gradients so their global norm (:func:`grad_norm`) is at most ``max_norm``; 0 disables clipping.
 
-    Scale ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``.
+    Scale ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``, on the device.
 
     Returns:
         The norm before clipping (fp32 scalar), for logging.
     """
     params = list(params)
     norm = grad_norm(params, tp_group)
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.detach().mul_(scale.to(p.grad.device, p.grad.dtype))
+    clip_to_norm(params, max_norm, norm)
     return norm

@@ -50,3 +50,35 @@ def test_tokenizer_folder_generation_config_is_kept(tmp_path, tokenizer_dir):
     derived = write_hf_checkpoint({"w": torch.zeros(4)}, hf_config("qwen2", eos_token_id=5), tmp_path / "hf2",
                                   tokenizer_dir=tokenizer_dir("qwen2.5"))
     assert json.loads((derived / "generation_config.json").read_text())["eos_token_id"] == 5
+
+
+def test_export_out_holding_other_files_is_refused(tmp_path, tokenizer_dir):
+    """export --out replaced a folder holding notes and subfolders whole (printed 'wrote', exit 0)."""
+    import pytest
+    from test_hf_convert_errors import _convert_tool
+
+    tool = _convert_tool()
+    state = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    out = write_hf_checkpoint(state, hf_config("llama"), tmp_path / "hf",
+                              tokenizer_dir=tokenizer_dir("smollm2-135m-instruct"), max_shard_bytes=16)
+    assert (out / "model-00002-of-00002.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+
+    def check(folder, *extra):
+        tool.refuse_foreign_out(tool.parse_args(["export", "--megatron", str(tmp_path / "mg"), "--out", str(folder),
+                                                 *extra]))
+
+    check(out, "--lora-adapter", str(tmp_path / "adapter"))     # a previous export and adapter are replaced
+    check(tmp_path / "empty")
+    check(tmp_path / "new")
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    with pytest.raises(ValueError, match=f"--out {out} holds files that are not a previous export: notes.txt, sub/; "
+                                         "the folder is replaced as a whole"):
+        check(out)
+    (tmp_path / "adapter" / "README.md").write_text("mine")
+    with pytest.raises(ValueError, match="--lora-adapter .*adapter holds files that are not a previous PEFT adapter "
+                                         "export: README.md;"):
+        check(tmp_path / "empty", "--lora-adapter", str(tmp_path / "adapter"))

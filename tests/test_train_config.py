@@ -102,6 +102,31 @@ def test_a_file_of_the_wrong_shape_is_named(tmp_path, text, message):
     assert str(err.value).startswith(f"invalid config {tmp_path / 'c.yaml'}: ") and message in str(err.value)
 
 
+def test_a_read_only_output_dir_is_one_line_naming_it(tmp_path, monkeypatch):
+    """Checked first at start (it was an OSError traceback where a file was first written in it)."""
+    import errno
+    import os
+    import tempfile
+
+    from packsft.train.loop import Trainer
+
+    out = tmp_path / "run"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.access(out, os.W_OK):       # root writes anyway: give it the refusal everyone else gets
+        def refuse(*args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(ValueError) as err:
+        Trainer(load_config(TINY, [f"logging.output_dir={out}"]))
+    assert str(err.value) == (f"logging.output_dir {out} is not writable (Permission denied); set logging.output_dir "
+                              "to a writable folder")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=f"logging.output_dir {tmp_path}/file/run is not writable \\({tmp_path}/file "
+                                         "is a file, not a folder\\)"):
+        Trainer(load_config(TINY, [f"logging.output_dir={tmp_path / 'file' / 'run'}"]))
+
+
 def test_missing_file():
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config("nope.yaml")

@@ -51,6 +51,8 @@ global mean. Per step: ``zero_grad_buffer``, forward/backward of every micro-bat
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
@@ -152,16 +154,38 @@ def _naming(checkpoint):
         raise
 
 
+def check_output_dir(output_dir: str | Path) -> None:
+    """Create ``logging.output_dir`` if needed and write and remove a probe file in it (first thing at start, on
+    every rank: each writes checkpoint files under it).
+
+    Raises:
+        ValueError: the folder cannot be created or written (read-only, no permission, a file in its path), naming
+            it and the reason.
+    """
+    out = Path(output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+        reason = f"{blocker} is a file, not a folder" if blocker else err.strerror or str(err)
+        raise ValueError(f"logging.output_dir {out} is not writable ({reason}); set logging.output_dir to a writable "
+                         "folder") from None
+
+
 class Trainer:
     """Everything one training process holds; build with a validated config, then :meth:`run`.
 
     Raises (at construction):
         ValueError: a layout that does not fit the world size, a tokenizer larger than ``model.vocab_size``, CPU
-            autocast, or any data/config error.
+            autocast, a ``logging.output_dir`` that cannot be written, or any data/config error.
     """
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        check_output_dir(cfg.logging.output_dir)
         ckpt.check_fresh_start(cfg.checkpoint.resume, cfg.logging.output_dir, cfg.checkpoint_dir)
         par = cfg.parallel
         self.ctx = init_distributed(par.tensor_model_parallel_size, par.context_parallel_size, par.backend,

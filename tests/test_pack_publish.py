@@ -221,3 +221,36 @@ def test_progress_counts_bytes_with_a_total(tmp_path, packed_sets, capsys):
     total = Path(src).stat().st_size
     size = tqdm.format_sizeof(total)
     assert "reading: 100%" in err and f"{size}/{size}" in err and "<00:00" in err, err[-300:]
+
+
+@pytest.mark.parametrize("stray", ["text", "json", "not_utf8", "folder", "relative"])
+def test_a_stray_publish_journal_is_one_error_line_naming_it(tmp_path, packed_sets, capsys, stray):
+    """A file at the journal's name that is not a journal packsft can finish (hand-made, or damaged): one error
+    line naming it, exit 2, the set beside it untouched (was a traceback, or an unnamed UnicodeDecodeError)."""
+    src, tok, sets = packed_sets
+    out = tmp_path / "rows.jsonl.packed"
+    assert cli.main(_argv(src, out, tok, 128)) == 0
+    journal = journal_path(out)
+    if stray == "folder":
+        journal.mkdir()
+    else:
+        journal.write_bytes({"text": b"notes", "json": b'{"renames": 3}', "not_utf8": b"\xff\xfe{",
+                             "relative": json.dumps({"format": "packsft-publish", "version": 1,
+                                                     "renames": [[".rows.tmp", "rows"]]}).encode()}[stray])
+    capsys.readouterr()
+    assert cli.main(_argv(src, out, tok, 256)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {journal}: ") and err.count("\n") == 1 and "remove" in err, err
+    assert journal.exists() and _set(out) == sets[128]
+
+
+def test_a_journal_whose_set_was_deleted_since_is_stale_and_removed(tmp_path, packed_sets):
+    """A run killed while publishing, whose folder was then emptied of its (visible) files: the journal's renames
+    cannot be finished (their temp files and outputs are gone), so it is stale; the next run packs anew."""
+    src, tok, sets = packed_sets
+    out = tmp_path / "rows.jsonl.packed"
+    journal = journal_path(out)
+    journal.write_text(json.dumps({"format": "packsft-publish", "version": 1, "removes": [],
+                                   "renames": [[str(tmp_path / ".rows.jsonl.packed.abcd1234.tmp"), str(out)]]}))
+    assert cli.main(_argv(src, out, tok, 128)) == 0
+    assert not journal.exists() and _set(out) == sets[128]

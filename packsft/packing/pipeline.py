@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import gc
 import json
 import multiprocessing as mp
@@ -1643,7 +1644,7 @@ def _run_pack(cfg: PackConfig) -> PackReport:
     spool_name = cfg.output + ".spool"
     with _Lock(cfg.output):
         journal = journal_path(cfg.output)
-        complete_publish(journal)  # a run killed while publishing: its set is complete, finish the renames
+        _finish_publish(journal)  # a run killed while publishing: its set is complete, finish the renames
         for final in {*paths.values(), *map(str, cache_paths(cfg.output)), str(journal), spool_name}:
             for stale in stale_temps(final):
                 if stale.is_dir():
@@ -1790,6 +1791,40 @@ def _signals_held(signals: tuple[int, ...] = _STOP_SIGNALS):
             _restore_handler(s, handler)
     if got:
         signal.raise_signal(got[0])  # to this thread: its handler (SIGTERM: exit 143) runs here
+
+
+def _finish_publish(journal: Path) -> None:
+    """Finish the renames of a publish that a killed run left in ``journal`` (:func:`packsft.io.complete_publish`),
+    under the writer lock.
+
+    A journal with a rename that can no longer be done (its temp file and its output both gone: the set was
+    deleted after the kill) is stale: there is nothing to finish, this run writes a whole new set, and the
+    journal is removed.
+
+    Raises:
+        PackError: ``journal`` is not a publish journal (a hand-made file, a folder, not UTF-8, another format,
+            relative paths) or a rename fails: one line naming it, saying to remove it.
+        OSError: the disk is full (ENOSPC, EDQUOT: the CLI's own message).
+    """
+    try:
+        complete_publish(journal)
+    except FileNotFoundError:
+        journal.unlink()
+    except (OSError, ValueError) as e:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        if isinstance(e, UnicodeDecodeError):
+            what = "not UTF-8 text, so not a packsft publish journal"
+        elif isinstance(e, IsADirectoryError) and e.filename == str(journal):
+            what = "a folder, not a packsft publish journal"
+        elif isinstance(e, OSError):
+            files = " -> ".join(str(f) for f in (e.filename, e.filename2) if f not in (None, str(journal)))
+            what = f"{e.strerror or e}{f' ({files})' if files else ''}"
+        else:
+            what = str(e)
+        hint = "" if "remove" in what else ("; a packer killed while publishing leaves this file, and this one "
+                                               "cannot be finished: remove it and re-run the packer")
+        raise PackError(f"{journal}: {what}{hint}") from None
 
 
 def _publish(paths: dict[str, str], temps: dict[str, Path]) -> None:

@@ -46,7 +46,8 @@ identical results (tested):
   the markers must give exactly the plain rendering, the template's end-of-turn text (learned once per
   template, e.g. ``<|im_end|>``) must follow each content, and its generation header must precede it;
 * otherwise (tool-call turns, templates that transform contents): turn ``i`` starts after
-  ``render(messages[:i], add_generation_prompt=True)`` and ends where ``render(messages[:i+1])`` ends,
+  ``render(messages[:i], add_generation_prompt=True)`` (after an empty generation prompt: after the role marker
+  the message renders itself, masked as on the fast path) and ends where ``render(messages[:i+1])`` ends,
   trailing whitespace removed; templates that place the system prompt or the tools before the last user
   turn, as Mistral's, are handled by finding that text in the whole rendering.
 """

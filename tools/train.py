@@ -21,9 +21,11 @@ described in docs/training.md. Outputs: ``<logging.output_dir>/metrics.jsonl``, 
 and ``checkpoints/``.
 
 Preemption: SIGTERM or SIGINT (Ctrl-C) (``train.save_on_sigterm: true``, the default) finishes the current step,
-writes a checkpoint and exits 0 (``stopped by SIGTERM after step N ...``); rerun the same command to resume (torchrun
-itself then exits 1: it re-raises the signal it forwarded). Under torchrun every worker dies with torchrun
-(``prctl(PR_SET_PDEATHSIG)``), and the checkpoint writer's helper process dies with its trainer.
+writes a checkpoint and exits 0 (``stopped by SIGTERM after step N ...``); rerun the same command to resume. Loader
+workers ignore both (the trainer decides). Signalled itself, torchrun forwards the signal and then exits 1 with its
+own ``SignalException`` traceback (it re-raises the signal); ``pkill -TERM -P <torchrun pid>`` (the trainers only)
+stops the run with torchrun exiting 0. Under torchrun every worker dies with torchrun (``prctl(PR_SET_PDEATHSIG)``),
+and the checkpoint writer's helper process dies with its trainer.
 
 Trust: no file of a checkpoint (``checkpoint.resume``) or of ``checkpoint.init_from`` runs code when read: JSON,
 ``torch.load(weights_only=True)``, and torch's ``.metadata`` through an unpickler that admits only its own classes; a

@@ -83,7 +83,7 @@ from packsft.model.lora import apply_lora, enable_input_gradients
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
-from packsft.train import process_guard
+from packsft.train import process_guard, run_lock
 from packsft.train.config import (
     Config,
     check_parallel_layout,
@@ -186,11 +186,13 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         check_output_dir(cfg.logging.output_dir)
-        ckpt.check_fresh_start(cfg.checkpoint.resume, cfg.logging.output_dir, cfg.checkpoint_dir)
+        refusal = run_lock.take_run_lock(cfg.logging.output_dir)    # rank 0, before anything in the folder is read
         par = cfg.parallel
         self.ctx = init_distributed(par.tensor_model_parallel_size, par.context_parallel_size, par.backend,
                                     seed=cfg.train.seed, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
                                     virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
+        run_lock.refuse_on_every_rank(refusal)                      # another trainer holds the folder: all ranks exit
+        ckpt.check_fresh_start(cfg.checkpoint.resume, cfg.logging.output_dir, cfg.checkpoint_dir)
         check_parallel_layout(cfg, self.ctx.world_size)
         dp = self.ctx.data_parallel_size
         self.micro_batches = cfg.train.global_batch_size // (cfg.loader.micro_batch_size * dp)

@@ -1,5 +1,6 @@
 """AdamW parameter groups, the warmup + decay schedule, and the TP-aware gradient norm / clipping."""
 
+import copy
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from packsft.train.optim import (
     clip_grads,
     grad_norm,
     optimizer_params,
+    param_groups,
     set_schedule_step,
 )
 
@@ -124,3 +126,51 @@ def test_megatron_optimizer_groups_take_the_configs_betas_and_eps(tmp_path, pack
     cfg = trainer.cfg.optimizer
     apply_optimizer_settings(trainer.optimizer, cfg)
     assert {(g["betas"], g["eps"]) for g in groups} == {((cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)}
+
+
+def test_adamw_is_fused_also_after_loading_a_foreach_checkpoint():
+    """build_optimizer takes torch's fused AdamW kernel (CPU has one since torch 2.4, CUDA always); a state saved by
+    the foreach path (step counters on the host) is switched back to fused by apply_optimizer_settings, and the
+    fused updates equal foreach's."""
+    from packsft.train.grad_clip import fused_adamw_supported, optimizer_implementation
+
+    assert fused_adamw_supported("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    twin.load_state_dict(model.state_dict())
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    fused = build_optimizer(model, cfg)
+    assert all(g["fused"] for g in fused.param_groups) and optimizer_implementation(fused) == "torch AdamW (fused)"
+    foreach = torch.optim.AdamW(param_groups(twin, 0.1), lr=1e-2, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                eps=cfg.adam_eps, foreach=True)
+    for step in range(3):
+        for m, opt in ((model, fused), (twin, foreach)):
+            m(torch.ones(2, 4) * step).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if step == 1:                                           # resume the fused run from foreach's state
+            fused.load_state_dict(copy.deepcopy(foreach.state_dict()))   # as read from a checkpoint
+            model.load_state_dict(twin.state_dict())
+            assert not any(g["fused"] for g in fused.param_groups)
+            apply_optimizer_settings(fused, cfg)
+            assert all(g["fused"] for g in fused.param_groups)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_megatron_optimizer_is_fused_and_its_norm_stays_on_the_device(tmp_path, packed,  # noqa: F811
+                                                                     parallel_state_1proc):  # noqa: F811
+    """Megatron's inner torch AdamW runs fused; packsft's device-side norm equals Megatron's get_grad_norm()."""
+    from packsft.train.grad_clip import megatron_grad_norm, optimizer_implementation
+
+    trainer = trainer_for(tmp_path, packed, optimizer={"backend": "megatron", "use_distributed_optimizer": True})
+    assert all(g["fused"] for g in trainer.optimizer.param_groups)
+    assert optimizer_implementation(trainer.optimizer) == "Megatron DistributedOptimizer, torch AdamW (fused)"
+    trainer.model.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    batch = trainer.next_micro_batches()[0]
+    trainer._token_loss(batch).backward()
+    trainer.optimizer.prepare_grads()
+    norm = megatron_grad_norm(trainer.optimizer, "cpu")
+    assert norm.shape == () and math.isclose(float(norm), trainer.optimizer.get_grad_norm(), rel_tol=1e-6)

@@ -143,7 +143,8 @@ def test_an_index_outside_the_dataset_is_named_with_the_sampler(after):
     with pytest.raises(SamplerError) as err:
         next(loader)
     assert str(err.value) == (f"sampler {__name__}.YieldsAfterRowZero yielded {after!r}, not a row index of the "
-                              "training data (0 to 4: 5 rows); a sampler must yield integers in range(len(data_source))")
+                              "training data (0 to 4: 5 rows); a sampler must yield integers in "
+                              "range(len(data_source))")
 
 
 def test_eval_shard_sampler_splits_without_overlap():

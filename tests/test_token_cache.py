@@ -23,6 +23,7 @@ from packsft.token_cache import HEADER, TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer
 
 TOK = "smollm2-135m-instruct"
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
 load_cached = functools.lru_cache(load_tokenizer)
 
 
@@ -234,6 +235,36 @@ def test_a_sidecar_edited_after_packing_does_not_vouch_for_the_cache(tmp_path, s
     write_sidecar(out, meta)
     with pytest.warns(TokenCacheNotice, match="records a token cache but not the rows file's size and hash"):
         assert PackedSFTDataset(out, tok, "chat-template", 128).token_cache is None
+
+
+def test_data_verify_hash_full_hashes_a_cache_over_the_auto_limit_whole(tmp_path, small, tokenizer_dir, monkeypatch):
+    """A cache file over 256 MiB (the limit lowered to 0 here) is checked at start by size and its first and last MiB
+    only; a byte changed between them (its recorded ends matching, as they would in a large file) passes that, and
+    the trainer's ``data.verify_hash: full`` hashes it whole and refuses it (it had no way to ask before)."""
+    from packsft import sidecar
+    from packsft.token_cache import ends_blake2b
+    from packsft.train.config import load_config
+    from packsft.train.data import build_datasets
+
+    copy, _, _ = small
+    out = copy(tmp_path)
+    tokens_path = cache_paths(out)[0]
+    data = bytearray(tokens_path.read_bytes())
+    data[len(data) // 2] ^= 1
+    tokens_path.write_bytes(bytes(data))
+    meta = read_sidecar(out)
+    meta["token_cache"]["tokens"]["ends_blake2b"] = ends_blake2b(tokens_path)
+    write_sidecar(out, meta)
+    monkeypatch.setattr(sidecar, "HASH_AUTO_LIMIT", 0)
+    overrides = [f"data.train_path={out}", f"data.tokenizer={tokenizer_dir(TOK)}", "data.max_seq_len=128",
+                 "data.split_validation_size=0", "validation.val_period=0", "validation.val_at_end=false"]
+    train, _ = build_datasets(load_config(TINY, overrides))
+    assert train.token_cache is not None and not train.rows_hash_checked
+    with pytest.raises(SidecarError, match=r"tokens.npy does not match its sidecar .*: its BLAKE2b is [0-9a-f]{40}, "
+                                           r"the sidecar records"):
+        build_datasets(load_config(TINY, [*overrides, "data.verify_hash=full"]))
+    with pytest.raises(ValueError, match=r"data.verify_hash must be one of \('auto', 'full'\), got 'always'"):
+        load_config(TINY, [*overrides, "data.verify_hash=always"])
 
 
 def test_no_token_cache_writes_none_and_removes_an_old_one(tmp_path, tokenizer_dir, capsys):

@@ -39,6 +39,7 @@ from packsft.model.config import (
 from packsft.model.lora import LoraConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
+VERIFY_HASH = ("auto", "full")
 INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std", "recompute_granularity",
                              "recompute_method", "recompute_num_layers", "recompute_modules")
 """``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight),
@@ -120,6 +121,10 @@ class DataConfig:
     """Pad token override, as given to the packer."""
     require_sidecar: bool = False
     """Refuse a packed file without ``<file>.meta.json`` instead of warning."""
+    verify_hash: str = "auto"
+    """How the packed files (rows, token cache) are checked against their sidecar at start: ``auto`` hashes a file
+    of at most 256 MiB whole and checks a larger one only by size (a token cache file also by the BLAKE2b of its
+    first and last MiB); ``full`` hashes every file whole (about 1 GB/s)."""
     validation: list[ValidationSourceConfig] = field(default_factory=list)
     """Named validation files ``[{name, path}]``, each evaluated and logged on its own."""
     validation_path: str | None = None
@@ -132,6 +137,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
         _positive("data", self, "max_seq_len", "samples_per_epoch")
+        if self.verify_hash not in VERIFY_HASH:
+            raise ValueError(f"data.verify_hash must be one of {VERIFY_HASH}, got {self.verify_hash!r}")
         if self.samples_per_epoch is not None and (self.train_path or len(self.train) == 1):  # it was ignored
             raise ValueError(f"data.samples_per_epoch ({self.samples_per_epoch}) sets the epoch of a mixture of "
                              "several data.train sources; with one source an epoch is all its rows")

@@ -88,7 +88,8 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
         return PackedSFTDataset(path, data.tokenizer, data.prompt_format, data.max_seq_len,
                                 cfg.parallel.context_parallel_size, pad_token=data.pad_token,
                                 chat_template=data.chat_template, require_sidecar=data.require_sidecar,
-                                sequence_parallel_size=cfg.parallel.sequence_parallel_size)
+                                sequence_parallel_size=cfg.parallel.sequence_parallel_size,
+                                verify_rows_hash=True if data.verify_hash == "full" else None)
 
     train, validation = {}, {}
     trained: dict[tuple[int, int], tuple[str, float]] = {}  # file identity -> (a source reading it, its split)

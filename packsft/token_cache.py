@@ -17,8 +17,9 @@ cut at ``L``, all that the loader's truncation keeps.
      length_0 .. length_{C-1}]     # each conversation's full length in tokens (stored: min(length, L))
 
 The sidecar records both files' size, BLAKE2b-160 and the BLAKE2b of their first and last MiB
-(:func:`file_fields`, checked by :func:`packsft.sidecar.check_token_cache`); the index carries the rows
-file's hash, tying the three files together. Nothing here unpickles (``allow_pickle=False``).
+(:func:`file_fields`, checked by :func:`packsft.sidecar.check_token_cache`: the whole hash of a file of at most
+256 MiB, or of any size with ``PackedSFTDataset(verify_rows_hash=True)``, the trainer's ``data.verify_hash: full``);
+the index carries the rows file's hash, tying the three files together. Nothing here unpickles (``allow_pickle=False``).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from packsft.data.dataset import RowError
     from packsft.data.samplers import SamplerError
     from packsft.io import atomic_open
-    from packsft.train.checkpoint import CheckpointSpaceError
+    from packsft.train.checkpoint import CheckpointSpaceError, CheckpointWriteError
     from packsft.train.distributed import destroy_distributed
     from packsft.train.loop import Trainer
     from packsft.train.model_checkpoint import unreadable_checkpoint_message
@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             state = trainer.run()
         except CheckpointSpaceError as err:
             print(f"error: {err.strerror}", file=sys.stderr)
+            return 1
+        except CheckpointWriteError as err:      # a dist_checkpointing writer process failed or died
+            print(f"error: {err}", file=sys.stderr)
             return 1
         except (RowError, SamplerError) as err:  # a row that does not tokenize (no sidecar); a sampler's bad index
             print(f"error: {err}", file=sys.stderr)

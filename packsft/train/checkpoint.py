@@ -69,9 +69,11 @@ from megatron.core.dist_checkpointing.optimizer import (
 from packsft.io import atomic_open, replace_dir, write_json_atomic
 from packsft.model.gpt import unwrap_model
 from packsft.train import process_guard
-from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError: this module's API
+from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError, CheckpointWriteError: this module's API
     CheckpointError,
+    CheckpointWriteError,
     check_partial_load,
+    checkpoint_write_error,
     is_adapter_key,
     load_dist_checkpoint,
 )
@@ -351,6 +353,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
 
     Raises:
         CheckpointSpaceError: a write failed for lack of space; ``latest`` and earlier checkpoints are intact.
+        CheckpointWriteError: a ``dist_checkpointing`` writer process failed or died (its error named); ditto.
     """
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / checkpoint_name(step), ckpt_dir / f"{checkpoint_name(step)}.tmp"
@@ -369,9 +372,12 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
             write_json_atomic(tmp / TRAIN_STATE, train_state)
     except BaseException as err:   # torch DCP's CheckpointException is a BaseException
         cause = None if isinstance(err, KeyboardInterrupt | SystemExit) else _out_of_space(err)
-        if cause is None:
+        if cause is not None:
+            raise _space_error(ckpt_dir, tmp, need_bytes, cause) from err
+        failed = checkpoint_write_error(err, tmp)
+        if failed is None:
             raise
-        raise _space_error(ckpt_dir, tmp, need_bytes, cause) from err
+        raise failed from err
     dist.barrier()
     if rank == 0:
         _publish(ckpt_dir, tmp, final, keep_last)

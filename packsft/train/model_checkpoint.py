@@ -147,6 +147,9 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
     to any TP size on load), ``model_config.json`` (``ModelConfig`` fields) and, when given,
     ``hf_config.json`` (the original HF config, reused on export). On CPU it needs the cuda shim of
     ``packsft.model.cpu_compat`` and the calling script needs an ``if __name__ == "__main__"`` guard.
+
+    Raises:
+        CheckpointWriteError: a ``dist_checkpointing`` writer process failed or died (on any rank).
     """
     from megatron.core import dist_checkpointing
 
@@ -158,7 +161,13 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
         tmp.mkdir(parents=True)
     barrier()
     process_guard.start_checkpoint_writer()     # its helper process dies with this one
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
+    try:
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
+    except BaseException as err:   # torch DCP's CheckpointException is a BaseException
+        failed = checkpoint_write_error(err, ckpt_dir)
+        if failed is None:
+            raise
+        raise failed from err
     barrier()
     if rank == 0:
         (tmp / MODEL_CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -169,6 +178,30 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
         replace_dir(tmp, ckpt_dir)
     barrier()
     return ckpt_dir
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint was not written: a ``dist_checkpointing`` writer failed or died (``str()``: one line naming the
+    folder, the rank and the writer's error, e.g. a missing dependency of Megatron-Core's writer)."""
+
+
+def checkpoint_write_error(err: BaseException, target: str | Path) -> CheckpointWriteError | None:
+    """torch's ``CheckpointException`` from ``dist_checkpointing.save`` into ``target`` as a
+    :class:`CheckpointWriteError` (None for any other exception). The rank that writes the metadata holds every
+    rank's failures (a writer's ``"Worker failure: ..."``: ``process_guard.write_buckets_supervised``); the
+    other ranks' exceptions are empty and point to it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(err, CheckpointException):
+        return None
+    failures = getattr(err, "failures", None) or {}
+    if failures:
+        rank, wrapped = next(iter(failures.items()))
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        reason = f"rank {rank}: {' '.join(str(exc).split()) or type(exc).__name__}"
+    else:
+        reason = "a checkpoint writer failed (the error line of global rank 0 names it)"
+    return CheckpointWriteError(f"cannot write checkpoint {target}: {reason}")
 
 
 def unreadable_checkpoint_message(err: BaseException) -> str:

@@ -12,7 +12,9 @@ a kill.
   signal sent to every process of the job does not break the save that follows) (Megatron-Core would start it
   without one on the first save and it would outlive a killed trainer); it is shut down at interpreter exit or by
   :func:`stop_checkpoint_writer`. The multiprocessing resource tracker ends by itself once the processes holding
-  its pipe (the trainer and the Manager) are gone.
+  its pipe (the trainer and the Manager) are gone. It also puts :func:`write_buckets_supervised` in place of
+  Megatron-Core's ``FileSystemWriterAsync.write_preloaded_data_multiproc``, whose wait on its forked writers has no
+  end when one of them dies (``count_queue.join()``; e.g. ``psutil`` missing: every writer raises before it reports).
 
 Only the standard library is imported at module level: the Manager's child process imports this module to run
 its initializer.
@@ -21,6 +23,7 @@ its initializer.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -141,7 +144,8 @@ def _writer_init(parent: int) -> None:
 
 
 def start_checkpoint_writer() -> None:
-    """Start ``dist_checkpointing``'s result-queue Manager with :func:`die_with_parent` (once per process).
+    """Start ``dist_checkpointing``'s result-queue Manager with :func:`die_with_parent` (once per process), and
+    have its file writers supervised (:func:`write_buckets_supervised`).
 
     Sets ``megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue``, which Megatron-Core
     creates lazily (without an initializer) when it is still ``None``. Main thread only (the death signal follows
@@ -150,6 +154,7 @@ def start_checkpoint_writer() -> None:
     global _writer_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(write_buckets_supervised)
     if filesystem_async._results_queue is not None:
         return
     import multiprocessing
@@ -171,3 +176,95 @@ def stop_checkpoint_writer() -> None:
     filesystem_async._results_queue = None
     _writer_manager.shutdown()
     _writer_manager = None
+
+
+WRITER_POLL_S = 0.2
+"""How often (seconds) :func:`write_buckets_supervised` looks whether a writer process has ended without a result."""
+
+
+def write_buckets_supervised(transform_list: list, use_msc: bool, rank: int, write_buckets: list,
+                             global_results_queue) -> None:
+    """Megatron-Core's ``FileSystemWriterAsync.write_preloaded_data_multiproc`` with a wait bounded by the writers'
+    lives: one forked process per write bucket runs Megatron's own ``write_preloaded_data``; a writer that ends
+    without handing in its result (an exception outside Megatron's ``try``, a signal, ``os._exit``) ends the wait.
+
+    Args and protocol as Megatron's (it is installed in its place): ``global_results_queue`` receives
+    ``{bucket index: [WriteResult, ...]}`` on success, else one exception, which Megatron's
+    ``retrieve_write_results`` turns into a ``CheckpointException`` on every rank (``"Worker failure: ..."``);
+    its text names the writer process and its error (``RuntimeError: psutil is not installed, ...``) or its exit
+    code (``-9``: killed). The writers ignore SIGTERM/SIGINT (a signal sent to the whole job lets the save
+    finish) and die with this process (:func:`forked_children_die_with_this_process`).
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results, count_queue = ctx.SimpleQueue(), ctx.JoinableQueue()
+    procs: list = []
+    outcome: dict[int, list] | BaseException | None = None
+    gc_was_enabled = gc.isenabled()
+    gc.disable()         # as Megatron: a collection in the forked writers would free the parent's CUDA tensors
+    try:
+        try:
+            for i, bucket in enumerate(write_buckets):
+                count_queue.put(i)
+                procs.append(ctx.Process(target=_write_bucket,
+                                         args=(transform_list, use_msc, i, bucket, results, count_queue)))
+                procs[-1].start()
+        except Exception as err:  # noqa: BLE001 - a fork that fails (EAGAIN, ENOMEM) fails the save
+            outcome = RuntimeError(f"rank {rank}: cannot start a checkpoint writer: {type(err).__name__}: {err}")
+        else:
+            outcome = _collect_writer_results(procs, results)
+    finally:
+        for p in procs:
+            if not isinstance(outcome, dict) and p.exitcode is None:   # failed or interrupted: stop the rest
+                p.kill()
+            if p.pid is not None:
+                p.join()
+        if gc_was_enabled:
+            gc.enable()
+    global_results_queue.put(outcome)
+
+
+def _collect_writer_results(procs: list, results) -> dict[int, list] | BaseException:
+    """Read each writer's ``(index, results or exception)`` until all are in, one failed, or one ended without
+    handing in its result (waking when a writer ends, at least every :data:`WRITER_POLL_S` seconds)."""
+    from multiprocessing.connection import wait
+
+    got: dict[int, list] = {}
+    while len(got) < len(procs):
+        if not results.empty():
+            idx, res = results.get()
+            if idx in got:                # Megatron's writer reported, then failed after it (memory probe)
+                continue
+            if isinstance(res, BaseException):
+                return RuntimeError(f"checkpoint writer process {idx} (pid {procs[idx].pid}) failed: "
+                                    f"{type(res).__name__}: {res}")
+            got[idx] = res
+            continue
+        ended = [i for i, p in enumerate(procs) if i not in got and p.exitcode is not None]
+        if ended and results.empty():     # a writer's put is in the pipe before it ends (SimpleQueue): none came
+            p = procs[ended[0]]
+            return RuntimeError(f"checkpoint writer process {ended[0]} (pid {p.pid}) ended with exit code "
+                                f"{p.exitcode} without handing in its part of the checkpoint")
+        wait([p.sentinel for p in procs if p.exitcode is None], WRITER_POLL_S)
+    return got
+
+
+def _write_bucket(transform_list: list, use_msc: bool, idx: int, bucket, results, count_queue) -> None:
+    """A forked writer: Megatron's ``write_preloaded_data`` for one bucket; an exception it lets out (its memory
+    probe runs outside its ``try``) is handed in as its result."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        FileSystemWriterAsync.write_preloaded_data(transform_list, idx, bucket, results, count_queue,
+                                                   use_fsync=True, use_msc=use_msc)
+    except BaseException as err:  # noqa: BLE001 - handed to the parent, which ends the save with it
+        import pickle
+
+        try:
+            pickle.dumps(err)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
+            err = RuntimeError(f"{type(err).__name__}: {err}")
+        results.put((idx, err))

@@ -53,6 +53,7 @@ def _trainer_on_a_held_folder(rank, world_size, config):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_every_rank_of_a_second_trainer_exits_with_the_refusal(tmp_path, packed):  # noqa: F811
     out = tmp_path / "run"

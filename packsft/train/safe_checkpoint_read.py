@@ -168,16 +168,16 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str | Path, metadata: Metadata | None = None):
         super().__init__(path)
-        self._metadata = metadata
+        self._dcp_metadata = metadata
 
     def read_metadata(self) -> Metadata:
         """The folder's ``Metadata`` (:func:`read_dcp_metadata`), read once."""
-        if self._metadata is None:
-            self._metadata = read_dcp_metadata(self.path)
-        if getattr(self._metadata, "storage_meta", None) is None:    # as torch's read_metadata
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
+        if self._dcp_metadata is None:
+            self._dcp_metadata = read_dcp_metadata(self.path)
+        if getattr(self._dcp_metadata, "storage_meta", None) is None:    # as torch's read_metadata
+            self._dcp_metadata.storage_meta = StorageMeta()
+        self._dcp_metadata.storage_meta.load_id = self.load_id
+        return self._dcp_metadata
 
     def read_data(self, plan, planner) -> Future[None]:
         """torch's ``read_data``, file by file, with ``planner.load_bytes`` given only weights-only contents."""
@@ -280,7 +280,9 @@ def load(sharded: dict, ckpt_dir: str | Path) -> dict:
     metadata = read_dcp_metadata(ckpt_dir) if (ckpt_dir / METADATA_FILE).exists() else None
     with _safe_readers(ckpt_dir, metadata):
         try:   # a Path: with a str, megatron's message for a missing common.pt fails (.iterdir() on the folder)
-            loaded = dist_checkpointing.load(sharded, ckpt_dir, common_strategy=WeightsOnlyCommonLoadStrategy())
+            loaded = dist_checkpointing.load(
+                sharded, ckpt_dir, sharded_strategy=megatron_torch_strategy.TorchDistLoadShardedStrategy(),
+                common_strategy=WeightsOnlyCommonLoadStrategy())   # whatever backend metadata.json names
         except BaseException as err:
             inner = failure_in(err)
             if isinstance(inner, CheckpointError):

@@ -40,7 +40,7 @@ $(PY):
 setup: $(PY)
 
 test: setup
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	TORCH_INDEX='$(TORCH_INDEX)' $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed"

@@ -43,6 +43,7 @@ def tokenizer_dir(shared_data: Path):
 # `make test` runs files whole in 2 processes (`--dist loadfile --no-loadscope-reorder`), handing out files in
 # collection order; starting with the longest keeps one long file from running alone at the end.
 LONGEST_FIRST = (
+    "test_plain_install.py",             # 305 (a fresh venv, then the tools)
     "test_pipeline_parallel.py",         # 289
     "test_hf_convert_pp.py",             # 219
     "test_train_preemption.py",          # 216

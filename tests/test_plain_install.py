@@ -5,8 +5,11 @@ tool under a time limit (a missing dependency of a library packsft drives hung t
 torch comes first, from where pip is configured to find the pinned CPU build, as ``make setup`` installs it
 (``TORCH_INDEX``: the same extra index as the Makefile's). Nothing here reads ``../shared/data`` (inputs:
 ``tiny_offline``). Opt out with ``PACKSFT_SKIP_PLAIN_INSTALL=1`` (e.g. a machine without a package index).
+A fast test checks that every third-party module packsft and its tools import is a declared dependency or extra.
 """
 
+import ast
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -15,7 +18,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from tiny_offline import MAX_SEQ_LEN, write_inputs
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "requirements" / "constraints-cpu.txt"
@@ -24,10 +34,38 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNI
 ENV.pop("PYTHONPATH", None)
 ENV.pop("VIRTUAL_ENV", None)
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("PACKSFT_SKIP_PLAIN_INSTALL") == "1", reason="PACKSFT_SKIP_PLAIN_INSTALL=1"),
-]
+RUNTIME_ONLY = {"psutil": "megatron-core's dist_checkpointing file writer (not declared by megatron-core)"}
+"""Distributions a library packsft drives needs at run time without declaring them."""
+
+
+def imported_modules(*folders: str) -> dict[str, str]:
+    """Top-level third-party modules imported anywhere in ``folders`` (absolute imports), with one file each."""
+    found = {}
+    for folder in folders:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in ("packsft", "__future__"):
+                        found.setdefault(top, str(path.relative_to(REPO)))
+    return found
+
+
+def test_every_import_and_runtime_need_is_declared():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    base = {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
+    extras = {canonicalize_name(Requirement(r).name) for reqs in project["optional-dependencies"].values()
+              for r in reqs}
+    dists = importlib.metadata.packages_distributions()
+    missing = []
+    for module, where in imported_modules("packsft", "tools").items():
+        names = {canonicalize_name(d) for d in dists.get(module, [module])}   # not installed: its own name
+        if not names & (base | extras):
+            missing.append(f"{module} ({where}; distribution {sorted(names)})")
+    missing += [f"{name}: {why}" for name, why in RUNTIME_ONLY.items() if name not in base]
+    assert not missing, "imported or needed but not declared in pyproject.toml: " + "; ".join(missing)
 
 
 def run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
@@ -52,6 +90,8 @@ def plain_python(tmp_path_factory) -> str:
     return str(venv / "bin" / "python")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("PACKSFT_SKIP_PLAIN_INSTALL") == "1", reason="PACKSFT_SKIP_PLAIN_INSTALL=1")
 def test_plain_install_runs_import_pack_train_resume_export(plain_python, tmp_path):
     py = plain_python
     extras = run([py, "-c", "import importlib.util as u; print([m for m in ('peft', 'gguf', 'datasets', 'ray', "

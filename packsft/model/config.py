@@ -60,6 +60,8 @@ class ModelConfig:
             ``torch`` backend the linear and embedding weights take it, while the local spec's RMSNorm
             weights stay fp32 (``WrappedTorchNorm`` ignores ``params_dtype``).
         init_method_std: standard deviation of the normal weight init.
+        bias_activation_fusion: Megatron's fused SwiGLU (``bias_swiglu_impl``: ``torch.compile``d, works without
+            TransformerEngine; needs Triton on CUDA, a C++ compiler on CPU). Same values as unfused; shapes no weight.
         recompute_granularity: activation recompute (Megatron's names): ``None`` (keep every activation),
             ``"selective"`` (recompute the ``recompute_modules`` of every layer in backward) or ``"full"``
             (keep only each recomputed layer's input; rerun the layer in backward). Training mode only.
@@ -89,6 +91,7 @@ class ModelConfig:
     attention_backend: str = "torch"
     params_dtype: str = "float32"
     init_method_std: float = 0.02
+    bias_activation_fusion: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -126,6 +129,8 @@ class ModelConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"model.params_dtype must be one of {tuple(PARAMS_DTYPES)}, "
                              f"got {self.params_dtype!r}")
+        if not isinstance(self.bias_activation_fusion, bool):
+            raise ValueError(f"model.bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
         if self.rope_scaling_factor is not None and not 0 < self.rope_scaling_factor < math.inf:
             raise ValueError(f"model.rope_scaling_factor must be a finite number > 0 or None, "
                              f"got {self.rope_scaling_factor!r}")
@@ -243,7 +248,7 @@ class ModelConfig:
             batch_p2p_comm=vp is None,
             sequence_parallel=sequence_parallel and tp > 1,
             use_cpu_initialization=not torch.cuda.is_available(),
-            bias_activation_fusion=False,
+            bias_activation_fusion=self.bias_activation_fusion,
             bias_dropout_fusion=False,
             masked_softmax_fusion=False,
             persist_layer_norm=False,

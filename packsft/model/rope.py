@@ -53,6 +53,7 @@ def thd_positions(cu_seqlens: Tensor, local_tokens: int, cp_size: int = 1, cp_ra
     return start + in_segment, start
 
 
+@torch.compiler.disable                      # the cache compares objects: keep it out of compiled layer graphs
 def _packed_freqs(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int, cp_rank: int) -> Tensor:
     """``freqs`` rows of each local token (``[t, 1, 1, d]``), cached for the micro-batch (same objects)."""
     key = (cu_seqlens, freqs, t.shape[0], cp_size, cp_rank)

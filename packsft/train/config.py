@@ -41,7 +41,7 @@ from packsft.model.lora import LoraConfig
 DECAY_STYLES = ("cosine", "linear", "constant")
 VERIFY_HASH = ("auto", "full")
 INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std", "recompute_granularity",
-                             "recompute_method", "recompute_num_layers", "recompute_modules")
+                             "recompute_method", "recompute_num_layers", "recompute_modules", "bias_activation_fusion")
 """``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight),
 and from a checkpoint resumed or exported."""
 INIT_ONLY_FREE_MODEL_KEYS = ("params_dtype",)
@@ -312,6 +312,9 @@ class TrainConfig:
     """Megatron mixed precision: bf16 parameters and activations (``Float16Module``), fp32 gradient accumulation
     and reduction (``main_grad``), fp32 master weights in the optimizer. Needs ``optimizer.backend: megatron``;
     exclusive with ``autocast_dtype``. Runs on CPU too."""
+    compile: bool = False
+    """``torch.compile`` each transformer layer (``packsft.model.compile``; the core attention stays eager). The first
+    steps pay the compile time (about a minute per distinct layer graph); off by default."""
 
     max_skipped_steps: int = 10
     """Steps in a row whose loss or gradient norm is not finite that are skipped (no update, counted in
@@ -324,6 +327,8 @@ class TrainConfig:
         """Raise ``ValueError`` naming the field for invalid values."""
         _positive("train", self, "global_batch_size", "train_steps", "stop_at_step")
         _positive("train", self, "max_skipped_steps", allow_zero=True)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"train.compile must be true or false, got {self.compile!r}")
         if not 0 <= self.seed < 2**63:  # torch.manual_seed overflows past 64 bits; negative seeds as loader.seed
             raise ValueError(f"train.seed must be in [0, 2**63), got {self.seed}")
         if self.autocast_dtype not in (None, *AUTOCAST_DTYPES):

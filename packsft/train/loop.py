@@ -78,6 +78,7 @@ from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_w
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.attention import describe_attention
+from packsft.model.compile import compile_transformer_layers
 from packsft.model.gpt import build_gpt_stages, unwrap_model
 from packsft.model.lora import apply_lora, enable_input_gradients
 from packsft.model.output_head import use_hidden_state_output
@@ -263,6 +264,8 @@ class Trainer:
                 if self.cfg.model.recompute_granularity == "full":
                     enable_input_gradients(gpt)
             gpt.to(self.ctx.device)
+            if self.cfg.train.compile:
+                compile_transformer_layers(gpt)
             if gpt.post_process:
                 use_hidden_state_output(gpt)
         if self.megatron:

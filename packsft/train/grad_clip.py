@@ -75,8 +75,10 @@ def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 def use_fused_adamw(optimizer) -> None:
     """Switch every ``torch.optim.AdamW`` group in ``optimizer`` (torch's, or inside Megatron's) to the fused kernel
-    where :func:`fused_adamw_supported`, moving existing ``step`` counters to fp32 on the parameter's device as the
-    fused kernel keeps them (also after a checkpoint saved by the foreach path was loaded)."""
+    where :func:`fused_adamw_supported`, making existing ``step`` counters one fp32 tensor per parameter on its device
+    as the fused kernel keeps them (also after a checkpoint saved by the foreach path was loaded; Megatron's
+    distributed optimizer loads one counter shared by all parameters, which the kernel would advance once per
+    parameter)."""
     for opt in torch_optimizers(optimizer):
         if not isinstance(opt, torch.optim.AdamW):
             continue
@@ -86,8 +88,9 @@ def use_fused_adamw(optimizer) -> None:
             group["fused"], group["foreach"] = True, False
             for p in group["params"]:
                 state = opt.state.get(p)
-                if state and "step" in state:
-                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+                if state and "step" in state:     # a copy each: a loaded state may share one counter among all
+                    step = torch.as_tensor(state["step"]).detach()
+                    state["step"] = step.to(device=p.device, dtype=torch.float32, copy=True)
 
 
 def optimizer_implementation(optimizer) -> str:

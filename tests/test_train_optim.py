@@ -174,3 +174,18 @@ def test_megatron_optimizer_is_fused_and_its_norm_stays_on_the_device(tmp_path, 
     trainer.optimizer.prepare_grads()
     norm = megatron_grad_norm(trainer.optimizer, "cpu")
     assert norm.shape == () and math.isclose(float(norm), trainer.optimizer.get_grad_norm(), rel_tol=1e-6)
+
+
+def test_a_step_counter_shared_by_all_parameters_is_split():
+    """Megatron's distributed optimizer loads one ``step`` tensor into every parameter's state (no TE/Apex); the
+    fused kernel advances each parameter's counter, so a shared one would count once per parameter."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = build_optimizer(model, OptimizerConfig())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    shared = torch.tensor(1.0)
+    for state in opt.state.values():
+        state["step"] = shared
+    apply_optimizer_settings(opt, OptimizerConfig())
+    opt.step()
+    assert [float(s["step"]) for s in opt.state.values()] == [2.0] * 4 and float(shared) == 1.0

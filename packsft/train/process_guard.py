@@ -190,10 +190,11 @@ def write_buckets_supervised(transform_list: list, use_msc: bool, rank: int, wri
 
     Args and protocol as Megatron's (it is installed in its place): ``global_results_queue`` receives
     ``{bucket index: [WriteResult, ...]}`` on success, else one exception, which Megatron's
-    ``retrieve_write_results`` turns into a ``CheckpointException`` on every rank (``"Worker failure: ..."``);
-    its text names the writer process and its error (``RuntimeError: psutil is not installed, ...``) or its exit
-    code (``-9``: killed). The writers ignore SIGTERM/SIGINT (a signal sent to the whole job lets the save
-    finish) and die with this process (:func:`forked_children_die_with_this_process`).
+    ``retrieve_write_results`` turns into a ``CheckpointException`` on every rank (``"Worker failure: ..."``):
+    the error Megatron's writer caught (e.g. an ``OSError``, errno kept), else a ``RuntimeError`` naming the writer
+    process and what it let out (``RuntimeError: psutil is not installed, ...``) or its exit code (``-9``:
+    killed). The writers ignore SIGTERM/SIGINT (a signal sent to the whole job lets the save finish) and die with
+    this process (:func:`forked_children_die_with_this_process`).
     """
     import multiprocessing
 
@@ -236,9 +237,8 @@ def _collect_writer_results(procs: list, results) -> dict[int, list] | BaseExcep
             idx, res = results.get()
             if idx in got:                # Megatron's writer reported, then failed after it (memory probe)
                 continue
-            if isinstance(res, BaseException):
-                return RuntimeError(f"checkpoint writer process {idx} (pid {procs[idx].pid}) failed: "
-                                    f"{type(res).__name__}: {res}")
+            if isinstance(res, BaseException):   # as Megatron: its own (an OSError keeps its errno), or ours
+                return res
             got[idx] = res
             continue
         ended = [i for i, p in enumerate(procs) if i not in got and p.exitcode is not None]
@@ -261,10 +261,5 @@ def _write_bucket(transform_list: list, use_msc: bool, idx: int, bucket, results
         FileSystemWriterAsync.write_preloaded_data(transform_list, idx, bucket, results, count_queue,
                                                    use_fsync=True, use_msc=use_msc)
     except BaseException as err:  # noqa: BLE001 - handed to the parent, which ends the save with it
-        import pickle
-
-        try:
-            pickle.dumps(err)
-        except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
-            err = RuntimeError(f"{type(err).__name__}: {err}")
-        results.put((idx, err))
+        results.put((idx, RuntimeError(f"checkpoint writer process {idx} (pid {os.getpid()}) failed: "
+                                       f"{type(err).__name__}: {err}")))

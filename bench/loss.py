@@ -9,11 +9,16 @@ CUDA peak is ``torch.cuda.max_memory_allocated`` minus the allocation before the
 Variants: ``naive`` (``F.cross_entropy`` on full logits), ``megatron`` (Megatron-Core
 ``tensor_parallel.vocab_parallel_cross_entropy`` on full logits, TP=1, times ``loss_mask``) and
 ``chunked-<c>`` (``packsft.loss.fused_linear_cross_entropy``, chunk of ``c`` tokens). The peaks include
-the weight gradient (``v * h * 4`` bytes in fp32), which every variant must produce.
+the weight gradient (``v * h * 4`` bytes in fp32), which every variant must produce. ``--warmup`` untimed steps
+come first; the time is the fastest of ``--repeats`` steps, the memory the first's. Each chunked row says whether it
+meets issue 41's target (within 1.2x naive's time at <= 0.1x its memory) and each table ends with the chunk sizes
+that do: what the default chunk size is chosen from.
 
     python bench/loss.py                                    # t=4096, v in {32768, 131072}, CPU, fp32
     python bench/loss.py --t 4096 16384 --chunk-sizes 256 1024
     python bench/loss.py --device cuda --dtype bf16 --t 4096 16384
+    python bench/loss.py --device cuda --dtype bf16 --t 32768 --v 131072 --h 4096 --chunk-sizes 1024 2048 4096 8192 \
+        --repeats 3                                         # issue 41's target shape (bench/gpu_check.sh, part loss)
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 import time
 
 MIB = 2**20
+TARGET_TIME, TARGET_MEMORY = 1.2, 0.1   # issue 41: chunked fused CE within 1.2x naive's time at <= 0.1x its memory
 
 
 def _parse(argv=None):
@@ -39,6 +45,8 @@ def _parse(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     p.add_argument("--repeats", type=int, default=1, help="timed steps (the first one also measures memory)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps first (GEMM heuristics, allocator growth, lazy initialisation)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -56,8 +64,8 @@ def _free_memory_bytes(device: str) -> int:
 def _estimated_bytes(variant: str, t: int, v: int, h: int, elem: int) -> int:
     """Rough peak of a variant above baseline (from the measurements in docs/loss.md)."""
     weight_grad = v * h * 4
-    if variant == "naive":  # logits, log-softmax, its gradient, logits gradient
-        return 4 * t * v * max(elem, 4) + weight_grad
+    if variant == "naive":  # logits, fp32 copy, log-softmax, its gradient (49,152 MiB at 32K x 128K bf16 on an H200)
+        return t * v * (2 * elem + 8) + weight_grad
     if variant == "megatron":  # logits (upcast), exp in place, gradient in place
         return int(1.3 * t * v * 4) + weight_grad
     chunk = int(variant.split("-")[1])
@@ -122,6 +130,9 @@ def _worker(args) -> dict:
     loss_mask = (labels != -100).float()
     (hidden[:8] @ weight[:8].t()).sum()  # load the GEMM library before the baseline
     cuda = args.device == "cuda"
+    for _ in range(args.warmup):
+        hidden.grad = weight.grad = None
+        _step(args.worker, hidden, weight, labels, loss_mask)
     times = []
     for i in range(args.repeats):
         hidden.grad = weight.grad = None
@@ -151,7 +162,7 @@ def _run_variant(args, variant: str, t: int, v: int) -> dict | str:
         return f"skipped: needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--t", str(t), "--v", str(v),
            "--h", str(args.h), "--dtype", args.dtype, "--device", args.device,
-           "--threads", str(args.threads), "--repeats", str(args.repeats)]
+           "--threads", str(args.threads), "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
@@ -162,15 +173,27 @@ def _ratio(res: dict, ref: dict | str | None, key: str) -> str:
     return f"{res[key] / ref[key]:.2f}" if isinstance(ref, dict) else "-"
 
 
+def _target(res: dict, naive: dict | str | None) -> str:
+    """Whether a chunked row meets the target: within ``TARGET_TIME`` x naive's time at <= ``TARGET_MEMORY`` x its
+    memory."""
+    if not isinstance(naive, dict):
+        return ""
+    missed = [what for what, ok in (("time", res["time_s"] <= TARGET_TIME * naive["time_s"]),
+                                    ("memory", res["peak_mib"] <= TARGET_MEMORY * naive["peak_mib"])) if not ok]
+    return f"  target: misses ({' and '.join(missed)})" if missed else "  target: meets"
+
+
 def main(argv=None) -> None:
-    """Run every variant for every (t, v) and print one table per size."""
+    """Run every variant for every (t, v) and print one table per size, then the chunk sizes against the target."""
     args = _parse(argv)
     if args.worker:
         print(json.dumps(_worker(args)))
         return
     variants = ["naive", "megatron"] + [f"chunked-{c}" for c in args.chunk_sizes]
-    print(f"device={args.device} dtype={args.dtype} h={args.h} threads={args.threads or 'default'}; "
-          "peak = memory above the pre-step baseline, incl. the weight gradient")
+    print(f"device={args.device} dtype={args.dtype} h={args.h} threads={args.threads or 'default'} "
+          f"warm-up={args.warmup} repeats={args.repeats} (time: the fastest repeat); "
+          "peak = memory above the pre-step baseline, incl. the weight gradient; "
+          f"target: chunked within {TARGET_TIME}x naive's time at <= {TARGET_MEMORY}x its memory")
     for t in args.t:
         for v in args.v:
             print(f"\nt={t} v={v}  (full fp32 logits: {t * v * 4 / MIB:.0f} MiB, "
@@ -187,7 +210,14 @@ def main(argv=None) -> None:
                 print(f"{variant:<14}{res['peak_mib']:>10.0f}{res['time_s']:>9.2f}"
                       f"{_ratio(res, naive, 'peak_mib'):>11}{_ratio(res, naive, 'time_s'):>12}"
                       f"{_ratio(res, meg, 'peak_mib'):>14}  "
-                      f"{res['loss']:.6g} / {res['grad_norm']:.6g}", flush=True)
+                      f"{res['loss']:.6g} / {res['grad_norm']:.6g}"
+                      f"{_target(res, naive) if variant.startswith('chunked') else ''}", flush=True)
+            meeting = [c for c in args.chunk_sizes if isinstance(rows[f"chunked-{c}"], dict)
+                       and _target(rows[f"chunked-{c}"], rows.get("naive")) == "  target: meets"]
+            if isinstance(rows.get("naive"), dict):
+                fastest = min(meeting, key=lambda c: rows[f"chunked-{c}"]["time_s"], default=None)
+                print(f"chunk sizes meeting the target: {', '.join(map(str, meeting)) or 'none'}"
+                      + (f"; fastest: {fastest}" if fastest else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@
 #
 # GPU_CHECK_PARTS (default "train loss attention") picks the parts; "profile" (not a default: about 2 minutes on an
 # H200) runs bench/gpu_profile_step.py on the same model and rows: GPU_CHECK_PARTS=profile bash bench/gpu_check.sh.
+# "variants" (not a default) runs bench/gpu_variants.py on the same model and rows: the step's variants side by side
+# (base / varlen / rope / fused_adam / swiglu / compile / stock_loss / te; GPU_CHECK_VARIANTS=a,b,... picks them,
+# GPU_CHECK_VARIANT_ARGS passes more arguments, e.g. "--cap-s 90"),
+# tables in variants.txt and variants.json; with it, the loss part runs only while at least 60 s are left of 540 s.
+# The one device run of docs/performance.md:
+#   GPU_CHECK_PARTS="variants loss" GPU_CHECK_ROWS=.gpu_check_data/rows8192/rows.jsonl.packed bash bench/gpu_check.sh
+#
+# GPU_CHECK_ROWS=<rows.jsonl.packed> reuses rows packed beforehand at the mode's row length (8192; 512 on CPU) with
+# the tokenizer below (sidecar, token cache and index beside them) instead of packing gsm8k here.
 #
 # GPU_CHECK_CPU=1 runs the same steps on CPU at toy sizes (gloo, tiny model, 512-token rows, part 3 skipped): what
 # the tests run, so the script fails on a GPU machine only for a reason that needs the GPU.
@@ -56,7 +65,10 @@ DATA=${GPU_CHECK_DATA:-}
 if [ -z "$DATA" ]; then
   if [ -d ../shared/data ]; then DATA=$(cd ../shared/data && pwd); else DATA=$REPO/.gpu_check_data; fi
 fi
-for need in "$DATA/chat/gsm8k_train.messages.jsonl" "$DATA/tokenizers/smollm2-135m-instruct"; do
+ROWS=${GPU_CHECK_ROWS:-}
+NEEDS=("$DATA/tokenizers/smollm2-135m-instruct")
+if [ -n "$ROWS" ]; then NEEDS+=("$ROWS"); else NEEDS+=("$DATA/chat/gsm8k_train.messages.jsonl"); fi
+for need in "${NEEDS[@]}"; do
   [ -e "$need" ] || { echo "error: $need not found (GPU_CHECK_DATA=$DATA; docs/parallelism.md says what to carry)" >&2
                       exit 2; }
 done
@@ -67,11 +79,15 @@ if [ "$CPU" = 1 ]; then
   MODEL="model.num_layers=2 model.hidden_size=64 model.ffn_hidden_size=128 model.num_attention_heads=4 \
 model.num_query_groups=2"
   LOSS_ARGS="--device cpu --dtype fp32 --t 1024 --v 8192 --h 256 --chunk-sizes 256"
+  VARIANTS=${GPU_CHECK_VARIANTS:-base,varlen,rope,fused_adam,stock_loss,te}; VLIMIT=300
+  VARIANT_ARGS=(train.bf16=false)  # fp32 on CPU: parity with base is exact there
 else
   SEQ=8192; STEPS=20; WARMUP=10; LINES=7473; BACKEND=nccl; LIMIT=150; GBS=4
   MODEL="model.num_layers=16 model.hidden_size=2048 model.ffn_hidden_size=8192 model.num_attention_heads=32 \
 model.num_query_groups=8"
-  LOSS_ARGS="--device cuda --dtype bf16 --t 32768 --v 131072 --h 4096 --chunk-sizes 4096"
+  LOSS_ARGS="--device cuda --dtype bf16 --t 32768 --v 131072 --h 4096 --chunk-sizes 1024 2048 4096 8192 --repeats 3"
+  VARIANTS=${GPU_CHECK_VARIANTS:-base,varlen,rope,fused_adam,swiglu,compile,stock_loss,te}; VLIMIT=380
+  VARIANT_ARGS=()
 fi
 
 echo "== environment"
@@ -85,18 +101,23 @@ EOF
 GPU=$(sed -n 's/.* device //p' "$RESULTS/environment.txt" | head -n 1)
 
 echo "== 1. trainer: ~1B model, $SEQ-token rows, bf16 + distributed optimizer, torch attention"
-head -n "$LINES" "$DATA/chat/gsm8k_train.messages.jsonl" >"$WORK/gsm8k.jsonl"
 TOK=$DATA/tokenizers/smollm2-135m-instruct
-timeout 120 $PY tools/pack_megatron_sft_jsonl.py --input "$WORK/gsm8k.jsonl" --output "$WORK/rows.jsonl.packed" \
-  --tokenizer "$TOK" --max-seq-length "$SEQ" --histogram "" --no-progress >"$LOGS/pack.log" 2>&1
-rc=$?
-bundle_logs
-row "pack-gsm8k-$SEQ" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
-  "rc=$rc; $(grep -m1 -e '^rows' -e '^error:' "$LOGS/pack.log")"
+if [ -n "$ROWS" ]; then
+  row "pack-gsm8k-$SEQ" "reused" "GPU_CHECK_ROWS=$ROWS"
+else
+  ROWS=$WORK/rows.jsonl.packed
+  head -n "$LINES" "$DATA/chat/gsm8k_train.messages.jsonl" >"$WORK/gsm8k.jsonl"
+  timeout 120 $PY tools/pack_megatron_sft_jsonl.py --input "$WORK/gsm8k.jsonl" --output "$ROWS" \
+    --tokenizer "$TOK" --max-seq-length "$SEQ" --histogram "" --no-progress >"$LOGS/pack.log" 2>&1
+  rc=$?
+  bundle_logs
+  row "pack-gsm8k-$SEQ" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" \
+    "rc=$rc; $(grep -m1 -e '^rows' -e '^error:' "$LOGS/pack.log")"
+fi
 # the run's settings, shared by the trainer runs and the profile (model, rows, bf16 + distributed optimizer)
 # shellcheck disable=SC2206
 SETTINGS=(--config configs/tiny_cpu.yaml $MODEL model.vocab_size=49152 model.tie_word_embeddings=true
-  model.max_position_embeddings="$SEQ" model.attention_backend=torch data.train_path="$WORK/rows.jsonl.packed"
+  model.max_position_embeddings="$SEQ" model.attention_backend=torch data.train_path="$ROWS"
   data.tokenizer="$TOK" data.max_seq_len="$SEQ" data.split_validation_size=0 validation.val_period=0
   validation.val_at_end=false optimizer.backend=megatron optimizer.use_distributed_optimizer=true
   optimizer.lr=1e-4 scheduler.min_lr=1e-5 train.bf16=true train.global_batch_size="$GBS" train.train_steps="$STEPS"
@@ -131,13 +152,31 @@ if part profile; then  # where a step's time goes (bench/gpu_profile_step.py); n
   row "profile" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; tables in profile.txt"
 fi
 
-if part loss; then
-  echo "== 2. fused loss vs stock loss"
+if part variants; then  # the step's variants side by side (bench/gpu_variants.py); not in the default parts
+  echo "== 1c. step variants: $VARIANTS"
   # shellcheck disable=SC2086
-  timeout 200 $PY bench/loss.py $LOSS_ARGS >"$RESULTS/loss_bench.txt" 2>&1
+  timeout "$VLIMIT" $PY bench/gpu_variants.py "${SETTINGS[@]}" logging.output_dir="$WORK/variants" \
+    ${VARIANT_ARGS[@]+"${VARIANT_ARGS[@]}"} --variants "$VARIANTS" ${GPU_CHECK_VARIANT_ARGS:-} \
+    --json "$RESULTS/variants.json" --text "$RESULTS/variants.txt" >"$LOGS/variants.log" 2>&1
   rc=$?
-  cat "$RESULTS/loss_bench.txt"
-  row "loss-bench" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in loss_bench.txt"
+  bundle_logs
+  cat "$RESULTS/variants.txt" 2>/dev/null
+  row "variants" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in variants.txt, log variants.log"
+fi
+
+if part loss; then
+  LOSS_LIMIT=200
+  part variants && LOSS_LIMIT=$(( 540 - SECONDS < 200 ? 540 - SECONDS : 200 ))  # the one device run's budget
+  if [ "$LOSS_LIMIT" -lt 60 ]; then
+    row "loss-bench" "skipped" "${SECONDS} s spent: under 60 s left of 540 s"
+  else
+    echo "== 2. fused loss vs stock loss"
+    # shellcheck disable=SC2086
+    timeout "$LOSS_LIMIT" $PY bench/loss.py $LOSS_ARGS >"$RESULTS/loss_bench.txt" 2>&1
+    rc=$?
+    cat "$RESULTS/loss_bench.txt"
+    row "loss-bench" "$([ $rc -eq 0 ] && echo ok || echo FAIL)" "rc=$rc; table in loss_bench.txt"
+  fi
 fi
 
 if part attention; then

@@ -1,7 +1,9 @@
-"""bench/gpu_variants.py at toy size on CPU (fp32): every variant CI can run is measured, matches base, and a variant
-over its time cap is a row, not the end of the run (the GPU figures are a bench)."""
+"""bench/gpu_variants.py at toy size on CPU (fp32), through the variants part of bench/gpu_check.sh on pre-packed rows
+(GPU_CHECK_ROWS): every variant CI can run is measured and matches base, and a variant over its time cap is a row, not
+the end of the run (the GPU figures are a bench)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,20 +23,17 @@ def test_variants_rows_parity_and_host_syncs_on_cpu(tmp_path, shared_data):
     subprocess.run([sys.executable, str(REPO / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(conversations),
                     "--output", str(packed), "--tokenizer", str(tok), "--max-seq-length", "512", "--histogram", "",
                     "--no-progress"], check=True, capture_output=True, timeout=120)
+    env = {**os.environ, "GPU_CHECK_CPU": "1", "GPU_CHECK_PARTS": "variants", "GPU_CHECK_ROWS": str(packed),
+           "GPU_CHECK_VARIANT_ARGS": "--caps varlen=0.001 --warmup 1 --timed 1", "OUT": str(tmp_path),
+           "GPU_CHECK_DATA": str(shared_data), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "WHEELS": str(tmp_path / "no-wheels")}
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], capture_output=True, text=True, env=env,
+                          timeout=400)
+    table = (tmp_path / "gpu_check.txt").read_text()
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]    # varlen failed on purpose (1 ms cap)
+    checks = [line.split()[:2] for line in table.splitlines()]
+    assert ["pack-gsm8k-512", "reused"] in checks and ["variants", "FAIL"] in checks, table
     out = tmp_path / "variants.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_variants.py"), "--config", str(REPO / "configs" / "tiny_cpu.yaml"),
-         "--variants", "base,varlen,rope,fused_adam,stock_loss,te", "--caps", "varlen=0.001", "--json", str(out),
-         "--text", str(tmp_path / "variants.txt"), "--warmup", "1", "--timed", "1",
-         "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
-         "model.num_query_groups=2", "model.vocab_size=49152", "model.tie_word_embeddings=true",
-         "model.max_position_embeddings=512", f"data.train_path={packed}", f"data.tokenizer={tok}",
-         "data.max_seq_len=512", "data.split_validation_size=0", "validation.val_period=0",
-         "validation.val_at_end=false", "train.global_batch_size=2", "optimizer.backend=megatron",
-         "optimizer.use_distributed_optimizer=true", "checkpoint.resume=none", "checkpoint.save_at_end=false",
-         f"logging.output_dir={tmp_path / 'run'}", "logging.tensorboard=false"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr[-3000:]        # varlen failed on purpose (its 1 ms cap)
     rows = {r["name"]: r for r in json.loads(out.read_text())["variants"]}
     assert list(rows) == ["base", "varlen", "rope", "fused_adam", "stock_loss", "te"]
     assert rows["varlen"]["ok"] is False and "time cap" in rows["varlen"]["error"]   # the run went on after it
@@ -49,3 +48,5 @@ def test_variants_rows_parity_and_host_syncs_on_cpu(tmp_path, shared_data):
     assert rows["base"]["syncs_per_step"] > rows["rope"]["syncs_per_step"] > rows["fused_adam"]["syncs_per_step"] == 1
     assert rows["base"]["attention_kernel"] == "sdpa per conversation (forced: base)"
     assert "FAIL  VariantTimeout" in (tmp_path / "variants.txt").read_text()
+    assert (rows["base"]["loss"], rows["base"]["grad_norm"]) == (rows["fused_adam"]["loss"],
+                                                                 rows["fused_adam"]["grad_norm"])

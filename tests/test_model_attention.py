@@ -177,6 +177,13 @@ def test_kernel_choice_by_device_dtype_and_varlen_signature(monkeypatch):
     assert select_attention_kernel("cpu", torch.float32).varlen is None
     assert "CPU fallback" in select_attention_kernel("cpu", torch.bfloat16).name
     assert select_attention_kernel("cuda", torch.float32).varlen is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))   # a T4
+    select_attention_kernel.cache_clear()
+    try:
+        assert "8.0" in select_attention_kernel("cuda", torch.bfloat16).name
+    finally:
+        select_attention_kernel.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))   # an H100
     calls = []
 
     def v210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):

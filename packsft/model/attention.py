@@ -135,14 +135,16 @@ def select_attention_kernel(device_type: str, dtype: torch.dtype) -> AttentionKe
     """The ``torch`` backend's kernel for activations of ``dtype`` on a ``device_type`` device; the same answer for
     the whole process.
 
-    ``varlen_attn (FlashAttention-2)`` on CUDA in bf16/fp16 when torch has it; else the per-conversation SDPA
-    fallback, named with the reason (CPU, fp32, torch without ``varlen_attn``).
+    ``varlen_attn (FlashAttention-2)`` on CUDA (compute capability 8.0+) in bf16/fp16 when torch has it; else the
+    per-conversation SDPA fallback, named with the reason (CPU, fp32, an older GPU, torch without ``varlen_attn``).
     """
     if device_type != "cuda":
         return AttentionKernel(f"sdpa per conversation ({device_type.upper()} fallback)", None)
     if dtype not in (torch.bfloat16, torch.float16):
         return AttentionKernel(f"sdpa per conversation ({str(dtype).replace('torch.', '')} fallback: "
                                "FlashAttention needs bf16/fp16)", None)
+    if torch.cuda.get_device_capability() < (8, 0):
+        return AttentionKernel("sdpa per conversation (FlashAttention-2 needs compute capability 8.0+)", None)
     kernel = _torch_varlen_kernel()
     if kernel is None:
         return AttentionKernel(f"sdpa per conversation (torch {torch.__version__} has no varlen_attn)", None)

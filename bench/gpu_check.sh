@@ -30,7 +30,7 @@
 # the tests run, so the script fails on a GPU machine only for a reason that needs the GPU.
 #
 # Inputs: GPU_CHECK_DATA, a folder with chat/gsm8k_train.messages.jsonl and tokenizers/smollm2-135m-instruct
-# (default ../shared/data, else .gpu_check_data/ carried beside the repo files); docs/parallelism.md says how to
+# (default ../shared/data, else .gpu_check_data/ carried beside the repo files); docs/performance.md says how to
 # prepare the wheels and the data.
 #
 #   bash bench/gpu_check.sh
@@ -69,7 +69,7 @@ ROWS=${GPU_CHECK_ROWS:-}
 NEEDS=("$DATA/tokenizers/smollm2-135m-instruct")
 if [ -n "$ROWS" ]; then NEEDS+=("$ROWS"); else NEEDS+=("$DATA/chat/gsm8k_train.messages.jsonl"); fi
 for need in "${NEEDS[@]}"; do
-  [ -e "$need" ] || { echo "error: $need not found (GPU_CHECK_DATA=$DATA; docs/parallelism.md says what to carry)" >&2
+  [ -e "$need" ] || { echo "error: $need not found (GPU_CHECK_DATA=$DATA; docs/performance.md says what to carry)" >&2
                       exit 2; }
 done
 row() { printf '%-30s %-8s %s\n' "$1" "$2" "$3" | tee -a "$TABLE"; }

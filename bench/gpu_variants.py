@@ -212,13 +212,15 @@ def _uncompile(trainer) -> None:
 def _inner_state(trainer) -> list[dict]:
     from packsft.train.grad_clip import torch_optimizers
 
-    return [{p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()}
-            for opt in torch_optimizers(trainer.optimizer)]
+    return [{p: {k: (v.to("cpu", copy=True), v.device) if torch.is_tensor(v) else v for k, v in s.items()}
+             for p, s in opt.state.items()} for opt in torch_optimizers(trainer.optimizer)]
 
 
 def snapshot(trainer) -> dict:
-    """The initial model weights, the inner torch optimizers' state (copies) and the schedule position."""
-    return {"params": [p.detach().clone() for p in trainer.model.parameters()], "state": _inner_state(trainer),
+    """The initial model weights, the inner torch optimizers' state (copies in host memory, so the device's peak
+    memory is the trainer's own) and the schedule position."""
+    return {"params": [p.detach().to("cpu", copy=True) for p in trainer.model.parameters()],
+            "state": _inner_state(trainer),
             "step": trainer.scheduler.last_epoch}
 
 
@@ -233,7 +235,7 @@ def restore(trainer, snap: dict) -> None:
     for opt, state in zip(torch_optimizers(trainer.optimizer), snap["state"]):
         opt.state.clear()
         for p, s in state.items():
-            opt.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            opt.state[p] = {k: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v for k, v in s.items()}
     if trainer.megatron:
         trainer.optimizer.reload_model_params()
         trainer.model.zero_grad_buffer()
@@ -400,14 +402,17 @@ def run_variant(trainer, name: str, steps, snap, args, flops, peak) -> dict:
             "first_steps_s": first, "last_loss": last_loss}
 
 
-def run_te_child(args, overrides) -> dict:
-    """``fused_adam`` with ``model.attention_backend=te`` in a child process of this script (own model and weights)."""
+def run_te_child(args, overrides, output_dir: str) -> dict:
+    """``fused_adam`` with ``model.attention_backend=te`` in a child process of this script (own model and weights,
+    run folder ``<output_dir>/te``: this process holds the lock of ``output_dir``)."""
     if importlib.util.find_spec("transformer_engine") is None:
         return {"name": "te", "ok": None, "error": "skipped: transformer_engine does not import"}
     out = Path(args.json or "variants.json").with_name("variants_te.json")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()                     # the child shares the device
     cmd = [sys.executable, __file__, "--config", args.config, "--variants", "fused_adam", "--json", str(out),
            "--warmup", str(args.warmup), "--timed", str(args.timed), "--cap-s", str(args.cap_s),
-           *overrides, "model.attention_backend=te"]
+           *overrides, "model.attention_backend=te", f"logging.output_dir={Path(output_dir) / 'te'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cap_s + 120)
     try:
         row = json.loads(out.read_text())["variants"][0]
@@ -494,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             cap = args.caps.get(name, args.compile_cap_s if name in ("swiglu", "compile") else args.cap_s)
             try:
                 if name == "te":
-                    row = run_te_child(args, overrides)
+                    row = run_te_child(args, overrides, trainer.cfg.logging.output_dir)
                 else:
                     with time_cap(cap):
                         row = run_variant(trainer, name, steps, snap, args, flops, peak)

@@ -54,7 +54,7 @@ pack: setup
 	  --algorithm $(ALGORITHM)
 
 train: setup
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) tools/train.py --config $(CONFIG) $(OVERRIDES)
+	$(PY) -m packsft.train.launch --standalone --nproc-per-node $(NPROC) tools/train.py --config $(CONFIG) $(OVERRIDES)
 
 demo: setup
 	bash examples/demo.sh

@@ -97,8 +97,8 @@ def test_sigterm_saves_exits_0_and_resumes_bit_exact(tmp_path, packed, parallel_
     assert_same_run(uninterrupted, stopped, steps=60)
 
 
-def _torchrun(cfg: Path, run_id: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def _torchrun(cfg: Path, run_id: str, launcher: str = "torch.distributed.run") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2",
                              str(REPO / "tools" / "train.py"), "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(run_id),
                             start_new_session=True)
@@ -115,9 +115,15 @@ def _worker(run_id: str, local_rank: int) -> int:
 
 def _stop(proc: subprocess.Popen, run_id: str, kill: str) -> None:
     """Send the stop of ``kill``: SIGTERM to torchrun or to its process group (Slurm, ``kill``), SIGINT to its
-    group (a terminal's Ctrl-C), SIGTERM to the trainers only."""
+    group (a terminal's Ctrl-C), SIGTERM to the trainers only, or to torchrun and every trainer (Slurm's
+    ``scancel``: each trainer gets it twice, once forwarded)."""
     if kill == "sigterm":
         os.kill(proc.pid, signal.SIGTERM)
+    elif kill == "sigterm_all":
+        trainers = [_worker(run_id, rank) for rank in (0, 1)]
+        os.kill(proc.pid, signal.SIGTERM)
+        for pid in trainers:
+            os.kill(pid, signal.SIGTERM)
     elif kill == "sigterm_group":
         os.killpg(proc.pid, signal.SIGTERM)
     elif kill == "sigint":
@@ -129,14 +135,17 @@ def _stop(proc: subprocess.Popen, run_id: str, kill: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("kill", "workers"), [("sigterm", 0), ("sigterm_group", 1), ("sigint", 0),
-                                               ("sigterm_trainers", 1), ("sigkill_worker", 0), ("sigkill_group", 1)])
-def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill, workers):  # noqa: F811
+@pytest.mark.parametrize(("kill", "workers", "launcher"), [
+    ("sigterm", 0, "torch.distributed.run"), ("sigterm_group", 1, "torch.distributed.run"),
+    ("sigint", 0, "torch.distributed.run"), ("sigterm_trainers", 1, "torch.distributed.run"),
+    ("sigterm_all", 1, "packsft.train.launch"), ("sigkill_worker", 0, "torch.distributed.run"),
+    ("sigkill_group", 1, "torch.distributed.run")])
+def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill, workers, launcher):  # noqa: F811
     run_id = uuid.uuid4().hex
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "c.yaml", packed, out, **COMMON, data={"train_path": str(packed["many"])},
                        loader={"num_workers": workers})
-    proc = _torchrun(cfg, run_id)
+    proc = _torchrun(cfg, run_id, launcher)
     try:
         latest = out / "checkpoints" / "latest"
         # after the first checkpoint the writer's Manager (and the resource tracker) exist
@@ -149,7 +158,9 @@ def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill, workers):
             signame = "SIGINT" if kill == "sigint" else "SIGTERM"
             assert f"stopped by {signame} after step" in text, text[-3000:]
             assert "]: Traceback" not in text and "DataLoader worker" not in text, text[-3000:]   # no trainer failed
-            if kill == "sigterm_trainers":       # torchrun sees its workers end with 0: so does it, without a word
+            if kill == "sigterm_trainers" or launcher != "torch.distributed.run":
+                # torchrun sees its workers end with 0: so does it, without a word; packsft's launcher forwards its
+                # signal instead of re-raising it
                 assert proc.returncode == 0 and "Traceback" not in text, text[-3000:]
             else:                                # torchrun re-raises the signal it forwarded (docs/training.md)
                 assert proc.returncode == 1 and f"SignalException: Process {proc.pid} got signal" in text, text[-3000:]

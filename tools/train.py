@@ -22,10 +22,11 @@ and ``checkpoints/``.
 
 Preemption: SIGTERM or SIGINT (Ctrl-C) (``train.save_on_sigterm: true``, the default) finishes the current step,
 writes a checkpoint and exits 0 (``stopped by SIGTERM after step N ...``); rerun the same command to resume. Loader
-workers ignore both (the trainer decides). Signalled itself, torchrun forwards the signal and then exits 1 with its
-own ``SignalException`` traceback (it re-raises the signal); ``pkill -TERM -P <torchrun pid>`` (the trainers only)
-stops the run with torchrun exiting 0. Under torchrun every worker dies with torchrun (``prctl(PR_SET_PDEATHSIG)``),
-and the checkpoint writer's helper process dies with its trainer.
+workers ignore both (the trainer decides). Signalled itself, stock torchrun forwards the signal and then exits 1 with
+its own ``SignalException`` traceback; ``python -m packsft.train.launch`` (torchrun's arguments) forwards it and exits
+0, also when Slurm signals every process of the job (a trainer under torchrun takes a repeated SIGTERM as the same
+request). Under torchrun every worker dies with torchrun (``prctl(PR_SET_PDEATHSIG)``), and the checkpoint writer's
+helper process dies with its trainer.
 
 Trust: no file of a checkpoint (``checkpoint.resume``) or of ``checkpoint.init_from`` runs code when read: JSON,
 ``torch.load(weights_only=True)``, and torch's ``.metadata`` through an unpickler that admits only its own classes; a

@@ -2,7 +2,9 @@
 a kill.
 
 * :data:`STOP_SIGNAL`: once installed, the first SIGTERM or SIGINT only sets a flag (the trainer finishes its step,
-  saves and exits 0); a second one takes the signal's default action (the process ends at once).
+  saves and exits 0); a second one takes the signal's default action (the process ends at once), except a repeated
+  SIGTERM under torchrun, which is the same request arriving twice (Slurm signals every process of a job, and
+  torchrun forwards its own copy) and is ignored.
 * :func:`die_with_parent`: ``prctl(PR_SET_PDEATHSIG)`` (Linux), so a process is killed when the one that started it
   dies, even by SIGKILL. ``tools/train.py`` sets it in torchrun's workers (torchrun starts them in their own
   sessions, so killing torchrun's process group misses them), and :func:`forked_children_die_with_this_process`
@@ -88,6 +90,12 @@ class StopSignal:
         self._previous, self.received, self._installed, self.action = {}, None, False, self.ACTION
 
     def _handle(self, signum, frame) -> None:
+        if self.received and signum == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ:
+            # under torchrun a repeated SIGTERM is the same request: Slurm signals every process of the job and
+            # torchrun forwards its copy; torchrun's own SIGKILL (after --shutdown-timeout) is the escalation
+            print(f"packsft: SIGTERM received again (pid {os.getpid()}): still {self.action}", file=sys.stderr,
+                  flush=True)
+            return
         if self.received:                     # a second stop signal: end now, as without the handler
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

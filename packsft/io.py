@@ -369,6 +369,11 @@ def complete_publish(journal: Path) -> bool:
         # process's folder would touch other files
         raise OSError(errno.EINVAL, "publish journal with relative paths (written by an older packsft): run the "
                                     "writer again from the folder it ran in, or remove the journal", str(journal))
+    foreign = _foreign_journal_paths(journal, pairs, removes)
+    if foreign:
+        # a journal only ever names its set's temp files (beside their outputs) and its set's own stale files
+        raise OSError(errno.EINVAL, f"publish journal naming files outside its set ({foreign}): nothing was renamed "
+                                    "or removed; remove the journal and re-run the writer", str(journal))
     for old in removes:
         old.unlink(missing_ok=True)
     for tmp, final in pairs:
@@ -382,6 +387,20 @@ def complete_publish(journal: Path) -> bool:
     journal.unlink(missing_ok=True)
     fsync_dir(journal.parent)
     return True
+
+
+def _foreign_journal_paths(journal: Path, pairs: list[tuple[Path, Path]], removes: list[Path]) -> str:
+    """The first path of a journal that :func:`publish_files` would not have written, or ``""``: a temp that is not
+    ``.FINAL.XXXXXXXX.tmp`` beside its final path, or a removed file outside the journal's folder or not named after
+    its set's main file (``.NAME.publish.json`` -> ``NAME*``)."""
+    main = journal.name[1:-len(".publish.json")] if journal.name.endswith(".publish.json") else None
+    for tmp, final in pairs:
+        if tmp.parent != final.parent or not (tmp.name.startswith(f".{final.name}.") and tmp.name.endswith(".tmp")):
+            return str(tmp)
+    for old in removes:
+        if main is None or old.parent != journal.absolute().parent or not old.name.startswith(main):
+            return str(old)
+    return ""
 
 
 _LOCK_FDS: set[int] = set()  # descriptors of the FileLocks this process holds

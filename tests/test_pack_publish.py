@@ -244,6 +244,36 @@ def test_a_stray_publish_journal_is_one_error_line_naming_it(tmp_path, packed_se
     assert journal.exists() and _set(out) == sets[128]
 
 
+@pytest.mark.parametrize("entry", ["removes", "renames", "renames_tmp_elsewhere"])
+def test_a_journal_naming_files_outside_its_set_touches_nothing(tmp_path, packed_sets, capsys, entry):
+    """A hand-made journal cannot make the packer delete or overwrite other files: it only ever finishes renames of
+    its set's temp files (``.FINAL.XXXXXXXX.tmp`` beside FINAL) and removes its set's own files (was: whatever the
+    journal named, anywhere)."""
+    src, tok, sets = packed_sets
+    out = tmp_path / "rows.jsonl.packed"
+    assert cli.main(_argv(src, out, tok, 128)) == 0
+    victims = tmp_path / "elsewhere"
+    victims.mkdir()
+    (victims / "notes.txt").write_text("keep me")
+    (victims / ".notes.txt.abcd1234.tmp").write_text("overwrite")
+    record = {"format": "packsft-publish", "version": 1, "removes": [], "renames": []}
+    if entry == "removes":
+        record["removes"] = [str(victims / "notes.txt")]
+    elif entry == "renames":
+        record["renames"] = [[str(victims / "notes.txt"), str(victims / "notes.jsonl")]]   # not a temp name
+    else:
+        record["renames"] = [[str(victims / ".notes.txt.abcd1234.tmp"), str(tmp_path / "notes.txt")]]
+    journal = journal_path(out)
+    journal.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert cli.main(_argv(src, out, tok, 256)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {journal}: ") and "outside its set" in err and err.count("\n") == 1, err
+    assert (victims / "notes.txt").read_text() == "keep me" and not (tmp_path / "notes.txt").exists()
+    assert not (victims / "notes.jsonl").exists()
+    assert _set(out) == sets[128]
+
+
 def test_a_journal_whose_set_was_deleted_since_is_stale_and_removed(tmp_path, packed_sets):
     """A run killed while publishing, whose folder was then emptied of its (visible) files: the journal's renames
     cannot be finished (their temp files and outputs are gone), so it is stale; the next run packs anew."""

@@ -55,7 +55,14 @@ def test_thd_matches_dense_block_diagonal_reference(attn):
     torch.testing.assert_close(out, _naive(q, k, v, _doc_causal_mask(CU)), atol=1e-5, rtol=0)
 
 
-def test_conversations_are_isolated(attn):
+@pytest.mark.parametrize("path", ["fallback", "varlen"])
+def test_conversations_are_isolated(attn, path):
+    """No token sees another conversation, on the per-conversation fallback and on the varlen path (driven by a
+    reference kernel of varlen_attn's contract)."""
+    if path == "varlen":
+        from packsft.model.attention import AttentionKernel
+
+        attn = _with_kernel(attn, AttentionKernel("reference", reference_varlen))
     q, k, v = _qkv(32, seed=2)
     psp = make_packed_seq_params(torch.tensor(CU), 12)
     base = attn(q, k, v, None, packed_seq_params=psp)

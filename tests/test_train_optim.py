@@ -167,6 +167,9 @@ def test_megatron_optimizer_is_fused_and_its_norm_stays_on_the_device(tmp_path, 
     trainer = trainer_for(tmp_path, packed, optimizer={"backend": "megatron", "use_distributed_optimizer": True})
     assert all(g["fused"] for g in trainer.optimizer.param_groups)
     assert optimizer_implementation(trainer.optimizer) == "Megatron DistributedOptimizer, torch AdamW (fused)"
+    summary = trainer.summary()                                 # the start-up lines
+    assert summary["optimizer"] == optimizer_implementation(trainer.optimizer)
+    assert summary["attention"] == "sdpa per conversation (CPU fallback)"
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     batch = trainer.next_micro_batches()[0]

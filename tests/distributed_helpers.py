@@ -120,3 +120,12 @@ def short_conversation_lines(shared_data, count: int, max_chars: int = 200) -> l
     short = [line for line in lines
              if sum(len(m.get("content") or "") for m in json.loads(line)["messages"]) <= max_chars]
     return short[:count]
+
+
+def own_output_dir(config_path) -> str:
+    """The override ``logging.output_dir=<config's folder>/out-pid<pid>``: each process that builds a Trainer from a
+    shared config gets a run folder of its own (a run folder is locked by the process whose rank 0 uses it)."""
+    from pathlib import Path
+
+    return f"logging.output_dir={Path(config_path).parent / f'out-pid{os.getpid()}'}"
+

@@ -24,7 +24,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from distributed_helpers import parallel_state_1proc, run_distributed, short_conversation_lines  # noqa: F401
+from distributed_helpers import (  # noqa: F401
+    own_output_dir,
+    parallel_state_1proc,
+    run_distributed,
+    short_conversation_lines,
+)
 
 from packsft.packing.pipeline import PackConfig, run_pack
 from packsft.sidecar import read_sidecar, sidecar_path, write_sidecar
@@ -114,7 +119,7 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
 
     cfg = load_config(config_path, [f"parallel.tensor_model_parallel_size={tp}",
                                     f"parallel.context_parallel_size={cp}", f"data.train_path={train_path}",
-                                    *overrides])
+                                    own_output_dir(config_path), *overrides])
     trainer = Trainer(cfg)
     batches = trainer.next_micro_batches()
     trainer.optimizer.step = lambda: None                    # both losses and all layouts see the initial weights

@@ -16,7 +16,7 @@ sequence parallelism, PP=2 x CP=2, and the isolation check at PP=4); the stop/re
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401
+from distributed_helpers import own_output_dir, parallel_state_1proc, run_distributed  # noqa: F401
 from test_parallel_checkpoint import _train, config  # noqa: F401 - fixture
 from test_parallel_parity import packed, setup  # noqa: F401 - fixtures
 
@@ -83,7 +83,7 @@ def full_grads(trainer) -> dict[str, torch.Tensor]:
 def _step(config_path: str, train_path: str, overrides: tuple[str, ...], full: dict | None) -> dict:
     from packsft.train.loop import Trainer
 
-    cfg = load_config(config_path, [*BASE, f"data.train_path={train_path}", *overrides])
+    cfg = load_config(config_path, [*BASE, own_output_dir(config_path), f"data.train_path={train_path}", *overrides])
     trainer = Trainer(cfg)
     if full is not None:
         load_full_weights(trainer, full)
@@ -195,7 +195,7 @@ def _isolation_worker(rank, world_size, config_path, train_path):
     """Logits at PP=4 of a row and of the row with one token of its second conversation changed (last stage)."""
     from packsft.train.loop import Trainer
 
-    trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}",
+    trainer = Trainer(load_config(config_path, [*BASE, own_output_dir(config_path), f"data.train_path={train_path}",
                                                 "parallel.pipeline_model_parallel_size=4"]))
     batch = trainer.next_micro_batches()[0]
     cu = batch["packed_seq_params"].cu_seqlens_q_padded.tolist()                 # row offsets
@@ -328,7 +328,8 @@ def _lora_weights(config_path: str, train_path: str) -> dict[str, torch.Tensor]:
     gets a gradient), seeded by name."""
     from packsft.train.loop import Trainer
 
-    trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}", *LORA]))
+    trainer = Trainer(load_config(config_path, [*BASE, own_output_dir(config_path), f"data.train_path={train_path}",
+                                                *LORA]))
     weights = {_global_name(g, n): p.detach().clone() for g in trainer.gpts for n, p in g.named_parameters()}
     weights["#initial adapters"] = {k: v.clone() for k, v in weights.items() if ".lora_" in k}
     for i, name in enumerate(sorted(k for k in weights if ".lora_" in k)):
@@ -339,7 +340,8 @@ def _lora_weights(config_path: str, train_path: str) -> dict[str, torch.Tensor]:
 def _lora_step(config_path: str, train_path: str, overrides: tuple[str, ...], full: dict) -> dict:
     from packsft.train.loop import Trainer
 
-    trainer = Trainer(load_config(config_path, [*BASE, f"data.train_path={train_path}", *LORA, *overrides]))
+    trainer = Trainer(load_config(config_path, [*BASE, own_output_dir(config_path), f"data.train_path={train_path}",
+                                                *LORA, *overrides]))
     initial = {_global_name(g, n): p.detach().clone() for g in trainer.gpts for n, p in g.named_parameters()
                if ".lora_" in n}
     load_full_weights(trainer, {k: v for k, v in full.items() if not k.startswith("#")})

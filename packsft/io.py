@@ -192,6 +192,21 @@ def _umask() -> int:
     return umask
 
 
+def unwritable_dir_reason(folder: str | Path) -> str | None:
+    """Create ``folder`` if needed and write and remove a probe file in it; ``None`` when that works, else why not
+    (``"<path> is a file, not a folder"`` for a file in its path, or the OS error's text)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        return f"{blocker} is a file, not a folder" if blocker else err.strerror or str(err)
+    return None
+
+
 def temp_path(path: str | Path) -> Path:
     """Create an empty temp file beside ``path`` named like :func:`atomic_open`'s (``.NAME.XXXXXXXX.tmp``).
 

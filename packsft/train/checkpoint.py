@@ -53,7 +53,6 @@ import pickle
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 
-from packsft.io import atomic_open, replace_dir, write_json_atomic
+from packsft.io import atomic_open, replace_dir, unwritable_dir_reason, write_json_atomic
 from packsft.model.gpt import unwrap_model
 from packsft.train import process_guard
 from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError, CheckpointWriteError: this module's API
@@ -151,16 +150,10 @@ def check_checkpoint_dir(ckpt_dir: str | Path, need_bytes: int) -> None:
             message gives both sizes).
     """
     ckpt_dir = Path(ckpt_dir)
-    try:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=ckpt_dir)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        blocker = next((p for p in (ckpt_dir, *ckpt_dir.parents) if p.exists() and not p.is_dir()), None)
-        reason = f"{blocker} is a file, not a folder" if blocker else err.strerror or err   # e.g. logging.output_dir
+    reason = unwritable_dir_reason(ckpt_dir)            # a file in its path: e.g. logging.output_dir naming a file
+    if reason is not None:
         raise CheckpointDirError(f"checkpoint.dir {ckpt_dir} is not writable ({reason}); set "
-                                 "checkpoint.dir to a writable folder (checked before step 1)") from None
+                                 "checkpoint.dir to a writable folder (checked before step 1)")
     free = shutil.disk_usage(ckpt_dir).free
     if free < need_bytes:
         raise CheckpointDirError(

@@ -51,8 +51,6 @@ global mean. Per step: ``zero_grad_buffer``, forward/backward of every micro-bat
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
@@ -75,6 +73,7 @@ from packsft.data.loader import (
     loader_state_dict,
 )
 from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights
+from packsft.io import unwritable_dir_reason
 from packsft.layout import IGNORE_INDEX
 from packsft.loss import global_num_trained_tokens, normalize_loss
 from packsft.model.attention import describe_attention
@@ -163,17 +162,10 @@ def check_output_dir(output_dir: str | Path) -> None:
         ValueError: the folder cannot be created or written (read-only, no permission, a file in its path), naming
             it and the reason.
     """
-    out = Path(output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-        reason = f"{blocker} is a file, not a folder" if blocker else err.strerror or str(err)
-        raise ValueError(f"logging.output_dir {out} is not writable ({reason}); set logging.output_dir to a writable "
-                         "folder") from None
+    reason = unwritable_dir_reason(output_dir)
+    if reason is not None:
+        raise ValueError(f"logging.output_dir {output_dir} is not writable ({reason}); set logging.output_dir to a "
+                         "writable folder")
 
 
 class Trainer:

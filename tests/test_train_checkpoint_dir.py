@@ -3,6 +3,7 @@
 
 import errno
 import shutil
+import tempfile
 from collections import namedtuple
 
 import pytest
@@ -29,7 +30,7 @@ def test_a_folder_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
 
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
-    monkeypatch.setattr(ckpt.tempfile, "mkstemp", refuse)   # tests run as root, which a chmod does not stop
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)   # tests run as root, which a chmod does not stop
     with pytest.raises(ckpt.CheckpointDirError, match="ro is not writable \\(Permission denied\\)"):
         ckpt.check_checkpoint_dir(read_only, 1)
 

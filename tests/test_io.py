@@ -83,18 +83,18 @@ def test_a_publish_of_relative_paths_is_finished_from_another_folder(tmp_path, m
     final, tmp = Path("out/rows"), Path("out/.rows.tmp")
     final.write_text("old")
     tmp.write_text("new")
-    (tmp_path / "elsewhere" / "out" / "stale").write_text("not of this set")
+    (tmp_path / "elsewhere" / "out" / "rows.stale").write_text("not of this set")
     journal = journal_path(tmp_path / "run" / "out" / "rows")
 
     def kill(final):
         raise _Killed
 
     with pytest.raises(_Killed):
-        publish_files([(tmp, final)], journal, kill, removes=(Path("out/stale"),))
+        publish_files([(tmp, final)], journal, kill, removes=(Path("out/rows.stale"),))
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert complete_publish(journal) is True
     assert (tmp_path / "run" / "out" / "rows").read_text() == "new"
-    assert sorted(p.name for p in (tmp_path / "elsewhere" / "out").iterdir()) == ["stale"]
+    assert sorted(p.name for p in (tmp_path / "elsewhere" / "out").iterdir()) == ["rows.stale"]
 
 
 def test_a_journal_with_relative_paths_is_refused(tmp_path):

@@ -253,6 +253,8 @@ def build_eval_dataloader(
 def _make_loader(dataset: Any, batch_sampler: Any, config: DataLoaderConfig, collate_fn: Callable | None):
     """Wrap ``batch_sampler`` in a ``StatefulDataLoader`` with the config's worker settings."""
     workers = config.num_workers
+    if workers > 0:
+        _end_workers_at_exit()
     return StatefulDataLoader(
         dataset,
         batch_sampler=batch_sampler,
@@ -277,6 +279,32 @@ def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_END_AT_EXIT = False
+
+
+def _end_workers_at_exit() -> None:
+    """Have the loader workers still alive at this process's exit killed (once per process).
+
+    ``multiprocessing``'s own exit handler SIGTERMs its daemonic children, loader workers included, and then joins
+    them: workers that ignore SIGTERM (:func:`leave_stop_signals_to_the_trainer`) would keep a trainer that ends on
+    an error (their iterator never shut down) waiting forever. This handler, registered later, runs before it and
+    SIGKILLs them.
+    """
+    global _END_AT_EXIT
+    if _END_AT_EXIT:
+        return
+    import atexit
+    import multiprocessing
+
+    def end() -> None:
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+
+    atexit.register(end)
+    _END_AT_EXIT = True
 
 
 def _batch_sampler_of(dataloader: StatefulDataLoader) -> ResumableBatchSampler:

@@ -192,6 +192,15 @@ def _umask() -> int:
     return umask
 
 
+def os_error_text(err: OSError) -> str:
+    """``<file>: <what>`` (and `` -> <second file>`` for a rename) of an ``OSError``, for one ``error:`` line; its
+    ``str()`` when it names no file."""
+    if err.filename is None:
+        return str(err)
+    files = f"{err.filename} -> {err.filename2}" if err.filename2 is not None else str(err.filename)
+    return f"{files}: {err.strerror or err}"
+
+
 def unwritable_dir_reason(folder: str | Path) -> str | None:
     """Create ``folder`` if needed and write and remove a probe file in it; ``None`` when that works, else why not
     (``"<path> is a file, not a folder"`` for a file in its path, or the OS error's text)."""

@@ -226,3 +226,30 @@ def test_train_a_row_that_does_not_tokenize_is_an_error_line(tmp_path, packed, n
     rc, stderr = run_tool(TOOLS / "train.py", "--config", cfg, "train.train_steps=2", "scheduler.warmup_steps=1")
     assert_user_error(rc, stderr, "conversation 0: messages[2]: empty assistant turn")
     assert f"error: {bad}:" in stderr          # the file and its line (the sampler's first row: 1 or 2)
+
+
+def test_launch_reports_a_failed_trainer_in_one_line(tmp_path):
+    """packsft.train.launch passes a trainer's error exit on without torchrun's ChildFailedError report."""
+    rc, stderr = run_tool("-m", "packsft.train.launch", "--standalone", "--nproc-per-node", "1", TOOLS / "train.py",
+                          "--config", tmp_path / "missing.yaml", cwd=REPO)
+    assert_user_error(rc, stderr, "missing.yaml")
+    assert "ChildFailedError" not in stderr and "packsft.train.launch: trainer rank 0 exited with 2" in stderr, stderr
+
+
+@pytest.mark.parametrize("tool", ["train", "inspect"])
+def test_a_stray_publish_journal_beside_the_rows_is_an_error_line(tmp_path, packed, tool):  # noqa: F811
+    """A reader meeting a journal it cannot finish names it in one line (was a traceback through the dataset)."""
+    import shutil
+
+    rows = tmp_path / "rows.jsonl.packed"
+    for src in packed["few"].parent.glob(packed["few"].name + "*"):
+        shutil.copy(src, tmp_path / src.name.replace(packed["few"].name, rows.name))
+    journal = tmp_path / ".rows.jsonl.packed.publish.json"
+    journal.write_text("{junk")
+    if tool == "train":
+        cfg = write_config(tmp_path / "c.yaml", packed, tmp_path / "run", data={"train_path": str(rows)})
+        rc, stderr = run_tool(TOOLS / "train.py", "--config", cfg, "train.train_steps=2", "scheduler.warmup_steps=1")
+    else:
+        rc, stderr = run_tool(TOOLS / "inspect_packed.py", "--packed", rows, "--tokenizer", packed["tokenizer"],
+                              "--prompt-format", "chat-template", "--row", "0")
+    assert_user_error(rc, stderr, f"{journal}: not a packsft publish journal")

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.data.describe import describe_row  # noqa: E402
-from packsft.io import missing_file  # noqa: E402
+from packsft.io import missing_file, os_error_text  # noqa: E402
 from packsft.packing.cli import positive_int  # noqa: E402
 from packsft.prompt_formats import PRESETS  # noqa: E402
 from packsft.sidecar import read_sidecar, refuse_sidecar_as_rows  # noqa: E402
@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_row(dataset, args.row, color=color))
     except (ValueError, IndexError, FileNotFoundError) as e:  # SidecarError and ConversationError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:                                        # a stray publish journal, an unreadable file
+        print(f"error: {os_error_text(e)}", file=sys.stderr)
         return 2
     return 0
 

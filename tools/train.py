@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from packsft.data.dataset import RowError
     from packsft.data.samplers import SamplerError
-    from packsft.io import atomic_open
+    from packsft.io import atomic_open, os_error_text
     from packsft.train.checkpoint import CheckpointSpaceError, CheckpointWriteError
     from packsft.train.distributed import destroy_distributed
     from packsft.train.loop import Trainer
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             # layout, data, sidecar, vocabulary, resume (old format, another architecture), checkpoint.dir, an
             # optional dependency the config needs (TransformerEngine)
             print(f"error: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:                  # a file of the run that cannot be read (a stray publish journal, ...)
+            print(f"error: {os_error_text(err)}", file=sys.stderr)
             return 2
         except CheckpointException as err:      # torch's reader: a truncated or missing .distcp (a BaseException)
             where = f"{err.checkpoint}: " if getattr(err, "checkpoint", None) else ""

@@ -6,7 +6,9 @@ saved its checkpoint and exited 0. This launcher is ``torch.distributed.run.main
 are forwarded to the worker processes (each trainer, not its loader workers) and torchrun goes on watching them; when
 they exit 0 after their save, it exits 0. A second signal is forwarded too (SIGINT twice ends the trainers at once;
 under torchrun a trainer ignores a repeated SIGTERM, so that Slurm's SIGTERM to every process of the job, which the
-trainers get once directly and once forwarded, still saves). SIGHUP and SIGQUIT keep torchrun's behaviour::
+trainers get once directly and once forwarded, still saves). SIGHUP and SIGQUIT keep torchrun's behaviour. A
+trainer that fails (an ``error:`` line, a traceback) ends the launcher with its exit code and one line naming its rank,
+without torchrun's ``ChildFailedError`` report::
 
     python -m packsft.train.launch --standalone --nproc-per-node 2 tools/train.py --config configs/tiny_cpu.yaml
 """
@@ -36,6 +38,7 @@ def forward_to_workers(signum: int, frame=None) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun's ``main`` with :func:`forward_to_workers` as its handler of SIGTERM and SIGINT."""
     from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     torchrun_handler = api._terminate_process_handler   # looked up when torchrun registers its handlers
@@ -47,7 +50,13 @@ def main(argv: list[str] | None = None) -> None:
             torchrun_handler(signum, frame)
 
     api._terminate_process_handler = handler
-    torchrun_main(argv)
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as err:      # the trainers printed their own error lines: no second report
+        rank, failure = err.get_first_failure()
+        print(f"packsft.train.launch: trainer rank {rank} exited with {failure.exitcode}", file=sys.stderr,
+              flush=True)
+        sys.exit(failure.exitcode if failure.exitcode > 0 else 1)
 
 
 if __name__ == "__main__":

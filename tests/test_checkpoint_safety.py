@@ -170,9 +170,10 @@ def test_planted_distcp_item_is_refused_by_name_and_never_runs(trainer_checkpoin
         return True
 
     (name,) = _plant_items(trainer_checkpoint, _saved([_Payload(marker)]), first_of_kind)
-    with pytest.raises(ckpt.CheckpointError, match=_refused(trainer_checkpoint / name)):
+    with pytest.raises(ckpt.CheckpointError, match=_refused(trainer_checkpoint / name)) as err:
         _resume(trainer_checkpoint.parent)
     assert not marker.exists()
+    assert "unsupported GLOBAL" in str(err.value), err.value         # names what it refused
 
 
 def test_every_distcp_file_planted_is_refused(trainer_checkpoint, imported, tmp_path):

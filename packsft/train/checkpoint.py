@@ -77,6 +77,7 @@ from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError, Ch
     load_dist_checkpoint,
 )
 from packsft.train.optim import optimizer_params
+from packsft.train.safe_checkpoint_read import is_refused_global, refusal_reason, refused
 
 LATEST = "latest"
 TRAIN_STATE = "train_state.json"
@@ -109,14 +110,12 @@ def _load_plain(file: Path) -> Any:
         raise CheckpointError(f"{file}: unreadable ({reason}): the file is truncated or damaged; resume from another "
                               "checkpoint (checkpoint.resume=<its iter_* folder>)") from None
     except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        if "global" not in str(err).lower():   # not a refused class or function: bytes that are no pickle at all
+        reason = refusal_reason(err)
+        if not is_refused_global(err):         # not a refused class or function: bytes that are no pickle at all
             raise CheckpointError(f"{file}: unreadable (not a file torch.load reads: {reason}): the file is damaged; "
                                   "resume from another checkpoint (checkpoint.resume=<its iter_* folder>)") from None
-        raise CheckpointError(
-            f"{file}: refused: it holds objects other than tensors and plain values, which could run code when "
-            f"loaded (torch.load(weights_only=True): {reason}). packsft never writes such files: the checkpoint was "
-            "altered or not written by packsft; nothing from it was executed") from None
+        raise refused(file, "it holds objects other than tensors and plain values (torch.load(weights_only=True): "
+                            f"{reason})") from None
 
 
 class CheckpointDirError(ValueError):

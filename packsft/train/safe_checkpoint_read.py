@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import io
 import pickle
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,14 @@ def is_refused_global(err: pickle.UnpicklingError) -> bool:
     return "global" in str(err).lower()
 
 
-def _last_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+def refusal_reason(err: BaseException) -> str:
+    """What a ``torch.load(weights_only=True)`` error refused (``unsupported GLOBAL posix.system``; torch's hint to
+    allow it is left out), else its last line."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    if found:
+        return f"unsupported GLOBAL {found.group(1)}"
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 class NotAdmittedError(pickle.UnpicklingError):
@@ -128,7 +135,7 @@ def read_dcp_metadata(ckpt_dir: str | Path) -> Metadata:
             ImportError, OSError) as err:   # truncated, garbage, a folder in its place
         metadata = err
     if not isinstance(metadata, Metadata):
-        reason = _last_line(metadata) if isinstance(metadata, BaseException) else f"a {type(metadata).__name__}"
+        reason = refusal_reason(metadata) if isinstance(metadata, BaseException) else f"a {type(metadata).__name__}"
         raise CheckpointError(f"{file}: unreadable (not torch.distributed.checkpoint metadata: {reason}): the "
                               "checkpoint is damaged") from None
     return metadata
@@ -151,7 +158,7 @@ class _WeightsOnlyBytes:
             if not is_refused_global(err):
                 raise
             raise refused(self._file, f"its item {read_item.storage_index.fqn} holds objects other than tensors and "
-                                      f"plain values (torch.load(weights_only=True): {_last_line(err)})") from None
+                                      f"plain values (torch.load(weights_only=True): {refusal_reason(err)})") from None
         clean = io.BytesIO()
         torch.save(item, clean)
         clean.seek(0)
@@ -192,7 +199,7 @@ class SafeFileSystemReader(FileSystemReader):
                 if not is_refused_global(err):
                     raise
                 raise refused(file, "it holds objects other than tensors and plain values (torch.load("
-                                    f"weights_only=True): {_last_line(err)})") from None
+                                    f"weights_only=True): {refusal_reason(err)})") from None
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -219,7 +226,7 @@ class WeightsOnlyCommonLoadStrategy(TorchCommonLoadStrategy):
             if not is_refused_global(err):
                 raise
             raise refused(file, "it holds objects other than tensors and plain values (torch.load(weights_only="
-                                f"True): {_last_line(err)})") from None
+                                f"True): {refusal_reason(err)})") from None
 
 
 def check_extra_state(state: dict, ckpt_dir: str | Path, prefix: str = "") -> None:

@@ -290,7 +290,7 @@ def _end_workers_at_exit() -> None:
     ``multiprocessing``'s own exit handler SIGTERMs its daemonic children, loader workers included, and then joins
     them: workers that ignore SIGTERM (:func:`leave_stop_signals_to_the_trainer`) would keep a trainer that ends on
     an error (their iterator never shut down) waiting forever. This handler, registered later, runs before it and
-    SIGKILLs them.
+    SIGKILLs them (torch's SIGCHLD handler, which would take that for a worker failure, is removed first).
     """
     global _END_AT_EXIT
     if _END_AT_EXIT:
@@ -299,9 +299,14 @@ def _end_workers_at_exit() -> None:
     import multiprocessing
 
     def end() -> None:
-        for child in multiprocessing.active_children():
-            if child.daemon:
-                child.kill()
+        workers = [child for child in multiprocessing.active_children() if child.daemon]
+        if workers and hasattr(signal, "SIGCHLD"):
+            # torch's SIGCHLD handler would report each killed worker as a failure ("DataLoader worker ... is
+            # killed by signal: Killed") in the middle of the exit
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in workers:
+            child.kill()
+            child.join()
 
     atexit.register(end)
     _END_AT_EXIT = True

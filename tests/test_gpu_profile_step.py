@@ -9,8 +9,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_profile_step_prints_step_times_tables_and_attention_costs(tmp_path, shared_data):
+def pack_toy_rows(tmp_path: Path, shared_data: Path) -> tuple[Path, Path]:
+    """60 gsm8k conversations packed into 512-token rows with the SmolLM2 tokenizer: ``(rows file, tokenizer)``."""
     conversations = tmp_path / "c.jsonl"
     lines = (shared_data / "chat" / "gsm8k_train.messages.jsonl").read_text().splitlines()[:60]
     conversations.write_text("\n".join(lines) + "\n")
@@ -19,6 +19,12 @@ def test_profile_step_prints_step_times_tables_and_attention_costs(tmp_path, sha
     subprocess.run([sys.executable, str(REPO / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(conversations),
                     "--output", str(packed), "--tokenizer", str(tok), "--max-seq-length", "512", "--histogram", "",
                     "--no-progress"], check=True, capture_output=True, timeout=120)
+    return packed, tok
+
+
+@pytest.mark.slow
+def test_profile_step_prints_step_times_tables_and_attention_costs(tmp_path, shared_data):
+    packed, tok = pack_toy_rows(tmp_path, shared_data)
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_profile_step.py"),
          "--config", str(REPO / "configs" / "tiny_cpu.yaml"),

@@ -9,20 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_gpu_profile_step import pack_toy_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_variants_rows_parity_and_host_syncs_on_cpu(tmp_path, shared_data):
-    conversations = tmp_path / "c.jsonl"
-    lines = (shared_data / "chat" / "gsm8k_train.messages.jsonl").read_text().splitlines()[:60]
-    conversations.write_text("\n".join(lines) + "\n")
-    tok = shared_data / "tokenizers" / "smollm2-135m-instruct"
-    packed = tmp_path / "rows.jsonl.packed"
-    subprocess.run([sys.executable, str(REPO / "tools" / "pack_megatron_sft_jsonl.py"), "--input", str(conversations),
-                    "--output", str(packed), "--tokenizer", str(tok), "--max-seq-length", "512", "--histogram", "",
-                    "--no-progress"], check=True, capture_output=True, timeout=120)
+    packed, _ = pack_toy_rows(tmp_path, shared_data)
     env = {**os.environ, "GPU_CHECK_CPU": "1", "GPU_CHECK_PARTS": "variants", "GPU_CHECK_ROWS": str(packed),
            "GPU_CHECK_VARIANT_ARGS": "--caps varlen=0.001 --warmup 1 --timed 1", "OUT": str(tmp_path),
            "GPU_CHECK_DATA": str(shared_data), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",

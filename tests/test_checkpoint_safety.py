@@ -21,6 +21,7 @@ from packsft.model.config import ModelConfig, read_model_config
 from packsft.model.gpt import build_gpt_model
 from packsft.model.hf_io import read_hf_config
 from packsft.train import checkpoint as ckpt
+from packsft.train import checkpoint_files as ckpt_files
 from packsft.train.config import OptimizerConfig
 from packsft.train.model_checkpoint import base_identity, load_megatron_checkpoint, save_megatron_checkpoint
 from packsft.train.optim import build_optimizer
@@ -74,9 +75,9 @@ def imported(tmp_path, parallel_state_1proc):  # noqa: F811
 
 def _resume(ckpt_dir):
     """The trainer's resume (``checkpoint.resume=auto``): every file of the checkpoint is read."""
-    path = ckpt.find_resume_checkpoint(ckpt_dir, "auto")
-    saved = ckpt.load_train_state(path)
-    ckpt.check_resume_state(saved, path, ("step", "consumed_samples"))
+    path = ckpt_files.find_resume_checkpoint(ckpt_dir, "auto")
+    saved = ckpt_files.load_train_state(path)
+    ckpt_files.check_resume_state(saved, path, ("step", "consumed_samples"))
     model = _model()
     opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
     ckpt.load_model_and_optimizer(path, model, opt)
@@ -264,7 +265,7 @@ def test_each_planted_import_file_is_refused_by_name_or_unused(imported, tmp_pat
 
 def test_latest_holding_a_pickle_is_named(trainer_checkpoint, tmp_path):
     marker = tmp_path / "payload_ran"
-    _plant_file(trainer_checkpoint.parent / ckpt.LATEST, marker)
+    _plant_file(trainer_checkpoint.parent / ckpt_files.LATEST, marker)
     with pytest.raises(ckpt.CheckpointError, match="latest should be a file naming the newest checkpoint"):
         _resume(trainer_checkpoint.parent)
     assert not marker.exists()

@@ -9,6 +9,7 @@ from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
 from packsft.model.config import ModelConfig
 from packsft.model.gpt import build_gpt_model
 from packsft.train import checkpoint as ckpt
+from packsft.train import checkpoint_files as ckpt_files
 from packsft.train.config import OptimizerConfig
 from packsft.train.optim import build_optimizer
 
@@ -27,15 +28,15 @@ def one_step(model, opt):
 
 
 def test_resume_resolution(tmp_path):
-    assert ckpt.find_resume_checkpoint(tmp_path, "none") is None
-    assert ckpt.find_resume_checkpoint(tmp_path, "auto") is None                     # nothing saved yet
+    assert ckpt_files.find_resume_checkpoint(tmp_path, "none") is None
+    assert ckpt_files.find_resume_checkpoint(tmp_path, "auto") is None                     # nothing saved yet
     (tmp_path / "iter_0000004").mkdir()
-    (tmp_path / "iter_0000004" / ckpt.TRAIN_STATE).write_bytes(b"x")
+    (tmp_path / "iter_0000004" / ckpt_files.TRAIN_STATE).write_bytes(b"x")
     (tmp_path / "latest").write_text("iter_0000004\n")
-    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "iter_0000004"
-    assert ckpt.find_resume_checkpoint(tmp_path, str(tmp_path / "iter_0000004")) == tmp_path / "iter_0000004"
+    assert ckpt_files.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "iter_0000004"
+    assert ckpt_files.find_resume_checkpoint(tmp_path, str(tmp_path / "iter_0000004")) == tmp_path / "iter_0000004"
     with pytest.raises(FileNotFoundError, match="iter_0000009"):
-        ckpt.find_resume_checkpoint(tmp_path, str(tmp_path / "iter_0000009"))
+        ckpt_files.find_resume_checkpoint(tmp_path, str(tmp_path / "iter_0000009"))
 
 
 def test_save_load_round_trip_and_killed_save_leaves_previous(tmp_path, parallel_state_1proc):  # noqa: F811
@@ -47,11 +48,11 @@ def test_save_load_round_trip_and_killed_save_leaves_previous(tmp_path, parallel
                                 dp_rank=0, write_loader_state=True)
     assert path == tmp_path / "iter_0000002" and (tmp_path / "latest").read_text() == "iter_0000002\n"
     names = {p.name for p in path.iterdir()}
-    assert {ckpt.TRAIN_STATE, "dataloader_dp0.pt", "rng_rank0.pt", "metadata.json", "common.pt"} <= names
+    assert {ckpt_files.TRAIN_STATE, "dataloader_dp0.pt", "rng_rank0.pt", "metadata.json", "common.pt"} <= names
     # a save of step 3 killed half-way: its .tmp folder exists, `latest` still names step 2
     (tmp_path / "iter_0000003.tmp").mkdir()
     (tmp_path / "iter_0000003.tmp" / "__0_0.distcp").write_bytes(b"partial")
-    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == path
+    assert ckpt_files.find_resume_checkpoint(tmp_path, "auto") == path
 
     fresh = tiny_model(1)
     fresh_opt = build_optimizer(fresh, OptimizerConfig(lr=1e-2))
@@ -126,7 +127,7 @@ def test_state_files_are_json_or_plain_tensors(tmp_path, parallel_state_1proc): 
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}, "layout": {"tp": 1}},
                                 loader_state={"sampler_state": {"epoch": 0, "position": 2}}, dp_rank=0,
                                 write_loader_state=True)
-    assert ckpt.load_train_state(path) == {"state": {"step": 1}, "layout": {"tp": 1}}
+    assert ckpt_files.load_train_state(path) == {"state": {"step": 1}, "layout": {"tp": 1}}
     import json
     assert json.loads((path / "train_state.json").read_text())["state"] == {"step": 1}
     for name in ("rng_rank0.pt", "dataloader_dp0.pt"):
@@ -155,12 +156,12 @@ def test_old_pickled_checkpoint_is_refused_without_unpickling(tmp_path):
     old = tmp_path / "iter_0000004"
     old.mkdir()
     marker = tmp_path / "payload_ran"
-    torch.save({"state": {"step": 4}, "evil": _Payload(marker)}, old / ckpt.OLD_TRAIN_STATE)
+    torch.save({"state": {"step": 4}, "evil": _Payload(marker)}, old / ckpt_files.OLD_TRAIN_STATE)
     (tmp_path / "latest").write_text("iter_0000004\n")
     with pytest.raises(ckpt.CheckpointError, match="old format .*can run code"):
-        ckpt.find_resume_checkpoint(tmp_path, "auto")
+        ckpt_files.find_resume_checkpoint(tmp_path, "auto")
     with pytest.raises(ckpt.CheckpointError, match="old format"):
-        ckpt.load_train_state(old)
+        ckpt_files.load_train_state(old)
     assert not marker.exists()
 
 
@@ -208,7 +209,7 @@ def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
     for seed in (1, 2):
         _logits_step(model, opt, seed)
     path = ckpt.save_checkpoint(tmp_path / "run", 2, model, opt, train_state={"state": {"step": 2},
-                                ckpt.LORA_BASE: identity}, loader_state=None, dp_rank=0, write_loader_state=False,
+                                ckpt_files.LORA_BASE: identity}, loader_state=None, dp_rank=0, write_loader_state=False,
                                 adapters_only=True)
     saved = {k: v for k, v in load_plain_tensors(str(path)).items() if not k.startswith("optimizer")}
     assert saved and all(".lora_" in k for k in saved), sorted(saved)                   # no base weight stored
@@ -216,7 +217,7 @@ def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
     assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in adapters)
     assert all(not p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)
 
-    recorded = ckpt.load_train_state(path)[ckpt.LORA_BASE]
+    recorded = ckpt_files.load_train_state(path)[ckpt_files.LORA_BASE]
     fresh = _lora_model(2, check_lora_base(recorded, None, path))    # base from the recorded path, identity checked
     fresh_opt = build_optimizer(fresh, OptimizerConfig(lr=1e-2))
     ckpt.load_model_and_optimizer(path, fresh, fresh_opt, adapters_only=True)
@@ -317,13 +318,13 @@ def test_a_bf16_import_starts_an_fp32_run(tmp_path, parallel_state_1proc):  # no
 def test_auto_resume_without_latest_takes_the_newest_complete_checkpoint(tmp_path):
     for step in (2, 10):
         (tmp_path / f"iter_{step:07d}").mkdir()
-        (tmp_path / f"iter_{step:07d}" / ckpt.TRAIN_STATE).write_text("{}")
+        (tmp_path / f"iter_{step:07d}" / ckpt_files.TRAIN_STATE).write_text("{}")
     (tmp_path / "iter_0000012").mkdir()                       # no train_state.json: not complete
     (tmp_path / "iter_0000014.tmp").mkdir()                   # a killed save
-    assert ckpt.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "iter_0000010"
-    assert ckpt.complete_checkpoints(tmp_path) == [tmp_path / "iter_0000002", tmp_path / "iter_0000010"]
-    with pytest.raises(ckpt.CheckpointDirError, match=r"holds iter_0000002, iter_0000010"):
-        ckpt.check_fresh_start("none", tmp_path / "run", tmp_path)   # starting over would overwrite them
+    assert ckpt_files.find_resume_checkpoint(tmp_path, "auto") == tmp_path / "iter_0000010"
+    assert ckpt_files.complete_checkpoints(tmp_path) == [tmp_path / "iter_0000002", tmp_path / "iter_0000010"]
+    with pytest.raises(ckpt_files.CheckpointDirError, match=r"holds iter_0000002, iter_0000010"):
+        ckpt_files.check_fresh_start("none", tmp_path / "run", tmp_path)   # starting over would overwrite them
 
 
 @pytest.mark.parametrize("make, shown", [
@@ -335,11 +336,11 @@ def test_auto_resume_without_latest_takes_the_newest_complete_checkpoint(tmp_pat
 ])
 def test_latest_that_does_not_name_a_checkpoint_folder_is_refused(tmp_path, make, shown):
     (tmp_path / "iter_0000002").mkdir()
-    (tmp_path / "iter_0000002" / ckpt.TRAIN_STATE).write_text("{}")
+    (tmp_path / "iter_0000002" / ckpt_files.TRAIN_STATE).write_text("{}")
     make(tmp_path / "latest")
     with pytest.raises(ckpt.CheckpointError, match=rf"latest should be a file naming the newest checkpoint .*but "
                                                    rf"{re.escape(shown)}"):
-        ckpt.find_resume_checkpoint(tmp_path, "auto")
+        ckpt_files.find_resume_checkpoint(tmp_path, "auto")
 
 
 @pytest.mark.parametrize("edit, field", [
@@ -358,10 +359,10 @@ def test_resume_state_with_a_wrong_counter_is_refused(tmp_path, edit, field):
     saved = {"state": {"step": 2, "consumed_samples": 4, "trained_tokens": 9}, "scheduler": {"last_epoch": 2}}
     counters = ("step", "consumed_samples", "trained_tokens", "skipped_steps")
     path = tmp_path / "iter_0000002"
-    ckpt.check_resume_state(saved, path, counters)
+    ckpt_files.check_resume_state(saved, path, counters)
     edit(saved)
     with pytest.raises(ckpt.CheckpointError, match=rf"train_state.json: not a packsft train state \({field}"):
-        ckpt.check_resume_state(saved, path, counters)
+        ckpt_files.check_resume_state(saved, path, counters)
 
 
 @pytest.mark.parametrize("name, content", [("common.pt", b"garbage\n"), ("common.pt", b""), ("common.pt", "half"),

@@ -70,7 +70,7 @@ from packsft.model.hf_io import (  # noqa: E402
 )
 from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.packing.cli import positive_int  # noqa: E402
-from packsft.train.checkpoint import INIT_FROM, LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
+from packsft.train.checkpoint_files import INIT_FROM, LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
 from packsft.train.config import (  # noqa: E402
     check_model_fields,
     check_recorded_architecture,

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from packsft.data.dataset import RowError
     from packsft.data.samplers import SamplerError
     from packsft.io import atomic_open, os_error_text
-    from packsft.train.checkpoint import CheckpointSpaceError, CheckpointWriteError
+    from packsft.train.checkpoint import CheckpointWriteError
+    from packsft.train.checkpoint_files import CheckpointSpaceError
     from packsft.train.distributed import destroy_distributed
     from packsft.train.loop import Trainer
     from packsft.train.model_checkpoint import unreadable_checkpoint_message

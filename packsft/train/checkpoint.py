@@ -1,20 +1,9 @@
 """Checkpoints: Megatron ``dist_checkpointing`` for model + AdamW state, small files for everything else.
 
-Layout of ``<checkpoint_dir>``::
-
-    latest                      # text: the name of the newest complete checkpoint, e.g. "iter_0000020"
-    iter_0000020/
-      .metadata, __*_*.distcp   # torch_dist shards of {"model": ..., "optimizer": ...} (dist_checkpointing)
-      common.pt, metadata.json  # dist_checkpointing common state (optimizer param_groups, common_step)
-      train_state.json          # rank 0: step and counters, scheduler, config, layout (+ lora_base, init_from)
-      dataloader_dp{d}.pt       # one per data-parallel rank d (written by its TP=CP=0 rank): loader_state_dict
-      rng_rank{r}.pt            # one per global rank r: torch, numpy (as tensors), python (JSON text), CUDA RNG states
-
-Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 renames it to ``iter_XXXXXXX`` and
-then rewrites ``latest`` through a temp file + ``os.replace``. A process killed during a save leaves a ``.tmp``
-folder that is never read (:func:`remove_partial_checkpoints` deletes it when the next run starts) and ``latest``
-still names the previous complete checkpoint. With ``keep_last`` rank 0 then prunes older complete checkpoints
-(:func:`prune_checkpoints`).
+Folder layout, atomic publishing, ``latest``, retention and the free-space check: :mod:`packsft.train.checkpoint_files`
+(no torch). This module writes and reads the tensors: the ``dist_checkpointing`` shards of model and optimizer, the
+loader state per data-parallel rank and the RNG states per rank (:func:`save_checkpoint`,
+:func:`load_model_and_optimizer`, :func:`load_loader_state`, :func:`load_rng_state`).
 
 LoRA runs started from a base folder (``lora.enabled`` with ``checkpoint.init_from``): ``"model"`` holds only the
 adapter tensors (``adapters_only``) and ``train_state.json`` has ``"lora_base": {"path", "fingerprint"}``
@@ -22,8 +11,8 @@ adapter tensors (``adapters_only``) and ``train_state.json`` has ``"lora_base": 
 fingerprint (:func:`packsft.train.model_checkpoint.check_lora_base`). A LoRA run without ``init_from`` (random base)
 stores the whole model, the base's only copy.
 
-Space: :func:`check_checkpoint_dir` checks before step 1 that the folder is writable and has room for one checkpoint
-(:func:`checkpoint_bytes_estimate`); a save that fails for lack of space raises :class:`CheckpointSpaceError`.
+Space: :func:`checkpoint_bytes_estimate` is what ``checkpoint_files.check_checkpoint_dir`` needs free before step 1;
+a save that fails for lack of space raises ``checkpoint_files.CheckpointSpaceError``.
 
 Resharding: model and optimizer tensors are stored with their global shapes (``GPTModel.sharded_state_dict`` and
 ``get_param_id_to_sharded_param_map`` + ``optim_state_to_sharding_state``), so TP and DP
@@ -46,12 +35,9 @@ it), as is a checkpoint of the older format with a pickled ``train_state.pt``.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import pickle
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -65,11 +51,17 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 
-from packsft.io import atomic_open, replace_dir, unwritable_dir_reason, write_json_atomic
+from packsft.io import write_json_atomic
 from packsft.model.gpt import unwrap_model
 from packsft.train import process_guard
-from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError, CheckpointWriteError: this module's API
+from packsft.train.checkpoint_files import (
+    TRAIN_STATE,
     CheckpointError,
+    checkpoint_name,
+    publish_checkpoint,
+    space_error,
+)
+from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointWriteError: this module's API
     CheckpointWriteError,
     check_partial_load,
     checkpoint_write_error,
@@ -79,15 +71,7 @@ from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointError, Ch
 from packsft.train.optim import optimizer_params
 from packsft.train.safe_checkpoint_read import is_refused_global, refusal_reason, refused
 
-LATEST = "latest"
-TRAIN_STATE = "train_state.json"
-OLD_TRAIN_STATE = "train_state.pt"
-"""The pickled train state of checkpoints written before ``train_state.json``; such checkpoints are refused."""
 COMMON_STEP = "common_step"
-LORA_BASE = "lora_base"
-"""``train_state.json`` key of an adapters-only LoRA checkpoint: the base's ``{"path", "fingerprint"}``."""
-INIT_FROM = "init_from"
-"""``train_state.json`` key: the absolute path of ``checkpoint.init_from`` (export reads its ``hf_config.json``)."""
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
 
@@ -118,12 +102,6 @@ def _load_plain(file: Path) -> Any:
                             f"{reason})") from None
 
 
-class CheckpointDirError(ValueError):
-    """``checkpoint.dir`` cannot take a checkpoint: not writable, or too little free space (found before step 1)."""
-
-
-class CheckpointSpaceError(OSError):
-    """A checkpoint write failed for lack of space (``errno.ENOSPC``/``EDQUOT``, possibly wrapped by a dependency)."""
 
 
 def checkpoint_bytes_estimate(params, *, tp_size: int = 1, megatron_optimizer: bool = False) -> int:
@@ -137,55 +115,8 @@ def checkpoint_bytes_estimate(params, *, tp_size: int = 1, megatron_optimizer: b
     return weights + numel * (12 if megatron_optimizer else 8)
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
-def check_checkpoint_dir(ckpt_dir: str | Path, need_bytes: int) -> None:
-    """Create ``ckpt_dir`` if needed, write and remove a probe file, and check its free space.
-
-    Raises:
-        CheckpointDirError: the folder cannot be created or written, or has less than ``need_bytes`` free (the
-            message gives both sizes).
-    """
-    ckpt_dir = Path(ckpt_dir)
-    reason = unwritable_dir_reason(ckpt_dir)            # a file in its path: e.g. logging.output_dir naming a file
-    if reason is not None:
-        raise CheckpointDirError(f"checkpoint.dir {ckpt_dir} is not writable ({reason}); set "
-                                 "checkpoint.dir to a writable folder (checked before step 1)")
-    free = shutil.disk_usage(ckpt_dir).free
-    if free < need_bytes:
-        raise CheckpointDirError(
-            f"checkpoint.dir {ckpt_dir} has {_gib(free)} free but one checkpoint needs about {_gib(need_bytes)} "
-            "(weights + optimizer state); free space or set checkpoint.dir to a larger disk "
-            "(checkpoint.keep_last prunes old checkpoints)")
-
-
-_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "unexpected pos")
-
-
-def _out_of_space(err: BaseException) -> BaseException | None:
-    """The error in ``err``'s chain (causes, contexts, torch DCP's per-rank ``failures``) that says the disk is full.
-
-    ``unexpected pos`` is what torch's zip writer reports when a ``torch.save`` hits a full disk.
-    """
-    seen, todo = set(), [err]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e
-        if any(t in str(e).lower() for t in _NO_SPACE_TEXT):
-            return e
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            for value in failures.values():
-                todo += [v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, BaseException)]
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-        todo += [a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]
-    return None
 
 
 def _is_megatron_optimizer(optimizer) -> bool:
@@ -194,9 +125,6 @@ def _is_megatron_optimizer(optimizer) -> bool:
     return isinstance(optimizer, MegatronOptimizer)
 
 
-def checkpoint_name(step: int) -> str:
-    """Folder name of the checkpoint after optimizer step ``step``: ``iter_0000020``."""
-    return f"iter_{step:07d}"
 
 
 def _fill_missing_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -363,189 +291,22 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
         if rank == 0:
             write_json_atomic(tmp / TRAIN_STATE, train_state)
     except BaseException as err:   # torch DCP's CheckpointException is a BaseException
-        cause = None if isinstance(err, KeyboardInterrupt | SystemExit) else _out_of_space(err)
-        if cause is not None:
-            raise _space_error(ckpt_dir, tmp, need_bytes, cause) from err
+        full = space_error(err, ckpt_dir, tmp, need_bytes)
+        if full is not None:
+            raise full from err
         failed = checkpoint_write_error(err, tmp)
         if failed is None:
             raise
         raise failed from err
     dist.barrier()
     if rank == 0:
-        _publish(ckpt_dir, tmp, final, keep_last)
+        publish_checkpoint(ckpt_dir, tmp, final, keep_last)
     dist.barrier()
     return final
 
 
-def _space_error(ckpt_dir: Path, tmp: Path, need_bytes: int | None, cause: BaseException) -> CheckpointSpaceError:
-    latest = ckpt_dir / LATEST
-    kept = f"{latest.read_text().strip()} (latest) is intact" if latest.is_file() else "no earlier checkpoint exists"
-    need = f"one checkpoint needs about {_gib(need_bytes)}, " if need_bytes else ""
-    try:
-        free = f"{_gib(shutil.disk_usage(ckpt_dir).free)} free"
-    except OSError:
-        free = "free space unknown"
-    reason = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__
-    return CheckpointSpaceError(
-        errno.ENOSPC, f"no space left for checkpoint {tmp} ({reason}): {need}{free} on {ckpt_dir}; free space or "
-        f"set checkpoint.dir to a larger disk (checkpoint.keep_last prunes old checkpoints), then resume; {kept}; "
-        f"the partial {tmp.name} can be deleted")
 
 
-def _publish(ckpt_dir: Path, tmp: Path, final: Path, keep_last: int = 0) -> None:
-    """Rename ``tmp`` to ``final`` (replacing an older folder of that name), point ``latest`` at it, then prune."""
-    replace_dir(tmp, final)
-    with atomic_open(ckpt_dir / LATEST) as f:
-        f.write(final.name + "\n")
-    if keep_last:
-        prune_checkpoints(ckpt_dir, keep_last)
-
-
-_CHECKPOINT_NAME = re.compile(r"iter_(\d{7,})")
-_DELETING = ".deleting"
-
-
-def prune_checkpoints(ckpt_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the ``keep_last`` highest-step complete checkpoints up to the one ``latest`` names (never it;
-    those past it, of a run a resume from an earlier checkpoint does not continue, are left to be replaced).
-
-    Complete: an ``iter_XXXXXXX`` folder with ``train_state.json`` (``.tmp`` folders and other files are left alone).
-    Each folder is first renamed to a hidden ``.iter_XXXXXXX.deleting`` (atomic), then removed, so no reader sees
-    a half-deleted checkpoint; leftovers of a killed prune are removed by the next one.
-
-    Returns:
-        The checkpoints removed.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    latest = ckpt_dir / LATEST
-    pinned = latest.read_text().strip() if latest.is_file() else None
-    complete = complete_checkpoints(ckpt_dir)
-    if pinned is not None and step_of(pinned) is not None:   # past `latest`: a run this one does not continue,
-        complete = [p for p in complete if step_of(p) <= step_of(pinned)]  # replaced as its steps are saved again
-    keep = {p.name for p in complete[-keep_last:]} | {pinned}
-    removed = []
-    for path in complete:
-        if path.name not in keep:
-            trash = ckpt_dir / f".{path.name}{_DELETING}"
-            shutil.rmtree(trash, ignore_errors=True)
-            os.replace(path, trash)
-            removed.append(path)
-    for trash in ckpt_dir.glob(f".iter_*{_DELETING}"):
-        shutil.rmtree(trash, ignore_errors=True)
-    return removed
-
-
-def remove_partial_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Delete the ``iter_XXXXXXX.tmp`` folders of saves that were killed (never published: ``latest`` and every
-    complete checkpoint are untouched); call on one rank, before any save of this run.
-
-    Returns:
-        The folders removed.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    partial = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.suffix == ".tmp"
-                     and _CHECKPOINT_NAME.fullmatch(p.stem))
-    for path in partial:
-        shutil.rmtree(path, ignore_errors=True)
-    return partial
-
-
-def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """The published ``iter_XXXXXXX`` folders of ``ckpt_dir`` that hold ``train_state.json``, lowest step first."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted((p for p in ckpt_dir.iterdir() if step_of(p) is not None and (p / TRAIN_STATE).is_file()),
-                  key=step_of)
-
-
-def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
-    """Resolve ``checkpoint.resume``: ``none`` -> None; else a path, or for ``auto`` the checkpoint ``latest`` names
-    in ``ckpt_dir`` (without ``latest``: the highest-step complete checkpoint, as a save killed between publishing
-    its folder and writing ``latest`` leaves; None when there is none).
-
-    Raises:
-        FileNotFoundError: ``latest`` names a missing folder, or an explicit path has no ``train_state.json``.
-        CheckpointError: ``latest`` is not a file naming an ``iter_XXXXXXX`` folder, or the checkpoint has the old
-            pickled ``train_state.pt`` (:func:`check_checkpoint_format`).
-    """
-    if resume == "none":
-        return None
-    if resume == "auto":
-        latest = Path(ckpt_dir) / LATEST
-        if not (latest.exists() or latest.is_symlink()):
-            complete = complete_checkpoints(ckpt_dir)
-            return complete[-1] if complete else None
-        try:
-            name = latest.read_text(encoding="utf-8").strip() if latest.is_file() else None
-            shown = f"holds {name!r}" if name is not None else "is not a file"
-        except (OSError, UnicodeDecodeError) as err:
-            name, shown = None, f"cannot be read as text ({err})"
-        if name is None or not _CHECKPOINT_NAME.fullmatch(name):
-            raise CheckpointError(f"{latest} should be a file naming the newest checkpoint of {ckpt_dir} (e.g. "
-                                  f"iter_0000100), but {shown}; "
-                                  "resume a checkpoint with checkpoint.resume=<path>, or remove it to resume the "
-                                  "newest complete checkpoint")
-        path = Path(ckpt_dir) / name
-    else:
-        path = Path(resume)
-    check_checkpoint_format(path)
-    if not (path / TRAIN_STATE).is_file():
-        raise FileNotFoundError(f"checkpoint {path} (checkpoint.resume={resume!r}) is missing or incomplete: "
-                                f"no {TRAIN_STATE}")
-    return path
-
-
-def step_of(path: str | Path) -> int | None:
-    """The step of a checkpoint folder named ``iter_XXXXXXX``, else None."""
-    m = _CHECKPOINT_NAME.fullmatch(Path(path).name)
-    return int(m.group(1)) if m else None
-
-
-def check_fresh_start(resume: str, output_dir: str | Path, ckpt_dir: str | Path) -> None:
-    """With ``checkpoint.resume=none``, refuse a run folder that holds an earlier run.
-
-    An earlier run: a ``"kind": "train"`` record in ``<output_dir>/metrics.jsonl``, ``<ckpt_dir>/latest``, or a
-    complete checkpoint in ``<ckpt_dir>``.
-    Starting over there would append a second run to ``metrics.jsonl`` (and its plot) and mix checkpoints.
-
-    Raises:
-        CheckpointDirError: naming what was found and the ways out.
-    """
-    if resume != "none":
-        return
-    metrics, latest = Path(output_dir) / "metrics.jsonl", Path(ckpt_dir) / LATEST
-    found = []
-    if metrics.is_file():
-        with open(metrics, encoding="utf-8", errors="replace") as f:
-            if any('"kind": "train"' in line for line in f):
-                found.append(f"{metrics} has training records")
-    if latest.is_file():
-        found.append(f"{latest} names {latest.read_text(encoding='utf-8', errors='replace').strip()!r}")
-    elif complete := complete_checkpoints(ckpt_dir):
-        found.append(f"{ckpt_dir} holds {', '.join(p.name for p in complete)}")
-    if found:
-        raise CheckpointDirError(
-            f"checkpoint.resume=none but the run folder holds an earlier run ({'; '.join(found)}); starting over "
-            "there would mix two runs in metrics.jsonl and the checkpoints. Set logging.output_dir (and "
-            "checkpoint.dir) to a new folder, remove the old run, or resume it (checkpoint.resume=auto)")
-
-
-def check_checkpoint_format(path: str | Path) -> None:
-    """Refuse a checkpoint of the old format (a pickled ``train_state.pt``, no ``train_state.json``).
-
-    Raises:
-        CheckpointError: saying why (pickled files can run code when loaded) and what to do instead.
-    """
-    path = Path(path)
-    if (path / OLD_TRAIN_STATE).is_file() and not (path / TRAIN_STATE).is_file():
-        raise CheckpointError(
-            f"checkpoint {path} has the old format (a pickled {OLD_TRAIN_STATE}, RNG and loader files that can run "
-            f"code when loaded); packsft no longer reads it. Start over (checkpoint.resume=none in a new "
-            "logging.output_dir), or keep its weights: tools/convert_checkpoint.py export --megatron "
-            f"{path} --config <run>/config.yaml, then import that folder and train with checkpoint.init_from")
 
 
 def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_only: bool = False) -> None:
@@ -574,49 +335,6 @@ def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_onl
     optimizer.load_state_dict(optim_state)
 
 
-def load_train_state(path: str | Path) -> dict[str, Any]:
-    """``train_state.json`` of a checkpoint (``state`` counters, ``scheduler``, ``config`` YAML text, ``layout``).
-
-    Raises:
-        CheckpointError: an old-format checkpoint, or the file is not a JSON object.
-    """
-    check_checkpoint_format(path)
-    file = Path(path) / TRAIN_STATE
-    try:
-        saved = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{file}: not valid JSON ({err}); the checkpoint is damaged") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
-        raise CheckpointError(f"{file}: not a packsft train state (a JSON object with a 'state' object)")
-    return saved
-
-
-def check_resume_state(saved: dict[str, Any], path: str | Path, counters: tuple[str, ...]) -> None:
-    """Refuse a train state (:func:`load_train_state`) a resume cannot continue from: ``state.step`` or
-    ``state.consumed_samples`` missing, one of ``counters`` in ``state`` or ``scheduler.last_epoch`` not an integer
-    >= 0, a step other than the ``iter_XXXXXXX`` folder's, or a ``layout`` that is not an object.
-
-    Raises:
-        CheckpointError: naming the file and the field.
-    """
-    file = Path(path) / TRAIN_STATE
-    scheduler = saved.get("scheduler")
-    values = {f"state.{k}": saved["state"][k] for k in counters if k in saved["state"]}
-    wrong = [f"state.{k} is missing" for k in ("step", "consumed_samples") if k not in saved["state"]]
-    if isinstance(scheduler, dict):
-        values["scheduler.last_epoch"] = scheduler.get("last_epoch")
-    else:
-        wrong.append("scheduler is missing" if scheduler is None else f"scheduler is {json.dumps(scheduler)}")
-    wrong += [f"{k} is {json.dumps(v)}, not an integer >= 0" for k, v in values.items()
-              if isinstance(v, bool) or not isinstance(v, int) or v < 0]
-    step = step_of(path)
-    if step is not None and saved["state"].get("step") not in (None, step) and not wrong:
-        wrong.append(f"state.step is {saved['state']['step']} in the checkpoint of step {step}")
-    if not isinstance(saved.get("layout", {}), dict):
-        wrong.append(f"layout is {json.dumps(saved['layout'])}, not an object")
-    if wrong:
-        raise CheckpointError(f"{file}: not a packsft train state ({'; '.join(wrong)}); the checkpoint is damaged: "
-                              "resume an earlier one with checkpoint.resume=<path>")
 
 
 def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:

@@ -573,7 +573,7 @@ def _init_model_fields(merged) -> tuple[dict | None, str | None]:
     ``model_config.json``, where they come from; ``(None, None)`` without ``init_from``. When that file is gone and
     a checkpoint will be resumed: the ``model`` section that checkpoint records (the run no longer reads
     ``init_from``'s weights; a LoRA resume still needs them and says so)."""
-    from packsft.train.checkpoint import find_resume_checkpoint, load_train_state
+    from packsft.train.checkpoint_files import find_resume_checkpoint, load_train_state
 
     init_from = merged.checkpoint.init_from
     if not init_from or (Path(init_from) / MODEL_CONFIG_FILE).is_file():
@@ -720,7 +720,7 @@ def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str
     """
     import yaml
 
-    from packsft.train.checkpoint import TRAIN_STATE, CheckpointError
+    from packsft.train.checkpoint_files import TRAIN_STATE, CheckpointError
 
     text = train_state.get("config")
     try:
@@ -754,7 +754,7 @@ def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dic
     Raises:
         CheckpointError: naming the dotted key and both values.
     """
-    from packsft.train.checkpoint import CheckpointError
+    from packsft.train.checkpoint_files import CheckpointError
 
     new_run = ("start a new run from its weights (tools/convert_checkpoint.py export, import, then "
                "checkpoint.init_from)")
@@ -800,7 +800,7 @@ def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, rec
     Raises:
         CheckpointError: naming the first differing dotted key and both values.
     """
-    from packsft.train.checkpoint import CheckpointError
+    from packsft.train.checkpoint_files import CheckpointError
 
     current_lora = _lora_fields(asdict(lora)) if lora is not None else {"enabled": False}
     recorded_lora = _lora_fields(recorded["lora"]) if recorded["lora"].get("enabled") else {"enabled": False}

@@ -83,6 +83,7 @@ from packsft.model.lora import apply_lora, enable_input_gradients
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
+from packsft.train import checkpoint_files as ckpt_files
 from packsft.train import process_guard, run_lock
 from packsft.train.config import (
     Config,
@@ -185,7 +186,7 @@ class Trainer:
                                     seed=cfg.train.seed, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
                                     virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
         run_lock.refuse_on_every_rank(refusal)                      # another trainer holds the folder: all ranks exit
-        ckpt.check_fresh_start(cfg.checkpoint.resume, cfg.logging.output_dir, cfg.checkpoint_dir)
+        ckpt_files.check_fresh_start(cfg.checkpoint.resume, cfg.logging.output_dir, cfg.checkpoint_dir)
         check_parallel_layout(cfg, self.ctx.world_size)
         dp = self.ctx.data_parallel_size
         self.micro_batches = cfg.train.global_batch_size // (cfg.loader.micro_batch_size * dp)
@@ -297,7 +298,7 @@ class Trainer:
 
     # -- resume and checkpoint -------------------------------------------------------------------------------------
     def _resume(self) -> str | None:
-        path = ckpt.find_resume_checkpoint(self.cfg.checkpoint_dir, self.cfg.checkpoint.resume)
+        path = ckpt_files.find_resume_checkpoint(self.cfg.checkpoint_dir, self.cfg.checkpoint.resume)
         init_from = self.cfg.checkpoint.init_from
         if path is None:
             if init_from:   # fresh optimizer; the model fields were checked by load_config
@@ -306,13 +307,14 @@ class Trainer:
                 self._load_base(init_from)
                 self.initialized_from = init_from
             return None
-        saved = ckpt.load_train_state(path)
-        ckpt.check_resume_state(saved, path, tuple(f.name for f in fields(TrainState)))
-        if self.cfg.checkpoint.resume == "auto" and not (path.parent / ckpt.LATEST).is_file() and self.ctx.rank == 0:
-            print(f"note: {path.parent} has no {ckpt.LATEST} (a save was stopped before writing it); resuming its "
+        saved = ckpt_files.load_train_state(path)
+        ckpt_files.check_resume_state(saved, path, tuple(f.name for f in fields(TrainState)))
+        latest = path.parent / ckpt_files.LATEST
+        if self.cfg.checkpoint.resume == "auto" and not latest.is_file() and self.ctx.rank == 0:
+            print(f"note: {path.parent} has no {latest.name} (a save was stopped before writing it); resuming its "
                   f"newest complete checkpoint, {path.name}", flush=True)
-        newer = [p.name for p in ckpt.complete_checkpoints(self.cfg.checkpoint_dir)
-                 if ckpt.step_of(p) > saved["state"]["step"]]
+        newer = [p.name for p in ckpt_files.complete_checkpoints(self.cfg.checkpoint_dir)
+                 if ckpt_files.step_of(p) > saved["state"]["step"]]
         if newer and self.ctx.rank == 0:
             print(f"note: {self.cfg.checkpoint_dir} holds checkpoints past step {saved['state']['step']} ("
                   f"{', '.join(newer)}), which this run does not continue: each is replaced when this run saves its "
@@ -321,7 +323,7 @@ class Trainer:
         check_recorded_architecture(self.cfg.model, self.cfg.lora if self.cfg.lora.enabled else None,
                                     recorded_sections, path, fix=RESUME_FIX)
         check_recorded_optimizer(self.cfg.optimizer, recorded_sections, path, self.cfg.parallel)
-        recorded = saved.get(ckpt.LORA_BASE)
+        recorded = saved.get(ckpt_files.LORA_BASE)
         if recorded is not None:
             if not self.cfg.lora.enabled:
                 raise ckpt.CheckpointError(f"checkpoint {path} holds only LoRA adapters (of the base "
@@ -362,12 +364,12 @@ class Trainer:
         if not (c.save_interval or c.save_at_end or self.cfg.train.save_on_sigterm):
             return None
         if self.ctx.rank == 0:       # no save of this run has started: every .tmp is a killed save's
-            for partial in ckpt.remove_partial_checkpoints(self.cfg.checkpoint_dir):
+            for partial in ckpt_files.remove_partial_checkpoints(self.cfg.checkpoint_dir):
                 print(f"removed {partial}: a checkpoint save that was interrupted (never published)", flush=True)
         saved = [p for n, p in self.gpt.named_parameters() if self.lora_base is None or ".lora_" in n]
         need = ckpt.checkpoint_bytes_estimate(saved, tp_size=self.ctx.tensor_model_parallel_size,
                                               megatron_optimizer=self.megatron)
-        ckpt.check_checkpoint_dir(self.cfg.checkpoint_dir, need)
+        ckpt_files.check_checkpoint_dir(self.cfg.checkpoint_dir, need)
         return need
 
     def save(self) -> None:
@@ -376,9 +378,9 @@ class Trainer:
         train_state = {"state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
                        "config": config_to_yaml(self.cfg), "layout": self.layout()}
         if self.lora_base is not None:
-            train_state[ckpt.LORA_BASE] = self.lora_base
+            train_state[ckpt_files.LORA_BASE] = self.lora_base
         if self.cfg.checkpoint.init_from:   # absolute: the config's path may be relative to the training folder
-            train_state[ckpt.INIT_FROM] = str(Path(self.cfg.checkpoint.init_from).resolve())
+            train_state[ckpt_files.INIT_FROM] = str(Path(self.cfg.checkpoint.init_from).resolve())
         first_of_dp = dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0 and self.ctx.pp_rank == 0
         self.last_checkpoint = ckpt.save_checkpoint(
             self.cfg.checkpoint_dir, self.state.step, self.model, self.optimizer, train_state=train_state,

@@ -35,7 +35,7 @@ from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.hf_io import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
 from packsft.train import process_guard
-from packsft.train.safe_checkpoint_read import CheckpointError  # noqa: F401 - this module's API
+from packsft.train.checkpoint_files import CheckpointError
 
 FINGERPRINT_FILE = "weights_fingerprint.json"
 _NOT_WEIGHTS = (MODEL_CONFIG_FILE, HF_CONFIG_FILE, FINGERPRINT_FILE)

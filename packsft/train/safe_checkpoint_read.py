@@ -40,6 +40,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
 
+from packsft.train.checkpoint_files import CheckpointError
+
 METADATA_FILE = ".metadata"
 """torch's index of a ``torch_dist`` folder (``torch.distributed.checkpoint.filesystem._metadata_fn``)."""
 
@@ -60,11 +62,6 @@ METADATA_CLASSES = frozenset({
 dataclasses and enums (``torch/distributed/checkpoint/metadata.py``, ``planner.py``, ``filesystem.py``), as
 listed from the ``.metadata`` of packsft's trainer and import checkpoints (torch AdamW and Megatron's distributed
 optimizer, fp32 and bf16). Each is a data holder: building one runs no code of the file's choosing."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint packsft refuses to read: the old pickled format, a file whose contents could run code, a state
-    file that is not plain data, or a damaged ``dist_checkpointing`` file."""
 
 
 def refused(file: str | Path, what: str) -> CheckpointError:

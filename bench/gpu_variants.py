@@ -7,8 +7,7 @@ order unless said otherwise:
 
 * ``base``: the step before issue 41: one SDPA per conversation (the kernel forced to the fallback loop), Megatron's
   THD RoPE (``packsft.model.rope.uninstall_sync_free_rope``), torch AdamW on its ``foreach`` path with Megatron's own
-  gradient norm and clip read back to the host (:func:`megatron_host_step`, the old
-  ``megatron_step_unless_non_finite``), the fused loss;
+  gradient norm, clip and skip decision read back to the host (:func:`megatron_host_step`), the fused loss;
 * ``varlen``: + the kernel ``select_attention_kernel`` picks (``varlen_attn`` on CUDA in bf16; the loop on CPU);
 * ``rope``: + packsft's sync-free THD RoPE;
 * ``fused_adam``: + fused AdamW, gradient norm and clip on the device: the trainer as built today;
@@ -115,23 +114,27 @@ def _parse(argv):
 
 
 # -- the old optimizer step, for base ----------------------------------------------------------------------------------
-def megatron_host_step(optimizer, loss_sum: torch.Tensor) -> tuple[bool, torch.Tensor]:
+def megatron_host_step(optimizer, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Megatron step as packsft ran it before issue 41: ``get_grad_norm`` read back to the host (one read per
     parameter without TE/Apex on CUDA), the finite checks on the host, Megatron's ``clip_grad_by_total_norm_fp32``,
-    ``step_with_ready_grads``. Same contract as ``packsft.train.optim.megatron_step_unless_non_finite``."""
+    ``step_with_ready_grads``. Same contract as ``packsft.train.optim.megatron_step_skipping_non_finite``."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+    from packsft.train.grad_clip import torch_optimizers
+
+    for opt in torch_optimizers(optimizer):     # the foreach kernel takes no device-side skip
+        opt.found_inf = None
     found_inf = optimizer.prepare_grads()
     norm = float(optimizer.get_grad_norm())
     if found_inf or not math.isfinite(norm) or not bool(torch.isfinite(loss_sum)):
-        return True, torch.tensor(norm)
+        return torch.tensor(True, device=loss_sum.device), torch.tensor(norm)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         params = opt.get_parameters()
         if params and opt.config.clip_grad > 0.0:
             clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=norm,
                                          use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     optimizer.step_with_ready_grads()
-    return False, torch.tensor(norm)
+    return torch.tensor(False, device=loss_sum.device), torch.tensor(norm)
 
 
 # -- switches ----------------------------------------------------------------------------------------------------------
@@ -177,9 +180,9 @@ def applied(trainer, variant: Variant):
                     group["fused"], group["foreach"] = None, None
             undo.append(lambda: use_fused_adamw(trainer.optimizer))
             if trainer.megatron:
-                loop.megatron_step_unless_non_finite = megatron_host_step
-                undo.append(lambda: setattr(loop, "megatron_step_unless_non_finite",
-                                            sys.modules["packsft.train.optim"].megatron_step_unless_non_finite))
+                loop.megatron_step_skipping_non_finite = megatron_host_step
+                undo.append(lambda: setattr(loop, "megatron_step_skipping_non_finite",
+                                            sys.modules["packsft.train.optim"].megatron_step_skipping_non_finite))
         if variant.swiglu_fusion:
             configs = [c for c in _configs(trainer) if not c.bias_activation_fusion]
             for cfg in configs:

@@ -1,6 +1,6 @@
-"""A training step reads one value back from the device (the skip decision), anywhere: packsft's, Megatron's and
-torch's code counted; a logging step reads the documented few more. A step whose loss is not finite is skipped (no
-update) and counted; too many in a row stop the run."""
+"""A training step reads nothing back from the device, anywhere: packsft's, Megatron's and torch's code counted; a
+logging step reads the documented few. A step whose loss is not finite is skipped on the device (no update) and
+counted; too many in a row stop the run at the next logging step or checkpoint."""
 
 import sys
 import traceback
@@ -13,15 +13,15 @@ from test_train_loop import packed, write_config  # noqa: F401 - fixture
 from torch.overrides import TorchFunctionMode
 
 from packsft.train.config import load_config
+from packsft.train.grad_clip import torch_optimizers
 
 TORCH = str(Path(torch.__file__).parent)
 READS_BACK = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
               torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu,
               torch.Tensor.numpy}
-SKIP_DECISION = "isfinite"          # the one read of a step: the skip decision (docs/model.md, "Host syncs")
 # Megatron's RNG tracker fork (sequence parallelism) compares the CPU generator's state: a host tensor on CUDA too
 HOST_TENSOR_READ = ("megatron/core/tensor_parallel/random.py", "cpu_rng_state == torch.get_rng_state()")
-LOGGING_READS = 5                   # + int(trained tokens) and the result's loss, grad_norm, trained_tokens .item()
+LOGGING_READS = 5                   # the counters' .tolist() and the result's loss, grad_norm, trained_tokens, skipped
 
 
 class HostReads(TorchFunctionMode):
@@ -74,13 +74,13 @@ def _count_reads_of_steps(trainer, out_dir):
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_a_step_reads_back_only_the_skip_decision(tmp_path, packed, parallel_state_1proc, fused,  # noqa: F811
+def test_a_step_reads_nothing_back(tmp_path, packed, parallel_state_1proc, fused,  # noqa: F811
                                                   backend):
     trainer = trainer_for(tmp_path, packed, loss={"fused_linear_cross_entropy": fused},
                           optimizer={"lr": 3e-3, "weight_decay": 0.0, **BACKENDS[backend]})
     quiet, logging = _count_reads_of_steps(trainer, tmp_path / "o")
-    assert len(quiet) == 1 and SKIP_DECISION in quiet[0], quiet
-    assert len(logging) == LOGGING_READS and SKIP_DECISION in logging[0], logging
+    assert quiet == [], quiet
+    assert len(logging) == LOGGING_READS, logging
     result = trainer.step_tensors(trainer.next_micro_batches())
     assert all(torch.is_tensor(result[k]) for k in ("loss", "grad_norm", "trained_tokens"))
 
@@ -103,10 +103,10 @@ def _layouts_reads_worker(rank, world_size, config_path, layouts):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_tp_cp_pp_steps_read_back_only_the_skip_decision(tmp_path, packed):  # noqa: F811
+def test_tp_cp_pp_steps_read_nothing_back(tmp_path, packed):  # noqa: F811
     """2 gloo processes, Megatron optimizer: TP 2 with sequence parallelism, CP 2 (distributed optimizer; through the
-    CP attention and RoPE paths), PP 2 (the pipeline schedule): every rank reads 1 value per step, 5 on a logging
-    step."""
+    CP attention and RoPE paths), PP 2 (the pipeline schedule): every rank reads nothing on a step, 5 values on a
+    logging step."""
     from distributed_helpers import run_distributed
     from test_train_loop import SEQ
 
@@ -125,7 +125,7 @@ def test_tp_cp_pp_steps_read_back_only_the_skip_decision(tmp_path, packed):  # n
     for rank, per_layout in enumerate(run_distributed(_layouts_reads_worker, 2, str(config), layouts,
                                                       timeout_s=400)):
         for layout, (quiet, logging) in zip(layouts, per_layout):
-            assert len(quiet) == 1 and SKIP_DECISION in quiet[0], (rank, layout, quiet)
+            assert quiet == [], (rank, layout, quiet)
             assert len(logging) == LOGGING_READS, (rank, layout, logging)
 
 
@@ -139,8 +139,10 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, packed,
     original = trainer._token_loss
     trainer._token_loss = lambda batch: original(batch) * float("nan")
     result = trainer.train_step(trainer.next_micro_batches())
-    assert result["skipped"] and trainer.scheduler.last_epoch == 0
+    assert result["skipped"] and trainer.scheduler.last_epoch == 1          # the schedule follows the step number
     assert all(torch.equal(p, before[n]) for n, p in trainer.gpt.named_parameters())
+    states = [s for opt in torch_optimizers(trainer.optimizer) for s in opt.state.values()]
+    assert states and all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in states)   # Adam untouched
     trainer._token_loss = original
     assert not trainer.train_step(trainer.next_micro_batches())["skipped"]
     assert any(not torch.equal(p, before[n]) for n, p in trainer.gpt.named_parameters())
@@ -149,10 +151,29 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, packed,
 
     logger = MetricsLogger(str(tmp_path / "o"), enabled=True, tensorboard=False, progress=False, initial_step=0,
                            total_steps=4)
-    trainer._last_step = 4
+    trainer._last_step, trainer.cfg.logging.log_interval = 10, 1
     trainer._one_step(logger)                                      # 1 skipped: allowed
     assert trainer.state.skipped_steps == 1
-    with pytest.raises(FloatingPointError, match="not finite for 2 steps in a row"):
+    with pytest.raises(FloatingPointError, match="step 2: .* not finite for 2 steps in a row"):
+        trainer._one_step(logger)
+
+
+def test_too_many_skipped_steps_stop_the_run_at_the_next_sync(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+    """Between logging steps nothing is read: the run of skipped steps is counted on the device and the limit is
+    applied at the next logging step (or checkpoint), naming the longest run."""
+    trainer = trainer_for(tmp_path, packed, train={"global_batch_size": 2, "train_steps": 10, "max_skipped_steps": 1})
+    from packsft.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path / "o"), enabled=True, tensorboard=False, progress=False, initial_step=0,
+                           total_steps=10)
+    trainer._last_step, trainer.cfg.logging.log_interval = 10, 4
+    original = trainer._token_loss
+    trainer._token_loss = lambda batch: original(batch) * float("nan")
+    for _ in range(3):
+        trainer._one_step(logger)                                  # steps 1-3 skipped, not yet read
+    assert trainer.state.skipped_steps == 0
+    trainer._token_loss = original
+    with pytest.raises(FloatingPointError, match="step 4: .* not finite for 3 steps in a row"):
         trainer._one_step(logger)
 
 

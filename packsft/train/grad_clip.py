@@ -7,7 +7,7 @@ without ``fused=True``. packsft's step (``packsft.train.optim``) uses the functi
 alike: the norm stays a device tensor (``torch.nn.utils.get_total_norm``, foreach), clipping multiplies by
 ``min(1, max_norm / (norm + 1e-6))`` on the device (``torch.nn.utils.clip_grads_with_norm_``; a factor of exactly
 1.0 leaves the gradients bit-identical, as Megatron's skipped clip does), and AdamW runs its fused kernel where torch
-has one for the parameters' device.
+has one for the parameters' device, skipping its update on the device when told to (:func:`skip_update_if`).
 """
 
 from __future__ import annotations
@@ -91,6 +91,18 @@ def use_fused_adamw(optimizer) -> None:
                 if state and "step" in state:     # a copy each: a loaded state may share one counter among all
                     step = torch.as_tensor(state["step"]).detach()
                     state["step"] = step.to(device=p.device, dtype=torch.float32, copy=True)
+
+
+def skip_update_if(optimizer, skipped: Tensor) -> None:
+    """Make the next ``step()`` of every torch optimizer in ``optimizer`` (torch's, or inside Megatron's) a no-op on
+    the device where ``skipped`` (bool 0-d tensor) is true: parameters, moments and step counters stay as they were.
+
+    torch's fused AdamW kernel reads the optimizer's ``found_inf`` attribute (as ``torch.amp.GradScaler`` sets it)
+    on the device; no host read. Needs the fused kernel (:func:`use_fused_adamw`; CPU and CUDA).
+    """
+    found_inf = skipped.to(torch.float32)
+    for opt in torch_optimizers(optimizer):
+        opt.found_inf = found_inf
 
 
 def optimizer_implementation(optimizer) -> str:

@@ -106,7 +106,7 @@ from packsft.train.optim import (
     build_optimizer,
     build_scheduler,
     clip_grads,
-    megatron_step_unless_non_finite,
+    megatron_step_skipping_non_finite,
     optimizer_params,
     set_schedule_step,
 )
@@ -221,8 +221,10 @@ class Trainer:
         self._stop_group = (dist.new_group(backend="gloo") if cfg.train.save_on_sigterm and self.ctx.world_size > 1
                             and dist.get_backend() != "gloo" else None)
         self._batches = None
-        self._trained_tokens = torch.zeros((), dtype=torch.int64, device=self.ctx.device)  # since the last sync
-        self._consecutive_skips = 0
+        # on the device since the last sync: trained tokens, skipped steps, the longest run of skipped steps ending
+        # in that window; and the current run of skipped steps
+        self._counters = torch.zeros(3, dtype=torch.int64, device=self.ctx.device)
+        self._skip_run = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
         self._logged_step, self._logged_at, self._last_step = self.state.step, time.perf_counter(), 0
 
     def _train_loader_config(self) -> DataLoaderConfig:
@@ -426,12 +428,12 @@ class Trainer:
         return _as_python(self.step_tensors(batches))
 
     def step_tensors(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
-        """Forward/backward over ``batches``, clip, optimizer and LR step, without a host sync but the skip check.
+        """Forward/backward over ``batches``, clip, optimizer and LR step, without a host sync.
 
-        Returns ``loss`` (fp32 scalar), ``grad_norm`` (fp32 scalar), ``trained_tokens`` (int64 scalar), all on the
-        device, ``lr`` (float) and ``skipped`` (bool). The one host sync is the decision to skip a step whose loss
-        or gradient norm is not finite (Megatron's optimizer decides the same way on the host): the parameters,
-        optimizer state and LR schedule are then left as they were.
+        Returns ``loss`` (fp32 scalar), ``grad_norm`` (fp32 scalar), ``trained_tokens`` (int64 scalar) and
+        ``skipped`` (bool scalar), all on the device, and ``lr`` (float). A step whose loss or gradient norm is not
+        finite is skipped on the device (the fused AdamW kernel's ``found_inf``): parameters and optimizer state
+        are left as they were; the LR schedule follows the step number.
         """
         count = global_num_trained_tokens([b["loss_mask"] for b in batches], (self.ctx.dp_cp_group,),
                                           labels=[b["labels"] for b in batches])
@@ -453,10 +455,10 @@ class Trainer:
         allreduce_sequence_parallel_grads(params, self.ctx.tp_group)
         norm = clip_grads(params, self.cfg.optimizer.clip_grad, self.ctx.tp_group)
         lr = self.optimizer.param_groups[0]["lr"]
-        skipped = not bool(torch.isfinite(loss_sum + norm))
-        if not skipped:
-            self.optimizer.step()
-            self.scheduler.step()
+        skipped = ~torch.isfinite(loss_sum + norm)
+        skip_update_if(self.optimizer, skipped)
+        self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
                 "skipped": skipped}
@@ -475,13 +477,13 @@ class Trainer:
         return self._megatron_update(loss_sum, count)
 
     def _megatron_update(self, loss_sum: torch.Tensor, count: torch.Tensor) -> dict[str, Any]:
-        """The Megatron optimizer's update (skipped when the loss or the gradient norm is not finite) and LR step."""
+        """The Megatron optimizer's update (skipped on the device when the loss or the gradient norm is not
+        finite) and LR step."""
         lr = self.optimizer.param_groups[0]["lr"]
-        skipped, norm = megatron_step_unless_non_finite(self.optimizer, loss_sum)
-        if not skipped:
-            self.scheduler.step()
-        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": torch.as_tensor(norm, dtype=torch.float32),
-                "lr": lr, "trained_tokens": count, "skipped": skipped}
+        skipped, norm = megatron_step_skipping_non_finite(self.optimizer, loss_sum)
+        self.scheduler.step()
+        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
+                "skipped": skipped}
 
     # -- pipeline parallelism ---------------------------------------------------------------------------------------
     def _stage_forward(self, model: torch.nn.Module, batch: dict[str, Any], logits: bool = False) -> torch.Tensor:
@@ -717,15 +719,11 @@ class Trainer:
         result = self.step_tensors(self.next_micro_batches())
         rows, seq, st = self.cfg.train.global_batch_size, self.cfg.data.max_seq_len, self.state
         st.step, st.consumed_samples = st.step + 1, st.consumed_samples + rows
-        self._trained_tokens = self._trained_tokens + result["trained_tokens"]
-        self._consecutive_skips = self._consecutive_skips + 1 if result["skipped"] else 0
-        st.skipped_steps += int(result["skipped"])
-        if self._consecutive_skips > self.cfg.train.max_skipped_steps:
-            raise FloatingPointError(
-                f"step {st.step}: the loss or gradient norm was not finite for {self._consecutive_skips} steps in a "
-                f"row (train.max_skipped_steps={self.cfg.train.max_skipped_steps}); the last checkpoint is intact. "
-                "Lower optimizer.lr, check the data (docs/troubleshooting.md), or resume from an earlier checkpoint")
-        if st.step % self.cfg.logging.log_interval and st.step < self._last_step and not result["skipped"]:
+        skipped = result["skipped"].long()
+        self._skip_run = (self._skip_run + 1) * skipped
+        self._counters = torch.stack([self._counters[0] + result["trained_tokens"], self._counters[1] + skipped,
+                                      torch.maximum(self._counters[2], self._skip_run)])
+        if st.step % self.cfg.logging.log_interval and st.step < self._last_step:
             return
         self._sync_counters()
         now = time.perf_counter()
@@ -739,11 +737,23 @@ class Trainer:
         logger.progress(record)
 
     def _sync_counters(self) -> None:
-        """Move the device-side counters into :attr:`state` (a host sync; on CUDA after a synchronize)."""
+        """Move the device-side counters into :attr:`state` (one host read; on CUDA after a synchronize).
+
+        Raises:
+            FloatingPointError: more than ``train.max_skipped_steps`` steps in a row were skipped since the last
+                sync (logging steps, checkpoints), before anything is saved.
+        """
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()
-        self.state.trained_tokens += int(self._trained_tokens)
-        self._trained_tokens = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
+        trained, skipped, longest_run = self._counters.tolist()
+        self._counters = torch.zeros_like(self._counters)
+        self.state.trained_tokens += trained
+        self.state.skipped_steps += skipped
+        if longest_run > self.cfg.train.max_skipped_steps:
+            raise FloatingPointError(
+                f"step {self.state.step}: the loss or gradient norm was not finite for {longest_run} steps in a row "
+                f"(train.max_skipped_steps={self.cfg.train.max_skipped_steps}); the last checkpoint is intact. "
+                "Lower optimizer.lr, check the data (docs/troubleshooting.md), or resume from an earlier checkpoint")
 
 
 def _as_python(result: dict[str, Any]) -> dict[str, Any]:

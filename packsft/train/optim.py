@@ -7,11 +7,12 @@ Two backends (``optimizer.backend``):
 * ``megatron``: ``megatron.core.optimizer.get_megatron_optimizer`` over a Megatron ``DistributedDataParallel``
   model (:func:`build_megatron_optimizer`): Adam(W) on fp32 master weights, optionally sharded over data parallelism
   (``use_distributed_optimizer``); its inner torch AdamW switched to the fused kernel, its TP/DP-aware gradient norm
-  and clipping done on the device (:func:`megatron_step_unless_non_finite`, ``packsft.train.grad_clip``); scheduled
+  and clipping done on the device (:func:`megatron_step_skipping_non_finite`, ``packsft.train.grad_clip``); scheduled
   by :class:`ParamGroupSchedule`. On CPU it runs through ``packsft.model.cpu_compat``'s optimizer shim.
 
-A step reads one value back to the host: the decision to skip a step whose loss or gradient norm is not finite
-(:func:`megatron_step_unless_non_finite`, ``Trainer.step_tensors``).
+A step reads nothing back to the host: a step whose loss or gradient norm is not finite is skipped by the fused
+AdamW kernel itself (``found_inf``, as under torch's ``GradScaler``; :func:`megatron_step_skipping_non_finite`,
+``Trainer.step_tensors``).
 
 Both are checkpointed through ``dist_checkpointing`` (``packsft.train.checkpoint``).
 """
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 from packsft.train.config import OptimizerConfig, SchedulerConfig
-from packsft.train.grad_clip import clip_to_norm, megatron_grad_norm, total_norm, use_fused_adamw
+from packsft.train.grad_clip import clip_to_norm, megatron_grad_norm, skip_update_if, total_norm, use_fused_adamw
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -209,29 +210,30 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_g
         grad.copy_(synced)
 
 
-def megatron_step_unless_non_finite(optimizer, loss_sum: torch.Tensor) -> tuple[bool, torch.Tensor]:
-    """``MegatronOptimizer.step()`` split as Megatron splits it, skipping the update when anything is not finite, with
-    one host read.
+def megatron_step_skipping_non_finite(optimizer, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MegatronOptimizer.step()`` split as Megatron splits it, the update skipped on the device when anything is
+    not finite: no host read.
 
-    ``prepare_grads`` (main grads into the fp32 master grads; ``found_inf`` under a loss scaler), the TP/DP-aware
-    gradient norm on the device (``packsft.train.grad_clip.megatron_grad_norm``: Megatron's ``get_grad_norm``
-    without its per-parameter and final ``.item()``), then one read, whether that norm and ``loss_sum`` are finite;
-    only then clipping of each optimizer's main grads to its ``clip_grad`` on the device and
-    ``step_with_ready_grads`` (Adam, then the copy or all-gather back into the model weights).
+    ``prepare_grads`` (main grads into the fp32 master grads), the TP/DP-aware gradient norm on the device
+    (``packsft.train.grad_clip.megatron_grad_norm``: Megatron's ``get_grad_norm`` without its per-parameter and final
+    ``.item()``), clipping of each optimizer's main grads to its ``clip_grad`` on the device, then
+    ``step_with_ready_grads`` (Adam, then the copy or all-gather back into the model weights) with the fused AdamW
+    kernel told to leave parameters and state as they are when the norm or ``loss_sum`` is not finite
+    (:func:`~packsft.train.grad_clip.skip_update_if`).
 
     Returns:
-        ``(skipped, grad_norm)``; the grad norm an fp32 0-d tensor on ``loss_sum``'s device (NaN or inf when skipped
-        for it).
+        ``(skipped, grad_norm)``: a bool and an fp32 0-d tensor on ``loss_sum``'s device (the norm NaN or inf when
+        skipped for it).
     """
-    found_inf = optimizer.prepare_grads()
+    found_inf = optimizer.prepare_grads()       # a loss scaler's (fp16) verdict; False without one
     norm = megatron_grad_norm(optimizer, loss_sum.device)
-    if found_inf or not bool(torch.isfinite(norm + loss_sum)):      # the step's one host read
-        return True, norm
+    skipped = ~torch.isfinite(norm + loss_sum) | found_inf
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if opt.config.clip_grad > 0.0:
             clip_to_norm(opt.get_parameters(), opt.config.clip_grad, norm)
+    skip_update_if(optimizer, skipped)
     optimizer.step_with_ready_grads()
-    return False, norm
+    return skipped, norm
 
 
 def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float,

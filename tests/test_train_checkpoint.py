@@ -293,7 +293,7 @@ def test_a_bf16_import_starts_an_fp32_run(tmp_path, parallel_state_1proc):  # no
     parameters, no fp32 master with the torch optimizer): params_dtype may differ, the weights are cast on load."""
     import dataclasses
 
-    from packsft.train.config import check_init_model, load_config
+    from packsft.train.compat import check_init_model, load_train_config
     from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
 
     bf16 = dataclasses.replace(TINY, params_dtype="bfloat16")
@@ -307,8 +307,8 @@ def test_a_bf16_import_starts_an_fp32_run(tmp_path, parallel_state_1proc):  # no
             assert b.dtype == torch.float32 and torch.equal(a.float(), b), name
     run = ["data.train_path=x", "data.tokenizer=t", "data.max_seq_len=32", "train.train_steps=2",
            "train.global_batch_size=1", f"checkpoint.init_from={base}"]
-    assert load_config(None, run).model.params_dtype == "bfloat16"  # the import's, unless set
-    cfg = load_config(None, [*run, "model.params_dtype=float32"])   # refused before
+    assert load_train_config(None, run).model.params_dtype == "bfloat16"  # the import's, unless set
+    cfg = load_train_config(None, [*run, "model.params_dtype=float32"])   # refused before
     assert cfg.model.params_dtype == "float32"
     with pytest.raises(ValueError, match=r"model.hidden_size \(64\) differs"):  # a weight's shape still may not
         check_init_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=64)),

@@ -183,7 +183,7 @@ def test_lora_demo_config_loads():
 
 def test_a_checkpoint_refuses_another_architecture():
     from packsft.train.checkpoint import CheckpointError
-    from packsft.train.config import check_recorded_architecture, recorded_architecture
+    from packsft.train.compat import check_recorded_architecture, recorded_architecture
 
     cfg = load_config(TINY, ["lora.enabled=true", "lora.alpha=16"])
     recorded = recorded_architecture({"config": config_to_yaml(cfg)}, "ck")
@@ -214,7 +214,7 @@ def test_a_checkpoint_refuses_another_optimizer_state_format():
     """optimizer.backend and use_distributed_optimizer set the optimizer state's format: a resume keeps them
     (before: a KeyError traceback inside Megatron's load_state_dict one way, a silent conversion the other)."""
     from packsft.train.checkpoint import CheckpointError
-    from packsft.train.config import check_recorded_optimizer, recorded_architecture
+    from packsft.train.compat import check_recorded_optimizer, recorded_architecture
 
     megatron = ["optimizer.backend=megatron", "optimizer.use_distributed_optimizer=true"]
     recorded = recorded_architecture({"config": config_to_yaml(load_config(TINY, megatron))}, "ck")

@@ -14,7 +14,7 @@ import yaml
 
 from packsft.data.dataset import PackedSFTDataset
 from packsft.packing.pipeline import PackConfig, run_pack
-from packsft.train.config import load_config
+from packsft.train.compat import load_train_config
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 256
@@ -130,10 +130,10 @@ def test_first_loss_is_the_hf_models_and_resume_wins(setup):
     try:
         proc = run("tools/train.py", "--config", str(parts_cfg), "train.train_steps=3")
         with pytest.raises(FileNotFoundError, match="model_config.json not found"):   # nothing to resume
-            load_config(parts_cfg, ["checkpoint.resume=none"])
+            load_train_config(parts_cfg, ["checkpoint.resume=none"])
         with pytest.raises(ValueError, match=r"model.rotary_base \(1.0\) differs from the model section checkpoint "
                                              r".*iter_0000003 records \(50000.0\)"):
-            load_config(parts_cfg, ["model.rotary_base=1.0"])
+            load_train_config(parts_cfg, ["model.rotary_base=1.0"])
     finally:
         moved.rename(setup["imported"])
     assert f"note: checkpoint.init_from='{relative}' has no model_config.json; the run resumes" in proc.stderr
@@ -155,19 +155,20 @@ def test_first_loss_is_the_hf_models_and_resume_wins(setup):
 
 
 def test_model_section_comes_from_the_checkpoint_and_must_agree(setup):
-    cfg = load_config(write_config(setup, "fill"))
+    cfg = load_train_config(write_config(setup, "fill"))
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.vocab_size) == (64, 2, 49152)
     assert cfg.model.rotary_base == 50000.0 and cfg.model.tie_word_embeddings
-    assert load_config(write_config(setup, "free", max_position_embeddings=4096)).model.max_position_embeddings == 4096
-    recompute = load_config(write_config(setup, "recompute", recompute_granularity="selective")).model
+    free = load_train_config(write_config(setup, "free", max_position_embeddings=4096)).model
+    assert free.max_position_embeddings == 4096
+    recompute = load_train_config(write_config(setup, "recompute", recompute_granularity="selective")).model
     assert recompute.recompute_granularity == "selective"       # recompute shapes no weight: free to differ
     with pytest.raises(ValueError, match=r"model.hidden_size \(128\) differs .*model_config.json \(64\)"):
-        load_config(write_config(setup, "bad", hidden_size=128))
+        load_train_config(write_config(setup, "bad", hidden_size=128))
 
 
 def test_init_from_without_model_config_is_named(setup, tmp_path):
     with pytest.raises(FileNotFoundError, match="checkpoint.init_from=.*model_config.json not found"):
-        load_config(write_config(setup, "missing"), [f"checkpoint.init_from={tmp_path}"])
+        load_train_config(write_config(setup, "missing"), [f"checkpoint.init_from={tmp_path}"])
 
 
 def test_rows_longer_than_the_imported_sliding_window_are_refused(setup, tmp_path):
@@ -180,8 +181,8 @@ def test_rows_longer_than_the_imported_sliding_window_are_refused(setup, tmp_pat
                                                          "max_position_embeddings": 4 * SEQ}))
     config = write_config(setup, "windowed", max_position_embeddings=4 * SEQ)
     with pytest.raises(ValueError, match=rf"max_seq_len \({SEQ}\) is longer than the sliding_window \({SEQ // 2}\)"):
-        load_config(config, [f"checkpoint.init_from={windowed}"])
-    assert load_config(config, [f"checkpoint.init_from={windowed}", f"data.max_seq_len={SEQ // 2}"])
+        load_train_config(config, [f"checkpoint.init_from={windowed}"])
+    assert load_train_config(config, [f"checkpoint.init_from={windowed}", f"data.max_seq_len={SEQ // 2}"])
 
 
 def test_an_unreadable_init_from_checkpoint_is_one_error_line(setup, tmp_path):
@@ -209,7 +210,7 @@ def _vpp_worker(rank, world_size, config, runs):
     for overrides in runs:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        trainer = Trainer(load_config(config, overrides))
+        trainer = Trainer(load_train_config(config, overrides))
         one = trainer.validate()                                   # validation.max_batches=1: 1 micro-batch < PP
         trainer.cfg.validation.max_batches = None
         every = trainer.validate()

@@ -71,7 +71,7 @@ from packsft.model.hf_io import (  # noqa: E402
 from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.packing.cli import positive_int  # noqa: E402
 from packsft.train.checkpoint_files import INIT_FROM, LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
-from packsft.train.config import (  # noqa: E402
+from packsft.train.compat import (  # noqa: E402
     check_model_fields,
     check_recorded_architecture,
     read_yaml_model,
@@ -178,7 +178,7 @@ def export_sections(megatron: Path, config: str | None, saved: dict | None) -> t
     folder's ``model_config.json``. A YAML ``config``'s ``model:`` section may be partial or absent, as in training
     with ``checkpoint.init_from``: it is merged over the recorded section, else over the folder's
     ``model_config.json`` (which it must then agree with), else over its own ``checkpoint.init_from``'s
-    (``packsft.train.config.read_yaml_model``).
+    (``packsft.train.compat.read_yaml_model``).
 
     Raises:
         ValueError: ``config`` differs from the recorded architecture or the folder's ``model_config.json`` (naming

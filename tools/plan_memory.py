@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from packsft.layout import MAX_SEQ_LEN  # noqa: E402
-from packsft.train.config import load_config  # noqa: E402
+from packsft.train.compat import load_train_config  # noqa: E402
 from packsft.train.memory import GiB, Layout, format_plan, layout_from_config, max_seq_len, plan  # noqa: E402
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(not 1 <= n <= MAX_SEQ_LEN for n in args.seq_lens):
             raise ValueError(f"--seq-lens must be token counts from 1 to {MAX_SEQ_LEN:,}, got {args.seq_lens}")
         gpu_bytes = parse_bytes(args.gpu_memory)
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_train_config(args.config, args.overrides)
         par = cfg.parallel
         world = args.world_size or (par.tensor_model_parallel_size * par.context_parallel_size
                                     * getattr(par, "pipeline_model_parallel_size", 1))

@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = process_guard.STOP_SIGNAL
     stop.install()                               # a stop signal during start-up is kept for the loop's first check
     stop.action = "stopping once the configuration is read (before the first step)"
-    from packsft.train.config import config_to_yaml, load_config
+    from packsft.train.compat import load_train_config
+    from packsft.train.config import config_to_yaml
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_train_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

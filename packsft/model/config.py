@@ -267,7 +267,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
     Raises:
         ValueError: naming unknown or missing fields (a partial YAML ``model:`` section, as training allows with
-            ``checkpoint.init_from``: see ``packsft.train.config.read_yaml_model``), or a YAML without one.
+            ``checkpoint.init_from``: see ``packsft.train.compat.read_yaml_model``), or a YAML without one.
         FileNotFoundError: no such file (a folder without ``model_config.json``: not a packsft checkpoint).
     """
     path = Path(path)

@@ -7,6 +7,8 @@ cross-section checks of :class:`Config`. A misspelt key, a wrong type or an inva
 naming the dotted key and the value. Checks that need the world size (``global_batch_size`` vs data-parallel size)
 are in :func:`check_parallel_layout`, called by the trainer after ``init_distributed``.
 
+Resume and ``init_from`` compatibility (which keys may differ from a checkpoint's) is :mod:`packsft.train.compat`'s.
+
 Sections (every field is documented in ``docs/training.md``): ``model`` (:class:`~packsft.model.config.ModelConfig`),
 ``data``, ``loader`` (:class:`~packsft.data.loader.DataLoaderConfig`), ``loss``, ``optimizer``, ``scheduler``,
 ``parallel``, ``train``, ``checkpoint``, ``logging``, ``validation``, ``lora``
@@ -16,10 +18,9 @@ Sections (every field is documented in ``docs/training.md``): ``model`` (:class:
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -29,24 +30,11 @@ from omegaconf.errors import OmegaConfBaseException
 from packsft.data.loader import DataLoaderConfig
 from packsft.io import missing_file, read_json_object
 from packsft.layout import cp_granularity, row_granularity
-from packsft.model.config import (
-    MODEL_CONFIG_FILE,
-    ModelConfig,
-    check_field_names,
-    config_from_dict,
-    yaml_model_section,
-)
+from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.lora import LoraConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 VERIFY_HASH = ("auto", "full")
-INIT_FROM_FREE_MODEL_KEYS = ("max_position_embeddings", "init_method_std", "recompute_granularity",
-                             "recompute_method", "recompute_num_layers", "recompute_modules", "bias_activation_fusion")
-"""``model`` keys that may differ from an ``init_from`` checkpoint's ``model_config.json`` (they shape no weight),
-and from a checkpoint resumed or exported."""
-INIT_ONLY_FREE_MODEL_KEYS = ("params_dtype",)
-"""``model`` keys that may also differ from ``init_from``'s (a base imported in bf16 trains in fp32: the weights are
-cast on load), but not on resume, whose optimizer state is that of the recorded dtype."""
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 OPTIMIZER_BACKENDS = ("torch", "megatron")
 RENAMED_KEYS = {
@@ -357,7 +345,7 @@ class CheckpointConfig:
     """Model-only checkpoint folder (``tools/convert_checkpoint.py import --out``) whose weights start the run when
     there is nothing to resume (a checkpoint found by ``resume`` wins); optimizer, schedule and data order start
     fresh. Its ``model_config.json`` fills the ``model`` section; ``model`` keys set in the YAML or overrides must
-    agree with it, except those in ``INIT_FROM_FREE_MODEL_KEYS`` and ``INIT_ONLY_FREE_MODEL_KEYS``."""
+    agree with it, except those ``packsft.train.compat.MAY_CHANGE["init_from"]`` names."""
     keep_last: int = 0
     """Keep only the N newest complete checkpoints (by step; never the one ``latest`` names); 0 keeps all."""
 
@@ -486,29 +474,30 @@ class Config:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.logging.output_dir) / "checkpoints"
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
+                model_base: Callable[[str, Path, str], dict] | None = None) -> Config:
     """Build a :class:`Config` from a YAML file and dotted overrides (``section.key=value``).
 
     Args:
         path: YAML file, or None for schema defaults plus overrides only.
         overrides: e.g. ``["optimizer.lr=1e-3", "parallel.context_parallel_size=2"]``; applied after the file.
+        model_base: ``(checkpoint.init_from, checkpoint dir, checkpoint.resume) -> model fields`` merged under the
+            YAML when ``init_from`` is set; default: :func:`read_init_model_fields`.
 
     Returns:
         The validated :class:`Config` (plain dataclasses, not OmegaConf nodes).
 
     With ``checkpoint.init_from`` set, the checkpoint's ``model_config.json`` is merged under the YAML as the
-    ``model`` section (so a YAML may omit ``model``), then :func:`check_init_model` compares the result with it.
-    When that folder is gone but ``checkpoint.resume`` finds a checkpoint (whose weights a resume loads instead),
-    the ``model`` section that checkpoint records takes its place, with a ``note:`` on stderr.
+    ``model`` section (so a YAML may omit ``model``). Whether the keys the YAML sets agree with it, and the model
+    section a resumed checkpoint records when that folder is gone, are :mod:`packsft.train.compat`'s
+    (:func:`~packsft.train.compat.load_train_config`, what a training run loads its config with).
 
     Raises:
-        FileNotFoundError: ``path`` does not exist, or ``checkpoint.init_from`` has no ``model_config.json`` and
-            there is no checkpoint to resume.
+        FileNotFoundError: ``path`` does not exist, or ``checkpoint.init_from`` has no ``model_config.json``.
         ValueError: an unknown key, a value of the wrong type, a missing required value (``???``) or any validation
             failure; the message names the file and the dotted key.
     """
-    where = (str(path) if path else "") + (f" with overrides {list(overrides)}" if overrides else "")
-    where = where.strip() or "<defaults>"
+    where = config_source(path, overrides)
     if path is not None and not Path(path).is_file():
         raise missing_file("config file", path)
     try:
@@ -521,16 +510,15 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         layers = [_rename_old_keys(loaded, str(path)),
                   _rename_old_keys(OmegaConf.from_dotlist(list(overrides)), "the overrides")]
         merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
-        imported, source = _init_model_fields(merged)
-        if imported is not None:
-            merged = OmegaConf.merge(OmegaConf.structured(Config), {"model": imported}, *layers)
-        cfg = OmegaConf.to_object(merged)
-        if imported is not None:
-            check_init_model(cfg, imported, source)
-            check_init_window(cfg, merged.checkpoint.init_from)
-        return cfg
+        init_from = merged.checkpoint.init_from
+        if init_from:
+            ckpt_dir = Path(merged.checkpoint.dir or Path(merged.logging.output_dir) / "checkpoints")  # checkpoint_dir
+            base = (model_base(init_from, ckpt_dir, merged.checkpoint.resume) if model_base
+                    else read_init_model_fields(init_from))
+            merged = OmegaConf.merge(OmegaConf.structured(Config), {"model": base}, *layers)
+        return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise _config_error(err, f"invalid config {where}") from err
+        raise config_error(err, f"invalid config {where}") from err
     except ValueError as err:
         raise ValueError(f"invalid config {where}: {err}") from err
     except TypeError as err:  # OmegaConf.merge: a mapping where the schema has a list (data.train, data.validation)
@@ -541,7 +529,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ValueError(f"invalid config {where}: not valid YAML: {' '.join(str(err).split())}") from err
 
 
-def _config_error(err: OmegaConfBaseException, where: str) -> ValueError:
+def config_source(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """How error messages name a config: the file and the overrides (``<defaults>`` for neither)."""
+    where = (str(path) if path else "") + (f" with overrides {list(overrides)}" if overrides else "")
+    return where.strip() or "<defaults>"
+
+
+def config_error(err: OmegaConfBaseException, where: str) -> ValueError:
     """OmegaConf's error (its message, then lines of full_key and types) as one line: ``where``, the key, the first
     line."""
     key = getattr(err, "full_key", None)
@@ -568,24 +562,6 @@ def _rename_old_keys(layer, where: str):
     return layer
 
 
-def _init_model_fields(merged) -> tuple[dict | None, str | None]:
-    """The ``model`` fields ``checkpoint.init_from`` supplies (``merged``: the OmegaConf config) and, when not its
-    ``model_config.json``, where they come from; ``(None, None)`` without ``init_from``. When that file is gone and
-    a checkpoint will be resumed: the ``model`` section that checkpoint records (the run no longer reads
-    ``init_from``'s weights; a LoRA resume still needs them and says so)."""
-    from packsft.train.checkpoint_files import find_resume_checkpoint, load_train_state
-
-    init_from = merged.checkpoint.init_from
-    if not init_from or (Path(init_from) / MODEL_CONFIG_FILE).is_file():
-        return (read_init_model_fields(init_from) if init_from else None), None
-    ckpt_dir = merged.checkpoint.dir or Path(merged.logging.output_dir) / "checkpoints"   # as Config.checkpoint_dir
-    path = find_resume_checkpoint(ckpt_dir, merged.checkpoint.resume)
-    if path is None:
-        read_init_model_fields(init_from)      # raises, naming the missing file
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: checkpoint.init_from={str(init_from)!r} has no {MODEL_CONFIG_FILE}; the run resumes {path}, "
-              "whose recorded model section is used", file=sys.stderr)
-    return recorded_architecture(load_train_state(path), path)["model"], f"the model section checkpoint {path} records"
 
 
 def read_init_model_fields(init_from: str | Path) -> dict:
@@ -601,216 +577,8 @@ def read_init_model_fields(init_from: str | Path) -> dict:
     return read_json_object(file)
 
 
-def _first_difference(current: dict, reference: dict, free: tuple[str, ...] = ()) -> str | None:
-    """The first key of ``reference`` (not in ``free``) whose value ``current`` does not share, or None.
-
-    Floats agree within a relative 1e-6 (an imported GGUF's ``norm_epsilon`` 1e-5 reads back as float32).
-    """
-    for key, value in reference.items():
-        if key in free:
-            continue
-        if isinstance(value, float) and isinstance(current.get(key), float):
-            same = math.isclose(current[key], value, rel_tol=1e-6)
-        else:
-            same = current.get(key) == value
-        if not same:
-            return key
-    return None
 
 
-def check_init_window(cfg: Config, init_from: str | Path) -> None:
-    """Refuse a ``data.max_seq_len`` longer than the sliding window of the imported model (a Mistral, or a
-    Qwen2/Qwen3 with windowed layers, whose ``sliding_window`` is below its ``max_position_embeddings``, read from
-    ``<init_from>/hf_config.json``):
-    packsft's full causal attention equals the model's only up to the window, whatever
-    ``model.max_position_embeddings`` the config sets.
-
-    Raises:
-        ValueError: naming both lengths and the file.
-    """
-    from packsft.model.hf_config import full_attention_length
-
-    file = Path(init_from) / "hf_config.json"       # written by tools/convert_checkpoint.py import
-    if not file.is_file():
-        return
-    window = full_attention_length(read_json_object(file))
-    if window is not None and cfg.data.max_seq_len > window:
-        raise ValueError(f"data.max_seq_len ({cfg.data.max_seq_len}) is longer than the sliding_window ({window}) of "
-                         f"the model checkpoint.init_from holds ({file}): packsft's full causal attention equals "
-                         f"that model's only up to the window; set data.max_seq_len <= {window}")
-
-
-def check_init_model(cfg: Config, imported: dict, source: str | None = None) -> None:
-    """Refuse a ``model`` section that contradicts the ``checkpoint.init_from`` weights.
-
-    ``source`` names where ``imported`` comes from (default: ``checkpoint.init_from``'s ``model_config.json``).
-
-    Raises:
-        ValueError: a ``model`` field (other than ``INIT_FROM_FREE_MODEL_KEYS`` and ``INIT_ONLY_FREE_MODEL_KEYS``)
-            differs from ``imported``; the message names the field and both values.
-    """
-    check_model_fields(cfg.model, imported, source or f"checkpoint.init_from's {MODEL_CONFIG_FILE}")
-
-
-def check_model_fields(model: ModelConfig, imported: dict, source: str) -> None:
-    """Refuse a ``model`` section that differs from a checkpoint's ``ModelConfig`` fields ``imported`` (read from
-    ``source``, named in the message) in a key other than ``INIT_FROM_FREE_MODEL_KEYS`` and
-    ``INIT_ONLY_FREE_MODEL_KEYS``.
-
-    Raises:
-        ValueError: naming the field and both values.
-    """
-    current = asdict(model)
-    key = _first_difference(current, imported, INIT_FROM_FREE_MODEL_KEYS + INIT_ONLY_FREE_MODEL_KEYS)
-    if key is not None:
-        raise ValueError(f"model.{key} ({current.get(key)!r}) differs from {source} ({imported[key]!r}): the "
-                         f"weights have the latter; drop model.{key} from the config or set it to match")
-
-
-def read_yaml_model(path: str | Path, base: dict | None, source: str | None = None, *,
-                    check: bool = True) -> ModelConfig:
-    """The ``ModelConfig`` of a training YAML's ``model:`` section merged over ``base`` (a checkpoint's
-    ``ModelConfig`` fields, read from ``source``), as :func:`load_config` merges ``checkpoint.init_from``'s
-    ``model_config.json`` under it: a partial section, or none, takes the rest from ``base``, and (``check``) a key
-    that differs from ``base`` is refused (:func:`check_model_fields`). Without ``base``, the YAML's own
-    ``checkpoint.init_from`` supplies it (:func:`read_init_model_fields`) when set.
-
-    Raises:
-        ValueError: naming the file: unknown fields, required fields with nothing to take them from, an invalid
-            value, or (``check``) a key that differs from ``base``.
-        FileNotFoundError: the YAML's ``checkpoint.init_from`` (read without ``base``) has no ``model_config.json``.
-    """
-    section = yaml_model_section(path)
-    section = {} if section is None else section
-    if base is None:
-        checkpoint = (yaml.safe_load(Path(path).read_text()) or {}).get("checkpoint")
-        init_from = checkpoint.get("init_from") if isinstance(checkpoint, dict) else None
-        if init_from:
-            base, source = read_init_model_fields(init_from), str(Path(init_from) / MODEL_CONFIG_FILE)
-    if base is None:
-        return config_from_dict(ModelConfig, section, str(path), missing_hint=(
-            ": a partial model section takes the rest from a checkpoint model config (model_config.json, "
-            "train_state.json) or checkpoint.init_from, and there is none here; give every field"))
-    check_field_names(ModelConfig, section, str(path))
-    try:
-        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), base, section))
-    except OmegaConfBaseException as err:
-        raise _config_error(err, f"{path} model section over {source}") from None
-    except ValueError as err:
-        raise ValueError(f"{path} model section over {source}: {err}") from None
-    if check:
-        check_model_fields(model, base, source or "the checkpoint's model config")
-    return model
-
-
-RESUME_FREE_LORA_KEYS = ("dropout", "seed")
-"""``lora`` keys that may change when a checkpoint is resumed or exported (they shape no weight and no output)."""
-
-
-def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str, dict]:
-    """The ``model``, ``lora``, ``optimizer`` and ``train`` sections of the config a checkpoint was trained with
-    (its ``train_state.json``).
-
-    Returns:
-        ``{"model": {...}, "lora": {...}, "optimizer": {...}, "train": {...}, "parallel": {...}}`` (``lora``
-        empty when the run predates it), plain YAML values.
-
-    Raises:
-        CheckpointError: ``train_state.json`` has no ``config`` with a ``model`` section.
-    """
-    import yaml
-
-    from packsft.train.checkpoint_files import TRAIN_STATE, CheckpointError
-
-    text = train_state.get("config")
-    try:
-        recorded = yaml.safe_load(text) if isinstance(text, str) else None
-    except yaml.YAMLError:
-        recorded = None
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("model"), dict):
-        raise CheckpointError(f"{Path(checkpoint) / TRAIN_STATE} records no config with a model section (its "
-                              "'config' is the run's YAML config as a string)")
-    return {"model": recorded["model"], "lora": recorded.get("lora") or {},
-            "optimizer": recorded.get("optimizer") or {}, "train": recorded.get("train") or {},
-            "parallel": recorded.get("parallel") or {}}
-
-
-RESUME_FIXED_OPTIMIZER_KEYS = ("backend", "use_distributed_optimizer")
-"""``optimizer`` keys that set the format of a checkpoint's optimizer state, so a resume must keep them."""
-
-
-DISTRIBUTED_OPTIMIZER_FIXED_PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-"""``parallel`` keys the distributed optimizer's state is sharded by (its ``dp_reshardable`` format: the DP size may
-change on resume, these may not)."""
-
-
-def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dict], checkpoint: str | Path,
-                             parallel: ParallelConfig | None = None) -> None:
-    """Refuse a resume whose optimizer state format (:data:`RESUME_FIXED_OPTIMIZER_KEYS`) differs from the
-    checkpoint's (before: a ``KeyError`` traceback inside Megatron's ``load_state_dict``, or a silent conversion),
-    or, with the distributed optimizer, whose :data:`DISTRIBUTED_OPTIMIZER_FIXED_PARALLEL_KEYS` differ (before:
-    Megatron's ``Global shape mismatch`` of the optimizer shards).
-
-    Raises:
-        CheckpointError: naming the dotted key and both values.
-    """
-    from packsft.train.checkpoint_files import CheckpointError
-
-    new_run = ("start a new run from its weights (tools/convert_checkpoint.py export, import, then "
-               "checkpoint.init_from)")
-    for key in RESUME_FIXED_OPTIMIZER_KEYS:
-        if key in recorded["optimizer"] and recorded["optimizer"][key] != getattr(optimizer, key):
-            was = recorded["optimizer"][key]
-            raise CheckpointError(f"optimizer.{key} is {getattr(optimizer, key)!r} but checkpoint {checkpoint} was "
-                                  f"trained with {was!r}, and its optimizer state has that format; resume with "
-                                  f"optimizer.{key}={str(was).lower() if isinstance(was, bool) else was}, or "
-                                  f"{new_run}")
-    if parallel is None or not optimizer.use_distributed_optimizer:
-        return
-    for key in DISTRIBUTED_OPTIMIZER_FIXED_PARALLEL_KEYS:
-        was = recorded.get("parallel", {}).get(key, 1)
-        if was != getattr(parallel, key):
-            raise CheckpointError(f"parallel.{key} is {getattr(parallel, key)} but checkpoint {checkpoint} was "
-                                  f"trained with {was}, and the distributed optimizer's state is sharded for it "
-                                  f"(only the data-parallel size may change); resume with parallel.{key}={was}, or "
-                                  f"{new_run}")
-
-
-def _lora_fields(lora: dict) -> dict:
-    """``lora`` fields as compared: ``target_modules`` as a sorted list (their order changes no weight)."""
-    modules = lora.get("target_modules")
-    return {**lora, "target_modules": sorted(modules)} if isinstance(modules, list) else lora
-
-
-def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, recorded: dict[str, dict],
-                                checkpoint: str | Path, *, fix: str) -> None:
-    """Refuse a ``model`` / ``lora`` section that differs from what a checkpoint was trained with.
-
-    ``model`` keys in ``INIT_FROM_FREE_MODEL_KEYS`` (no weight depends on them) and ``lora`` keys in
-    ``RESUME_FREE_LORA_KEYS`` may differ (``lora`` keys are compared only when either side has LoRA on, and
-    ``target_modules`` as a set); every other key the checkpoint records must agree (a changed
-    ``rotary_base`` or ``lora.alpha`` would load cleanly and silently compute another function).
-
-    Args:
-        model, lora: the current sections (``lora`` None: LoRA off).
-        recorded: :func:`recorded_architecture` of the checkpoint.
-        checkpoint: the checkpoint folder, named in the message. fix: how to proceed, appended to the message
-            (``{key}`` and ``{value}`` are replaced by the dotted key and the recorded value).
-
-    Raises:
-        CheckpointError: naming the first differing dotted key and both values.
-    """
-    from packsft.train.checkpoint_files import CheckpointError
-
-    current_lora = _lora_fields(asdict(lora)) if lora is not None else {"enabled": False}
-    recorded_lora = _lora_fields(recorded["lora"]) if recorded["lora"].get("enabled") else {"enabled": False}
-    for section, current, reference, free in (("model", asdict(model), recorded["model"], INIT_FROM_FREE_MODEL_KEYS),
-                                              ("lora", current_lora, recorded_lora, RESUME_FREE_LORA_KEYS)):
-        key = _first_difference(current, reference, free)
-        if key is not None:
-            how = fix.format(key=f"{section}.{key}", value=reference[key])
-            raise CheckpointError(f"{section}.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained "
-                                  f"with {reference[key]!r}; {how}")
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -10,7 +10,7 @@ Flow of ``Trainer(cfg).run()``:
    ``train.bf16``, Megatron ``DistributedDataParallel`` (always; fp32 ``main_grad`` buffers) and
    ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training loader.
 3. Resume (``checkpoint.resume``), before the loader's first ``iter()``, after comparing the checkpoint's recorded
-   ``model``/``lora`` sections with the config (:func:`~packsft.train.config.check_recorded_architecture`); with
+   ``model``/``lora`` sections with the config (:func:`~packsft.train.compat.check_recorded_architecture`); with
    nothing to resume, the model weights of ``checkpoint.init_from`` (an imported HF model) when set. A LoRA run from
    ``init_from`` checkpoints only its adapters and the base's identity; its resume loads the base (``init_from``,
    else the recorded path) after checking the fingerprint, then the adapters and optimizer state.
@@ -85,14 +85,8 @@ from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
 from packsft.train import process_guard, run_lock
-from packsft.train.config import (
-    Config,
-    check_parallel_layout,
-    check_recorded_architecture,
-    check_recorded_optimizer,
-    config_to_yaml,
-    recorded_architecture,
-)
+from packsft.train.compat import check_recorded_architecture, check_recorded_optimizer, recorded_architecture
+from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.grad_clip import optimizer_implementation

@@ -13,6 +13,7 @@ import pytest
 import packsft.prompt_formats as pf
 from packsft.conversation import parse_record
 from packsft.packing.pipeline import WORKER_HOOK_ENV, PackConfig, plan_shards, run_pack
+from packsft.prompt_formats import chat_template
 from packsft.sidecar import sidecar_path
 from packsft.token_cache import cache_paths
 from packsft.tokenizer import load_tokenizer
@@ -54,10 +55,10 @@ def test_one_render_gives_the_two_render_tokens_and_targets_on_real_files(name, 
     fmt = pf.get_prompt_format("chat-template", tok)
     convs = list(_conversations(shared_data, 60))
     used = []
-    traced = pf._render_traced
-    monkeypatch.setattr(pf, "_render_traced", lambda *a: used.append(r := traced(*a)) or r)
+    traced = chat_template._render_traced
+    monkeypatch.setattr(chat_template, "_render_traced", lambda *a: used.append(r := traced(*a)) or r)
     fast = _tokenize_all(convs, tok, fmt)
-    monkeypatch.setattr(pf, "_compile_jinja_template", None)  # the two-render path of earlier packsft
+    monkeypatch.setattr(chat_template, "_compile_jinja_template", None)  # the two-render path of earlier packsft
     slow = _tokenize_all(convs, tok, fmt)
     diff = [(f, line) for (f, line, _), a, b in zip(convs, fast, slow) if a != b]
     assert not diff, f"{name}: tokens or targets differ at {diff[:5]}"
@@ -76,9 +77,9 @@ def test_a_template_that_uses_the_content_is_rendered_twice(template, tokenizer_
     fmt = pf.get_prompt_format("chat-template", tok, chat_template=template)
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "  x answer  "}]
-    assert pf._render_traced(tok, fmt, pf._template_messages(msgs), [2], None, {}) is None
+    assert chat_template._render_traced(tok, fmt, chat_template._template_messages(msgs), [2], None, {}) is None
     got = pf.tokenize_conversation(msgs, tok, fmt)
-    monkeypatch.setattr(pf, "_compile_jinja_template", None)
+    monkeypatch.setattr(chat_template, "_compile_jinja_template", None)
     assert got == pf.tokenize_conversation(msgs, tok, fmt)
 
 
@@ -87,7 +88,7 @@ def test_a_template_that_only_concatenates_is_rendered_once(tokenizer_dir):
     fmt = pf.get_prompt_format("chat-template", tok)
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "answer"}]
-    text = pf._render_traced(tok, fmt, msgs, [2], None, {})
+    text = chat_template._render_traced(tok, fmt, msgs, [2], None, {})
     assert text == tok.apply_chat_template(
         [dict(m, content=f"\ue000{m['content']}\ue001") if i == 2 else m for i, m in enumerate(msgs)],
         tokenize=False)

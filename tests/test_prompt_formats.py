@@ -206,7 +206,7 @@ def test_chat_template_text_that_merges_across_turns_is_encoded_per_part(tokeniz
 
 
 def test_preset_token_crossing_a_boundary_names_the_message_and_both_sides(monkeypatch, tokenizer_dir):
-    import packsft.prompt_formats as pf
+    import packsft.prompt_formats.megatron as pf
 
     tok = load_tokenizer(tokenizer_dir("gpt2"))
     fmt = get_prompt_format("nemotron-h-aligned", tok, pad_token="!")
@@ -296,7 +296,7 @@ def test_fingerprint_hashes_the_serialized_tokenizer(qwen, nemo):
 @pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo"])
 def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_dir, shared_data, name):
     """The one-render marker path gives exactly the spans of the per-turn generation-prompt rendering."""
-    import packsft.prompt_formats as pf
+    import packsft.prompt_formats.chat_template as pf
 
     tok = load_tokenizer(tokenizer_dir(name))
     fmt = get_prompt_format("chat-template", tok)
@@ -319,7 +319,7 @@ def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_d
 def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, tok_name, fmt_name, monkeypatch):
     """tokenize_conversations (the packer's) gives each conversation's tokenize_conversation result, or its error,
     encoding each distinct text of the batch once (the text after every last turn repeats in each)."""
-    import packsft.prompt_formats as pf
+    import packsft.prompt_formats.tokens as pf
 
     tok = load_tokenizer(tokenizer_dir(tok_name))
     fmt = get_prompt_format(fmt_name, tok)
@@ -362,7 +362,7 @@ def test_known_segment_ids_are_reused_and_give_the_same_tokens(tokenizer_dir, sh
                                                                monkeypatch):
     """The packer's own-row cuts tokenize prefixes of a conversation with its ``known`` ids: the same result as
     without them, and only the texts the cut changed are encoded again."""
-    import packsft.prompt_formats as pf
+    import packsft.prompt_formats.tokens as pf
 
     tok = load_tokenizer(tokenizer_dir(tok_name))
     fmt = get_prompt_format(fmt_name, tok)
@@ -412,7 +412,7 @@ def test_template_data_equals_transformers_conversion():
     """The direct copy of all-string messages gives what apply_chat_template hands the template."""
     from transformers.utils.chat_template_utils import _normalize_chat_messages, _plain_template_data
 
-    from packsft.prompt_formats import _template_data
+    from packsft.prompt_formats.chat_template import _template_data
 
     cases = [
         [{"role": "system", "content": "s"}, {"role": "user", "content": "u", "name": None}],
@@ -425,7 +425,7 @@ def test_template_data_equals_transformers_conversion():
 
 
 def test_traced_render_equals_apply_chat_template(qwen):
-    from packsft.prompt_formats import _render_traced
+    from packsft.prompt_formats.chat_template import _render_traced
 
     fmt = get_prompt_format("chat-template", qwen)
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u", "name": None},
@@ -646,7 +646,7 @@ def test_turn_spans_mask_the_assistant_header_with_and_without_tool_calls(monkey
     before it, whichever text renders that header; the per-turn path (tool calls) and the marker fast path (plain
     turns) give the same spans. Before: with an empty generation prompt and a marker rendered by the message, the
     per-turn path trained the marker of every turn of a tool-call conversation."""
-    import packsft.prompt_formats as pf
+    import packsft.prompt_formats.chat_template as pf
 
     messages, contents = TOOL_CONVERSATIONS[conversation]
     fmt = get_prompt_format("chat-template", qwen, chat_template=SHAPES[shape])

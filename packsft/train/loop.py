@@ -89,7 +89,7 @@ from packsft.train.compat import check_recorded_architecture, check_recorded_opt
 from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
-from packsft.train.grad_clip import optimizer_implementation
+from packsft.train.grad_clip import optimizer_implementation, skip_update_if
 from packsft.train.metrics import DISCARDED_FILE, MetricsLogger, format_summary, peak_memory_gib
 from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
 from packsft.train.optim import (

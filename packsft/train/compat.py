@@ -35,12 +35,12 @@ from packsft.train.checkpoint_files import TRAIN_STATE, CheckpointError, find_re
 from packsft.train.config import (
     Config,
     OptimizerConfig,
-    ParallelConfig,
     config_error,
     config_source,
     load_config,
     read_init_model_fields,
 )
+from packsft.train.config_sections import ParallelConfig
 
 
 class AllBut(NamedTuple):

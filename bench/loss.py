@@ -62,7 +62,7 @@ def _free_memory_bytes(device: str) -> int:
 
 
 def _estimated_bytes(variant: str, t: int, v: int, h: int, elem: int) -> int:
-    """Rough peak of a variant above baseline (from the measurements in docs/loss.md)."""
+    """Rough peak of a variant above baseline (from the measurements in docs/performance.md)."""
     weight_grad = v * h * 4
     if variant == "naive":  # logits, fp32 copy, log-softmax, its gradient (49,152 MiB at 32K x 128K bf16 on an H200)
         return t * v * (2 * elem + 8) + weight_grad

@@ -66,7 +66,7 @@ def get_prompt_format(
     """
     canonical = ALIASES.get(name, name)
     if canonical not in PROMPT_FORMATS:
-        raise ValueError(f"unknown prompt format {name!r} (choose one of {', '.join(PRESETS)}, or 'default')")
+        raise ValueError(f"unknown prompt format {name!r} (choose one of {', '.join(PROMPT_FORMATS)}, or 'default')")
     cls = PROMPT_FORMATS[canonical]
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")

@@ -41,8 +41,8 @@ from packsft.train.config_sections import (
     SchedulerConfig,
     TrainConfig,
     ValidationConfig,
+    check_positive,
 )
-from packsft.train.config_sections import check_positive as _positive  # OptimizerConfig's name for it
 
 OPTIMIZER_BACKENDS = ("torch", "megatron")
 RENAMED_KEYS = {
@@ -81,8 +81,8 @@ class OptimizerConfig:
         if self.use_distributed_optimizer and self.backend != "megatron":
             raise ValueError("optimizer.use_distributed_optimizer=true needs optimizer.backend=megatron, "
                              f"got {self.backend!r}")
-        _positive("optimizer", self, "lr", "adam_eps")
-        _positive("optimizer", self, "weight_decay", "clip_grad", allow_zero=True)
+        check_positive("optimizer", self, "lr", "adam_eps")
+        check_positive("optimizer", self, "weight_decay", "clip_grad", allow_zero=True)
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)!r}")

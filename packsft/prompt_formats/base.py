@@ -10,7 +10,6 @@ Two families: the Megatron-LM presets (``megatron.py``) encode the whole renderi
 from __future__ import annotations
 
 import hashlib
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -63,8 +62,11 @@ def short_sha256(text: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class PromptFormat(ABC):
+class PromptFormat:
     """A prompt format bound to one tokenizer; made by :func:`~packsft.prompt_formats.get_prompt_format`.
+
+    This class holds what every format shares (name, pad, options, :meth:`spec`); the registered subclass of the
+    name renders (one built here directly describes a format, e.g. to compare sidecars, and renders nothing).
 
     Attributes:
         name: its name in the registry (:data:`~packsft.prompt_formats.PRESETS`).
@@ -132,16 +134,15 @@ class PromptFormat(ABC):
         """True when trained assistant turns end without any stop signal (no end-of-turn text, no EOS)."""
         return False
 
-    @abstractmethod
     def segments(self, messages: list[dict[str, Any]], tools: list | None, tokenizer: PreTrainedTokenizerBase,
                  chat_template_kwargs: dict[str, Any] | None = None) -> list[Segment]:
         """The conversation rendered to segments (see :func:`~packsft.prompt_formats.render_segments`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not render; get_prompt_format({self.name!r}, ...) does")
 
-    @abstractmethod
     def texts(self, segments: list[Segment]) -> tuple[list[Segment], list[str]]:
         """The segments :meth:`assemble` takes and the texts to encode for them (:attr:`whole_texts` first)."""
+        raise NotImplementedError
 
-    @abstractmethod
     def assemble(self, segments: list[Segment], encoded: list[list[int]], tokenizer: PreTrainedTokenizerBase
                  ) -> list[tuple[Segment, list[int]]]:
         """Each segment with its token ids, from :meth:`texts` and the ids of its texts.
@@ -149,6 +150,7 @@ class PromptFormat(ABC):
         Raises:
             PromptFormatError: the ids do not make the conversation (see the format).
         """
+        raise NotImplementedError
 
 
 class PerTurnFormat(PromptFormat):
@@ -160,14 +162,14 @@ class PerTurnFormat(PromptFormat):
 
     per_turn = True
 
-    @abstractmethod
     def ends_silently(self, tokenizer: PreTrainedTokenizerBase) -> bool:
         """True when the format writes nothing after an assistant turn's content."""
+        raise NotImplementedError
 
-    @abstractmethod
     def render(self, messages: list[dict[str, Any]], tools: list | None, tokenizer: PreTrainedTokenizerBase,
                chat_template_kwargs: dict[str, Any] | None) -> list[Segment]:
         """The segments of a conversation that :meth:`segments` accepted: prompt, trained, ..., prompt."""
+        raise NotImplementedError
 
     def segments(self, messages, tools, tokenizer, chat_template_kwargs=None) -> list[Segment]:
         """Refuse a tool-call turn without content when the format does not render tool calls, then render."""

@@ -46,7 +46,8 @@ import torch  # noqa: E402
 from packsft.conversation import split_row  # noqa: E402
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.data.row import build_row, build_row_flat  # noqa: E402
-from packsft.packing.pipeline import PackConfig, run_pack  # noqa: E402
+from packsft.packing.config import PackConfig  # noqa: E402
+from packsft.packing.pipeline import run_pack  # noqa: E402
 from packsft.prompt_formats import tokenize_conversation  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

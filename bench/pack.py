@@ -70,7 +70,8 @@ from packsft.conversation import ConversationError, iter_jsonl_lines, loads_line
 from packsft.io import write_json_atomic  # noqa: E402
 from packsft.layout import conversation_cost  # noqa: E402
 from packsft.packing.algorithms import DEFAULT_ALGORITHM, lower_bound_rows, pack  # noqa: E402
-from packsft.packing.pipeline import PackConfig, run_pack  # noqa: E402
+from packsft.packing.config import PackConfig  # noqa: E402
+from packsft.packing.pipeline import run_pack  # noqa: E402
 from packsft.prompt_formats import get_prompt_format  # noqa: E402
 from packsft.prompt_formats.chat_template import _template_messages  # noqa: E402
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint  # noqa: E402

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from packsft.data.dataset import PackedSFTDataset
-from packsft.packing.pipeline import MAX_CONVERSATION_BYTES, PackConfig, own_row_window, run_pack
+from packsft.packing.config import MAX_CONVERSATION_BYTES, PackConfig
+from packsft.packing.pipeline import run_pack
+from packsft.packing.truncation import own_row_window
 
 REPO = Path(__file__).resolve().parents[1]
 TOK = "smollm2-135m-instruct"
@@ -137,7 +139,7 @@ def test_the_row_writer_reads_the_spools_without_keeping_them_resident(tmp_path)
     import numpy as np
     import psutil
 
-    from packsft.packing.pipeline import _write_row_range
+    from packsft.packing.rows import write_row_range
 
     n, size = 48_000, 1024  # 47 MiB of spool, one conversation per KiB
     path = tmp_path / "spool"
@@ -155,7 +157,7 @@ def test_the_row_writer_reads_the_spools_without_keeping_them_resident(tmp_path)
         peak[0] = max(peak[0], me.memory_info().rss)
 
     before = me.memory_info().rss
-    _write_row_range(order, starts, counted, 0, len(starts), SimpleNamespace(write=sink), None, np, block=1024)
+    write_row_range(order, starts, counted, 0, len(starts), SimpleNamespace(write=sink), None, np, block=1024)
     assert written[0] > n * (size - 2) and peak[0] - before < 16 << 20, peak[0] - before
 
 

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
-from packsft.packing.pipeline import PackConfig, PackError, run_pack  # noqa: E402
+from packsft.packing.config import PackConfig, PackError  # noqa: E402
+from packsft.packing.pipeline import run_pack  # noqa: E402
 from packsft.sidecar import check_rows_file, read_sidecar  # noqa: E402
 
 TOK = "smollm2-135m-instruct"

@@ -10,7 +10,10 @@ import pytest
 
 from packsft.conversation import parse_record, split_row
 from packsft.layout import conversation_cost
-from packsft.packing.pipeline import PackConfig, PackError, own_row_window, plan_shards, run_pack
+from packsft.packing.config import PackConfig, PackError
+from packsft.packing.pipeline import run_pack
+from packsft.packing.shards import plan_shards
+from packsft.packing.truncation import own_row_window
 from packsft.prompt_formats import count_conversation_tokens, get_prompt_format
 from packsft.token_cache import cache_paths
 from packsft.tokenizer import load_tokenizer
@@ -327,6 +330,7 @@ def test_output_identical_across_hash_seeds_and_worker_counts(tmp_path, shared_d
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_forked_workers_use_the_packers_tokenizer_and_give_the_same_rows(tmp_path, shared_data, monkeypatch):
     import packsft.packing.pipeline as pipeline
+    from packsft.packing import local_engine, worker
 
     src = _head(shared_data / "chat" / "gsm8k_test.messages.jsonl", tmp_path / "in.jsonl", 300)
     tok = str(shared_data / "tokenizers" / "smollm2-135m-instruct")
@@ -340,11 +344,12 @@ def test_forked_workers_use_the_packers_tokenizer_and_give_the_same_rows(tmp_pat
             return real(path)
 
         monkeypatch.setattr(pipeline, "load_tokenizer", load_in_main_only)
+        monkeypatch.setattr(worker, "load_tokenizer", load_in_main_only)
         out = tmp_path / f"w{workers}" / "o.jsonl.packed"
         run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=tok, max_seq_len=1024, num_workers=workers,
                             shard_bytes=20_000, progress=False, histogram=""))
         rows.append(out.read_bytes())
-    assert pipeline._worker_start_method() == "fork"
+    assert local_engine.worker_start_method() == "fork"
     assert rows[0] == rows[1]
 
 
@@ -371,7 +376,8 @@ def test_no_more_workers_than_shards(tmp_path, shared_data, monkeypatch):
 def test_dead_worker_message_names_the_killed_worker_not_the_ones_the_pool_stopped(tmp_path):
     from types import SimpleNamespace
 
-    from packsft.packing.pipeline import Shard, _dead_worker_message
+    from packsft.packing.local_engine import dead_worker_message
+    from packsft.packing.shards import Shard
 
     shards = [Shard(0, 0, 0, 100), Shard(1, 0, 100, 200)]
     (tmp_path / "worker.11").write_text("1 done")  # killed after finishing its shard
@@ -379,7 +385,7 @@ def test_dead_worker_message_names_the_killed_worker_not_the_ones_the_pool_stopp
     (tmp_path / "worker.13").write_text("0")
     procs = {11: SimpleNamespace(exitcode=-9), 12: SimpleNamespace(exitcode=-15), 13: SimpleNamespace(exitcode=-9)}
     cfg = PackConfig(inputs=["in.jsonl"], output="o.jsonl.packed", tokenizer="t", max_seq_len=8)
-    msg = _dead_worker_message(cfg, shards, str(tmp_path), SimpleNamespace(_processes=procs))
+    msg = dead_worker_message(cfg, shards, str(tmp_path), SimpleNamespace(_processes=procs))
     assert "worker process 11 died (killed by SIGKILL) while idle, after shard 1 of in.jsonl" in msg
     assert "worker process 13 died (killed by SIGKILL) while reading shard 0 of in.jsonl (bytes 0-100)" in msg
     assert "1 worker process(es) ended by SIGTERM (the pool stops the others when one dies)" in msg
@@ -468,7 +474,7 @@ def test_masks_and_kwargs_are_recorded_and_honoured_by_the_loader(tmp_path, toke
 
 
 def test_template_without_stop_signal_warns_once_with_its_name(tmp_path, tokenizer_dir):
-    from packsft.packing.pipeline import PackWarning
+    from packsft.packing.config import PackWarning
 
     glm = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -546,7 +552,8 @@ def test_the_progress_bar_counts_bytes_and_conversations(tmp_path, tokenizer_dir
 
 
 def test_the_first_five_warnings_of_a_kind_are_printed_and_the_report_has_them_all():
-    from packsft.packing.pipeline import PackReport, PackWarning
+    from packsft.packing.config import PackWarning
+    from packsft.packing.report import PackReport
 
     report = PackReport()
     with pytest.warns(PackWarning) as caught:
@@ -573,10 +580,10 @@ def test_ctrl_c_is_an_error_line_and_exit_130(tmp_path, monkeypatch, capsys):
 def test_sigterm_is_an_error_line_and_exit_143(tmp_path, monkeypatch, capsys):
     import signal
 
-    from packsft.packing import cli, pipeline
+    from packsft.packing import cli, signals
 
     def terminated(cfg):
-        pipeline._on_sigterm(signal.SIGTERM, None)
+        signals._on_sigterm(signal.SIGTERM, None)
 
     monkeypatch.setattr(cli, "run_pack", terminated)
     with pytest.raises(SystemExit) as e:
@@ -593,6 +600,7 @@ def test_a_stop_signal_while_the_spool_folder_is_removed_leaves_nothing(sig, tmp
     import signal
 
     from packsft.packing import pipeline
+    from packsft.packing.signals import Terminated
 
     real = shutil.rmtree
 
@@ -604,7 +612,7 @@ def test_a_stop_signal_while_the_spool_folder_is_removed_leaves_nothing(sig, tmp
     monkeypatch.setattr(pipeline.shutil, "rmtree", signalled)
     src = _write_lines(tmp_path / "in.jsonl", EDGE_LINES[:1] * 3)
     out = tmp_path / "out" / "o.jsonl.packed"
-    with pytest.raises(pipeline.Terminated if sig == "SIGTERM" else KeyboardInterrupt) as e:
+    with pytest.raises(Terminated if sig == "SIGTERM" else KeyboardInterrupt) as e:
         run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
                             max_seq_len=256, progress=False))
     assert not getattr(e.value, "published", False)
@@ -618,6 +626,7 @@ def test_a_stop_signal_handled_in_a_finalizer_still_stops_the_run(sig, tmp_path,
     import signal
 
     from packsft.packing import pipeline
+    from packsft.packing.signals import Terminated
 
     class Finalized:
         def __del__(self):
@@ -632,7 +641,7 @@ def test_a_stop_signal_handled_in_a_finalizer_still_stops_the_run(sig, tmp_path,
     monkeypatch.setattr(pipeline, "load_tokenizer", loading)
     src = _write_lines(tmp_path / "in.jsonl", EDGE_LINES[:1] * 3)
     out = tmp_path / "out" / "o.jsonl.packed"
-    with pytest.raises(pipeline.Terminated if sig == "SIGTERM" else KeyboardInterrupt) as e:
+    with pytest.raises(Terminated if sig == "SIGTERM" else KeyboardInterrupt) as e:
         run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("smollm2-135m-instruct")),
                             max_seq_len=256, progress=False, histogram=""))
     assert not getattr(e.value, "published", False)
@@ -641,20 +650,20 @@ def test_a_stop_signal_handled_in_a_finalizer_still_stops_the_run(sig, tmp_path,
 
 
 def test_rows_are_written_in_groups_bounded_by_bytes_with_the_same_output(tmp_path, shared_data, monkeypatch):
-    import packsft.packing.pipeline as pipeline
+    from packsft.packing import rows
 
     src = _head(shared_data / "chat" / "gpteacher.messages.jsonl", tmp_path / "in.jsonl", 300)
-    groups, real = [], pipeline._byte_groups
+    groups, real = [], rows._byte_groups
 
     def recording(*a):
         out = list(real(*a))
         groups.append(len(out))
         return out
 
-    monkeypatch.setattr(pipeline, "_byte_groups", recording)
+    monkeypatch.setattr(rows, "_byte_groups", recording)
     outs = []
     for cap in (64 << 20, 20_000):
-        monkeypatch.setattr(pipeline, "ROW_GROUP_BYTES", cap)
+        monkeypatch.setattr(rows, "ROW_GROUP_BYTES", cap)
         out = tmp_path / f"c{cap}" / "o.jsonl.packed"
         run_pack(PackConfig(inputs=[str(src)], output=str(out), max_seq_len=2048, progress=False, histogram="",
                             tokenizer=str(shared_data / "tokenizers" / "smollm2-135m-instruct")))

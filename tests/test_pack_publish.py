@@ -16,7 +16,9 @@ from tqdm import tqdm
 from packsft.data.dataset import PackedSFTDataset
 from packsft.io import journal_path, stale_temps
 from packsft.packing import cli
-from packsft.packing.pipeline import STAGE_HOOK_ENV, STAGES, PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
+from packsft.packing.publish import STAGE_HOOK_ENV, STAGES
 from packsft.sidecar import SidecarError, read_sidecar, sidecar_path
 from packsft.token_cache import cache_paths
 
@@ -152,7 +154,7 @@ def test_a_full_disk_is_an_error_line_and_leaves_the_old_set(tmp_path, packed_se
     """ENOSPC while the spools are written (a real disk is not filled here: the write raises as one would)."""
     import errno
 
-    from packsft.packing import pipeline
+    from packsft.packing import worker
 
     src, tok, sets = packed_sets
     out = tmp_path / "rows.jsonl.packed"
@@ -162,7 +164,7 @@ def test_a_full_disk_is_an_error_line_and_leaves_the_old_set(tmp_path, packed_se
     def full(*_):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(pipeline, "encode_runs", full)
+    monkeypatch.setattr(worker, "encode_runs", full)
     capsys.readouterr()
     assert cli.main(_argv(src, out, tok, 256)) == 2
     err = capsys.readouterr().err

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from packsft.packing import cli, ray_engine
-from packsft.packing.pipeline import PackConfig, PackError, run_pack
+from packsft.packing.config import PackConfig, PackError
+from packsft.packing.pipeline import run_pack
 from packsft.sidecar import sidecar_path
 from packsft.token_cache import cache_paths
 
@@ -96,7 +97,7 @@ def test_a_shard_result_survives_the_ray_encoding_whole():
 
     import numpy as np
 
-    from packsft.packing.pipeline import Shard, ShardResult
+    from packsft.packing.shards import Shard, ShardResult
 
     r = ShardResult(Shard(2, 1, 10, 90), 5, 4, "/s/spool.shard2", np.array([3, 9], np.int32),
                     np.array([0, 40], np.int64), np.array([40, 50], np.int64), [(1, "bad")],
@@ -128,7 +129,7 @@ def test_ray_engine_task_error_reaches_the_driver(ray_cluster, tmp_path, tokeniz
 @pytest.mark.slow
 def test_ray_engine_worker_killed_every_time_fails_naming_its_shard(ray_cluster, tmp_path, shared_data,
                                                                     tokenizer_dir, monkeypatch):
-    from packsft.packing.pipeline import WORKER_HOOK_ENV
+    from packsft.packing.worker import WORKER_HOOK_ENV
 
     monkeypatch.setenv(WORKER_HOOK_ENV, "2:SIGKILL")  # the actor reading shard 2 kills itself, each retry too
     inputs = _inputs(tmp_path, shared_data)

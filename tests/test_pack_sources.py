@@ -11,7 +11,9 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from packsft.packing import cli  # noqa: E402
-from packsft.packing.pipeline import PackConfig, PackError, plan_shards, run_pack  # noqa: E402
+from packsft.packing.config import PackConfig, PackError  # noqa: E402
+from packsft.packing.pipeline import run_pack  # noqa: E402
+from packsft.packing.shards import plan_shards  # noqa: E402
 from packsft.packing.sources import SourceError, iter_source  # noqa: E402
 from packsft.sidecar import read_sidecar  # noqa: E402
 from packsft.token_cache import cache_paths  # noqa: E402

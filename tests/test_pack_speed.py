@@ -12,7 +12,10 @@ import pytest
 
 import packsft.prompt_formats as pf
 from packsft.conversation import parse_record
-from packsft.packing.pipeline import WORKER_HOOK_ENV, PackConfig, plan_shards, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
+from packsft.packing.shards import plan_shards
+from packsft.packing.worker import WORKER_HOOK_ENV
 from packsft.prompt_formats import chat_template
 from packsft.sidecar import sidecar_path
 from packsft.token_cache import cache_paths
@@ -159,6 +162,7 @@ def test_with_workers_the_tokenizer_fingerprint_is_taken_by_a_worker(shared_data
     """With workers, a worker takes the sidecar's tokenizer fingerprint (in the main process it would hold the
     GIL that the thread handing out shards needs), once; without, the main process; the same value."""
     import packsft.packing.pipeline as pipeline
+    from packsft.packing import worker
     from packsft.sidecar import read_sidecar
 
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
@@ -171,6 +175,7 @@ def test_with_workers_the_tokenizer_fingerprint_is_taken_by_a_worker(shared_data
         return fingerprint(tok)
 
     monkeypatch.setattr(pipeline, "tokenizer_fingerprint", recording)
+    monkeypatch.setattr(worker, "tokenizer_fingerprint", recording)
     metas = []
     for workers in (0, 2):
         out = tmp_path / f"w{workers}" / "rows.jsonl.packed"
@@ -189,17 +194,17 @@ def test_forked_workers_start_with_the_inherited_objects_frozen(shared_data, tok
     inherited pages alone), and the main process unfreezes them once the workers are started."""
     import gc
 
-    import packsft.packing.pipeline as pipeline
+    from packsft.packing import local_engine
 
     seen = tmp_path / "frozen"
-    init = pipeline._init_worker
+    init = local_engine.init_worker
 
     def recording_init(cfg, spool_dir, in_worker, tok=None):
         with open(seen, "a") as f:
             f.write(f"{int(in_worker)} {gc.get_freeze_count()}\n")
         init(cfg, spool_dir, in_worker, tok)
 
-    monkeypatch.setattr(pipeline, "_init_worker", recording_init)
+    monkeypatch.setattr(local_engine, "init_worker", recording_init)
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
     run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "rows.jsonl.packed"),
                         tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=1024, num_workers=2, shard_bytes=20_000,
@@ -214,11 +219,12 @@ def test_counting_in_this_process_runs_with_the_objects_frozen(shared_data, toke
     then skips the imports' and the tokenizer's), and unfrozen after; a caller's frozen objects stay frozen."""
     import gc
 
-    import packsft.packing.pipeline as pipeline
+    from packsft.packing import local_engine
 
     seen = []
-    count = pipeline.count_shard
-    monkeypatch.setattr(pipeline, "count_shard", lambda shard: (seen.append(gc.get_freeze_count()), count(shard))[1])
+    count = local_engine.count_shard
+    monkeypatch.setattr(local_engine, "count_shard",
+                        lambda shard: (seen.append(gc.get_freeze_count()), count(shard))[1])
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
 
     def pack():
@@ -263,14 +269,16 @@ def test_a_worker_that_dies_taking_the_fingerprint_after_the_shards_is_reported(
     import signal
 
     import packsft.packing.pipeline as pipeline
+    from packsft.packing import merge, worker
+    from packsft.packing.config import PackError
 
     flag = tmp_path / "shards_done"
-    progress = pipeline._shard_progress
+    progress = merge._shard_progress
     merged = []
 
     def counting(bar, result, conversations):
         merged.append(result.shard.index)
-        if len(merged) == len(pipeline.plan_shards([str(src)], 20_000)):
+        if len(merged) == len(plan_shards([str(src)], 20_000)):
             flag.touch()
         progress(bar, result, conversations)
 
@@ -281,9 +289,10 @@ def test_a_worker_that_dies_taking_the_fingerprint_after_the_shards_is_reported(
         os.kill(os.getpid(), signal.SIGKILL)
 
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
-    monkeypatch.setattr(pipeline, "_shard_progress", counting)
-    monkeypatch.setattr(pipeline, "tokenizer_fingerprint", dies_after_the_shards)  # forked: the workers' too
-    with pytest.raises(pipeline.PackError, match="died .killed by SIGKILL"):
+    monkeypatch.setattr(merge, "_shard_progress", counting)
+    monkeypatch.setattr(pipeline, "tokenizer_fingerprint", dies_after_the_shards)
+    monkeypatch.setattr(worker, "tokenizer_fingerprint", dies_after_the_shards)  # forked: the workers' too
+    with pytest.raises(PackError, match="died .killed by SIGKILL"):
         run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "rows.jsonl.packed"),
                             tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=1024, num_workers=2,
                             shard_bytes=20_000, progress=False, histogram=""))
@@ -305,9 +314,9 @@ def test_shards_are_line_aligned_and_cover_the_file(tmp_path):
 def test_the_default_plan_cuts_the_last_two_shards_of_bytes_finer(tmp_path, monkeypatch):
     """By default the last ``2 * shard size`` bytes of all the inputs are cut in quarter shards (the workers then
     finish together), whichever file they are in; a given shard size, and an input of one shard, are cut evenly."""
-    import packsft.packing.pipeline as pipeline
+    from packsft.packing import shards as shards_module
 
-    monkeypatch.setattr(pipeline, "SHARD_BYTES_MIN", 4000)
+    monkeypatch.setattr(shards_module, "SHARD_BYTES_MIN", 4000)
     files = []
     for name, lines in (("a", 530), ("b", 40)):  # 77-byte lines: boundaries move to line starts
         files.append(tmp_path / f"{name}.jsonl")
@@ -358,9 +367,9 @@ import os, signal, sys
 def send():  # at the fork of the pool's first worker: the signal is handled inside the at-fork hooks
     frames, f = [], sys._getframe()
     while f is not None:
-        frames.append(f.f_code.co_name)
+        frames.append(f.f_code.co_qualname)
         f = f.f_back
-    if "_shard_results" in frames and not os.environ.get("SENT"):
+    if "LocalEngine.count" in frames and not os.environ.get("SENT"):
         os.environ["SENT"] = "1"
         print("sent at the fork", file=sys.stderr, flush=True)
         os.kill(os.getpid(), getattr(signal, sys.argv[1]))

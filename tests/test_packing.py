@@ -20,7 +20,8 @@ from packsft.packing.algorithms import (
     pack,
     pack_order,
 )
-from packsft.packing.pipeline import PackConfig, _shuffled_rows
+from packsft.packing.config import PackConfig
+from packsft.packing.rows import shuffled_rows
 
 
 def test_cost_is_cp_aligned():
@@ -74,7 +75,7 @@ def test_shuffled_rows_are_the_seeded_shuffle_of_the_row_list():
     order = np.asarray([i for r in rows for i in r], dtype=np.int64)
     starts = np.cumsum([0] + [len(r) for r in rows[:-1]])
     for seed in (0, 1, 1234):
-        got_order, got_starts = _shuffled_rows(order, starts, seed, np)
+        got_order, got_starts = shuffled_rows(order, starts, seed, np)
         expected = list(rows)
         random.Random(seed).shuffle(expected)
         assert [got_order[a:b].tolist() for a, b in zip(got_starts, [*got_starts[1:], len(order)])] == expected

@@ -285,10 +285,10 @@ def test_no_token_cache_writes_none_and_removes_an_old_one(tmp_path, tokenizer_d
     elsewhere = tmp_path / "elsewhere.report.json"
     assert cli.main(argv + ["--report", str(elsewhere)]) == 0
     assert not histogram.exists() and not report.exists() and elsewhere.is_file()
-    from packsft.packing.pipeline import _stale_outputs  # a default path this run writes to is not stale
+    from packsft.packing.publish import stale_outputs  # a default path this run writes to is not stale
     swapped = {"rows": str(out), "report": f"{out}.lengths.png", "histogram": f"{out}.report.json",
                "token_cache": "t", "token_index": "i"}
-    assert _stale_outputs(swapped) == ()
+    assert stale_outputs(swapped) == ()
 
 
 def test_pickles_without_the_memory_maps(tmp_path, small):
@@ -320,7 +320,7 @@ def test_targets_as_runs_give_the_same_bytes_and_counts():
     """The packer spools targets as runs (+k trained, -k masked): the bytes, the targets list and the trained
     counts and truncations built from runs equal those of the targets list, on random runs."""
     from packsft.layout import IGNORE_INDEX
-    from packsft.packing.pipeline import _runs_head, _trained_in
+    from packsft.packing.worker import runs_head, trained_in
     from packsft.prompt_formats import targets_of_runs
     from packsft.token_cache import encode_pairs, encode_runs
 
@@ -334,9 +334,9 @@ def test_targets_as_runs_give_the_same_bytes_and_counts():
         assert targets_of_runs(tokens, runs) == targets
         assert encode_runs(tokens, runs) == encode_pairs(tokens, targets)
         for start, end in ((1, n), (0, n), (1, max(1, n // 2)), (2, n + 5)):
-            assert _trained_in(runs, start, end) == sum(t != IGNORE_INDEX for t in targets[start:end])
+            assert trained_in(runs, start, end) == sum(t != IGNORE_INDEX for t in targets[start:end])
         for k in range(n + 1):
-            head = _runs_head(runs, k)
+            head = runs_head(runs, k)
             assert sum(map(abs, head)) == k and all(head)
             assert targets_of_runs(tokens[:k], head) == targets[:k]
     with pytest.raises(ValueError, match="runs cover 3 tokens, not 2"):

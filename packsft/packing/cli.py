@@ -14,17 +14,17 @@ from pathlib import Path
 
 from packsft.conversation import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from packsft.packing.pipeline import (
+from packsft.packing.config import (
+    ENGINES,
     MAX_CONVERSATION_BYTES,
     OVERSIZE_POLICIES,
     PackConfig,
     PackError,
     PackWarning,
-    Terminated,
     output_folders,
-    run_pack,
 )
-from packsft.packing.ray_engine import ENGINES
+from packsft.packing.pipeline import run_pack
+from packsft.packing.signals import Terminated
 from packsft.prompt_formats import PRESETS, TRAIN_ON
 from packsft.record_formats import RECORD_FORMATS
 

@@ -1,8 +1,8 @@
 """``--engine ray``: the packer's read/tokenize/count stage and its row writing as Ray Data tasks.
 
 Needs the ``packsft[ray]`` extra (``ray[data]``). The driver (the process running the packer) cuts the inputs
-into the same shards as the local engine (:func:`packsft.packing.pipeline.plan_shards`) and maps
-:func:`packsft.packing.pipeline.count_shard` over them with :mod:`ray.data`: an actor pool of ``num_workers``
+into the same shards as the local engine (:func:`packsft.packing.shards.plan_shards`) and maps
+:func:`packsft.packing.worker.count_shard` over them with :mod:`ray.data`: an actor pool of ``num_workers``
 tokenizer processes (default: one per CPU of the cluster), results kept in shard order. Each shard's
 conversations go to a spool file of their own beside the output; only the per-shard numpy arrays (tokens,
 spool offsets) and the rejected lines come back. The driver runs the same global packing, then maps row ranges
@@ -29,8 +29,14 @@ from typing import Any
 import numpy as np
 
 import packsft
+from packsft.io import HashingWriter
+from packsft.packing.config import PackConfig, PackError
+from packsft.packing.merge import Counted
+from packsft.packing.rows import row_groups, write_row_range
+from packsft.packing.shards import Shard, ShardResult
+from packsft.packing.worker import WORKER_HOOK_ENV, count_shard, worker_state
+from packsft.token_cache import TokenCacheWriter
 
-ENGINES = ("local", "ray")
 _RETRIES = 2
 """Restarts of a dead actor and retries of its task (Ray Data's default is unbounded: a task the OOM killer stops
 every time would never end)."""
@@ -123,40 +129,34 @@ def _map_actors(ray, items: list[dict], cls, args: tuple, pool: int, **remote):
 
 
 def _check_visible(folder: str) -> None:
-    from packsft.packing.pipeline import PackError
-
     if not os.path.isdir(folder):
         raise PackError(f"{folder} is not visible on Ray node {socket.gethostname()}: the output's folder (and the "
                         "inputs and tokenizer) must be on a filesystem every Ray node mounts at the same path")
 
 
 class _ShardCounter:
-    """A Ray Data actor: :func:`~packsft.packing.pipeline.count_shard` for one shard per batch, spooled to
+    """A Ray Data actor: :func:`~packsft.packing.worker.count_shard` for one shard per batch, spooled to
     files of that shard (``spool.shardN``, ``tokens.shardN``)."""
 
     def __init__(self, cfg, spool_dir: str):
-        from packsft.packing import pipeline
-
         self.error = ""
+        self.state = None
         try:
             _check_visible(spool_dir)
-        except pipeline.PackError as e:  # sent back with the first shard (an actor's constructor error is lost)
+        except PackError as e:  # sent back with the first shard (an actor's constructor error is lost)
             self.error = f"PackError: {e}"
             return
-        pipeline._init_worker(cfg, spool_dir, False)
-        pipeline._W["in_worker"] = True  # the WORKER_HOOK_ENV test hook acts in actors too
+        self.state = worker_state(cfg, spool_dir, True)  # in_worker: the WORKER_HOOK_ENV test hook acts here too
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from packsft.packing import pipeline
-
         out: dict[str, list] = {}
         for index, file_idx, start, end in zip(*(batch[k].tolist() for k in ("index", "file_idx", "start", "end"))):
-            pipeline._W["spool_name"] = f"shard{index}"
             try:
                 if self.error:
-                    raise pipeline.PackError(self.error.partition(": ")[2])
-                row = _encode(pipeline.count_shard(pipeline.Shard(index, file_idx, start, end)))
-            except (ValueError, OSError, pipeline.PackError) as e:  # sent back as data: Ray keeps only its text
+                    raise PackError(self.error.partition(": ")[2])
+                self.state.spool_name = f"shard{index}"
+                row = _encode(count_shard(Shard(index, file_idx, start, end), self.state))
+            except (ValueError, OSError, PackError) as e:  # sent back as data: Ray keeps only its text
                 row = {"error": f"{'ValueError' if isinstance(e, ValueError) else 'PackError'}: {e}", "meta": "",
                        **dict.fromkeys(("num_tokens", "offset", "size", "token_offset"), b"")}
             for key, value in {"error": "", **row}.items():
@@ -165,7 +165,7 @@ class _ShardCounter:
 
 
 def _encode(r) -> dict[str, Any]:
-    """A :class:`~packsft.packing.pipeline.ShardResult` as Arrow-friendly columns (bytes and a JSON string)."""
+    """A :class:`~packsft.packing.shards.ShardResult` as Arrow-friendly columns (bytes and a JSON string)."""
     meta = {"shard": [r.shard.index, r.shard.file_idx, r.shard.start, r.shard.end], "lines": r.lines,
             "conversations": r.conversations, "spool": r.spool, "token_spool": r.token_spool,
             "rejected": r.rejected, "warnings": r.warnings, "oversize": r.oversize, "nbytes": r.nbytes,
@@ -175,9 +175,7 @@ def _encode(r) -> dict[str, Any]:
             "token_offset": b"" if r.token_offset is None else r.token_offset.astype("<i8").tobytes()}
 
 
-def _decode(row: dict[str, Any]):
-    from packsft.packing.pipeline import Shard, ShardResult
-
+def _decode(row: dict[str, Any]) -> ShardResult:
     meta = json.loads(row["meta"])
     cached = meta["token_spool"] is not None
     return ShardResult(Shard(*meta["shard"]), meta["lines"], meta["conversations"], meta["spool"],
@@ -192,8 +190,6 @@ def _task_error(e: Exception, cfg=None, shards=None, spool_dir: str | None = Non
     """A PackError with the first line of a failed Ray task's error (Ray does not keep the original one) and,
     for a counting task, the shard its dead worker was reading (from the marker file each worker writes)."""
     import re
-
-    from packsft.packing.pipeline import PackError
 
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     at = ""
@@ -214,15 +210,13 @@ def _task_error(e: Exception, cfg=None, shards=None, spool_dir: str | None = Non
 
 def _raised(error: str) -> None:
     """Raise again on the driver what a task caught and sent back (``"ValueError: ..."`` / ``"PackError: ..."``)."""
-    from packsft.packing.pipeline import PackError
-
     if error:
         kind, _, message = error.partition(": ")
         raise ValueError(message) if kind == "ValueError" else PackError(message)
 
 
 def shard_results(cfg, shards, spool_dir: str):
-    """Yield each shard's :class:`~packsft.packing.pipeline.ShardResult` in shard order, counted by Ray Data
+    """Yield each shard's :class:`~packsft.packing.shards.ShardResult` in shard order, counted by Ray Data
     actors (``cfg.num_workers`` of them, default one per cluster CPU).
 
     Raises:
@@ -230,8 +224,6 @@ def shard_results(cfg, shards, spool_dir: str):
         ValueError: a task's own settings error (e.g. a row source that cannot be read).
     """
     import ray
-
-    from packsft.packing.pipeline import WORKER_HOOK_ENV
 
     items = [{"index": s.index, "file_idx": s.file_idx, "start": s.start, "end": s.end} for s in shards]
     hook = {"runtime_env": {"env_vars": {WORKER_HOOK_ENV: os.environ[WORKER_HOOK_ENV]}}} \
@@ -250,10 +242,8 @@ class _RowWriter:
 
     def __init__(self, arrays: dict[str, Any], spools: list[str], token_spools: list[str] | None, spool_dir: str,
                  max_seq_len: int):
-        from packsft.packing.pipeline import _Counted
-
         _check_visible(spool_dir)
-        self.counted = _Counted([])
+        self.counted = Counted([])
         self.counted.spools, self.counted.token_spools = spools, token_spools
         for key in ("num_tokens", "offset", "size", "spool", "token_offset"):
             setattr(self.counted, key, arrays[key])
@@ -272,8 +262,6 @@ class _RowWriter:
         return {"part": np.array(written, dtype=np.int64), "error": np.array(errors, dtype=object)}
 
     def _write(self, part: int, r0: int, r1: int) -> None:
-        from packsft.packing.pipeline import _write_row_range
-
         rows_path, tokens_path = _part_paths(self.spool_dir, part)
         with contextlib.ExitStack() as stack:
             files = [stack.enter_context(open(rows_path, "wb"))]
@@ -281,7 +269,7 @@ class _RowWriter:
             if self.counted.token_spools is not None:
                 files.append(stack.enter_context(open(tokens_path, "wb")))
                 tokens_out = lambda data, *_, f=files[1]: f.write(data)  # noqa: E731
-            _write_row_range(self.order, self.starts, self.counted, r0, r1, files[0], tokens_out, np,
+            write_row_range(self.order, self.starts, self.counted, r0, r1, files[0], tokens_out, np,
                              self.max_seq_len)
             for f in files:  # closed before the driver reads them: visible on every host
                 f.flush()
@@ -304,15 +292,12 @@ def _parts(starts, conversations: int, pieces: int) -> list[tuple[int, int]]:
 def write_rows(cfg, order, starts, counted, tmp: Path, spool_dir: str, cache=None) -> tuple[int, str]:
     """Write all rows into ``tmp`` and their tokens into ``cache`` (a
     :class:`~packsft.token_cache.TokenCacheWriter`) through Ray Data tasks writing parts; return the rows'
-    size in bytes and BLAKE2b-160 hex, as :func:`packsft.packing.pipeline._write_rows` does.
+    size in bytes and BLAKE2b-160 hex, as :func:`packsft.packing.rows.write_rows` does.
 
     Raises:
         PackError: a task failed.
     """
     import ray
-
-    from packsft.io import HashingWriter
-    from packsft.packing.pipeline import _row_groups
 
     ends = np.append(starts[1:], len(order))
     pool = _pool_size(ray, cfg.num_workers)
@@ -336,7 +321,7 @@ def write_rows(cfg, order, starts, counted, tmp: Path, spool_dir: str, cache=Non
                 os.unlink(rows_path)
                 if cache is not None:
                     with open(tokens_path, "rb") as src:  # read by row groups: a part can be GBs
-                        for ra, rb in _row_groups(starts, r0, r1, len(order), 1 << 16, np):
+                        for ra, rb in row_groups(starts, r0, r1, len(order), 1 << 16, np):
                             lo, hi = int(starts[ra]), int(ends[rb - 1])
                             ntok = counted.num_tokens[order[lo:hi]]
                             data = src.read(8 * int(np.minimum(ntok, cfg.max_seq_len).sum()))
@@ -347,3 +332,23 @@ def write_rows(cfg, order, starts, counted, tmp: Path, spool_dir: str, cache=Non
         f.flush()
         os.fsync(f.fileno())
     return out.size, out.hexdigest()
+
+
+class RayEngine:
+    """The Ray :class:`packsft.packing.engine.Engine` of a run with settings ``cfg``."""
+
+    def __init__(self, cfg: PackConfig):
+        self.cfg = cfg
+
+    def session(self):
+        """The cluster connection (:func:`ray_session` at ``cfg.ray_address``)."""
+        return ray_session(self.cfg.ray_address)
+
+    def count(self, shards: list[Shard], spool_dir: str, tok=None, fingerprint: list[str] | None = None):
+        """:func:`shard_results`; ``tok`` and ``fingerprint`` are not used (each actor loads the tokenizer)."""
+        return shard_results(self.cfg, shards, spool_dir)
+
+    def write_rows(self, order, starts, counted: Counted, tmp: Path, spool_dir: str,
+                   cache: TokenCacheWriter | None) -> tuple[int, str]:
+        """:func:`write_rows`."""
+        return write_rows(self.cfg, order, starts, counted, tmp, spool_dir, cache)

@@ -53,7 +53,8 @@ def test_import_with_a_failing_writer_is_an_error_line(inputs, tmp_path, prelude
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_training_save_with_a_failing_writer_is_an_error_line(inputs, tmp_path):
-    from packsft.packing.pipeline import PackConfig, run_pack
+    from packsft.packing.config import PackConfig
+    from packsft.packing.pipeline import run_pack
 
     rows = tmp_path / "rows.jsonl.packed"
     run_pack(PackConfig(inputs=[str(inputs["chats"])], output=str(rows), max_seq_len=MAX_SEQ_LEN,

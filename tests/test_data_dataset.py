@@ -108,7 +108,8 @@ def test_index_of_other_rows_with_the_same_size_and_mtime_is_not_used(tmp_path, 
     """Two packs of the same conversations in another row order have the same size; an index copied across with
     the mtime restored (a tar extract, a coarse-mtime file system) is refused by the sidecar's rows hash (before:
     its offsets were used, giving a JSON error or the wrong rows)."""
-    from packsft.packing.pipeline import PackConfig, run_pack
+    from packsft.packing.config import PackConfig
+    from packsft.packing.pipeline import run_pack
 
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i} " + "x " * i},
@@ -364,7 +365,8 @@ def test_packer_length_equals_loader_length_on_real_data(tmp_path, shared_data, 
 
 @pytest.mark.slow
 def test_files_written_by_the_packer_load_without_truncation(tmp_path, shared_data, tokenizer_dir):
-    from packsft.packing.pipeline import PackConfig, run_pack
+    from packsft.packing.config import PackConfig
+    from packsft.packing.pipeline import run_pack
 
     source = shared_data / "chat" / "gsm8k_test.messages.jsonl"
     subset = tmp_path / "in.jsonl"

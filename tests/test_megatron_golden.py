@@ -12,7 +12,8 @@ import pytest
 
 import packsft.data.dataset as dataset_module
 from packsft.data.dataset import PackedSFTDataset
-from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
 from packsft.prompt_formats import NonMegatronError, PromptFormatError, get_prompt_format, tokenize_conversation
 from packsft.tokenizer import load_tokenizer
 
@@ -124,7 +125,8 @@ def test_pack_rejects_non_megatron_rows_or_keeps_them_as_packsft_only(tmp_path, 
 
 def test_an_identity_file_packed_before_the_megatron_masking_is_refused(tmp_path, tokenizer_dir):
     from packsft.data.dataset import PackedSFTDataset
-    from packsft.packing.pipeline import PackConfig, run_pack
+    from packsft.packing.config import PackConfig
+    from packsft.packing.pipeline import run_pack
     from packsft.sidecar import SidecarError, read_sidecar, write_sidecar
 
     src = tmp_path / "a.jsonl"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
 
 REPO = Path(__file__).resolve().parents[1]
 

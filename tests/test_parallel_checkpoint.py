@@ -17,7 +17,8 @@ import pytest
 import yaml
 from distributed_helpers import short_conversation_lines
 
-from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ, ROWS = 256, 4

@@ -23,7 +23,8 @@ SEQ, CP, VOCAB = 256, 2, 49152
 def row(tmp_path_factory, shared_data, tokenizer_dir) -> dict:
     """One collated real row (CP=2 padding) with >= 3 conversations, and the index of its changed token."""
     from packsft.data.dataset import PackedSFTDataset
-    from packsft.packing.pipeline import PackConfig, run_pack
+    from packsft.packing.config import PackConfig
+    from packsft.packing.pipeline import run_pack
 
     out = tmp_path_factory.mktemp("isolation")
     (out / "in.jsonl").write_text("\n".join(short_conversation_lines(shared_data, 6)) + "\n")

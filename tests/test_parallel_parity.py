@@ -31,7 +31,8 @@ from distributed_helpers import (  # noqa: F401
     short_conversation_lines,
 )
 
-from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
 from packsft.sidecar import read_sidecar, sidecar_path, write_sidecar
 from packsft.train.config import load_config
 

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
 from packsft.record_formats import (
     RecordFormatError,
     alpaca_to_messages,

@@ -132,7 +132,7 @@ def _options(cfg):
 
 def test_repack_hint_repeats_every_packing_option_of_the_report(tmp_path):
     from packsft.packing.cli import parse_args
-    from packsft.packing.pipeline import PackConfig
+    from packsft.packing.config import PackConfig
 
     packed = tmp_path / "x.jsonl.packed"
     cfg = PackConfig(inputs=["a b.jsonl", "c.jsonl"], output=str(packed), tokenizer="tok", max_seq_len=64,
@@ -167,7 +167,8 @@ def test_repack_hint_repeats_every_packing_option_of_the_report(tmp_path):
 def test_trainer_refusal_repeats_oversize_drop(tmp_path, tokenizer_dir):
     """A file packed with --oversize drop, opened at another max_seq_len: the re-pack command keeps the policy."""
     from packsft.data.dataset import PackedSFTDataset
-    from packsft.packing.pipeline import PackConfig, run_pack
+    from packsft.packing.config import PackConfig
+    from packsft.packing.pipeline import run_pack
 
     src = tmp_path / "in.jsonl"
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

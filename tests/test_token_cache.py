@@ -17,7 +17,8 @@ from packsft.data.context_parallel import slice_batch_for_cp
 from packsft.data.dataset import PackedDataWarning, PackedSFTDataset, TokenCacheNotice
 from packsft.io import stale_temps
 from packsft.packing import cli
-from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
 from packsft.sidecar import SidecarError, cache_settings_blake2b, read_sidecar, sidecar_path, write_sidecar
 from packsft.token_cache import HEADER, TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer

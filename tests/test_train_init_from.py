@@ -13,7 +13,8 @@ import torch
 import yaml
 
 from packsft.data.dataset import PackedSFTDataset
-from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
 from packsft.train.compat import load_train_config
 
 REPO = Path(__file__).resolve().parents[1]

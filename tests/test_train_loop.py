@@ -11,7 +11,8 @@ import torch
 import yaml
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 
-from packsft.packing.pipeline import PackConfig, run_pack
+from packsft.packing.config import PackConfig
+from packsft.packing.pipeline import run_pack
 from packsft.train.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -110,7 +110,8 @@ def test_tp_cp_pp_steps_read_nothing_back(tmp_path, packed):  # noqa: F811
     from distributed_helpers import run_distributed
     from test_train_loop import SEQ
 
-    from packsft.packing.pipeline import PackConfig, run_pack
+    from packsft.packing.config import PackConfig
+    from packsft.packing.pipeline import run_pack
 
     cp2 = tmp_path / "cp2.jsonl.packed"
     run_pack(PackConfig(inputs=[str(packed["few"])[:-len(".packed")]], output=str(cp2), max_seq_len=SEQ,

@@ -19,7 +19,7 @@ from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
 
 from packsft.model.config import ModelConfig, read_model_config
 from packsft.model.gpt import build_gpt_model
-from packsft.model.hf_io import read_hf_config
+from packsft.model.hf_files import read_hf_config
 from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
 from packsft.train.config import OptimizerConfig

@@ -24,7 +24,8 @@ from packsft.model.hf_config import (
     model_config_from_hf,
     sliding_window,
 )
-from packsft.model.hf_io import load_hf_checkpoint, load_hf_state_into_model, save_hf_checkpoint, write_hf_checkpoint
+from packsft.model.hf_files import load_hf_checkpoint, write_hf_checkpoint
+from packsft.model.hf_io import load_hf_state_into_model, save_hf_checkpoint
 from packsft.model.state_dict_adapter import hf_to_megatron_state_dict, megatron_to_hf_state_dict
 
 VOCAB = 256

@@ -22,7 +22,7 @@ from packsft.data.context_parallel import make_packed_seq_params
 from packsft.data.dataset import PackedSFTDataset
 from packsft.model.config import read_model_config
 from packsft.model.gpt import build_gpt_model
-from packsft.model.hf_io import load_hf_checkpoint
+from packsft.model.hf_files import load_hf_checkpoint
 from packsft.train.model_checkpoint import load_megatron_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import stat
 import torch
 from test_hf_convert import hf_config
 
-from packsft.model.hf_io import write_hf_checkpoint
+from packsft.model.hf_files import write_hf_checkpoint
 
 
 def test_export_is_0755_0644_and_drops_quantization_config(tmp_path, tokenizer_dir):

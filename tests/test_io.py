@@ -161,7 +161,7 @@ def test_a_reader_that_cannot_write_the_folder_says_so(tmp_path):
 @pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
 def test_a_reader_on_a_read_only_mount_says_so(tmp_path, monkeypatch, code):
     """A read-only mount fails the lock with EROFS (not a PermissionError): the same message, whoever runs it."""
-    import packsft.io
+    import packsft.io.journal
 
     pairs = _new_set(tmp_path)
     rows = tmp_path / "rows"
@@ -172,7 +172,7 @@ def test_a_reader_on_a_read_only_mount_says_so(tmp_path, monkeypatch, code):
         def __init__(self, path):
             raise OSError(code, os.strerror(code), str(path))
 
-    monkeypatch.setattr(packsft.io, "FileLock", ReadOnly)
+    monkeypatch.setattr(packsft.io.journal, "FileLock", ReadOnly)
     with pytest.raises(OSError, match="cannot finish it") as info:
         finish_interrupted_publish(rows)
     assert info.value.errno == code
@@ -196,7 +196,7 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
 
 def test_atomic_dir_fsyncs_every_file_and_folder_before_publishing(tmp_path, monkeypatch):
     """A machine crash after the rename must not leave a complete-looking folder of empty files (an HF export)."""
-    import packsft.io as io_module
+    import packsft.io.files as io_module
 
     synced = []
     real_fsync = os.fsync
@@ -233,7 +233,7 @@ def test_atomic_dir_gives_its_files_the_usual_modes(tmp_path):
 def test_replace_dir_publishes_the_new_folder_and_removes_the_old(tmp_path, monkeypatch, swap):
     """Where renameat2(RENAME_EXCHANGE) works the old folder is never renamed aside: no crash leaves it as the only
     copy under another name; elsewhere (``swap`` False) the rename-aside fallback gives the same result."""
-    import packsft.io as io_module
+    import packsft.io.files as io_module
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "old.txt").write_text("old")
@@ -282,7 +282,7 @@ def test_atomic_dir_removes_the_temp_folder_of_a_killed_writer_on_this_host(tmp_
     import subprocess
     import sys
 
-    import packsft.io as io_module
+    import packsft.io.files as io_module
 
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(done.stdout)  # a process that has exited

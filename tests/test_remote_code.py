@@ -43,7 +43,7 @@ def test_a_model_config_with_its_own_code_is_refused(tmp_path, reader):
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
-    proc = _answer_yes(f"from packsft.model.hf_io import {reader}\n{reader}({str(folder)!r})")
+    proc = _answer_yes(f"from packsft.model.hf_files import {reader}\n{reader}({str(folder)!r})")
     assert not (folder / "RAN").exists(), proc.stderr[-2000:]
     assert proc.returncode != 0, proc.stderr[-2000:]
     assert f"{folder}: its config.json needs the checkpoint's own code (auto_map)" in proc.stderr, proc.stderr[-2000:]

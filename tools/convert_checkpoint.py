@@ -54,19 +54,21 @@ from packsft.io import foreign_entries, read_json_object  # noqa: E402
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig, config_from_dict, read_model_config  # noqa: E402
 from packsft.model.gpt import build_gpt_model  # noqa: E402
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf  # noqa: E402
-from packsft.model.hf_io import (  # noqa: E402
+from packsft.model.hf_files import (  # noqa: E402
     HF_CONFIG_FILE,
     HF_EXPORT_FILES,
-    PEFT_ADAPTER_FILES,
     check_hf_weight_files,
     load_hf_checkpoint,
     load_hf_config,
-    load_hf_state_into_model,
     read_hf_config,
+    tokenizer_token_ids,
+)
+from packsft.model.hf_io import (  # noqa: E402
+    PEFT_ADAPTER_FILES,
+    load_hf_state_into_model,
     save_hf_checkpoint,
     save_peft_adapter,
     stage_hf_names,
-    tokenizer_token_ids,
 )
 from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
 from packsft.packing.cli import positive_int  # noqa: E402

@@ -5,7 +5,7 @@ Layout of ``ckpt_dir``::
     .metadata, __*_*.distcp     # torch_dist shards of {"model": model.sharded_state_dict()} (dist_checkpointing)
     common.pt, metadata.json    # dist_checkpointing common state
     model_config.json           # ModelConfig fields (packsft.model.config.read_model_config)
-    hf_config.json              # optional: the source HF config (packsft.model.hf_io.read_hf_config)
+    hf_config.json              # optional: the source HF config (packsft.model.hf_files.read_hf_config)
     weights_fingerprint.json    # BLAKE2b of each dist_checkpointing file and of them all (weights_fingerprint)
 
 The weights sit under ``"model"`` with their global shapes, as in the trainer's checkpoints
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from packsft.io import file_blake2b, read_json_object, replace_dir, write_json_atomic
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
-from packsft.model.hf_io import HF_CONFIG_FILE
+from packsft.model.hf_files import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
 from packsft.train import process_guard
 from packsft.train.checkpoint_files import CheckpointError

@@ -39,24 +39,14 @@ def num_trained_tokens(
 
     Returns:
         int64 scalar tensor on the device of the first ``loss_mask`` (0 for an empty sequence on CPU).
-
-    Raises:
-        ValueError: ``labels`` given with a different number of micro-batches or a different shape.
     """
     masks = _as_list(loss_mask)
     label_list = _as_list(labels)
-    if label_list is not None and len(label_list) != len(masks):
-        raise ValueError(f"got {len(masks)} loss_mask tensors but {len(label_list)} labels tensors")
     device = masks[0].device if masks else torch.device("cpu")
     total = torch.zeros((), dtype=torch.int64, device=device)
     for i, mask in enumerate(masks):
         trained = mask != 0
         if label_list is not None:
-            if label_list[i].shape != mask.shape:
-                raise ValueError(
-                    f"micro-batch {i}: labels shape {tuple(label_list[i].shape)} "
-                    f"!= loss_mask shape {tuple(mask.shape)}"
-                )
             trained &= label_list[i] != ignore_index
         total += trained.sum()
     return total
@@ -84,9 +74,6 @@ def global_num_trained_tokens(
 
     Returns:
         int64 scalar tensor, identical on all ranks of the groups.
-
-    Raises:
-        ValueError: as :func:`num_trained_tokens`.
     """
     total = num_trained_tokens(loss_mask, labels, ignore_index)
     for group in groups or ():
@@ -116,14 +103,6 @@ def normalize_loss(
 
     Returns:
         fp32 scalar with the autograd graph of ``loss_sum``.
-
-    Raises:
-        ValueError: ``gradient_average_size`` below 1 or a negative ``num_trained_tokens`` given as an int (a tensor
-            count, from :func:`global_num_trained_tokens`, is a sum of counts and is not checked: no host sync).
     """
-    if gradient_average_size < 1:
-        raise ValueError(f"gradient_average_size must be >= 1, got {gradient_average_size}")
-    if isinstance(num_trained_tokens, int) and num_trained_tokens < 0:   # a tensor is not checked: no host sync
-        raise ValueError(f"num_trained_tokens must be >= 0, got {num_trained_tokens}")
     count = torch.as_tensor(num_trained_tokens, device=loss_sum.device)
     return loss_sum * gradient_average_size / count.clamp(min=1).to(loss_sum.dtype)

@@ -202,19 +202,16 @@ class ModelConfig:
         shards exact slices of the TP=1 weights for the same seed.
 
         Raises:
-            ValueError: if ``num_attention_heads``/``num_query_groups`` are not divisible by ``tp``,
-                ``num_layers`` not by ``pp * vp``, or ``tp``/``cp``/``pp`` are not positive.
+            ValueError: if ``num_attention_heads``/``num_query_groups`` are not divisible by ``tp``, or
+                ``num_layers`` not by ``pp * vp`` (the sizes are positive: the CLI and the training config check).
         """
         from megatron.core.transformer import TransformerConfig
 
-        if tp < 1 or cp < 1:
-            raise ValueError(f"tensor_model_parallel_size ({tp}) and context_parallel_size ({cp}) "
-                             "must be >= 1")
         for name in ("num_attention_heads", "num_query_groups"):
             if getattr(self, name) % tp:
                 raise ValueError(f"model.{name} ({getattr(self, name)}) must be a multiple of "
                                  f"tensor_model_parallel_size ({tp})")
-        if pp < 1 or self.num_layers % (pp * (vp or 1)):
+        if self.num_layers % (pp * (vp or 1)):
             raise ValueError(f"model.num_layers ({self.num_layers}) must be a multiple of "
                              f"pipeline_model_parallel_size ({pp}) x virtual_pipeline_model_parallel_size ({vp})")
         dtype = PARAMS_DTYPES[self.params_dtype]

@@ -47,9 +47,8 @@ def _norm_keys(cfg: ModelConfig, i: int) -> tuple[str, str]:
 
 
 def _shard(t: Tensor, dim: int, tp_rank: int, tp_size: int) -> Tensor:
-    """Slice ``tp_rank`` of ``tp_size`` equal parts along ``dim``, as a fresh contiguous tensor."""
-    if t.shape[dim] % tp_size:
-        raise ValueError(f"dimension {dim} of a {tuple(t.shape)} tensor is not divisible by TP size {tp_size}")
+    """Slice ``tp_rank`` of ``tp_size`` equal parts along ``dim`` (divisible: ``ModelConfig.to_transformer_config``
+    and Megatron's layers check the sizes), as a fresh contiguous tensor."""
     return t.chunk(tp_size, dim=dim)[tp_rank].clone()
 
 
@@ -70,10 +69,6 @@ def _unpack_qkv(shards: Sequence[Tensor], cfg: ModelConfig) -> tuple[Tensor, Ten
     rest = full.shape[1:]
     q, k, v = full.reshape(ng, (qpg + 2) * hn, *rest).split([qpg * hn, hn, hn], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
-
-
-class MissingTensorError(KeyError):
-    """An HF checkpoint lacks a tensor its config needs (a bad checkpoint, not a bug)."""
 
 
 def hf_tensor_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
@@ -132,12 +127,9 @@ def hf_to_megatron_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig, tp_
         ``_extra_state`` entries).
 
     Raises:
-        MissingTensorError: naming a missing HF tensor (a ``KeyError``).
-        ValueError: if a sharded dimension is not divisible by ``tp_size``.
+        KeyError: naming a missing HF tensor (``check_hf_weight_files`` names it first for a checkpoint folder).
     """
     def get(name: str) -> Tensor:
-        if name not in hf_state:
-            raise MissingTensorError(f"HF checkpoint has no tensor {name!r}")
         return hf_state[name]
 
     out = {}
@@ -180,9 +172,6 @@ def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], cfg: ModelCon
         KeyError: naming a Megatron tensor missing from a shard.
     """
     def cat(name: str, dim: int) -> Tensor:
-        missing = [r for r, s in enumerate(shards) if name not in s]
-        if missing:
-            raise KeyError(f"Megatron state of TP rank {missing[0]} has no tensor {name!r}")
         return torch.cat([s[name] for s in shards], dim).contiguous()
 
     first = shards[0]
@@ -234,11 +223,6 @@ def megatron_lora_to_peft_state_dict(shards: Sequence[dict[str, Tensor]], cfg: M
     Raises:
         KeyError: naming an adapter tensor missing from a shard.
     """
-    def get(shard, name):
-        if name not in shard:
-            raise KeyError(f"Megatron state has no LoRA tensor {name!r}")
-        return shard[name]
-
     out = {}
     for i in range(cfg.num_layers):
         for target in target_modules:
@@ -246,14 +230,14 @@ def megatron_lora_to_peft_state_dict(shards: Sequence[dict[str, Tensor]], cfg: M
             mg = f"decoder.layers.{i}.{'self_attention' if sub == 'self_attn' else 'mlp'}.{target}."
             a_name, b_name = mg + "lora_A.default.weight", mg + "lora_B.default.weight"
             if target in ("linear_proj", "linear_fc2"):
-                a_parts = [torch.cat([get(s, a_name) for s in shards], 1)]
-                b_parts = [get(shards[0], b_name)]
+                a_parts = [torch.cat([s[a_name] for s in shards], 1)]
+                b_parts = [shards[0][b_name]]
             elif target == "linear_qkv":
-                a_parts = [get(shards[0], a_name)] * 3
-                b_parts = list(_unpack_qkv([get(s, b_name) for s in shards], cfg))
+                a_parts = [shards[0][a_name]] * 3
+                b_parts = list(_unpack_qkv([s[b_name] for s in shards], cfg))
             else:
-                halves = [get(s, b_name).chunk(2, 0) for s in shards]
-                a_parts = [get(shards[0], a_name)] * 2
+                halves = [s[b_name].chunk(2, 0) for s in shards]
+                a_parts = [shards[0][a_name]] * 2
                 b_parts = [torch.cat([g for g, _ in halves], 0), torch.cat([u for _, u in halves], 0)]
             for linear, a, b in zip(linears, a_parts, b_parts):
                 hf = f"base_model.model.model.layers.{i}.{sub}.{linear}."

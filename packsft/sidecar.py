@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from packsft.io import atomic_open, file_blake2b, finish_interrupted_publish
-from packsft.prompt_formats import PromptFormat
+from packsft.prompt_formats import PromptFormat, Tokenization
 from packsft.token_cache import cache_paths, ends_blake2b
 
 SIDECAR_SUFFIX = ".meta.json"
@@ -149,8 +149,7 @@ def refuse_sidecar_as_rows(path: str | Path) -> None:
 
 def efficiency(real_tokens: int, padding_tokens: int) -> float:
     """Packing efficiency, real tokens / all row tokens; 0.0 for no tokens."""
-    total = real_tokens + padding_tokens
-    return real_tokens / total if total else 0.0
+    return real_tokens / (real_tokens + padding_tokens) if real_tokens + padding_tokens else 0.0
 
 
 def packing_efficiency(meta: dict[str, Any] | None) -> float | None:
@@ -166,21 +165,14 @@ def packing_efficiency(meta: dict[str, Any] | None) -> float | None:
 
 
 def write_sidecar(path: str | Path, meta: dict[str, Any]) -> Path:
-    """Write ``meta`` as the sidecar of ``path`` atomically (temporary file in the same folder + ``os.replace``).
-
-    Args:
-        path: the packed file (``X.jsonl.packed``) or the sidecar path itself.
-        meta: JSON-serialisable dict; ``format_version`` is set to :data:`FORMAT_VERSION` when absent.
-
-    Returns:
-        The sidecar path.
+    """Write ``meta`` (:func:`sidecar_text`) as the sidecar of ``path`` (the packed file or the sidecar path)
+    atomically (temporary file in the same folder + ``os.replace``); return the sidecar path.
 
     Raises:
         TypeError: ``meta`` is not JSON-serialisable (nothing is written).
     """
-    target = sidecar_path(path)
     text = sidecar_text(meta)
-    with atomic_open(target) as f:
+    with atomic_open(target := sidecar_path(path)) as f:
         f.write(text)
     return target
 
@@ -197,8 +189,7 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
         path: the packed file or its sidecar path.
 
     Returns:
-        The sidecar dict (a version 1 one with :data:`V1_DEFAULTS` filled in), or ``None`` when there is no
-        sidecar.
+        The sidecar dict (a version 1 one with :data:`V1_DEFAULTS` filled in), or ``None`` without one.
 
     A packer killed while publishing leaves a journal: this first finishes its renames
     (:func:`packsft.io.finish_interrupted_publish`), so the sidecar read belongs to the rows beside it.
@@ -254,6 +245,15 @@ def special_tokens(tokenizer: Any, fmt: PromptFormat) -> dict[str, Any] | None:
         return None
     return {"bos_token": tokenizer.bos_token, "bos_token_id": tokenizer.bos_token_id,
             "eos_token": tokenizer.eos_token, "eos_token_id": tokenizer.eos_token_id}
+
+
+def tokenization_fields(tokenization: Tokenization, fingerprint: str | None = None) -> dict[str, Any]:
+    """The sidecar's record of the packer's resolved tokenization: ``tokenizer`` (its path),
+    ``tokenizer_fingerprint`` (``fingerprint`` when a worker already took it), ``prompt_format``
+    (:meth:`PromptFormat.spec`) and, where the ids depend on them, ``special_tokens``."""
+    specials = special_tokens(tokenization.tokenizer, tokenization.fmt)
+    return {"tokenizer_fingerprint": fingerprint or tokenization.fingerprint, "prompt_format": tokenization.fmt.spec(),
+            "tokenizer": str(tokenization.spec.tokenizer), **({"special_tokens": specials} if specials else {})}
 
 
 def loader_expectation(fingerprint: str, fmt: PromptFormat, max_seq_len: int,

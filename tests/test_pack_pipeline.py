@@ -329,22 +329,21 @@ def test_output_identical_across_hash_seeds_and_worker_counts(tmp_path, shared_d
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_forked_workers_use_the_packers_tokenizer_and_give_the_same_rows(tmp_path, shared_data, monkeypatch):
-    import packsft.packing.pipeline as pipeline
-    from packsft.packing import local_engine, worker
+    from packsft.packing import local_engine
+    from packsft.prompt_formats import spec
 
     src = _head(shared_data / "chat" / "gsm8k_test.messages.jsonl", tmp_path / "in.jsonl", 300)
     tok = str(shared_data / "tokenizers" / "smollm2-135m-instruct")
     rows = []
     for workers in (0, 2):
-        main, real = os.getpid(), pipeline.load_tokenizer
+        main, real = os.getpid(), spec.load_tokenizer
 
         def load_in_main_only(path, main=main, real=real):  # a forked worker inherits this and must not call it
             if os.getpid() != main:
                 raise AssertionError("a worker loaded the tokenizer again")
             return real(path)
 
-        monkeypatch.setattr(pipeline, "load_tokenizer", load_in_main_only)
-        monkeypatch.setattr(worker, "load_tokenizer", load_in_main_only)
+        monkeypatch.setattr(spec, "load_tokenizer", load_in_main_only)
         out = tmp_path / f"w{workers}" / "o.jsonl.packed"
         run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=tok, max_seq_len=1024, num_workers=workers,
                             shard_bytes=20_000, progress=False, histogram=""))
@@ -625,20 +624,20 @@ def test_a_stop_signal_handled_in_a_finalizer_still_stops_the_run(sig, tmp_path,
     the run went on and published its outputs, exit 0."""
     import signal
 
-    from packsft.packing import pipeline
     from packsft.packing.signals import Terminated
+    from packsft.prompt_formats import spec
 
     class Finalized:
         def __del__(self):
             signal.raise_signal(getattr(signal, sig))   # its handler runs here, and its exception is dropped
 
-    real = pipeline.load_tokenizer
+    real = spec.load_tokenizer
 
     def loading(path):
         Finalized()
         return real(path)
 
-    monkeypatch.setattr(pipeline, "load_tokenizer", loading)
+    monkeypatch.setattr(spec, "load_tokenizer", loading)
     src = _write_lines(tmp_path / "in.jsonl", EDGE_LINES[:1] * 3)
     out = tmp_path / "out" / "o.jsonl.packed"
     with pytest.raises(Terminated if sig == "SIGTERM" else KeyboardInterrupt) as e:

@@ -161,21 +161,19 @@ def test_with_workers_the_tokenizer_fingerprint_is_taken_by_a_worker(shared_data
                                                                      monkeypatch):
     """With workers, a worker takes the sidecar's tokenizer fingerprint (in the main process it would hold the
     GIL that the thread handing out shards needs), once; without, the main process; the same value."""
-    import packsft.packing.pipeline as pipeline
-    from packsft.packing import worker
+    from packsft.prompt_formats import spec
     from packsft.sidecar import read_sidecar
 
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
     taken = tmp_path / "taken"
-    fingerprint = pipeline.tokenizer_fingerprint
+    fingerprint = spec.tokenizer_fingerprint
 
     def recording(tok):
         with open(taken, "a") as f:
             f.write(f"{os.getpid()}\n")
         return fingerprint(tok)
 
-    monkeypatch.setattr(pipeline, "tokenizer_fingerprint", recording)
-    monkeypatch.setattr(worker, "tokenizer_fingerprint", recording)
+    monkeypatch.setattr(spec, "tokenizer_fingerprint", recording)
     metas = []
     for workers in (0, 2):
         out = tmp_path / f"w{workers}" / "rows.jsonl.packed"
@@ -268,9 +266,9 @@ def test_a_worker_that_dies_taking_the_fingerprint_after_the_shards_is_reported(
     result came back: a PackError naming the dead worker, as for a death while reading a shard."""
     import signal
 
-    import packsft.packing.pipeline as pipeline
-    from packsft.packing import merge, worker
+    from packsft.packing import merge
     from packsft.packing.config import PackError
+    from packsft.prompt_formats import spec
 
     flag = tmp_path / "shards_done"
     progress = merge._shard_progress
@@ -290,8 +288,7 @@ def test_a_worker_that_dies_taking_the_fingerprint_after_the_shards_is_reported(
 
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
     monkeypatch.setattr(merge, "_shard_progress", counting)
-    monkeypatch.setattr(pipeline, "tokenizer_fingerprint", dies_after_the_shards)
-    monkeypatch.setattr(worker, "tokenizer_fingerprint", dies_after_the_shards)  # forked: the workers' too
+    monkeypatch.setattr(spec, "tokenizer_fingerprint", dies_after_the_shards)  # forked: the workers' too
     with pytest.raises(PackError, match="died .killed by SIGKILL"):
         run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "rows.jsonl.packed"),
                             tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=1024, num_workers=2,

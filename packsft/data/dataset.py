@@ -43,13 +43,7 @@ from packsft.conversation import ConversationError, split_row
 from packsft.data.row import build_row, build_row_flat
 from packsft.io import atomic_open, finish_interrupted_publish, missing_file
 from packsft.layout import check_max_seq_len
-from packsft.prompt_formats import (
-    ALIASES,
-    PromptFormat,
-    PromptFormatError,
-    get_prompt_format,
-    tokenize_conversations,
-)
+from packsft.prompt_formats import PromptFormat, PromptFormatError, TokenizationSpec, tokenize_conversations
 from packsft.sidecar import (
     CACHE_SETTINGS,
     REPACK_INTRO,
@@ -217,14 +211,15 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     Args:
         path: the packed file (rows ``{"messages": [...]}``, ``docs/formats.md``).
         tokenizer: a fast Hugging Face tokenizer, or a local folder / ``tokenizer.json`` to load one from.
-        prompt_format: a :class:`~packsft.prompt_formats.PromptFormat` bound to ``tokenizer``, or its name.
+        prompt_format: a :class:`~packsft.prompt_formats.PromptFormat` bound to ``tokenizer``, or a
+            :class:`~packsft.prompt_formats.TokenizationSpec` (its options left ``None`` are the sidecar's:
+            :meth:`~packsft.prompt_formats.TokenizationSpec.with_packed`), or the name of one.
         max_seq_len: ``L``, tokens per row; a multiple of ``2 * context_parallel_size`` when CP > 1.
         context_parallel_size: CP size the rows are padded for (each conversation to a multiple of ``2 * cp``).
-        pad_token, chat_template: passed to :func:`~packsft.prompt_formats.get_prompt_format` when
-            ``prompt_format`` is a name.
-        train_on, chat_template_kwargs, append_eos: likewise; ``None`` (default): the sidecar's values
-            (``all``, no kwargs and the template's default without a sidecar), so the loader masks exactly as
-            the packer counted. Given values are checked against the sidecar.
+        pad_token, chat_template, train_on, chat_template_kwargs, append_eos: the spec's when ``prompt_format``
+            is a name; ``None`` for the last three (default): the sidecar's (``all``, no kwargs and the template's
+            default without a sidecar), so the loader masks exactly as the packer counted. Given values are
+            checked against the sidecar.
         index_path: where the row index is cached; default ``<path>.idx``.
         require_sidecar: refuse (rather than warn about) a file without ``<path>.meta.json``.
         verify_rows_hash: check the rows file against the sidecar's ``rows_file`` BLAKE2b: ``None`` (default)
@@ -260,7 +255,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self,
         path: str | Path,
         tokenizer: PreTrainedTokenizerBase | str | Path,
-        prompt_format: PromptFormat | str,
+        prompt_format: PromptFormat | TokenizationSpec | str,
         max_seq_len: int,
         context_parallel_size: int = 1,
         *,
@@ -283,15 +278,11 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         refuse_sidecar_as_rows(self.path)
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         if isinstance(prompt_format, str):
-            packed = ((read_sidecar(self.path) or {}).get("prompt_format") or {})
-            if packed.get("name") not in (None, ALIASES.get(prompt_format, prompt_format)):
-                packed = {}  # another format: its options do not apply (the sidecar check names the format)
-            prompt_format = get_prompt_format(
-                prompt_format, self.tokenizer, pad_token=pad_token, chat_template=chat_template,
-                train_on=train_on or packed.get("train_on", "all"),
-                chat_template_kwargs=chat_template_kwargs if chat_template_kwargs is not None
-                else packed.get("chat_template_kwargs"),
-                append_eos=append_eos if append_eos is not None else packed.get("append_eos"))
+            prompt_format = TokenizationSpec(str(getattr(self.tokenizer, "name_or_path", "")), prompt_format,
+                                             pad_token, chat_template, chat_template_kwargs, train_on, append_eos)
+        if isinstance(prompt_format, TokenizationSpec):
+            packed = (read_sidecar(self.path) or {}).get("prompt_format")
+            prompt_format = prompt_format.with_packed(packed).bind(self.tokenizer)
         # a Megatron preset tokenizes a conversation Megatron-LM accepts identically either way; this also
         # reads the packsft-only ones a file packed with --allow-non-megatron holds
         self.prompt_format = dataclasses.replace(prompt_format, allow_non_megatron=True)

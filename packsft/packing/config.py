@@ -14,7 +14,7 @@ from typing import Any
 from packsft.layout import check_max_seq_len
 from packsft.packing.algorithms import ALGORITHMS
 from packsft.packing.sources import check_source, is_dataset_dict
-from packsft.prompt_formats import TRAIN_ON, get_prompt_format
+from packsft.prompt_formats import TRAIN_ON, TokenizationSpec
 from packsft.record_formats import record_converter
 from packsft.sidecar import REPORT_SUFFIX, row_index_path, sidecar_path
 from packsft.token_cache import cache_paths
@@ -112,6 +112,13 @@ class PackConfig:
     shard_bytes: int | None = None
     engine: str = "local"
     ray_address: str | None = None
+
+    @property
+    def tokenization(self) -> TokenizationSpec:
+        """The run's tokenizer and prompt format settings as one spec (``--allow-non-megatron`` is the packer's
+        policy for such conversations, not the format's: the workers bind both)."""
+        return TokenizationSpec(self.tokenizer, self.prompt_format, self.pad_token, self.chat_template,
+                                self.chat_template_kwargs, self.train_on, self.append_eos)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -212,13 +219,6 @@ class PackWarning(UserWarning):
 
 class PackError(RuntimeError):
     """A packing run stopped: strict mode met an invalid record, or an oversize conversation with ``error``."""
-
-
-def prompt_format(cfg: PackConfig, tok):
-    """The run's :class:`packsft.prompt_formats.PromptFormat` for tokenizer ``tok``."""
-    return get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token, chat_template=cfg.chat_template,
-                             train_on=cfg.train_on, chat_template_kwargs=cfg.chat_template_kwargs,
-                             append_eos=cfg.append_eos)
 
 
 def check_writable(paths: dict[str, str]) -> None:

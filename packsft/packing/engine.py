@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from packsft.packing.merge import Counted
 from packsft.packing.shards import Shard, ShardResult
+from packsft.prompt_formats import Tokenization
 from packsft.token_cache import TokenCacheWriter
 
 
@@ -25,13 +26,13 @@ class Engine(Protocol):
         """The context the run's stages happen in (the Ray engine's cluster connection)."""
         ...
 
-    def count(self, shards: list[Shard], spool_dir: str, tok: Any = None,
+    def count(self, shards: list[Shard], spool_dir: str, tokenization: Tokenization | None = None,
               fingerprint: list[str] | None = None) -> Iterator[ShardResult]:
         """Read, tokenize and count each shard (:func:`packsft.packing.worker.count_shard`), spooling its accepted
         conversations in ``spool_dir``; yield the results in shard order.
 
         Args:
-            tok: the packer's tokenizer, for workers that can share it.
+            tokenization: the packer's, resolved (tokenizer loaded), for workers that can share it.
             fingerprint: a list to which the tokenizer's fingerprint is appended when a worker took it (it then
                 stays empty when the engine leaves it to the caller).
 

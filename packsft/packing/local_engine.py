@@ -18,6 +18,7 @@ from packsft.packing.shards import SHARD_BYTES_MIN, Shard
 from packsft.packing.signals import STOP_SIGNALS, signals_held
 from packsft.packing.sources import is_row_source
 from packsft.packing.worker import count_shard, init_worker, worker_fingerprint
+from packsft.prompt_formats import Tokenization
 from packsft.token_cache import TokenCacheWriter
 
 
@@ -113,11 +114,12 @@ class LocalEngine:
         """Nothing to connect to."""
         return contextlib.nullcontext()
 
-    def count(self, shards: list[Shard], spool_dir: str, tok=None, fingerprint: list[str] | None = None):
+    def count(self, shards: list[Shard], spool_dir: str, tokenization: Tokenization | None = None,
+              fingerprint: list[str] | None = None):
         """Yield :class:`packsft.packing.shards.ShardResult` in shard order; with workers, ``num_workers`` processes
-        read shards in parallel (forked workers use ``tok``, the packer's tokenizer). One JSONL shard in all, or by
-        default JSONL inputs of at most 256 KiB in all, are read in this process: one worker would do the same work
-        after its start.
+        read shards in parallel (forked workers use ``tokenization``, the packer's, resolved). One JSONL shard in all,
+        or by default JSONL inputs of at most 256 KiB in all, are read in this process: one worker would do the same
+        work after its start.
 
         Args:
             fingerprint: a list, to which the tokenizer's fingerprint is appended when worker processes read the
@@ -134,7 +136,7 @@ class LocalEngine:
         small = not any(is_row_source(cfg.inputs[s.file_idx]) for s in shards) and (
             len(shards) == 1 or (cfg.shard_bytes is None and sum(s.end - s.start for s in shards) <= SHARD_BYTES_MIN))
         if cfg.num_workers == 0 or small:
-            init_worker(cfg, spool_dir, False, tok)  # closed by the caller (packsft.packing.worker.close_worker)
+            init_worker(cfg, spool_dir, False, tokenization)  # closed by packsft.packing.worker.close_worker
             with _frozen_gc():  # the imports' and the tokenizer's objects, which every full collection went through
                 for shard in shards:
                     yield count_shard(shard)
@@ -145,7 +147,7 @@ class LocalEngine:
         method = worker_start_method()  # a forked pool starts all its workers at once: no more than there are shards
         executor = ProcessPoolExecutor(max(1, min(cfg.num_workers, len(shards))),
                                        mp_context=mp.get_context(method), initializer=init_worker,
-                                       initargs=(cfg, spool_dir, True, tok if method == "fork" else None))
+                                       initargs=(cfg, spool_dir, True, tokenization if method == "fork" else None))
         done = False
         try:
             # The pool forks its workers at the first submit. A SIGTERM/SIGINT handled meanwhile would raise inside

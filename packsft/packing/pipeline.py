@@ -55,7 +55,7 @@ from packsft import __version__
 from packsft.io import journal_path, stale_temps, temp_path
 from packsft.layout import conversation_cost
 from packsft.packing.algorithms import lower_bound_rows, pack_order
-from packsft.packing.config import PackConfig, PackError, check_writable, output_paths, prompt_format
+from packsft.packing.config import PackConfig, PackError, check_writable, output_paths
 from packsft.packing.engine import Engine
 from packsft.packing.local_engine import LocalEngine
 from packsft.packing.merge import count_all, nothing_to_pack, nothing_trained
@@ -68,9 +68,8 @@ from packsft.packing.sources import is_row_source, source_identity
 from packsft.packing.worker import close_worker
 from packsft.prompt_formats import MEGATRON_PRESETS
 from packsft.record_formats import adapter_identity
-from packsft.sidecar import cache_settings_blake2b, rows_file_fields, sidecar_text, special_tokens
+from packsft.sidecar import cache_settings_blake2b, rows_file_fields, sidecar_text, tokenization_fields
 from packsft.token_cache import cache_paths
-from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 
 def run_pack(cfg: PackConfig) -> PackReport:
@@ -109,8 +108,8 @@ def run_pack(cfg: PackConfig) -> PackReport:
 def _run_pack(cfg: PackConfig, engine: Engine) -> PackReport:
     import numpy as np
 
-    tok = load_tokenizer(cfg.tokenizer)
-    fmt = prompt_format(cfg, tok)
+    tokenization = cfg.tokenization.resolve()
+    tok, fmt = tokenization.tokenizer, tokenization.fmt
     report = PackReport(settings={k: v for k, v in asdict(cfg).items() if k not in ("progress",)},
                         working_dir=os.getcwd())
     if fmt.missing_stop_signal(tok):
@@ -138,7 +137,7 @@ def _run_pack(cfg: PackConfig, engine: Engine) -> PackReport:
                 try:
                     fingerprint: list[str] = []  # the sidecar's, when a worker process took it
                     shards = plan_shards(cfg.inputs, cfg.shard_bytes)
-                    counted = count_all(cfg, engine.count(shards, spool_dir, tok, fingerprint), report)
+                    counted = count_all(cfg, engine.count(shards, spool_dir, tokenization, fingerprint), report)
                 finally:
                     close_worker()  # this process's spools, when it counted shards itself
                 L, cp = cfg.max_seq_len, cfg.context_parallel_size
@@ -169,7 +168,7 @@ def _run_pack(cfg: PackConfig, engine: Engine) -> PackReport:
             report.real_tokens = int(np.minimum(lengths, L).sum())
             report.padding_tokens = report.rows * L - report.real_tokens
             row_fill = np.add.reduceat(costs[order], starts) if report.rows else costs[:0]
-            _write_outputs(cfg, fmt, tok, report, lengths, row_fill, paths, temps, size, digest, cache_fields,
+            _write_outputs(cfg, tokenization, report, lengths, row_fill, paths, temps, size, digest, cache_fields,
                            fingerprint[0] if fingerprint else None, counted.uncut)
         finally:
             with signals_held():
@@ -178,7 +177,7 @@ def _run_pack(cfg: PackConfig, engine: Engine) -> PackReport:
     return report
 
 
-def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, temps, size, digest,
+def _write_outputs(cfg, tokenization, report: PackReport, lengths, row_fill, paths, temps, size, digest,
                    cache_fields=None, fingerprint: str | None = None, uncut=()) -> None:
     """Write the sidecar, the report and the histogram to temp names and publish the set (``fingerprint``: the
     tokenizer's, when already taken; ``uncut``: :attr:`packsft.packing.merge.Counted.uncut`, the oversize
@@ -191,13 +190,10 @@ def _write_outputs(cfg, fmt, tok, report: PackReport, lengths, row_fill, paths, 
         **({"split": cfg.split} if cfg.split is not None else {}),
         **_input_identity(cfg),
         "record_format": cfg.record_format,
-        "megatron_lm_compatible": (None if fmt.name not in MEGATRON_PRESETS
+        "megatron_lm_compatible": (None if tokenization.fmt.name not in MEGATRON_PRESETS
                                    else "non_megatron" not in report.warning_counts()),
         **(adapter_identity(cfg.adapter) if cfg.adapter else {}),
-        "tokenizer_fingerprint": fingerprint or tokenizer_fingerprint(tok),
-        "tokenizer": str(cfg.tokenizer),
-        "prompt_format": fmt.spec(),
-        **({"special_tokens": specials} if (specials := special_tokens(tok, fmt)) else {}),
+        **tokenization_fields(tokenization, fingerprint),
         "max_seq_len": cfg.max_seq_len,
         "context_parallel_size": cfg.context_parallel_size,
         "sequence_parallel_size": cfg.sequence_parallel_size,

@@ -344,8 +344,9 @@ class RayEngine:
         """The cluster connection (:func:`ray_session` at ``cfg.ray_address``)."""
         return ray_session(self.cfg.ray_address)
 
-    def count(self, shards: list[Shard], spool_dir: str, tok=None, fingerprint: list[str] | None = None):
-        """:func:`shard_results`; ``tok`` and ``fingerprint`` are not used (each actor loads the tokenizer)."""
+    def count(self, shards: list[Shard], spool_dir: str, tokenization=None, fingerprint: list[str] | None = None):
+        """:func:`shard_results`; ``tokenization`` and ``fingerprint`` are not used (each actor resolves the run's
+        tokenization, loading the tokenizer once)."""
         return shard_results(self.cfg, shards, spool_dir)
 
     def write_rows(self, order, starts, counted: Counted, tmp: Path, spool_dir: str,

@@ -14,14 +14,19 @@ from typing import Any
 
 from packsft.conversation import ConversationError, loads_line, parse_record
 from packsft.layout import conversation_cost
-from packsft.packing.config import PackConfig, prompt_format
+from packsft.packing.config import PackConfig
 from packsft.packing.shards import Shard, ShardResult, read_shard
 from packsft.packing.signals import STOP_SIGNALS
 from packsft.packing.truncation import tokenize_record, tokenized_whole
-from packsft.prompt_formats import NonMegatronError, PromptFormatError, tokenize_conversations, unrendered
+from packsft.prompt_formats import (
+    NonMegatronError,
+    PromptFormatError,
+    Tokenization,
+    tokenize_conversations,
+    unrendered,
+)
 from packsft.record_formats import ROW_JSON, RecordFormatError, record_converter, source_field
 from packsft.token_cache import encode_runs, stored_length
-from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 _BATCH = 64
 _BATCH_BYTES = 1 << 20
@@ -37,8 +42,8 @@ class WorkerState:
 
     Attributes:
         cfg: the run's settings.
-        tok: the tokenizer; fmt: the run's prompt format; lenient: ``fmt`` keeping conversations Megatron-LM
-            refuses (``--allow-non-megatron``).
+        tokenization: the tokenizer and the run's prompt format (:attr:`tok`, :attr:`fmt`); lenient: ``fmt``
+            keeping conversations Megatron-LM refuses (``--allow-non-megatron``).
         convert: the record converter (``None``: ``messages`` records).
         spool_dir: the run's temp folder, holding the spools and the marker files.
         in_worker: a worker process or Ray actor: writes a marker file per shard and acts on
@@ -49,14 +54,23 @@ class WorkerState:
     """
 
     cfg: PackConfig
-    tok: Any
-    fmt: Any
+    tokenization: Tokenization
     lenient: Any
     convert: Any
     spool_dir: str
     in_worker: bool
     spool_name: str | None = None
     files: dict[str, tuple[Any, str]] = field(default_factory=dict)
+
+    @property
+    def tok(self) -> Any:
+        """The tokenizer."""
+        return self.tokenization.tokenizer
+
+    @property
+    def fmt(self) -> Any:
+        """The run's prompt format."""
+        return self.tokenization.fmt
 
     def spool(self, key: str = "spool"):
         """``(file, path)`` of spool ``key`` (``spool``: messages JSON, ``token_spool``: token cache bytes), opened
@@ -80,15 +94,16 @@ _worker: WorkerState | None = None
 """This process's state (:func:`init_worker`): what :func:`count_shard` uses when given none."""
 
 
-def worker_state(cfg: PackConfig, spool_dir: str, in_worker: bool, tok=None) -> WorkerState:
-    """A :class:`WorkerState` for ``cfg``: tokenizer (``tok``, else loaded), prompt format, record converter."""
-    tok = tok if tok is not None else load_tokenizer(cfg.tokenizer)
-    fmt = prompt_format(cfg, tok)
-    return WorkerState(cfg, tok, fmt, dataclasses.replace(fmt, allow_non_megatron=True),
+def worker_state(cfg: PackConfig, spool_dir: str, in_worker: bool,
+                 tokenization: Tokenization | None = None) -> WorkerState:
+    """A :class:`WorkerState` for ``cfg``: its tokenization (given resolved, else resolved here: the tokenizer
+    loaded), record converter."""
+    tokenization = tokenization if tokenization is not None else cfg.tokenization.resolve()
+    return WorkerState(cfg, tokenization, dataclasses.replace(tokenization.fmt, allow_non_megatron=True),
                        record_converter(cfg.record_format, cfg.adapter), spool_dir, in_worker)
 
 
-def init_worker(cfg: PackConfig, spool_dir: str, in_worker: bool, tok=None) -> None:
+def init_worker(cfg: PackConfig, spool_dir: str, in_worker: bool, tokenization: Tokenization | None = None) -> None:
     """Set up this process to read shards (:func:`worker_state`); a worker process (``in_worker``) also leaves stop
     signals to the packer and ends with it."""
     global _worker
@@ -98,7 +113,7 @@ def init_worker(cfg: PackConfig, spool_dir: str, in_worker: bool, tok=None) -> N
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker inherits the packer's handler
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked while the packer forked (local_engine)
         _exit_with_parent(os.getppid())
-    _worker = worker_state(cfg, spool_dir, in_worker, tok)
+    _worker = worker_state(cfg, spool_dir, in_worker, tokenization)
 
 
 def _exit_with_parent(parent: int, poll: float = 0.5) -> None:
@@ -123,7 +138,7 @@ def close_worker() -> None:
 
 def worker_fingerprint() -> str:
     """:func:`packsft.tokenizer.tokenizer_fingerprint` of this worker's tokenizer (a pool task)."""
-    return tokenizer_fingerprint(_worker.tok)
+    return _worker.tokenization.fingerprint
 
 
 def count_shard(shard: Shard, state: WorkerState | None = None) -> ShardResult:

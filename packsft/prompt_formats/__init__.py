@@ -43,7 +43,8 @@ Layout: ``base.py`` (:class:`PromptFormat`, the class every format derives from,
 one module per family (``megatron.py``: the presets; ``chat_template.py``; ``passthrough.py``), ``template.py``
 (``apply_chat_template`` calls), ``spans.py`` (which assistant turns are trained, where they lie),
 ``registry.py`` (:data:`PROMPT_FORMATS`, name -> class, and :func:`get_prompt_format`) and ``tokens.py``
-(encoding, targets). A new format is a subclass of :class:`PromptFormat` (or :class:`PerTurnFormat`) entered in
+(encoding, targets); ``spec.py`` holds the tokenization contract (:class:`TokenizationSpec`, resolved as
+:class:`Tokenization`). A new format is a subclass of :class:`PromptFormat` (or :class:`PerTurnFormat`) entered in
 :data:`PROMPT_FORMATS` (``docs/prompt_formats.md``, "Adding a format").
 """
 
@@ -65,6 +66,7 @@ from packsft.prompt_formats.registry import (
     get_prompt_format,
 )
 from packsft.prompt_formats.spans import trained_turns
+from packsft.prompt_formats.spec import Tokenization, TokenizationSpec
 from packsft.prompt_formats.template import RESERVED_TEMPLATE_KWARGS, TemplateShape, template_shape
 from packsft.prompt_formats.tokens import (
     count_conversation_tokens,
@@ -89,6 +91,8 @@ __all__ = [
     "PromptFormatError",
     "Segment",
     "TemplateShape",
+    "Tokenization",
+    "TokenizationSpec",
     "count_conversation_tokens",
     "get_prompt_format",
     "render_segments",

@@ -18,6 +18,7 @@ from packsft.data.context_parallel import make_packed_seq_params, slice_batch_fo
 from packsft.data.dataset import PackedSFTDataset
 from packsft.data.mixing import MixedDataset
 from packsft.layout import IGNORE_INDEX, TOKEN_KEYS
+from packsft.prompt_formats import TokenizationSpec
 from packsft.train.config import Config
 
 
@@ -75,7 +76,7 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
     after the source; ``validation`` for ``data.train_path``). Every file's sidecar is checked against the loader's
     configuration, so a file packed for another tokenizer, format, ``max_seq_len`` or CP size is refused by name.
     A validation file that a training source also reads is passed to ``warn`` (a ``print``-like callable; ``None``:
-    no warning), once.
+    no warning), once. The tokenizer is loaded once, for the first file, and shared by the others.
 
     Raises:
         FileNotFoundError, SidecarError: from ``PackedSFTDataset``.
@@ -83,13 +84,17 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
             one of them holds rows out for validation (the other would train on them).
     """
     data = cfg.data
+    spec = TokenizationSpec(data.tokenizer, data.prompt_format, data.pad_token, data.chat_template)
+    tokenizer: Any = data.tokenizer  # its path, loaded by the first dataset and shared by the others
 
     def packed(path: str) -> PackedSFTDataset:
-        return PackedSFTDataset(path, data.tokenizer, data.prompt_format, data.max_seq_len,
-                                cfg.parallel.context_parallel_size, pad_token=data.pad_token,
-                                chat_template=data.chat_template, require_sidecar=data.require_sidecar,
-                                sequence_parallel_size=cfg.parallel.sequence_parallel_size,
-                                verify_rows_hash=True if data.verify_hash == "full" else None)
+        nonlocal tokenizer
+        dataset = PackedSFTDataset(path, tokenizer, spec, data.max_seq_len, cfg.parallel.context_parallel_size,
+                                   require_sidecar=data.require_sidecar,
+                                   sequence_parallel_size=cfg.parallel.sequence_parallel_size,
+                                   verify_rows_hash=True if data.verify_hash == "full" else None)
+        tokenizer = dataset.tokenizer
+        return dataset
 
     train, validation = {}, {}
     trained: dict[tuple[int, int], tuple[str, float]] = {}  # file identity -> (a source reading it, its split)

@@ -1,21 +1,25 @@
-"""The packer's settings (:class:`PackConfig`, checked once by :meth:`PackConfig.validate`), its errors and the
-paths a run writes (:func:`output_paths`)."""
+"""The packer's settings (:class:`PackConfig`: each field declares its command-line flag, :func:`cli`, from which
+``packsft.packing.cli`` generates the parser; checked once by :meth:`PackConfig.validate`), its errors and the paths
+a run writes (:func:`output_paths`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packsft.conversation import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.layout import check_max_seq_len
-from packsft.packing.algorithms import ALGORITHMS
+from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from packsft.packing.sources import check_source, is_dataset_dict
-from packsft.prompt_formats import TRAIN_ON, TokenizationSpec
-from packsft.record_formats import record_converter
+from packsft.prompt_formats import PRESETS, TRAIN_ON, TokenizationSpec
+from packsft.record_formats import RECORD_FORMATS, record_converter
 from packsft.sidecar import REPORT_SUFFIX, row_index_path, sidecar_path
 from packsft.token_cache import cache_paths
 
@@ -28,9 +32,44 @@ ENGINES = ("local", "ray")
 HISTOGRAM_SUFFIX = ".lengths.png"
 
 
-@dataclass
+def cli(flag: str, help: str | None = None, value: Callable[[argparse.Namespace], Any] | None = None,
+        **kwargs: Any) -> dict[str, Any]:
+    """A :class:`PackConfig` field's command-line flag (its ``field`` metadata): ``add_argument(flag, help=help,
+    **kwargs)``. Without ``value`` the flag gives the field as is, its default the field's (required without one);
+    ``value(namespace)`` makes the field of flags that declare their own defaults."""
+    return {"flags": ((flag, {"help": help, **kwargs}),), "value": value}
+
+
+def json_object(text: str) -> dict:
+    """An argparse ``type``: a JSON object (``--chat-template-kwargs``), standard JSON only."""
+    try:
+        value = loads_strict(text)
+    except NonFiniteNumber:
+        raise argparse.ArgumentTypeError(f"{NON_FINITE}: {text!r}") from None
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from e
+    except (ValueError, RecursionError) as e:  # a duplicate key, nested too deeply, too many digits
+        raise argparse.ArgumentTypeError(f"not JSON here ({e or 'nested too deeply'}): {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (the tools' parallel sizes)."""
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+@dataclass(kw_only=True)
 class PackConfig:
-    """Settings of one packing run (the CLI's flags).
+    """Settings of one packing run, each field with its command-line flag (:func:`cli`: the packer's argparse is
+    generated from these fields, ``packsft.packing.cli``).
 
     Attributes:
         inputs: input JSONL files, read in order; also ``datasets`` ``save_to_disk`` folders and ``.parquet`` /
@@ -79,39 +118,82 @@ class PackConfig:
             the output does not depend on it nor on ``num_workers``.
     """
 
-    inputs: list[str]
-    output: str
-    tokenizer: str
-    max_seq_len: int
-    prompt_format: str = "chat-template"
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    train_on: str = "all"
-    append_eos: bool | None = None
-    pad_token: str | None = None
-    context_parallel_size: int = 1
-    sequence_parallel_size: int = 1
-    algorithm: str = "bfd-local-search"
-    oversize: str = "own-row"
-    seed: int = 1234
-    shuffle_rows: bool = False
-    num_workers: int = 0
-    input_key: str | None = None
-    record_format: str = "messages"
-    adapter: str | None = None
-    output_key: str | None = None
-    default_system_prompt: str = ""
-    strict: bool = False
-    allow_non_megatron: bool = False
-    report: str | None = None
-    histogram: str | None = None
-    progress: bool = True
-    max_conversation_bytes: int = MAX_CONVERSATION_BYTES
-    token_cache: bool = True
-    split: str | None = None
-    shard_bytes: int | None = None
-    engine: str = "local"
-    ray_address: str | None = None
+    inputs: list[str] = field(metadata=cli(
+        "--input", "input JSONL file(s), read in order; also .parquet / .arrow files and datasets save_to_disk "
+        "folders (rows; needs the packsft[datasets] extra)", nargs="+"))
+    split: str | None = field(default=None, metadata=cli(
+        "--split", "the split to read of a DatasetDict save_to_disk folder"))
+    output: str = field(metadata=cli("--output", "output .jsonl.packed file"))
+    tokenizer: str = field(metadata=cli("--tokenizer", "local tokenizer folder or tokenizer.json"))
+    max_seq_len: int = field(metadata=cli("--max-seq-length", "row length in tokens", type=int))
+    prompt_format: str = field(default="chat-template", metadata=cli("--prompt-format", choices=PRESETS + ("default",)))
+    chat_template: str | None = field(default=None, metadata=cli(
+        "--chat-template", "Jinja template string or file (chat-template only)"))
+    chat_template_kwargs: dict[str, Any] | None = field(default=None, metadata=cli(
+        "--chat-template-kwargs", "JSON object passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'",
+        type=json_object))
+    train_on: str = field(default="all", metadata=cli(
+        "--train-on", "train all assistant turns, or only the last of each conversation", choices=TRAIN_ON))
+    append_eos: bool | None = field(default=None, metadata=cli(
+        "--append-eos", "append EOS to every trained assistant turn (default: when the template writes no end of "
+        "turn after it, and for passthrough)", action=argparse.BooleanOptionalAction))
+    pad_token: str | None = field(default=None, metadata=cli("--pad-token", "override the prompt format's pad token"))
+    context_parallel_size: int = field(default=1, metadata=cli("--context-parallel-size", type=positive_int))
+    sequence_parallel_size: int = field(default=1, metadata={"flags": (
+        ("--tensor-model-parallel-size", {"type": positive_int, "default": 1,
+                                          "help": "TP size of the training run; only used with --sequence-parallel"}),
+        ("--sequence-parallel", {"action": "store_true", "help": "rows for Megatron sequence parallelism: "
+                                 "max_seq_len a multiple of lcm(2*CP, CP*TP)"})),
+        "value": lambda a: a.tensor_model_parallel_size if a.sequence_parallel else 1})
+    algorithm: str = field(default=DEFAULT_ALGORITHM, metadata=cli(
+        "--algorithm", "bfd-local-search (default: best-fit decreasing, then rows emptied down to the lower bound "
+        "where it can), best-fit-decreasing, or next-fit (input order, NeMo RL's)", choices=ALGORITHMS))
+    oversize: str = field(default="own-row", metadata=cli(
+        "--oversize", "conversations longer than --max-seq-length: own row (truncated), drop, or error",
+        choices=OVERSIZE_POLICIES))
+    max_conversation_bytes: int = field(default=MAX_CONVERSATION_BYTES, metadata=cli(
+        "--max-conversation-bytes", f"reject input lines longer than this many bytes before parsing them (default "
+        f"{MAX_CONVERSATION_BYTES}, 4 MiB)", type=int))
+    seed: int = field(default=1234, metadata=cli("--seed", type=int))
+    shuffle_rows: bool = field(default=False, metadata=cli(
+        "--shuffle-rows", "write rows in a seeded random order", action="store_true"))
+    num_workers: int = field(default=0, metadata=cli(
+        "--num-workers", "worker processes that read, tokenize and count shards of the input (0: this process)",
+        type=int))
+    engine: str = field(default="local", metadata=cli(
+        "--engine", "local: this machine (--num-workers processes); ray: Ray Data tasks on a Ray cluster "
+        "(packsft[ray] extra; --num-workers actors, default one per cluster CPU); same output", choices=ENGINES))
+    ray_address: str | None = field(default=None, metadata=cli(
+        "--ray-address", "Ray cluster to join with --engine ray (e.g. auto; default: $RAY_ADDRESS, else a local one)"))
+    shard_bytes: int | None = field(default=None, metadata=cli(
+        "--shard-bytes", "input bytes per shard, a worker's unit of work (default: 1/64 of the input, 256 KiB-64 MiB, "
+        "the last 2 shards' worth cut in quarters); the output does not depend on it", type=int))
+    record_format: str = field(default="messages", metadata=cli(
+        "--format", "record shape: messages (OpenAI), input-output (with --input-key/--output-key), sharegpt "
+        "(conversations: [{from, value}]) or alpaca (instruction, input, output)", dest="record_format",
+        choices=RECORD_FORMATS))
+    adapter: str | None = field(default=None, metadata=cli(
+        "--adapter", "a function turning one record into {'messages': [...], 'tools': [...]}, from PYTHONPATH",
+        metavar="PKG.MODULE:FN"))
+    input_key: str | None = field(default=None, metadata=cli("--input-key", "prompt field of prompt/response records"))
+    output_key: str | None = field(default=None, metadata=cli(
+        "--output-key", "response field of prompt/response records"))
+    default_system_prompt: str = field(default="", metadata=cli(
+        "--default-system-prompt", "system prompt for conversations without one"))
+    strict: bool = field(default=False, metadata=cli(
+        "--strict", "stop at the first invalid record", action="store_true"))
+    allow_non_megatron: bool = field(default=False, metadata=cli(
+        "--allow-non-megatron", "Megatron presets: keep (and count) conversations Megatron-LM's SFTTokenizer refuses "
+        "instead of rejecting them; the file is then packsft-only", action="store_true"))
+    report: str | None = field(default=None, metadata=cli(
+        "--report", "JSON report path (default <output>.report.json)"))
+    histogram: str | None = field(default=None, metadata=cli(
+        "--histogram", "PNG path (default <output>.lengths.png; '' for none)"))
+    token_cache: bool = field(default=True, metadata=cli(
+        "--no-token-cache", "do not write <output>.tokens.npy / .tokens-index.npy (the loader then re-tokenizes)",
+        value=lambda a: not a.no_token_cache, action="store_true"))
+    progress: bool = field(default=True, metadata=cli(
+        "--no-progress", value=lambda a: not a.no_progress, action="store_true"))
 
     @property
     def tokenization(self) -> TokenizationSpec:

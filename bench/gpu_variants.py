@@ -179,10 +179,9 @@ def applied(trainer, variant: Variant):
                 for group in opt.param_groups:
                     group["fused"], group["foreach"] = None, None
             undo.append(lambda: use_fused_adamw(trainer.optimizer))
-            if trainer.megatron:
-                loop.megatron_step_skipping_non_finite = megatron_host_step
-                undo.append(lambda: setattr(loop, "megatron_step_skipping_non_finite",
-                                            sys.modules["packsft.train.optim"].megatron_step_skipping_non_finite))
+            loop.megatron_step_skipping_non_finite = megatron_host_step
+            undo.append(lambda: setattr(loop, "megatron_step_skipping_non_finite",
+                                        sys.modules["packsft.train.optim"].megatron_step_skipping_non_finite))
         if variant.swiglu_fusion:
             configs = [c for c in _configs(trainer) if not c.bias_activation_fusion]
             for cfg in configs:
@@ -239,9 +238,8 @@ def restore(trainer, snap: dict) -> None:
         opt.state.clear()
         for p, s in state.items():
             opt.state[p] = {k: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v for k, v in s.items()}
-    if trainer.megatron:
-        trainer.optimizer.reload_model_params()
-        trainer.model.zero_grad_buffer()
+    trainer.optimizer.reload_model_params()
+    trainer.model.zero_grad_buffer()
     set_schedule_step(trainer.scheduler, snap["step"])
     trainer.optimizer.zero_grad()
 
@@ -256,8 +254,7 @@ def forward_backward(trainer, batches) -> tuple[float, float]:
     from packsft.train.token_loss import gpt_token_loss
 
     cfg = trainer.cfg
-    if trainer.megatron:
-        trainer.model.zero_grad_buffer()
+    trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     count = global_num_trained_tokens([b["loss_mask"] for b in batches], (trainer.ctx.dp_cp_group,),
                                       labels=[b["labels"] for b in batches])
@@ -271,14 +268,12 @@ def forward_backward(trainer, batches) -> tuple[float, float]:
         token_loss_sum = per_token.sum()
         normalize_loss(token_loss_sum, count, 1).backward()
         loss_sum += token_loss_sum.detach().float()
-    if trainer.megatron:
-        finalize_model_grads([trainer.model])
-    grads = [getattr(p, "main_grad", None) if trainer.megatron else p.grad for p in trainer.model.parameters()]
+    finalize_model_grads([trainer.model])
+    grads = [getattr(p, "main_grad", None) for p in trainer.model.parameters()]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads
                                                  if g is not None]))
     result = (float(loss_sum / count.clamp(min=1)), float(norm))
-    if trainer.megatron:
-        trainer.model.zero_grad_buffer()
+    trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     return result
 

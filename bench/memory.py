@@ -1,9 +1,10 @@
 """Measured CPU peak memory of one training step vs the formula of ``packsft.train.memory`` (docs/memory.md).
 
-Builds a small GPT (fp32, the ``torch`` attention backend, fused loss, torch AdamW), then measures the peak
-resident memory of one step (forward, backward, AdamW step) above the memory held before it: gradients, AdamW
-moments, activations and loss buffers. Prints measured / formula for each row length. The peak is read from
-``VmHWM`` after resetting it through ``/proc/self/clear_refs`` (Linux).
+Builds a small GPT (fp32, the ``torch`` attention backend, fused loss) in Megatron's DDP with Megatron's optimizer,
+then measures the peak resident memory of one step (forward, backward, gradient reduction, AdamW step) above the
+memory held before it (the weights and DDP's ``main_grad`` buffer): AdamW moments, activations and loss buffers.
+Prints measured / formula for each row length. The peak is read from ``VmHWM`` after resetting it through
+``/proc/self/clear_refs`` (Linux).
 
     python bench/memory.py --seq-lens 2048 4096 8192
 """
@@ -42,7 +43,7 @@ def measure(seq_len: int, chunk_size: int) -> dict:
     from packsft.train.config import OptimizerConfig
     from packsft.train.distributed import init_distributed
     from packsft.train.memory import Layout, plan, static_breakdown
-    from packsft.train.optim import build_optimizer
+    from packsft.train.optim import build_megatron_optimizer
     from packsft.train.token_loss import gpt_token_loss
 
     init_distributed()
@@ -50,7 +51,11 @@ def measure(seq_len: int, chunk_size: int) -> dict:
     model_cfg = ModelConfig(**SHAPE, max_position_embeddings=seq_len)
     model = build_gpt_model(model_cfg)
     use_hidden_state_output(model)
-    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-4))
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    model.config.calculate_per_token_loss = True
+    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = build_megatron_optimizer(model, OptimizerConfig(lr=1e-4), bf16=False)
     cu = torch.arange(0, seq_len + 1, CONVERSATION, dtype=torch.int32)
     batch = {"tokens": torch.randint(0, SHAPE["vocab_size"], (1, seq_len)),
              "labels": torch.randint(0, SHAPE["vocab_size"], (1, seq_len)),
@@ -61,12 +66,13 @@ def measure(seq_len: int, chunk_size: int) -> dict:
     Path("/proc/self/clear_refs").write_text("5")            # reset VmHWM to the current RSS
     per_token, mask = gpt_token_loss(model, batch, fused=True, chunk_size=chunk_size)
     (per_token.sum() / mask.sum()).backward()
+    finalize_model_grads([model])
     optimizer.step()
     peak = _status("VmHWM") - before
     layout = Layout(autocast=False, attention_backend="torch", chunk_size=chunk_size)
     p = plan(model_cfg, layout, seq_len, gpu_bytes=1e12)
-    weights = p.parameters * static_breakdown(layout)["weights"]
-    predicted = p.total - weights                              # the weights were held before the step
+    held = p.parameters * (static_breakdown(layout)["weights"] + static_breakdown(layout)["grads"])
+    predicted = p.total - held               # the weights and DDP's main_grad buffer were held before the step
     return {"seq_len": seq_len, "measured_bytes": peak, "predicted_bytes": predicted,
             "activations": p.activations, "ratio": peak / predicted}
 

@@ -27,7 +27,7 @@ time, peak step memory, and the trainable parameters and optimizer-state element
 
 ``--pipeline`` instead measures the pipeline bubble: the median ``Trainer.train_step`` time T1 at PP=1 (this
 process) and TP at PP=P (``--pp`` processes under ``torchrun``, gloo on CPU, Megatron's 1F1B schedule), the same rows
-and global batch, ``optimizer.backend=megatron`` for both; every process single-threaded (``--threads``) so that PP=P
+and global batch; every process single-threaded (``--threads``) so that PP=P
 has P times the cores. Stage compute share ``s``: each stage's matmul parameters (the word embedding counts only
 where it is the output layer) over the model's; with ``m`` micro-batches per step the slowest stage sets the pace,
 ideally ``TP = T1 * s_max * (m + P - 1) / m`` (``T1 / P * (m + P - 1) / m`` for balanced stages). Printed: ``TP / T1``
@@ -285,7 +285,6 @@ def main() -> None:
         recompute_sweep(args, overrides, LORA_SETTINGS if args.lora else None, "lora" if args.lora else "recompute")
         return
     if args.pipeline:
-        overrides.append("optimizer.backend=megatron")         # pipeline parallelism needs it; PP=1 alike
         (pipeline_worker if args.pipeline_worker else pipeline_bubble)(args, overrides)
         return
     cfg = load_config(None, overrides)

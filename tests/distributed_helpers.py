@@ -129,3 +129,35 @@ def own_output_dir(config_path) -> str:
 
     return f"logging.output_dir={Path(config_path).parent / f'out-pid{os.getpid()}'}"
 
+
+
+def megatron_optimizer(model, cfg=None):
+    """Megatron's optimizer over ``model`` (a GPTModel, fp32) in Megatron's DDP, as the trainer builds them; the DDP
+    wrapper is kept as ``optimizer.ddp_model`` for :func:`optimizer_step` (the model's parameters are shared)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from packsft.train.config import OptimizerConfig
+    from packsft.train.optim import build_megatron_optimizer
+
+    model.config.calculate_per_token_loss = True
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = build_megatron_optimizer(ddp, cfg or OptimizerConfig(), bf16=False)
+    optimizer.ddp_model = ddp
+    return optimizer
+
+
+def optimizer_step(optimizer) -> None:
+    """After a backward: reduce the DDP gradients, step :func:`megatron_optimizer`'s optimizer, zero the gradients."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([optimizer.ddp_model])
+    optimizer.step()
+    optimizer.ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def adam_state(optimizer, param) -> dict:
+    """The torch AdamW state of ``param`` inside Megatron's (chained) optimizer."""
+    from packsft.train.grad_clip import torch_optimizers
+
+    return next(opt.state[param] for opt in torch_optimizers(optimizer) if param in opt.state)

@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from distributed_helpers import megatron_optimizer, optimizer_step, parallel_state_1proc  # noqa: F401 - fixture
 
 from packsft.model.config import ModelConfig, read_model_config
 from packsft.model.gpt import build_gpt_model
@@ -24,7 +24,6 @@ from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
 from packsft.train.config import OptimizerConfig
 from packsft.train.model_checkpoint import base_identity, load_megatron_checkpoint, save_megatron_checkpoint
-from packsft.train.optim import build_optimizer
 from packsft.train.safe_checkpoint_read import METADATA_FILE, MetadataUnpickler
 
 TINY = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -60,7 +59,9 @@ def _model():
 @pytest.fixture
 def trainer_checkpoint(tmp_path, parallel_state_1proc):  # noqa: F811
     model = _model()
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    opt = megatron_optimizer(model, OptimizerConfig(lr=1e-2))
+    sum((p.float() ** 2).sum() for p in model.parameters()).backward()
+    optimizer_step(opt)                                   # a trainer saves after a step: Adam state exists
     path = ckpt.save_checkpoint(tmp_path / "checkpoints", 1, model, opt,
                                 train_state={"state": {"step": 1, "consumed_samples": 4},
                                              "scheduler": {"last_epoch": 1}},
@@ -79,7 +80,7 @@ def _resume(ckpt_dir):
     saved = ckpt_files.load_train_state(path)
     ckpt_files.check_resume_state(saved, path, ("step", "consumed_samples"))
     model = _model()
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    opt = megatron_optimizer(model, OptimizerConfig(lr=1e-2))
     ckpt.load_model_and_optimizer(path, model, opt)
     ckpt.load_loader_state(path, 0)
     ckpt.load_rng_state(path, 0, required=True)

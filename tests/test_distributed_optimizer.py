@@ -1,4 +1,4 @@
-"""Megatron's DDP + distributed optimizer (``optimizer.backend: megatron``) on CPU/gloo: step parity, state sharding,
+"""Megatron's DDP + distributed optimizer on CPU/gloo: step parity, state sharding,
 checkpoint resume across DP sizes, and bf16 mixed precision.
 
 Data and model: the 4 real packed rows and tiny model of ``tests/test_parallel_checkpoint.py`` (hidden 64, 2 layers,
@@ -24,9 +24,8 @@ DIST_OPT = (*MEGATRON, "optimizer.use_distributed_optimizer=true")
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of the Adam state tensors (``exp_avg``, ``exp_avg_sq``) this rank holds, summed.
 
-    torch AdamW: every parameter's. Megatron optimizer: those of the inner torch optimizers (this rank's shard with
-    the distributed optimizer). In fp32 the master weights are the model's parameters (or views of them), so the
-    moments are the whole optimizer state.
+    Those of the inner torch optimizers of Megatron's (this rank's shard with the distributed optimizer). In fp32
+    the master weights are the model's parameters (or views of them), so the moments are the whole optimizer state.
     """
     inner = [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     total = 0
@@ -58,28 +57,26 @@ def _one_step(rank, world_size, config_path, out_dir, variants):
 
 
 def test_distributed_optimizer_step_equals_single_process_and_shards_the_state(tmp_path, config):  # noqa: F811
-    ref_torch, ref_megatron = run_distributed(_one_step, 1, str(config), str(tmp_path / "ref"),
-                                              [(), MEGATRON])[0]
+    (ref,) = run_distributed(_one_step, 1, str(config), str(tmp_path / "ref"), [MEGATRON])[0]
     two = run_distributed(_one_step, 2, str(config), str(tmp_path / "two"), [DIST_OPT, MEGATRON])
     worst = {}
     for dist_opt, replicated in two:
-        for name, ref in ref_torch["params"].items():
-            for label, run in (("dist_opt", dist_opt), ("megatron_dp2", replicated), ("megatron_dp1", ref_megatron)):
-                diff = float((run["params"][name] - ref).abs().max())
-                worst[label] = max(worst.get(label, 0.0), diff)
-        assert abs(dist_opt["step"]["loss"] - ref_torch["step"]["loss"]) < 1e-6, (dist_opt["step"], ref_torch["step"])
-        for run in (dist_opt, replicated, ref_megatron):   # Megatron's norm sums per-tensor (per-shard) norms
-            assert abs(run["step"]["grad_norm"] / ref_torch["step"]["grad_norm"] - 1) < 1e-4, (run, ref_torch)
-        assert dist_opt["step"]["trained_tokens"] == ref_torch["step"]["trained_tokens"]
+        for name, before in ref["params"].items():
+            for label, run in (("dist_opt", dist_opt), ("megatron_dp2", replicated)):
+                worst[label] = max(worst.get(label, 0.0), float((run["params"][name] - before).abs().max()))
+        assert abs(dist_opt["step"]["loss"] - ref["step"]["loss"]) < 1e-6, (dist_opt["step"], ref["step"])
+        for run in (dist_opt, replicated):   # Megatron's norm sums per-tensor (per-shard) norms
+            assert abs(run["step"]["grad_norm"] / ref["step"]["grad_norm"] - 1) < 1e-4, (run, ref)
+        assert dist_opt["step"]["trained_tokens"] == ref["step"]["trained_tokens"]
     shard = [r[0]["state_bytes"] for r in two]
     full = two[0][1]["state_bytes"]
-    print("grad norms: torch", ref_torch["step"]["grad_norm"], "megatron dp1", ref_megatron["step"]["grad_norm"],
-          "megatron dp2", two[0][1]["step"]["grad_norm"], "dist opt dp2", two[0][0]["step"]["grad_norm"])
-    print("max |param diff| after one step vs torch AdamW, 1 process:", worst,
+    print("grad norms: dp1", ref["step"]["grad_norm"], "megatron dp2", two[0][1]["step"]["grad_norm"],
+          "dist opt dp2", two[0][0]["step"]["grad_norm"])
+    print("max |param diff| after one step vs 1 process:", worst,
           "| state bytes per rank: distributed", shard, "replicated", full, "ratio", [s / full for s in shard],
-          "| torch AdamW", ref_torch["state_bytes"], "| params", ref_torch["param_count"])
+          "| 1 process", ref["state_bytes"], "| params", ref["param_count"])
     assert all(v < 1e-6 for v in worst.values()), worst
-    assert full == ref_torch["state_bytes"] == 8 * ref_torch["param_count"]     # 2 fp32 moments per parameter
+    assert full == ref["state_bytes"] == 8 * ref["param_count"]     # 2 fp32 moments per parameter
     assert all(abs(s / full - 0.5) < 0.01 for s in shard), (shard, full)
     assert abs(sum(shard) - full) <= 8 * 64 * 2, (shard, full)                     # only bucket padding differs
 

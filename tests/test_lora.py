@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from distributed_helpers import megatron_optimizer, optimizer_step, parallel_state_1proc  # noqa: F401 - fixture
 from test_hf_convert import VOCAB, hf_model, megatron_from_hf, megatron_logits
 from transformers import AutoModelForCausalLM
 
@@ -19,8 +19,8 @@ from packsft.model.lora import (
     read_lora_config,
 )
 from packsft.train.config import OptimizerConfig
+from packsft.train.grad_clip import torch_optimizers
 from packsft.train.model_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
-from packsft.train.optim import build_optimizer
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
 
@@ -51,11 +51,12 @@ def test_zero_initialised_lora_gives_the_base_logits_exactly(parallel_state_1pro
 def test_optimizer_state_is_proportional_to_adapter_parameters(parallel_state_1proc):  # noqa: F811
     megatron, _ = megatron_from_hf(hf_model("qwen3"))
     apply_lora(megatron, LORA)
-    optimizer = build_optimizer(megatron, OptimizerConfig())
+    optimizer = megatron_optimizer(megatron, OptimizerConfig())
     logits = megatron(_tokens(), torch.arange(20)[None], None)
     logits.float().square().mean().backward()
-    optimizer.step()
-    state = sum(t.numel() for s in optimizer.state.values() for k, t in s.items() if k != "step")
+    optimizer_step(optimizer)
+    state = sum(t.numel() for opt in torch_optimizers(optimizer) for s in opt.state.values() for k, t in s.items()
+                if k != "step")
     adapters = sum(p.numel() for p in lora_parameters(megatron))
     total = sum(p.numel() for p in megatron.parameters())
     assert state == 2 * adapters and adapters < total / 10        # exp_avg + exp_avg_sq of the adapters only

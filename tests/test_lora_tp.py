@@ -1,8 +1,9 @@
 """A TP=2 training step equals the single-process one: Qwen3's q/k norms and LoRA adapters (2 gloo processes).
 
-The step is packsft's torch-optimizer path: stock per-token loss on a packed THD row, backward,
-``allreduce_sequence_parallel_grads`` (sums the per-head q/k norm gradients and, under SP, the replicated adapter
-ones), TP-aware ``clip_grads``, AdamW. Gradients and updated weights are compared as full (TP=1 layout) tensors.
+The step is the trainer's: stock per-token loss on a packed THD row through Megatron's DDP, backward,
+``finalize_model_grads`` (sums the per-head q/k norm gradients and, under SP, the replicated adapter ones over TP),
+then Megatron's optimizer as packsft steps it (TP-aware norm and clip on the device, fused AdamW). Gradients and
+updated weights are compared as full (TP=1 layout) tensors.
 """
 
 import pytest
@@ -14,7 +15,8 @@ from packsft.data.context_parallel import make_packed_seq_params
 from packsft.model.config import ModelConfig
 from packsft.model.gpt import build_gpt_model
 from packsft.model.lora import LoraConfig, apply_lora, lora_modules
-from packsft.train.optim import allreduce_sequence_parallel_grads, clip_grads, param_groups
+from packsft.train.config import OptimizerConfig
+from packsft.train.optim import build_megatron_optimizer, megatron_step_skipping_non_finite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LENGTHS, VOCAB = [10, 6, 8, 8], 256
@@ -67,16 +69,19 @@ def one_step(kind, sp, rank=0, tp=1, group=None):
     tokens = torch.randint(0, VOCAB, (1, int(cu[-1])), generator=torch.Generator().manual_seed(3))
     labels = torch.roll(tokens, -1, 1)
     position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
-    loss = model(tokens, position_ids, None, labels=labels, packed_seq_params=make_packed_seq_params(cu, max(LENGTHS)))
-    (loss.sum() / loss.numel()).backward()
-    params = [p for p in model.parameters() if p.requires_grad]
-    allreduce_sequence_parallel_grads(params, group)
-    grads = {n: _full(p.grad, n, p, group, tp) for n, p in model.named_parameters() if p.requires_grad}
-    norm = clip_grads(params, 0.5, group)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    model.config.calculate_per_token_loss = True
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     # eps 1e-3: Adam's first step is lr * sign(g) for |g| >> eps, which would turn 1e-9 rounding noise of near-zero
     # gradients into lr-sized differences
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, eps=1e-3)
-    opt.step()
+    opt = build_megatron_optimizer(ddp, OptimizerConfig(lr=1e-2, adam_eps=1e-3, weight_decay=0.1, clip_grad=0.5),
+                                   bf16=False)
+    loss = ddp(tokens, position_ids, None, labels=labels, packed_seq_params=make_packed_seq_params(cu, max(LENGTHS)))
+    (loss.sum() / loss.numel()).backward()
+    finalize_model_grads([ddp])
+    grads = {n: _full(p.main_grad, n, p, group, tp) for n, p in model.named_parameters() if p.requires_grad}
+    _, norm = megatron_step_skipping_non_finite(opt, loss.sum().detach())
     after = {n: _full(p, n, p, group, tp) for n, p in model.named_parameters() if p.requires_grad}
     return {"loss": float(loss.sum()), "norm": float(norm), "grads": grads, "after": after}
 

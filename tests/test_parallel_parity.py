@@ -10,10 +10,11 @@ layout trains on the same global batch.
 For each layout (CP=2, TP=2 and DP=2 in one 2-process spawn, once more with activation recompute; CP=4 and
 TP=2 x CP=2 in one 4-process spawn) and each
 loss (fused chunked linear-CE and Megatron's stock ``vocab_parallel_cross_entropy``), ``Trainer.train_step`` (the
-product code: trained-token count, normalisation, DDP over DP x CP, TP-aware clipping) runs on the first global
-batch; the test captures the gradients the clipping sees (full tensors: TP shards concatenated along their partition
-dimension; DDP has already summed CP and DP shares) and compares loss, gradients, gradient norm and the trained-token
-count with the single-process run. The optimizer update is stubbed out so both losses see the same weights.
+product code: trained-token count, normalisation, Megatron's DDP over DP x CP, TP-aware clipping) runs on the first
+global batch; the test captures the gradients the optimizer step sees (``main_grad``, full tensors: TP shards
+concatenated along their partition dimension; ``finalize_model_grads`` has already summed CP and DP shares) and
+compares loss, gradients, gradient norm and the trained-token count with the single-process run. The optimizer
+update is stubbed out so both losses see the same weights.
 """
 
 import json
@@ -86,7 +87,8 @@ def _config(tmp_path: Path, packed: dict) -> Path:
 
 
 def _full_grads(gpt, tp_group) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient as the full (TP=1) tensor: TP shards concatenated along ``partition_dim``.
+    """Every parameter's gradient (Megatron DDP's ``main_grad``) as the full (TP=1) tensor: TP shards concatenated
+    along ``partition_dim``.
 
     SwiGLU's ``linear_fc1`` shard of rank r is ``[gate_r; up_r]`` while the TP=1 weight is ``[gate; up]``, so its
     shards are split in halves and the gates and ups concatenated separately (Megatron's TP layout of a GLU).
@@ -94,7 +96,7 @@ def _full_grads(gpt, tp_group) -> dict[str, torch.Tensor]:
     tp = dist.get_world_size(tp_group)
     grads = {}
     for name, p in gpt.named_parameters():
-        g = p.grad.detach().clone()
+        g = p.main_grad.detach().clone()
         if tp > 1 and getattr(p, "tensor_model_parallel", False):
             parts = [torch.empty_like(g) for _ in range(tp)]
             dist.all_gather(parts, g.contiguous(), group=tp_group)
@@ -123,15 +125,15 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
                                     own_output_dir(config_path), *overrides])
     trainer = Trainer(cfg)
     batches = trainer.next_micro_batches()
-    trainer.optimizer.step = lambda: None                    # both losses and all layouts see the initial weights
-    captured, original_clip = {}, loop.clip_grads
+    trainer.optimizer.step_with_ready_grads = lambda: True   # both losses and all layouts see the initial weights
+    captured, original_step = {}, loop.megatron_step_skipping_non_finite
 
-    def capturing_clip(params, max_norm, tp_group):
-        full = _full_grads(trainer.gpt, tp_group)             # collective over TP: every rank gathers
+    def capturing_step(optimizer, loss_sum):
+        full = _full_grads(trainer.gpt, trainer.ctx.tp_group)  # collective over TP: every rank gathers
         captured["grads"] = full if want_grads else None
-        return original_clip(params, max_norm, tp_group)
+        return original_step(optimizer, loss_sum)
 
-    loop.clip_grads = capturing_clip
+    loop.megatron_step_skipping_non_finite = capturing_step
     try:
         out = {}
         for fused in (True, False):
@@ -140,7 +142,7 @@ def _step_both_losses(config_path: str, train_path: str, tp: int, cp: int, want_
             out[fused] = {k: result[k] for k in ("loss", "grad_norm", "trained_tokens")}
             out[fused]["grads"] = captured.pop("grads", None)
     finally:
-        loop.clip_grads = original_clip
+        loop.megatron_step_skipping_non_finite = original_step
     out["rows"] = sorted(int(b["tokens"].sum()) for b in batches)
     out["layout"] = trainer.layout()
     out["recompute"] = trainer.gpt.config.recompute_granularity

@@ -4,14 +4,13 @@ import re
 
 import pytest
 import torch
-from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from distributed_helpers import adam_state, megatron_optimizer, optimizer_step, parallel_state_1proc  # noqa: F401 - fixture
 
 from packsft.model.config import ModelConfig
 from packsft.model.gpt import build_gpt_model
 from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
 from packsft.train.config import OptimizerConfig
-from packsft.train.optim import build_optimizer
 
 
 def tiny_model(seed):
@@ -23,8 +22,7 @@ def tiny_model(seed):
 def one_step(model, opt):
     loss = sum((p.float() ** 2).sum() for p in model.parameters())
     loss.backward()
-    opt.step()
-    opt.zero_grad()
+    optimizer_step(opt)
 
 
 def test_resume_resolution(tmp_path):
@@ -41,7 +39,7 @@ def test_resume_resolution(tmp_path):
 
 def test_save_load_round_trip_and_killed_save_leaves_previous(tmp_path, parallel_state_1proc):  # noqa: F811
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    opt = megatron_optimizer(model, OptimizerConfig(lr=1e-2))
     for _ in range(2):
         one_step(model, opt)
     path = ckpt.save_checkpoint(tmp_path, 2, model, opt, train_state={"state": {"step": 2}}, loader_state={"x": 1},
@@ -55,12 +53,12 @@ def test_save_load_round_trip_and_killed_save_leaves_previous(tmp_path, parallel
     assert ckpt_files.find_resume_checkpoint(tmp_path, "auto") == path
 
     fresh = tiny_model(1)
-    fresh_opt = build_optimizer(fresh, OptimizerConfig(lr=1e-2))
+    fresh_opt = megatron_optimizer(fresh, OptimizerConfig(lr=1e-2))
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
     ckpt.load_model_and_optimizer(path, fresh, fresh_opt)
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
-        sa, sb = opt.state[a], fresh_opt.state[b]
+        sa, sb = adam_state(opt, a), adam_state(fresh_opt, b)
         assert float(sa["step"]) == float(sb["step"]) == 2.0
         assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
     one_step(model, opt)
@@ -74,7 +72,7 @@ def test_save_load_round_trip_and_killed_save_leaves_previous(tmp_path, parallel
 
 def test_rng_states_are_restored(tmp_path, parallel_state_1proc):  # noqa: F811
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     torch.manual_seed(5)
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={}, loader_state=None, dp_rank=0,
                                 write_loader_state=False)
@@ -90,7 +88,7 @@ def test_rng_states_are_restored(tmp_path, parallel_state_1proc):  # noqa: F811
 @pytest.mark.parametrize("name", ["rng_rank0.pt", "dataloader_dp0.pt"])
 def test_a_truncated_state_file_is_named(tmp_path, parallel_state_1proc, name, size):  # noqa: F811
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
                                 loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
     with open(path / name, "r+b") as f:
@@ -103,7 +101,7 @@ def test_a_missing_common_pt_is_megatrons_error_not_a_crash(tmp_path, parallel_s
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={}, loader_state=None, dp_rank=0,
                                 write_loader_state=False)
     (path / "common.pt").unlink()
@@ -123,7 +121,7 @@ class _Payload:
 
 def test_state_files_are_json_or_plain_tensors(tmp_path, parallel_state_1proc):  # noqa: F811
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}, "layout": {"tp": 1}},
                                 loader_state={"sampler_state": {"epoch": 0, "position": 2}}, dp_rank=0,
                                 write_loader_state=True)
@@ -137,7 +135,7 @@ def test_state_files_are_json_or_plain_tensors(tmp_path, parallel_state_1proc): 
 @pytest.mark.parametrize("name", ["rng_rank0.pt", "dataloader_dp0.pt"])
 def test_planted_payload_is_refused_and_never_runs(tmp_path, parallel_state_1proc, name):  # noqa: F811
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
                                 loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
     marker = tmp_path / "payload_ran"
@@ -182,8 +180,7 @@ def _lora_model(seed, base_dir):
 def _logits_step(model, opt, seed):
     tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(seed))
     model(tokens, torch.arange(16)[None], None).float().square().mean().backward()
-    opt.step()
-    opt.zero_grad()
+    optimizer_step(opt)
 
 
 @pytest.mark.slow
@@ -205,7 +202,7 @@ def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
     identity = base_identity(base_dir)
     assert identity == {"path": str(base_dir.resolve()), "fingerprint": identity["fingerprint"]}
     model = _lora_model(1, base_dir)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    opt = megatron_optimizer(model, OptimizerConfig(lr=1e-2))
     for seed in (1, 2):
         _logits_step(model, opt, seed)
     path = ckpt.save_checkpoint(tmp_path / "run", 2, model, opt, train_state={"state": {"step": 2},
@@ -219,12 +216,12 @@ def test_lora_checkpoint_holds_adapters_and_base_identity_and_resumes_bit_exact(
 
     recorded = ckpt_files.load_train_state(path)[ckpt_files.LORA_BASE]
     fresh = _lora_model(2, check_lora_base(recorded, None, path))    # base from the recorded path, identity checked
-    fresh_opt = build_optimizer(fresh, OptimizerConfig(lr=1e-2))
+    fresh_opt = megatron_optimizer(fresh, OptimizerConfig(lr=1e-2))
     ckpt.load_model_and_optimizer(path, fresh, fresh_opt, adapters_only=True)
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), name
         if a.requires_grad:
-            assert torch.equal(opt.state[a]["exp_avg_sq"], fresh_opt.state[b]["exp_avg_sq"])
+            assert torch.equal(adam_state(opt, a)["exp_avg_sq"], adam_state(fresh_opt, b)["exp_avg_sq"])
     _logits_step(model, opt, 3)
     _logits_step(fresh, fresh_opt, 3)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))   # next step bit-identical
@@ -290,7 +287,7 @@ def test_two_imports_of_one_model_have_one_base_identity(tmp_path, parallel_stat
 
 def test_a_bf16_import_starts_an_fp32_run(tmp_path, parallel_state_1proc):  # noqa: F811
     """``import --params-dtype bfloat16`` wrote params_dtype bfloat16, which init_from then imposed (a run in bf16
-    parameters, no fp32 master with the torch optimizer): params_dtype may differ, the weights are cast on load."""
+    parameters): params_dtype may differ, the weights are cast on load."""
     import dataclasses
 
     from packsft.train.compat import check_init_model, load_train_config
@@ -373,7 +370,7 @@ def test_resume_state_with_a_wrong_counter_is_refused(tmp_path, edit, field):
 def test_damaged_common_file_is_a_checkpoint_error(tmp_path, parallel_state_1proc, name, content):  # noqa: F811
     """Was a traceback (``UnpicklingError``, exit 1), or for metadata.json an error line naming no file."""
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
                                 loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
     file = path / name
@@ -393,7 +390,7 @@ def test_damaged_state_files_are_named_as_damaged(tmp_path, parallel_state_1proc
     """Random bytes were "refused: ... could run code ... altered or not written by packsft"; a folder in place of
     the RNG file was "missing"."""
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     path = ckpt.save_checkpoint(tmp_path, 1, model, opt, train_state={"state": {"step": 1}},
                                 loader_state={"sampler_state": {}}, dp_rank=0, write_loader_state=True)
     load = (lambda: ckpt.load_rng_state(path, 0, required=True)) if name.startswith("rng") else \

@@ -10,14 +10,13 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from distributed_helpers import megatron_optimizer, parallel_state_1proc  # noqa: F401 - fixture
 from test_train_checkpoint import tiny_model
 from test_train_loop import packed, write_config  # noqa: F401 - fixture
 
 from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
 from packsft.train.config import OptimizerConfig, load_config
-from packsft.train.optim import build_optimizer
 
 Usage = namedtuple("Usage", "total used free")
 GIB = 2**30
@@ -78,7 +77,7 @@ def _dcp_failure(exc):
 ], ids=["oserror", "wrapped", "torch_save"])
 def test_a_save_that_runs_out_of_space_says_so(tmp_path, parallel_state_1proc, monkeypatch, failure):  # noqa: F811
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     _save(tmp_path, 1, model, opt)
 
     def full(*args, **kwargs):
@@ -94,7 +93,7 @@ def test_a_save_that_runs_out_of_space_says_so(tmp_path, parallel_state_1proc, m
 
 def test_other_save_errors_pass_through(tmp_path, parallel_state_1proc, monkeypatch):  # noqa: F811
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
 
     def broken(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
@@ -105,7 +104,7 @@ def test_other_save_errors_pass_through(tmp_path, parallel_state_1proc, monkeypa
 
 def test_keep_last_prunes_older_complete_checkpoints(tmp_path, parallel_state_1proc):  # noqa: F811
     model = tiny_model(0)
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = megatron_optimizer(model, OptimizerConfig())
     for step in range(1, 5):
         _save(tmp_path, step, model, opt, keep_last=2)
     (tmp_path / "iter_0000005.tmp").mkdir()                                    # a killed save: not touched

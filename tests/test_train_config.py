@@ -211,20 +211,22 @@ def test_a_checkpoint_refuses_another_architecture():
 
 
 def test_a_checkpoint_refuses_another_optimizer_state_format():
-    """optimizer.backend and use_distributed_optimizer set the optimizer state's format: a resume keeps them
-    (before: a KeyError traceback inside Megatron's load_state_dict one way, a silent conversion the other)."""
+    """optimizer.backend and use_distributed_optimizer set the optimizer state's format: a resume keeps them; a
+    checkpoint of the removed torch backend is refused with the way on."""
     from packsft.train.checkpoint import CheckpointError
     from packsft.train.compat import check_recorded_optimizer, recorded_architecture
 
     megatron = ["optimizer.backend=megatron", "optimizer.use_distributed_optimizer=true"]
     recorded = recorded_architecture({"config": config_to_yaml(load_config(TINY, megatron))}, "ck")
     check_recorded_optimizer(load_config(TINY, [*megatron, "optimizer.lr=0.1"]).optimizer, recorded, "ck")
-    for overrides, message in ((["optimizer.backend=torch"], "optimizer.backend is 'torch' but checkpoint ck was "
-                                "trained with 'megatron'.* resume with optimizer.backend=megatron"),
-                               (megatron[:1], "optimizer.use_distributed_optimizer is False but checkpoint ck was "
-                                "trained with True.* resume with optimizer.use_distributed_optimizer=true")):
-        with pytest.raises(CheckpointError, match=message):
-            check_recorded_optimizer(load_config(TINY, overrides).optimizer, recorded, "ck")
+    with pytest.raises(CheckpointError, match="optimizer.use_distributed_optimizer is False but checkpoint ck was "
+                       "trained with True.* resume with optimizer.use_distributed_optimizer=true"):
+        check_recorded_optimizer(load_config(TINY, megatron[:1]).optimizer, recorded, "ck")
+    with pytest.raises(CheckpointError, match="optimizer.backend is 'megatron' but checkpoint ck was trained with "
+                       "'torch', .*packsft no longer has that backend: start a new run from its weights"):
+        check_recorded_optimizer(load_config(TINY).optimizer, {"optimizer": {"backend": "torch"}}, "ck")
+    with pytest.raises(ValueError, match="optimizer.backend must be 'megatron'.*got 'torch'"):
+        load_config(TINY, ["optimizer.backend=torch"])
     check_recorded_optimizer(load_config(TINY).optimizer, {"optimizer": {}}, "ck")  # a config that predates them
     # the distributed optimizer's shards are cut for TP and PP: another size was Megatron's "Global shape mismatch"
     tp2 = recorded_architecture({"config": config_to_yaml(load_config(

@@ -31,9 +31,10 @@ def test_num_parameters_equals_the_built_model(parallel_state_1proc, overrides):
 
 
 def test_static_bytes_per_parameter():
-    assert static_bytes_per_parameter(Layout()) == 4 + 4 + 8 + 2                      # torch AdamW + autocast
-    assert static_bytes_per_parameter(Layout(dp=2)) == 22                            # + DDP buckets
-    mega = Layout(megatron_optimizer=True, bf16=True, autocast=False, dp=8)
+    assert static_bytes_per_parameter(Layout()) == 4 + 4 + 8 + 2                      # fp32 AdamW + autocast copies
+    assert static_bytes_per_parameter(Layout(dp=2)) == 18                            # main_grad is DDP's buffer
+    assert static_bytes_per_parameter(Layout(autocast=False, dp=2, distributed_optimizer=True)) == 8 + 8 / 2
+    mega = Layout(bf16=True, autocast=False, dp=8)
     assert static_bytes_per_parameter(mega) == 2 + 4 + 12
     assert static_bytes_per_parameter(replace(mega, distributed_optimizer=True)) == 6 + 12 / 8
     assert static_bytes_per_parameter(replace(mega, distributed_optimizer=True, cp=2)) == 6 + 12 / 16

@@ -1,4 +1,5 @@
-"""AdamW parameter groups, the warmup + decay schedule, and the TP-aware gradient norm / clipping."""
+"""Megatron's AdamW groups, the warmup + decay schedule, the fused kernel, and the TP-aware gradient norm /
+clipping on the device."""
 
 import copy
 import math
@@ -10,17 +11,8 @@ from test_train_loop import packed  # noqa: F401 - fixture
 from test_train_step_syncs import trainer_for
 
 from packsft.train.config import OptimizerConfig, SchedulerConfig
-from packsft.train.optim import (
-    WarmupDecay,
-    apply_optimizer_settings,
-    build_optimizer,
-    build_scheduler,
-    clip_grads,
-    grad_norm,
-    optimizer_params,
-    param_groups,
-    set_schedule_step,
-)
+from packsft.train.grad_clip import clip_to_norm, total_norm, use_fused_adamw
+from packsft.train.optim import ParamGroupSchedule, WarmupDecay, apply_optimizer_settings, set_schedule_step
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -36,29 +28,32 @@ def test_linear_and_constant():
     assert [const(s) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
 
 
-def test_param_groups_exclude_vectors_from_decay():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
-    opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1))
-    decay, no_decay = opt.param_groups
-    assert [p.shape for p in decay["params"]] == [(3, 4)] and decay["weight_decay"] == 0.1
-    assert [p.shape for p in no_decay["params"]] == [(3,), (3,), (3,)] and no_decay["weight_decay"] == 0.0
-    assert optimizer_params(opt) == decay["params"] + no_decay["params"]
+def test_megatron_groups_exclude_vectors_from_decay(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+    trainer = trainer_for(tmp_path, packed, optimizer={"weight_decay": 0.1})
+    decay = {id(p): g["weight_decay"] for g in trainer.optimizer.param_groups for p in g["params"]}
+    params = [p for p in trainer.gpt.parameters() if p.requires_grad]
+    assert {decay[id(p)] for p in params if p.dim() >= 2} == {0.1}
+    assert {decay[id(p)] for p in params if p.dim() < 2} == {0.0}
+
+
+class _Groups:
+    def __init__(self):
+        self.param_groups = [{"lr": 0.0}, {"lr": 0.0}]
 
 
 def test_set_schedule_step_matches_stepping():
-    model = torch.nn.Linear(2, 2)
     cfg = SchedulerConfig(warmup_steps=3, min_lr=1e-4)
-    stepped_opt = build_optimizer(model, OptimizerConfig(lr=1e-3))
-    stepped = build_scheduler(stepped_opt, cfg, 1e-3, 20)
+    stepped_opt = _Groups()
+    stepped = ParamGroupSchedule(stepped_opt, cfg, 1e-3, 20)
     for _ in range(7):
-        stepped_opt.step()
         stepped.step()
-    fresh_opt = build_optimizer(model, OptimizerConfig(lr=1e-3))
-    set_schedule_step(build_scheduler(fresh_opt, cfg, 1e-3, 20), 7)
+    fresh_opt = _Groups()
+    set_schedule_step(ParamGroupSchedule(fresh_opt, cfg, 1e-3, 20), 7)
     assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in stepped_opt.param_groups]
+    assert stepped_opt.param_groups[0]["lr"] == 1e-3 * WarmupDecay(cfg, 1e-3, 20)(7)
 
 
-def test_clip_grads_without_tp_matches_torch(parallel_state_1proc):  # noqa: F811
+def test_clip_on_the_device_matches_torch():
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
     for p in params:
         p.grad = torch.randn_like(p) * 3
@@ -66,12 +61,13 @@ def test_clip_grads_without_tp_matches_torch(parallel_state_1proc):  # noqa: F81
     for r, p in zip(reference, params):
         r.grad = p.grad.clone()
     ref_norm = torch.nn.utils.clip_grad_norm_(reference, 1.0)
-    norm = clip_grads(params, 1.0, parallel_state_1proc.tp_group)
+    norm = total_norm([p.grad for p in params], None, "cpu")
+    clip_to_norm(params, 1.0, norm)
     assert float(norm) > 1.0
     torch.testing.assert_close(norm, ref_norm)
     for r, p in zip(reference, params):
         torch.testing.assert_close(p.grad, r.grad)
-    assert float(grad_norm([torch.nn.Parameter(torch.ones(2))], None)) == 0.0      # no gradient -> 0
+    assert float(total_norm([], None, "cpu")) == 0.0      # no gradient -> 0
 
 
 def _tp_grad_norm(rank, world_size):
@@ -89,9 +85,20 @@ def _tp_grad_norm(rank, world_size):
     batch = {"tokens": torch.randint(0, 256, (1, 32), generator=gen), "labels": torch.randint(0, 256, (1, 32),
              generator=gen), "loss_mask": torch.ones(1, 32), "position_ids": torch.zeros(1, 32, dtype=torch.long),
              "packed_seq_params": make_packed_seq_params(cu, 22)}
-    per_token, _ = gpt_token_loss(model, batch, fused=False, chunk_size=8)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from packsft.train.grad_clip import megatron_grad_norm
+    from packsft.train.optim import build_megatron_optimizer
+
+    model.config.calculate_per_token_loss = True
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = build_megatron_optimizer(ddp, OptimizerConfig(), bf16=False)
+    per_token, _ = gpt_token_loss(ddp, batch, fused=False, chunk_size=8)
     per_token.sum().backward()
-    return float(grad_norm(model.parameters(), ctx.tp_group))
+    finalize_model_grads([ddp])
+    optimizer.prepare_grads()
+    assert ctx.tp_group is not None
+    return float(megatron_grad_norm(optimizer, "cpu"))
 
 
 @pytest.mark.distributed
@@ -104,34 +111,33 @@ def test_grad_norm_is_the_same_with_tp2():
     assert reference > 0
 
 
-def test_resumed_optimizer_takes_the_configs_betas_eps_and_weight_decay():
-    """``load_state_dict`` restores the saved groups: a resume with another ``adam_eps`` trained with the old one
-    while ``config.yaml`` recorded the new one."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
-    saved = build_optimizer(model, OptimizerConfig()).state_dict()
-    new = OptimizerConfig(adam_beta1=0.8, adam_beta2=0.5, adam_eps=0.1, weight_decay=0.3)
-    opt = build_optimizer(model, new)
-    opt.load_state_dict(saved)
-    assert opt.param_groups[0]["eps"] == OptimizerConfig().adam_eps              # the saved value
-    apply_optimizer_settings(opt, new)
-    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [((0.8, 0.5), 0.1, 0.3),
-                                                                                     ((0.8, 0.5), 0.1, 0.0)]
-
-
-def test_megatron_optimizer_groups_take_the_configs_betas_and_eps(tmp_path, packed, parallel_state_1proc):  # noqa: F811
-    trainer = trainer_for(tmp_path, packed, optimizer={"backend": "megatron", "use_distributed_optimizer": True})
+def test_megatron_optimizer_groups_take_the_configs_betas_eps_and_weight_decay(tmp_path, packed,  # noqa: F811
+                                                                               parallel_state_1proc):  # noqa: F811
+    """``load_state_dict`` restores the saved groups: a resume with another ``adam_eps`` would train with the old
+    one while ``config.yaml`` recorded the new one."""
+    trainer = trainer_for(tmp_path, packed, optimizer={"use_distributed_optimizer": True, "weight_decay": 0.3})
     groups = trainer.optimizer.param_groups
     for group in groups:                                                     # as a loaded checkpoint's
-        group["betas"], group["eps"] = (0.1, 0.2), 0.3
+        group["betas"], group["eps"], group["weight_decay"] = (0.1, 0.2), 0.3, 0.5
     cfg = trainer.cfg.optimizer
     apply_optimizer_settings(trainer.optimizer, cfg)
     assert {(g["betas"], g["eps"]) for g in groups} == {((cfg.adam_beta1, cfg.adam_beta2), cfg.adam_eps)}
+    assert {g["weight_decay"] for g in groups} == {0.3, 0.0}
+
+
+def _adamw(model, fused: bool):
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-2, foreach=not fused)
+    if fused:
+        use_fused_adamw(optimizer)
+    return optimizer
 
 
 def test_adamw_is_fused_also_after_loading_a_foreach_checkpoint():
-    """build_optimizer takes torch's fused AdamW kernel (CPU has one since torch 2.4, CUDA always); a state saved by
-    the foreach path (step counters on the host) is switched back to fused by apply_optimizer_settings, and the
-    fused updates equal foreach's."""
+    """use_fused_adamw (Megatron's inner torch AdamW: at build and after every load) takes torch's fused kernel (CPU
+    has one since torch 2.4, CUDA always); a state saved by the foreach path (step counters on the host) is switched
+    back to fused, and the fused updates equal foreach's."""
     from packsft.train.grad_clip import fused_adamw_supported, optimizer_implementation
 
     assert fused_adamw_supported("cpu")
@@ -139,11 +145,8 @@ def test_adamw_is_fused_also_after_loading_a_foreach_checkpoint():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
     twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
     twin.load_state_dict(model.state_dict())
-    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
-    fused = build_optimizer(model, cfg)
+    fused, foreach = _adamw(model, fused=True), _adamw(twin, fused=False)
     assert all(g["fused"] for g in fused.param_groups) and optimizer_implementation(fused) == "torch AdamW (fused)"
-    foreach = torch.optim.AdamW(param_groups(twin, 0.1), lr=1e-2, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                eps=cfg.adam_eps, foreach=True)
     for step in range(3):
         for m, opt in ((model, fused), (twin, foreach)):
             m(torch.ones(2, 4) * step).square().sum().backward()
@@ -153,7 +156,7 @@ def test_adamw_is_fused_also_after_loading_a_foreach_checkpoint():
             fused.load_state_dict(copy.deepcopy(foreach.state_dict()))   # as read from a checkpoint
             model.load_state_dict(twin.state_dict())
             assert not any(g["fused"] for g in fused.param_groups)
-            apply_optimizer_settings(fused, cfg)
+            use_fused_adamw(fused)
             assert all(g["fused"] for g in fused.param_groups)
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
@@ -164,7 +167,7 @@ def test_megatron_optimizer_is_fused_and_its_norm_stays_on_the_device(tmp_path, 
     """Megatron's inner torch AdamW runs fused; packsft's device-side norm equals Megatron's get_grad_norm()."""
     from packsft.train.grad_clip import megatron_grad_norm, optimizer_implementation
 
-    trainer = trainer_for(tmp_path, packed, optimizer={"backend": "megatron", "use_distributed_optimizer": True})
+    trainer = trainer_for(tmp_path, packed, optimizer={"use_distributed_optimizer": True})
     assert all(g["fused"] for g in trainer.optimizer.param_groups)
     assert optimizer_implementation(trainer.optimizer) == "Megatron DistributedOptimizer, torch AdamW (fused)"
     summary = trainer.summary()                                 # the start-up lines
@@ -173,7 +176,7 @@ def test_megatron_optimizer_is_fused_and_its_norm_stays_on_the_device(tmp_path, 
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     batch = trainer.next_micro_batches()[0]
-    trainer._token_loss(batch).backward()
+    trainer._token_losses(trainer.model, batch).sum().backward()
     trainer.optimizer.prepare_grads()
     norm = megatron_grad_norm(trainer.optimizer, "cpu")
     assert norm.shape == () and math.isclose(float(norm), trainer.optimizer.get_grad_norm(), rel_tol=1e-6)
@@ -183,12 +186,12 @@ def test_a_step_counter_shared_by_all_parameters_is_split():
     """Megatron's distributed optimizer loads one ``step`` tensor into every parameter's state (no TE/Apex); the
     fused kernel advances each parameter's counter, so a shared one would count once per parameter."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
-    opt = build_optimizer(model, OptimizerConfig())
+    opt = _adamw(model, fused=True)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     shared = torch.tensor(1.0)
     for state in opt.state.values():
         state["step"] = shared
-    apply_optimizer_settings(opt, OptimizerConfig())
+    use_fused_adamw(opt)
     opt.step()
     assert [float(s["step"]) for s in opt.state.values()] == [2.0] * 4 and float(shared) == 1.0

@@ -50,8 +50,7 @@ def trainer_for(tmp_path, packed, **sections):  # noqa: F811
     return Trainer(cfg)
 
 
-BACKENDS = {"torch": {}, "megatron": {"backend": "megatron"},
-            "megatron_dist_opt": {"backend": "megatron", "use_distributed_optimizer": True}}
+OPTIMIZERS = {"megatron": {}, "megatron_dist_opt": {"use_distributed_optimizer": True}}
 
 
 def _count_reads_of_steps(trainer, out_dir):
@@ -73,11 +72,11 @@ def _count_reads_of_steps(trainer, out_dir):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_a_step_reads_nothing_back(tmp_path, packed, parallel_state_1proc, fused,  # noqa: F811
-                                                  backend):
+                                                  optimizer):
     trainer = trainer_for(tmp_path, packed, loss={"fused_linear_cross_entropy": fused},
-                          optimizer={"lr": 3e-3, "weight_decay": 0.0, **BACKENDS[backend]})
+                          optimizer={"lr": 3e-3, "weight_decay": 0.0, **OPTIMIZERS[optimizer]})
     quiet, logging = _count_reads_of_steps(trainer, tmp_path / "o")
     assert quiet == [], quiet
     assert len(logging) == LOGGING_READS, logging
@@ -117,7 +116,7 @@ def test_tp_cp_pp_steps_read_nothing_back(tmp_path, packed):  # noqa: F811
     run_pack(PackConfig(inputs=[str(packed["few"])[:-len(".packed")]], output=str(cp2), max_seq_len=SEQ,
                         context_parallel_size=2, tokenizer=str(packed["tokenizer"]), histogram="", progress=False))
     config = write_config(tmp_path / "c.yaml", packed, tmp_path / "o", checkpoint={"resume": "none"},
-                          optimizer={"backend": "megatron", "lr": 3e-3, "weight_decay": 0.0})
+                          optimizer={"lr": 3e-3, "weight_decay": 0.0})
     layouts = [("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"),
                ("parallel.context_parallel_size=2", f"data.train_path={cp2}",
                 "optimizer.use_distributed_optimizer=true"),
@@ -130,24 +129,23 @@ def test_tp_cp_pp_steps_read_nothing_back(tmp_path, packed):  # noqa: F811
             assert len(logging) == LOGGING_READS, (rank, layout, logging)
 
 
-@pytest.mark.parametrize("optimizer", [{}, {"backend": "megatron", "use_distributed_optimizer": True}],
-                         ids=["torch", "megatron_dist_opt"])
+@pytest.mark.parametrize("optimizer", [{}, {"use_distributed_optimizer": True}], ids=["megatron", "megatron_dist_opt"])
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, packed, parallel_state_1proc,  # noqa: F811
                                                                optimizer):
     trainer = trainer_for(tmp_path, packed, train={"global_batch_size": 2, "train_steps": 4, "max_skipped_steps": 1},
                           optimizer={"lr": 3e-3, "weight_decay": 0.0, **optimizer})
     before = {n: p.detach().clone() for n, p in trainer.gpt.named_parameters()}
-    original = trainer._token_loss
-    trainer._token_loss = lambda batch: original(batch) * float("nan")
+    original = trainer._token_losses
+    trainer._token_losses = lambda model, batch: original(model, batch) * float("nan")
     result = trainer.train_step(trainer.next_micro_batches())
     assert result["skipped"] and trainer.scheduler.last_epoch == 1          # the schedule follows the step number
     assert all(torch.equal(p, before[n]) for n, p in trainer.gpt.named_parameters())
     states = [s for opt in torch_optimizers(trainer.optimizer) for s in opt.state.values()]
     assert states and all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in states)   # Adam untouched
-    trainer._token_loss = original
+    trainer._token_losses = original
     assert not trainer.train_step(trainer.next_micro_batches())["skipped"]
     assert any(not torch.equal(p, before[n]) for n, p in trainer.gpt.named_parameters())
-    trainer._token_loss = lambda batch: original(batch) * float("inf")
+    trainer._token_losses = lambda model, batch: original(model, batch) * float("inf")
     from packsft.train.metrics import MetricsLogger
 
     logger = MetricsLogger(str(tmp_path / "o"), enabled=True, tensorboard=False, progress=False, initial_step=0,
@@ -168,12 +166,12 @@ def test_too_many_skipped_steps_stop_the_run_at_the_next_sync(tmp_path, packed, 
     logger = MetricsLogger(str(tmp_path / "o"), enabled=True, tensorboard=False, progress=False, initial_step=0,
                            total_steps=10)
     trainer._last_step, trainer.cfg.logging.log_interval = 10, 4
-    original = trainer._token_loss
-    trainer._token_loss = lambda batch: original(batch) * float("nan")
+    original = trainer._token_losses
+    trainer._token_losses = lambda model, batch: original(model, batch) * float("nan")
     for _ in range(3):
         trainer._one_step(logger)                                  # steps 1-3 skipped, not yet read
     assert trainer.state.skipped_steps == 0
-    trainer._token_loss = original
+    trainer._token_losses = original
     with pytest.raises(FloatingPointError, match="step 4: .* not finite for 3 steps in a row"):
         trainer._one_step(logger)
 

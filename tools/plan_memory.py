@@ -57,7 +57,7 @@ def sweep(model, base: Layout, world_size: int, seq_lens: list[int], gpu_bytes: 
                 model.vocab_size % tp:
             continue
         for dist_opt, recompute in ((False, None), (True, None), (True, "full")):
-            layout = replace(base, tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp), megatron_optimizer=True,
+            layout = replace(base, tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp),
                              bf16=True, autocast=False, distributed_optimizer=dist_opt, recompute=recompute,
                              sequence_parallel=tp > 1, recompute_num_layers=1)
             longest = max_seq_len(model, layout, gpu_bytes)

@@ -21,8 +21,8 @@ class RMSNorm:
 
     Megatron's wrapper refuses ``sequence_parallel`` although a per-token norm runs on sequence shards
     unchanged; what SP needs is that the weight's gradient is summed over the TP group, which Megatron does for
-    parameters marked ``sequence_parallel`` (``finalize_model_grads``; packsft's torch optimizer path does the
-    same). Same class and state-dict keys as before, so checkpoints are unchanged.
+    parameters marked ``sequence_parallel`` (``finalize_model_grads``). Same class and state-dict keys as Megatron's,
+    so checkpoints are unchanged.
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
@@ -36,9 +36,9 @@ class QKNorm:
     """The per-head q/k RMSNorm (``q_layernorm`` / ``k_layernorm``, Qwen3): ``torch.nn.RMSNorm(hn, eps)``.
 
     Each TP rank normalises only its own heads with the replicated ``[hn]`` weight, so its gradient is partial
-    over the TP group at any TP size > 1. The weight is marked ``sequence_parallel`` then, which is what
-    packsft's torch path (``allreduce_sequence_parallel_grads``) sums over TP; Megatron's ``finalize_model_grads``
-    sums these weights by name (``qk_layernorm``), once. Same keys as Megatron's ``WrappedTorchNorm``.
+    over the TP group at any TP size > 1. The weight is marked ``sequence_parallel`` then; Megatron's
+    ``finalize_model_grads`` sums these weights over TP (by the mark, or by name, ``qk_layernorm``), once. Same keys
+    as Megatron's ``WrappedTorchNorm``.
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):

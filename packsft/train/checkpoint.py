@@ -14,14 +14,12 @@ stores the whole model, the base's only copy.
 Space: :func:`checkpoint_bytes_estimate` is what ``checkpoint_files.check_checkpoint_dir`` needs free before step 1;
 a save that fails for lack of space raises ``checkpoint_files.CheckpointSpaceError``.
 
-Resharding: model and optimizer tensors are stored with their global shapes (``GPTModel.sharded_state_dict`` and
-``get_param_id_to_sharded_param_map`` + ``optim_state_to_sharding_state``), so TP and DP
-sizes may change between save and resume. With ``optimizer.backend: megatron`` the optimizer part is Megatron's own
-``MegatronOptimizer.sharded_state_dict(model_sharded_state_dict)`` (as Megatron-LM saves it); the distributed
-optimizer uses its ``dp_reshardable`` format (:data:`DIST_OPTIM_METADATA`: each DP rank writes its own shard, no
-gather), so the DP size may change but not TP (a TP change needs the torch backend or Megatron's
-``fully_reshardable`` format). The two backends' optimizer formats are not interchangeable.
-``torch.distributed.checkpoint`` on a plain ``state_dict`` is not used: it
+Resharding: model tensors are stored with their global shapes (``GPTModel.sharded_state_dict``) and the optimizer
+part is Megatron's own ``MegatronOptimizer.sharded_state_dict(model_sharded_state_dict)`` (as Megatron-LM saves it),
+so TP and DP sizes may change between save and resume; the distributed optimizer uses its ``dp_reshardable`` format
+(:data:`DIST_OPTIM_METADATA`: each DP rank writes its own shard, no gather), so the DP size may change but not TP
+(Megatron's ``fully_reshardable`` format would allow it). ``torch.distributed.checkpoint`` on a plain
+``state_dict`` is not used: it
 is silently wrong under TP>1 (a TP shard has the same key on each rank and is deduplicated as if replicated).
 The data order (``dataloader_dp*.pt``) only continues with the same DP size and data; the RNG files are restored
 when one exists for this rank.
@@ -46,10 +44,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    optim_state_to_sharding_state,
-)
 
 from packsft.io import write_json_atomic
 from packsft.model.gpt import unwrap_model
@@ -68,10 +62,8 @@ from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointWriteErro
     is_adapter_key,
     load_dist_checkpoint,
 )
-from packsft.train.optim import optimizer_params
 from packsft.train.safe_checkpoint_read import is_refused_global, refusal_reason, refused
 
-COMMON_STEP = "common_step"
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
 
@@ -102,38 +94,14 @@ def _load_plain(file: Path) -> Any:
                             f"{reason})") from None
 
 
-
-
-def checkpoint_bytes_estimate(params, *, tp_size: int = 1, megatron_optimizer: bool = False) -> int:
-    """Bytes one checkpoint takes: model weights plus fp32 Adam moments (and fp32 master weights for Megatron).
+def checkpoint_bytes_estimate(params, *, tp_size: int = 1) -> int:
+    """Bytes one checkpoint takes: model weights plus fp32 Adam moments, and fp32 master weights of non-fp32 ones.
 
     ``params``: this rank's parameters. Under TP the local count is multiplied by ``tp_size`` (an upper bound:
     replicated norm weights are counted once per TP rank); data-parallel replicas are written once.
     """
-    numel = sum(p.numel() for p in params) * tp_size
-    weights = sum(p.numel() * p.element_size() for p in params) * tp_size
-    return weights + numel * (12 if megatron_optimizer else 8)
-
-
-
-
-
-
-def _is_megatron_optimizer(optimizer) -> bool:
-    from megatron.core.optimizer import MegatronOptimizer
-
-    return isinstance(optimizer, MegatronOptimizer)
-
-
-
-
-def _fill_missing_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter AdamW state (zeros, step 0) so a load template has a tensor for each entry."""
-    for p in optimizer_params(optimizer):
-        if not optimizer.state[p]:
-            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    per_param = sum(p.numel() * (p.element_size() + 8 + (4 if p.dtype != torch.float32 else 0)) for p in params)
+    return per_param * tp_size
 
 
 def _fill_missing_megatron_adam_state(optimizer) -> None:
@@ -146,7 +114,11 @@ def _fill_missing_megatron_adam_state(optimizer) -> None:
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
         if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            _fill_missing_adam_state(inner)
+            for p in [p for group in inner.param_groups for p in group["params"]]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
 def _restore_megatron_adam_step(optimizer) -> None:
@@ -197,26 +169,16 @@ def sharded_train_state(model: torch.nn.Module, optimizer, *, is_loading: bool =
 
     ``adapters_only``: ``"model"`` holds only the LoRA adapters (the optimizer holds nothing else either).
 
-    torch AdamW: its per-parameter ``step`` tensors are equal, so they are stored once as ``state["common_step"]``
-    (float). Megatron optimizer: ``optimizer.sharded_state_dict(model_state, is_loading, metadata=...)``.
+    The optimizer part: ``optimizer.sharded_state_dict(model_state, is_loading, metadata=...)``.
 
     Raises:
         ValueError: (from Megatron) an optimizer parameter without a matching model sharded tensor.
     """
-    if _is_megatron_optimizer(optimizer):
-        if is_loading:
-            _fill_missing_megatron_adam_state(optimizer)
-        model_state = _model_sharded_state_dict(model, adapters_only)
-        return {"model": model_state, "optimizer": optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=DIST_OPTIM_METADATA)}
-    _fill_missing_adam_state(optimizer)
+    if is_loading:
+        _fill_missing_megatron_adam_state(optimizer)
     model_state = _model_sharded_state_dict(model, adapters_only)
-    optim_state = optimizer.state_dict()
-    id_map = get_param_id_to_sharded_param_map(model_state, optimizer_params(optimizer))
-    step = float(next(iter(optim_state["state"].values()))["step"]) if optim_state["state"] else 0.0
-    optim_state_to_sharding_state(optim_state, id_map, exclude_keys=("step",))
-    optim_state["state"][COMMON_STEP] = step
-    return {"model": model_state, "optimizer": optim_state}
+    return {"model": model_state, "optimizer": optimizer.sharded_state_dict(
+        model_state, is_loading=is_loading, metadata=DIST_OPTIM_METADATA)}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -259,8 +221,8 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
     Args:
         ckpt_dir: checkpoint folder (created if missing; must be shared by all ranks).
         step: optimizer steps done.
-        model: ``GPTModel`` or its DDP wrapper. optimizer: the AdamW of :func:`packsft.train.optim.build_optimizer`
-            or the Megatron optimizer of :func:`packsft.train.optim.build_megatron_optimizer`.
+        model: Megatron DDP-wrapped ``GPTModel`` (or a list of chunks). optimizer: the Megatron optimizer of
+            :func:`packsft.train.optim.build_megatron_optimizer`.
         train_state: rank 0's ``train_state.json`` content (JSON values: step, counters, scheduler, config, layout).
         loader_state: ``packsft.data.loader.loader_state_dict`` of this rank's training loader.
         dp_rank: this rank's data-parallel index. write_loader_state: True on the one rank per DP index (TP=CP=0).
@@ -305,14 +267,10 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
     return final
 
 
-
-
-
-
 def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_only: bool = False) -> None:
     """Load model weights and optimizer state from ``path`` into this rank's shards.
 
-    Any saved TP/DP layout for the torch backend; any DP size for the Megatron optimizer (same TP/CP).
+    Any saved DP size (same TP/CP with the distributed optimizer; any TP/DP without it).
     ``adapters_only``: an adapters-only LoRA checkpoint; the base weights must already be loaded.
 
     Raises:
@@ -323,18 +281,9 @@ def load_model_and_optimizer(path: str | Path, model, optimizer, *, adapters_onl
     loaded = load_dist_checkpoint(sharded_train_state(model, optimizer, is_loading=True, adapters_only=adapters_only),
                                   path)
     _load_model_state(model, loaded["model"], adapters_only)
-    if _is_megatron_optimizer(optimizer):
-        with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters
-            optimizer.load_state_dict(loaded["optimizer"])
-        _restore_megatron_adam_step(optimizer)
-        return
-    optim_state = loaded["optimizer"]
-    step = optim_state["state"].pop(COMMON_STEP)
-    for param_state in optim_state["state"].values():
-        param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
-    optimizer.load_state_dict(optim_state)
-
-
+    with torch.no_grad():       # fp32 distributed-optimizer master shards are views of the (leaf) parameters
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_megatron_adam_step(optimizer)
 
 
 def load_loader_state(path: str | Path, dp_rank: int) -> dict[str, Any]:

@@ -290,10 +290,10 @@ def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dic
     for key in MAY_CHANGE["resume"]["optimizer"].keys:
         if key in recorded["optimizer"] and recorded["optimizer"][key] != getattr(optimizer, key):
             was = recorded["optimizer"][key]
+            fix = (f"resume with optimizer.{key}={str(was).lower() if isinstance(was, bool) else was}, or "
+                   if key != "backend" else "packsft no longer has that backend: ")
             raise CheckpointError(f"optimizer.{key} is {getattr(optimizer, key)!r} but checkpoint {checkpoint} was "
-                                  f"trained with {was!r}, and its optimizer state has that format; resume with "
-                                  f"optimizer.{key}={str(was).lower() if isinstance(was, bool) else was}, or "
-                                  f"{new_run}")
+                                  f"trained with {was!r}, and its optimizer state has that format; {fix}{new_run}")
     if parallel is None or not optimizer.use_distributed_optimizer:
         return
     for key in MAY_CHANGE["resume"]["parallel"].keys:

@@ -44,7 +44,7 @@ from packsft.train.config_sections import (
     check_positive,
 )
 
-OPTIMIZER_BACKENDS = ("torch", "megatron")
+OPTIMIZER_BACKENDS = ("megatron",)
 RENAMED_KEYS = {
     "loader.dataloader_num_workers": "loader.num_workers",
     "loader.dataloader_persistent_workers": "loader.persistent_workers",
@@ -55,15 +55,14 @@ RENAMED_KEYS = {
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with two parameter groups (decay / no decay) and global-norm clipping, from torch or Megatron-Core."""
+    """Megatron-Core's AdamW (decay for matrices, none for 1-D parameters) with global-norm clipping."""
 
-    backend: str = "torch"
-    """``torch``: ``torch.optim.AdamW`` replicated on every rank, torch ``DistributedDataParallel``. ``megatron``:
-    Megatron-Core's ``DistributedDataParallel`` + ``get_megatron_optimizer`` (needed for
-    ``use_distributed_optimizer`` and ``train.bf16``)."""
+    backend: str = "megatron"
+    """``megatron``, the one value: Megatron-Core's ``DistributedDataParallel`` + ``get_megatron_optimizer``, with
+    torch's fused AdamW inside."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (ZeRO-1): fp32 master weights and Adam moments sharded over the
-    data-parallel(-with-context-parallel) group; needs ``backend: megatron``."""
+    data-parallel(-with-context-parallel) group."""
     lr: float = 3e-4
     """Peak learning rate (reached at the end of warmup)."""
     weight_decay: float = 0.1
@@ -77,10 +76,8 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
         if self.backend not in OPTIMIZER_BACKENDS:
-            raise ValueError(f"optimizer.backend must be one of {OPTIMIZER_BACKENDS}, got {self.backend!r}")
-        if self.use_distributed_optimizer and self.backend != "megatron":
-            raise ValueError("optimizer.use_distributed_optimizer=true needs optimizer.backend=megatron, "
-                             f"got {self.backend!r}")
+            raise ValueError(f"optimizer.backend must be 'megatron' (Megatron-Core's DDP and optimizer; the torch "
+                             f"AdamW backend was removed), got {self.backend!r}")
         check_positive("optimizer", self, "lr", "adam_eps")
         check_positive("optimizer", self, "weight_decay", "clip_grad", allow_zero=True)
         for name in ("adam_beta1", "adam_beta2"):
@@ -137,19 +134,12 @@ class Config:
         if self.scheduler.warmup_steps > self.train.train_steps:
             raise ValueError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be <= "
                              f"train.train_steps ({self.train.train_steps})")
-        if self.train.bf16 and self.optimizer.backend != "megatron":
-            raise ValueError(f"train.bf16=true needs optimizer.backend=megatron (fp32 master weights in Megatron's "
-                             f"optimizer), got {self.optimizer.backend!r}")
         if self.train.bf16 and self.train.autocast_dtype is not None:
             raise ValueError(f"set either train.bf16 or train.autocast_dtype ({self.train.autocast_dtype!r}), not both")
         if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.train_steps:
             raise ValueError(f"train.stop_at_step ({self.train.stop_at_step}) must be <= train.train_steps "
                              f"({self.train.train_steps})")
         pp, vp = self.parallel.pipeline_model_parallel_size, self.parallel.virtual_pipeline_model_parallel_size
-        if pp > 1 and self.optimizer.backend != "megatron":
-            raise ValueError(f"parallel.pipeline_model_parallel_size={pp} needs optimizer.backend=megatron (Megatron "
-                             "DDP reduces the tied embedding over the first and last stage), got "
-                             f"{self.optimizer.backend!r}")
         if self.model.num_layers % (pp * (vp or 1)):
             raise ValueError(f"model.num_layers ({self.model.num_layers}) must be a multiple of "
                              f"parallel.pipeline_model_parallel_size ({pp})"

@@ -189,8 +189,8 @@ class ParallelConfig:
     context_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     """Pipeline stages ``P``: the layers are split over ``P`` ranks and each step runs Megatron-Core's 1F1B schedule
-    (``get_forward_backward_func``) over the micro-batches; needs ``optimizer.backend: megatron`` and
-    ``model.num_layers`` a multiple of ``P`` (times the virtual stages)."""
+    (``get_forward_backward_func``) over the micro-batches; needs ``model.num_layers`` a multiple of ``P`` (times the
+    virtual stages)."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (Megatron's interleaved 1F1B schedule); null: not interleaved. Needs ``P > 1``
     and micro-batches per step a multiple of ``P``."""
@@ -236,8 +236,8 @@ class TrainConfig:
     CPU autocast is refused (Megatron's backward fails in ``LinearWithGradAccumulationAndAsyncCommunication``)."""
     bf16: bool = False
     """Megatron mixed precision: bf16 parameters and activations (``Float16Module``), fp32 gradient accumulation
-    and reduction (``main_grad``), fp32 master weights in the optimizer. Needs ``optimizer.backend: megatron``;
-    exclusive with ``autocast_dtype``. Runs on CPU too."""
+    and reduction (``main_grad``), fp32 master weights in the optimizer. Exclusive with ``autocast_dtype``. Runs on
+    CPU too."""
     compile: bool = False
     """``torch.compile`` each transformer layer (``packsft.model.compile``; the core attention stays eager). The first
     steps pay the compile time (about a minute per distinct layer graph); off by default."""

@@ -4,28 +4,29 @@ Flow of ``Trainer(cfg).run()``:
 
 1. ``init_distributed`` (torchrun variables; gloo on CPU, NCCL on GPU) with the TP/CP/PP sizes;
    DP = world / (TP*CP*PP).
-2. Datasets (``packsft.train.data``), model (``build_gpt_model`` + the hidden-state seam for the fused loss), then by
-   ``optimizer.backend``: ``torch``: torch ``DistributedDataParallel`` over the data-parallel-with-context-parallel
-   group when it has more than one rank, and ``torch.optim.AdamW``; ``megatron``: ``Float16Module`` when
-   ``train.bf16``, Megatron ``DistributedDataParallel`` (always; fp32 ``main_grad`` buffers) and
-   ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training loader.
+2. Datasets (``packsft.train.data``), model chunks (``build_gpt_stages`` + the hidden-state seam for the fused
+   loss), ``Float16Module`` when ``train.bf16``, Megatron ``DistributedDataParallel`` (fp32 ``main_grad`` buffers)
+   and ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training
+   loader.
 3. Resume (``checkpoint.resume``), before the loader's first ``iter()``, after comparing the checkpoint's recorded
    ``model``/``lora`` sections with the config (:func:`~packsft.train.compat.check_recorded_architecture`); with
    nothing to resume, the model weights of ``checkpoint.init_from`` (an imported HF model) when set. A LoRA run from
    ``init_from`` checkpoints only its adapters and the base's identity; its resume loads the base (``init_from``,
    else the recorded path) after checking the fingerprint, then the adapters and optimizer state.
 4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
-   all-reduced over DP x CP, then each micro-batch runs forward + backward on ``sum(token loss) * dp * cp / count``;
-   gradients are reduced by DDP (on the last micro-batch only), clipped by their TP-aware norm, and AdamW steps.
+   all-reduced over DP x CP, then the micro-batches run forward + backward on ``sum(token loss) / count`` through
+   Megatron-Core's schedule (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved), gradients are
+   reduced by ``finalize_model_grads``, clipped by their TP-aware norm on the device, and AdamW steps (skipped on
+   the device when the loss or the norm is not finite).
 5. Logging, validation and checkpoints on their periods; a final validation (after ``train_steps`` only) and
    checkpoint. With ``train.save_on_sigterm`` a SIGTERM or SIGINT (``packsft.train.process_guard``) stops the loop
    before the next step, on every rank at the same step (a CPU all-reduce of the flag per step), and the run ends
    with a checkpoint.
 
-Pipeline parallelism (``parallel.pipeline_model_parallel_size`` P > 1, megatron backend only): the model is this
-rank's stage (``build_gpt_stages``: one chunk, or one per virtual stage), each wrapped in Megatron DDP. Every stage
-reads the same micro-batches from its own loader (the DP rank is shared by the stages of a replica), so every stage
-has the packed-sequence parameters (``cu_seqlens``, ``max_seqlen``) of every micro-batch and its attention stays
+Pipeline parallelism (``parallel.pipeline_model_parallel_size`` P > 1): the model is this rank's stage
+(``build_gpt_stages``: one chunk, or one per virtual stage), each wrapped in Megatron DDP. Every stage reads the
+same micro-batches from its own loader (the DP rank is shared by the stages of a replica), so every stage has the
+packed-sequence parameters (``cu_seqlens``, ``max_seqlen``) of every micro-batch and its attention stays
 inside each conversation. The micro-batches run through Megatron-Core's schedule (``get_forward_backward_func``:
 1F1B, interleaved with virtual stages) with a fixed activation shape ``[mbs * L / CP (/ TP with SP), 1, h]``
 (every packed row is exactly ``L`` tokens); the last stage computes the loss, the first stage's input is the
@@ -33,19 +34,13 @@ embedding, the others receive their input from the previous stage. ``finalize_mo
 DP x CP, sums sequence-parallel norms over TP and all-reduces the tied embedding over the first and last stage.
 The loss is broadcast from the last stage so every rank logs and decides a skip alike.
 
-Loss scaling, torch backend: DDP *averages* gradients over its group (size ``dp * cp``), while the loss
-(``docs/loss.md``) is a *sum* over ranks of ``token-loss sum / global count``. Each rank therefore back-propagates its
-share multiplied by ``dp * cp`` (``normalize_loss(..., gradient_average_size=dp * cp)``), so the averaged gradient is
-exactly the gradient of the global mean. CP ranks hold different tokens of the same rows, so summing their gradients
-(not averaging) is what the factor restores. The logged loss is the unscaled share summed over micro-batches and
-all-reduced.
-
-Loss scaling, megatron backend: the model's ``TransformerConfig.calculate_per_token_loss`` is set, so Megatron DDP
+Loss scaling: the model's ``TransformerConfig.calculate_per_token_loss`` is set, so Megatron DDP
 reduces ``main_grad`` with a plain SUM (``gradient_scaling_factor`` 1, no ``average_in_collective``): each rank
 back-propagates ``sum(token loss) / global count`` unscaled and the summed gradient is exactly the gradient of the
 global mean. Per step: ``zero_grad_buffer``, forward/backward of every micro-batch (gradients accumulate in
-``main_grad``), ``finish_grad_sync`` (all-reduce, or reduce-scatter with the distributed optimizer), then
-``optimizer.step()`` (TP-aware norm, clipping, Adam on fp32 master weights, copy / all-gather back to the model).
+``main_grad``), ``finalize_model_grads`` (all-reduce, or reduce-scatter with the distributed optimizer), then
+Megatron's optimizer step as ``packsft.train.optim.megatron_step_skipping_non_finite`` splits it (TP-aware norm,
+clipping, Adam on fp32 master weights, copy / all-gather back to the model).
 """
 
 from __future__ import annotations
@@ -62,7 +57,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.nn.parallel import DistributedDataParallel
 
 from packsft.data.loader import (
     DataLoaderConfig,
@@ -89,19 +83,14 @@ from packsft.train.compat import check_recorded_architecture, check_recorded_opt
 from packsft.train.config import Config, check_parallel_layout, config_to_yaml
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
-from packsft.train.grad_clip import optimizer_implementation, skip_update_if
+from packsft.train.grad_clip import optimizer_implementation
 from packsft.train.metrics import DISCARDED_FILE, MetricsLogger, format_summary, peak_memory_gib
 from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
 from packsft.train.optim import (
     ParamGroupSchedule,
-    allreduce_sequence_parallel_grads,
     apply_optimizer_settings,
     build_megatron_optimizer,
-    build_optimizer,
-    build_scheduler,
-    clip_grads,
     megatron_step_skipping_non_finite,
-    optimizer_params,
     set_schedule_step,
 )
 from packsft.train.token_loss import gpt_token_loss
@@ -190,18 +179,11 @@ class Trainer:
         warn = partial(print, flush=True) if self.ctx.rank == 0 else None
         self.train_set, self.val_sets = build_datasets(cfg, warn=warn)
         self._check_vocab()
-        self.megatron = cfg.optimizer.backend == "megatron"
         self.pipeline = self.ctx.pipeline_model_parallel_size > 1
         self.chunks = self._build_model()
         self.model = self.chunks[0] if len(self.chunks) == 1 else self.chunks
-        if self.megatron:
-            self.optimizer = build_megatron_optimizer(self.model, cfg.optimizer, bf16=cfg.train.bf16)
-            self.scheduler = ParamGroupSchedule(self.optimizer, cfg.scheduler, cfg.optimizer.lr,
-                                                cfg.train.train_steps)
-        else:
-            self.optimizer = build_optimizer(self.model, cfg.optimizer)
-            self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.optimizer.lr,
-                                             cfg.train.train_steps)
+        self.optimizer = build_megatron_optimizer(self.model, cfg.optimizer, bf16=cfg.train.bf16)
+        self.scheduler = ParamGroupSchedule(self.optimizer, cfg.scheduler, cfg.optimizer.lr, cfg.train.train_steps)
         self.train_loader = build_train_dataloader(self.train_set, self._train_loader_config(),
                                                    dp_rank=self.ctx.dp_rank, dp_size=dp)
         self.val_loaders = {name: build_eval_dataloader(ds, cfg.loader, dp_rank=self.ctx.dp_rank, dp_size=dp)
@@ -245,7 +227,7 @@ class Trainer:
                              f"{self.cfg.data.tokenizer} ({len(tokenizer)} tokens)")
 
     def _build_model(self) -> list[torch.nn.Module]:
-        """This rank's model chunks (one, or one per virtual pipeline stage), wrapped for the optimizer backend."""
+        """This rank's model chunks (one, or one per virtual pipeline stage), each in Megatron's DDP."""
         chunks = build_gpt_stages(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel)
         for gpt in chunks:
             if self.cfg.lora.enabled:   # before DDP and the optimizer: only the adapters are trainable
@@ -257,13 +239,7 @@ class Trainer:
                 compile_transformer_layers(gpt)
             if gpt.post_process:
                 use_hidden_state_output(gpt)
-        if self.megatron:
-            return [self._wrap_megatron(gpt, i) for i, gpt in enumerate(chunks)]
-        (gpt,) = chunks                                    # the torch backend has no pipeline (Config refuses it)
-        if self.ctx.data_parallel_size * self.ctx.context_parallel_size == 1:
-            return [gpt]
-        ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
-        return [DistributedDataParallel(gpt, device_ids=ids, process_group=self.ctx.dp_cp_group)]
+        return [self._wrap_megatron(gpt, i) for i, gpt in enumerate(chunks)]
 
     def _wrap_megatron(self, gpt: torch.nn.Module, chunk: int = 0) -> torch.nn.Module:
         """``DistributedDataParallel(Float16Module(gpt))`` (bf16) or ``DistributedDataParallel(gpt)``, Megatron's."""
@@ -351,8 +327,7 @@ class Trainer:
         """Load an imported model folder into every chunk (LoRA: all but the adapters); refresh fp32 masters."""
         with _naming(base_dir):          # global layer names: each stage's chunks load their layers, in one load
             load_megatron_checkpoint(self.gpts, base_dir, base_only=self.cfg.lora.enabled)
-        if self.megatron:                # fp32 master weights are copies made before the load
-            self.optimizer.reload_model_params()
+        self.optimizer.reload_model_params()     # fp32 master weights are copies made before the load
 
     def _check_checkpoint_dir(self) -> int | None:
         """Before step 1: ``checkpoint.dir`` writable with room for one checkpoint; return the size estimate."""
@@ -363,8 +338,7 @@ class Trainer:
             for partial in ckpt_files.remove_partial_checkpoints(self.cfg.checkpoint_dir):
                 print(f"removed {partial}: a checkpoint save that was interrupted (never published)", flush=True)
         saved = [p for n, p in self.gpt.named_parameters() if self.lora_base is None or ".lora_" in n]
-        need = ckpt.checkpoint_bytes_estimate(saved, tp_size=self.ctx.tensor_model_parallel_size,
-                                              megatron_optimizer=self.megatron)
+        need = ckpt.checkpoint_bytes_estimate(saved, tp_size=self.ctx.tensor_model_parallel_size)
         ckpt_files.check_checkpoint_dir(self.cfg.checkpoint_dir, need)
         return need
 
@@ -408,12 +382,6 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast("cuda", dtype=getattr(torch, dtype))
 
-    def _token_loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        with self._autocast():
-            per_token, _ = gpt_token_loss(self.model, batch, fused=self.cfg.loss.fused_linear_cross_entropy,
-                                          chunk_size=self.cfg.loss.chunk_size)
-        return per_token.sum()
-
     def train_step(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
         """:meth:`step_tensors`, as Python numbers (``loss``, ``grad_norm``, ``lr``, ``trained_tokens``, ``skipped``).
 
@@ -431,72 +399,44 @@ class Trainer:
         """
         count = global_num_trained_tokens([b["loss_mask"] for b in batches], (self.ctx.dp_cp_group,),
                                           labels=[b["labels"] for b in batches])
-        if self.pipeline:
-            return self._pipeline_step(batches, count)
-        if self.megatron:
-            return self._megatron_step(batches, count)
-        wrapped = isinstance(self.model, DistributedDataParallel)
-        scale = self.ctx.data_parallel_size * self.ctx.context_parallel_size if wrapped else 1
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for i, batch in enumerate(batches):
-            sync = i == len(batches) - 1 or not wrapped
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                token_loss_sum = self._token_loss(batch)
-                normalize_loss(token_loss_sum, count, scale).backward()
-            loss_sum += token_loss_sum.detach().float()
-        dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
-        params = optimizer_params(self.optimizer)
-        allreduce_sequence_parallel_grads(params, self.ctx.tp_group)
-        norm = clip_grads(params, self.cfg.optimizer.clip_grad, self.ctx.tp_group)
-        lr = self.optimizer.param_groups[0]["lr"]
-        skipped = ~torch.isfinite(loss_sum + norm)
-        skip_update_if(self.optimizer, skipped)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
-                "skipped": skipped}
-
-    def _megatron_step(self, batches: list[dict[str, Any]], count: torch.Tensor) -> dict[str, Any]:
-        """:meth:`step_tensors` with Megatron DDP and optimizer (module docstring); the unscaled loss is summed."""
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        outputs = self.run_schedule(batches, count)
+        finalize_model_grads(self.chunks)   # DP x CP, sequence-parallel norms over TP, tied embedding over stages
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for batch in batches:
-            token_loss_sum = self._token_loss(batch)
-            normalize_loss(token_loss_sum, count, 1).backward()
-            loss_sum += token_loss_sum.detach().float()
-        finalize_model_grads([self.model])   # DP x CP reduction, and the TP sum of sequence-parallel norm grads
+        for out in outputs:
+            loss_sum += out["loss_sum"]
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
-        return self._megatron_update(loss_sum, count)
-
-    def _megatron_update(self, loss_sum: torch.Tensor, count: torch.Tensor) -> dict[str, Any]:
-        """The Megatron optimizer's update (skipped on the device when the loss or the gradient norm is not
-        finite) and LR step."""
+        self._from_last_stage(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped, norm = megatron_step_skipping_non_finite(self.optimizer, loss_sum)
         self.scheduler.step()
         return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
                 "skipped": skipped}
 
-    # -- pipeline parallelism ---------------------------------------------------------------------------------------
+    # -- the schedule -----------------------------------------------------------------------------------------------
     def _stage_forward(self, model: torch.nn.Module, batch: dict[str, Any], logits: bool = False) -> torch.Tensor:
         """One model chunk on one micro-batch, with the row's packed-sequence parameters on every stage.
 
         Returns: before the last stage, the hidden states ``[t, 1, h]`` sent to the next stage; on the last stage
         the per-token loss fp32 ``[t]`` (``gpt_token_loss``), or with ``logits`` the logits ``[1, t, v / tp]``.
         """
-        psp = batch["packed_seq_params"]
         with self._autocast():
             if not unwrap_model(model).post_process or logits:
-                return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=psp)
-            per_token, _ = gpt_token_loss(model, batch, fused=self.cfg.loss.fused_linear_cross_entropy,
-                                          chunk_size=self.cfg.loss.chunk_size)
+                return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
+            return self._token_losses(model, batch)
+
+    def _token_losses(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The last stage's per-token loss, fp32 ``[t]`` (``gpt_token_loss`` with the ``loss`` settings)."""
+        per_token, _ = gpt_token_loss(model, batch, fused=self.cfg.loss.fused_linear_cross_entropy,
+                                      chunk_size=self.cfg.loss.chunk_size)
         return per_token
 
-    def run_pipeline(self, batches: list[dict[str, Any]], count: torch.Tensor | None = None, *,
+    def run_schedule(self, batches: list[dict[str, Any]], count: torch.Tensor | None = None, *,
                      forward_only: bool = False, logits: bool = False) -> list[dict[str, torch.Tensor]]:
-        """Run ``batches`` (this rank's micro-batches, model inputs) through Megatron-Core's pipeline schedule.
+        """Run ``batches`` (this rank's micro-batches, model inputs) through Megatron-Core's schedule
+        (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved 1F1B with virtual stages).
 
         Training (``forward_only`` False): each micro-batch back-propagates ``sum(token loss) / count`` (``count``:
         the global trained-token count, int64 scalar); gradients accumulate in ``main_grad`` (no reduction).
@@ -535,28 +475,14 @@ class Trainer:
                            group=self.ctx.pp_group)
         return tensor
 
-    def _pipeline_step(self, batches: list[dict[str, Any]], count: torch.Tensor) -> dict[str, Any]:
-        """:meth:`_megatron_step` through the pipeline schedule (module docstring)."""
-        for chunk in self.chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self.run_pipeline(batches, count)
-        finalize_model_grads(self.chunks)   # DP x CP, sequence-parallel norms over TP, tied embedding over stages
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for out in outputs:
-            loss_sum += out["loss_sum"]
-        dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
-        self._from_last_stage(loss_sum)
-        return self._megatron_update(loss_sum, count)
-
     # -- validation -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Mean token loss of every validation set (all DP ranks; ``validation.max_batches`` per rank and set).
 
         Returns ``val_loss`` and ``val_trained_tokens`` over all sets together (token-weighted) and, per set,
-        ``val_loss/<name>`` and ``val_trained_tokens/<name>``. Under pipeline parallelism the rows run through the
-        forward-only schedule, ``micro_batches`` at a time.
+        ``val_loss/<name>`` and ``val_trained_tokens/<name>``. The rows run through Megatron's forward-only schedule,
+        ``micro_batches`` at a time.
         """
         for chunk in self.chunks:
             chunk.eval()
@@ -579,22 +505,17 @@ class Trainer:
         for i, row in enumerate(loader):
             if limit is not None and i >= limit:
                 break
-            batch = model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device)
-            if self.pipeline:
-                pending.append(batch)
-                if len(pending) == self.micro_batches:
-                    totals += self._pipeline_totals(pending)
-                    pending = []
-                continue
-            mask = batch["loss_mask"] * (batch["labels"] != IGNORE_INDEX)
-            totals += torch.stack([self._token_loss(batch).double(), mask.sum().double()])
+            pending.append(model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device))
+            if len(pending) == self.micro_batches:
+                totals += self._schedule_totals(pending)
+                pending = []
         if pending:
-            totals += self._pipeline_totals(pending)
+            totals += self._schedule_totals(pending)
         dist.all_reduce(totals, group=ctx.dp_cp_group)
         self._from_last_stage(totals)
         return totals
 
-    def _pipeline_totals(self, batches: list[dict[str, Any]]) -> torch.Tensor:
+    def _schedule_totals(self, batches: list[dict[str, Any]]) -> torch.Tensor:
         """``[loss sum, trained tokens]`` (fp64) of ``batches`` by the forward-only schedule (zeros before the last
         stage).
 
@@ -609,7 +530,7 @@ class Trainer:
                       "trained_index": batches[0]["trained_index"][:0]}
             batches = [*batches, *[filler] * (pp - len(batches) % pp)]
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for out in self.run_pipeline(batches, forward_only=True):
+        for out in self.run_schedule(batches, forward_only=True):
             totals += torch.stack([out["loss_sum"].double(), out["trained_tokens"].double()])
         return totals
 

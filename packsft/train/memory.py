@@ -31,8 +31,7 @@ class Layout:
         distributed_optimizer: shard fp32 master weights and Adam moments over ``DP x CP`` (ZeRO-1).
         bf16: bf16 parameters with fp32 main gradients and fp32 master weights (Megatron mixed precision);
             False: fp32 parameters (with ``autocast`` when ``autocast`` is True).
-        autocast: ``torch.autocast`` to bf16 over fp32 weights (packsft's torch-optimizer path).
-        megatron_optimizer: Megatron's DDP + optimizer (main-grad buffer) instead of torch DDP + AdamW.
+        autocast: ``torch.autocast`` to bf16 over fp32 weights.
         sequence_parallel: norms and residual activations split over TP too.
         recompute: ``None``, ``"selective"`` (core attention recomputed) or ``"full"``.
         recompute_num_layers: layers per recomputed chunk with ``"full"`` (Megatron ``uniform``).
@@ -49,7 +48,6 @@ class Layout:
     distributed_optimizer: bool = False
     bf16: bool = False
     autocast: bool = True
-    megatron_optimizer: bool = False
     sequence_parallel: bool = False
     recompute: str | None = None
     recompute_num_layers: int = 1
@@ -71,18 +69,18 @@ def num_parameters(model: ModelConfig) -> int:
 def static_bytes_per_parameter(layout: Layout) -> float:
     """Bytes per parameter of weights, gradients and optimizer state, before dividing by TP and PP.
 
-    * Megatron optimizer, bf16: 2 (bf16 weight) + 4 (fp32 main grad) + 12 (fp32 master + Adam moments);
-      fp32: 4 + 4 + 8 (no separate master copy). The distributed optimizer divides the optimizer part by
-      ``DP x CP``.
-    * torch AdamW over fp32 weights: 4 + 4 (grad) + 8 (moments), + 4 for DDP's gradient buckets when
-      ``DP x CP > 1``, + 2 for autocast's bf16 weight copies kept from forward to backward.
+    Megatron's DDP and optimizer, bf16: 2 (bf16 weight) + 4 (fp32 main grad) + 12 (fp32 master + Adam moments);
+    fp32: 4 + 4 + 8 (no separate master copy), + 2 for autocast's bf16 weight copies kept from forward to backward.
+    The distributed optimizer divides the optimizer part by ``DP x CP``.
     """
-    if layout.megatron_optimizer:
-        weights_and_grads, optimizer = (2 + 4, 12) if layout.bf16 else (4 + 4, 8)
-        shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
-        return weights_and_grads + optimizer / shards
-    buckets = 4 if layout.dp * layout.cp > 1 else 0
-    return 4 + 4 + 8 + buckets + (2 if layout.autocast else 0)
+    weights, grads = static_weights_and_grads(layout)
+    shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    return weights + grads + (12 if layout.bf16 else 8) / shards
+
+
+def static_weights_and_grads(layout: Layout) -> tuple[float, float]:
+    """Bytes per parameter of the weights (with autocast's bf16 copies) and of the fp32 main gradients."""
+    return (2 if layout.bf16 else 4 + (2 if layout.autocast else 0)), 4
 
 
 def activation_bytes_per_token(model: ModelConfig, layout: Layout) -> float:
@@ -196,7 +194,7 @@ def layout_from_config(cfg, world_size: int) -> Layout:
     """The :class:`Layout` of a training :class:`~packsft.train.config.Config` on ``world_size`` GPUs.
 
     Keys: ``parallel.tensor_model_parallel_size``, ``context_parallel_size``, ``pipeline_model_parallel_size``,
-    ``sequence_parallel``; ``optimizer.backend``, ``use_distributed_optimizer``; ``train.bf16``,
+    ``sequence_parallel``; ``optimizer.use_distributed_optimizer``; ``train.bf16``,
     ``autocast_dtype``; ``model.recompute_granularity``, ``recompute_num_layers``, ``attention_backend``;
     ``loss.fused_linear_cross_entropy``, ``chunk_size``; ``loader.micro_batch_size``. Keys a config does not
     have take their defaults.
@@ -214,7 +212,6 @@ def layout_from_config(cfg, world_size: int) -> Layout:
         distributed_optimizer=bool(getattr(opt, "use_distributed_optimizer", False)),
         bf16=bool(getattr(train, "bf16", False)),
         autocast=train.autocast_dtype is not None,
-        megatron_optimizer=getattr(opt, "backend", "torch") == "megatron",
         sequence_parallel=bool(getattr(par, "sequence_parallel", False)),
         recompute=getattr(cfg.model, "recompute_granularity", None),
         recompute_num_layers=getattr(cfg.model, "recompute_num_layers", None) or 1,
@@ -228,12 +225,8 @@ def layout_from_config(cfg, world_size: int) -> Layout:
 def static_breakdown(layout: Layout) -> dict[str, float]:
     """Bytes per parameter (before TP/PP) of ``weights``, ``grads`` and ``optimizer`` (see
     :func:`static_bytes_per_parameter`, whose total these add up to)."""
-    total = static_bytes_per_parameter(layout)
-    if layout.megatron_optimizer:
-        weights, grads = (2, 4) if layout.bf16 else (4, 4)
-    else:
-        weights, grads = 4 + (2 if layout.autocast else 0), 4 + (4 if layout.dp * layout.cp > 1 else 0)
-    return {"weights": weights, "grads": grads, "optimizer": total - weights - grads}
+    weights, grads = static_weights_and_grads(layout)
+    return {"weights": weights, "grads": grads, "optimizer": static_bytes_per_parameter(layout) - weights - grads}
 
 
 def format_plan(p: MemoryPlan, model: ModelConfig, layout: Layout) -> str:
@@ -248,10 +241,10 @@ def format_plan(p: MemoryPlan, model: ModelConfig, layout: Layout) -> str:
         return plan(model, replace(layout, **changes), p.row_tokens, p.gpu_bytes)
 
     parts = static_breakdown(layout)
-    bf16 = {"megatron_optimizer": True, "bf16": True, "autocast": False}
+    bf16 = {"bf16": True, "autocast": False}
     lines = [
         f"layout: TP={layout.tp} CP={layout.cp} PP={layout.pp} DP={layout.dp}, "
-        f"{'Megatron' if layout.megatron_optimizer else 'torch'} optimizer"
+        "Megatron optimizer"
         f"{' (distributed)' if layout.distributed_optimizer else ''}, "
         f"{'bf16 params' if layout.bf16 else 'fp32 params' + (' + bf16 autocast' if layout.autocast else '')}, "
         f"SP {'on' if layout.sequence_parallel else 'off'}, recompute {layout.recompute or 'none'}, "

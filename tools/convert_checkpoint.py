@@ -71,7 +71,7 @@ from packsft.model.hf_io import (  # noqa: E402
     stage_hf_names,
 )
 from packsft.model.lora import LoraConfig, apply_lora, merge_lora, read_lora_config  # noqa: E402
-from packsft.packing.cli import positive_int  # noqa: E402
+from packsft.packing.config import positive_int  # noqa: E402
 from packsft.train.checkpoint_files import INIT_FROM, LORA_BASE, TRAIN_STATE, load_train_state  # noqa: E402
 from packsft.train.compat import (  # noqa: E402
     check_model_fields,

@@ -8,8 +8,9 @@ Flow of ``Trainer(cfg).run()``:
    loss), ``Float16Module`` when ``train.bf16``, Megatron ``DistributedDataParallel`` (fp32 ``main_grad`` buffers)
    and ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training
    loader.
-3. Resume (``checkpoint.resume``), before the loader's first ``iter()``, after comparing the checkpoint's recorded
-   ``model``/``lora`` sections with the config (:func:`~packsft.train.compat.check_recorded_architecture`); with
+3. :class:`~packsft.train.checkpointer.Checkpointer` resumes (``checkpoint.resume``), before the loader's first
+   ``iter()``, after comparing the checkpoint's recorded ``model``/``lora`` sections with the config
+   (:func:`~packsft.train.compat.check_recorded_architecture`); with
    nothing to resume, the model weights of ``checkpoint.init_from`` (an imported HF model) when set. A LoRA run from
    ``init_from`` checkpoints only its adapters and the base's identity; its resume loads the base (``init_from``,
    else the recorded path) after checking the fingerprint, then the adapters and optimizer state.
@@ -18,10 +19,11 @@ Flow of ``Trainer(cfg).run()``:
    Megatron-Core's schedule (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved), gradients are
    reduced by ``finalize_model_grads``, clipped by their TP-aware norm on the device, and AdamW steps (skipped on
    the device when the loss or the norm is not finite).
-5. Logging, validation and checkpoints on their periods; a final validation (after ``train_steps`` only) and
-   checkpoint. With ``train.save_on_sigterm`` a SIGTERM or SIGINT (``packsft.train.process_guard``) stops the loop
-   before the next step, on every rank at the same step (a CPU all-reduce of the flag per step), and the run ends
-   with a checkpoint.
+5. Logging, validation and checkpoints on their periods: the loop asks the
+   :class:`~packsft.train.validation.Validator` and the :class:`~packsft.train.checkpointer.Checkpointer` whether
+   a step is theirs; a final validation (after ``train_steps`` only) and checkpoint. With
+   ``train.save_on_sigterm`` a SIGTERM or SIGINT (``packsft.train.process_guard``) stops the loop before the next
+   step, on every rank at the same step (a CPU all-reduce of the flag per step), and the run ends with a checkpoint.
 
 Pipeline parallelism (``parallel.pipeline_model_parallel_size`` P > 1): the model is this rank's stage
 (``build_gpt_stages``: one chunk, or one per virtual stage), each wrapped in Megatron DDP. Every stage reads the
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,15 +58,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from torch.distributed.checkpoint.api import CheckpointException
 
 from packsft.data.loader import (
     DataLoaderConfig,
     build_eval_dataloader,
     build_train_dataloader,
     class_path,
-    load_loader_state_dict,
-    loader_state_dict,
 )
 from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights
 from packsft.io import unwritable_dir_reason
@@ -76,46 +75,21 @@ from packsft.model.gpt import build_gpt_stages, unwrap_model
 from packsft.model.lora import apply_lora, enable_input_gradients
 from packsft.model.output_head import use_hidden_state_output
 from packsft.sidecar import packing_efficiency
-from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
 from packsft.train import process_guard, run_lock
-from packsft.train.compat import check_recorded_architecture, check_recorded_optimizer, recorded_architecture
-from packsft.train.config import Config, check_parallel_layout, config_to_yaml
+from packsft.train.checkpointer import Checkpointer, TrainState
+from packsft.train.config import Config, check_parallel_layout
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.grad_clip import optimizer_implementation
 from packsft.train.metrics import DISCARDED_FILE, MetricsLogger, format_summary, peak_memory_gib
-from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
 from packsft.train.optim import (
     ParamGroupSchedule,
-    apply_optimizer_settings,
     build_megatron_optimizer,
     megatron_step_skipping_non_finite,
-    set_schedule_step,
 )
 from packsft.train.token_loss import gpt_token_loss
-
-RESUME_FIX = ("a resumed run keeps the architecture it was trained with: set {key}={value}; for another "
-              "architecture start a new run in a new logging.output_dir, with a checkpoint.dir that does not hold this "
-              "checkpoint (the default is inside logging.output_dir) and no checkpoint.resume=<path>")
-
-
-@dataclass
-class TrainState:
-    """Counters saved in checkpoints: optimizer steps done, rows consumed and tokens trained (global).
-
-    Consumed tokens are not stored: every row is ``max_seq_len`` tokens, so they are ``consumed_samples * L``.
-    """
-
-    step: int = 0
-    consumed_samples: int = 0
-    trained_tokens: int = 0
-    skipped_steps: int = 0
-
-    @classmethod
-    def from_dict(cls, saved: dict[str, Any]) -> TrainState:
-        """From a checkpoint's dict; fields of older versions (``consumed_tokens``) are ignored."""
-        return cls(**{f.name: int(saved[f.name]) for f in fields(cls) if f.name in saved})
+from packsft.train.validation import Validator
 
 
 def _nothing_to_train(step: int, stop_at_step: int | None, train_steps: int) -> str:
@@ -125,17 +99,6 @@ def _nothing_to_train(step: int, stop_at_step: int | None, train_steps: int) -> 
                 f"(train.stop_at_step=null trains on to train.train_steps={train_steps})")
     return (f"note: nothing to train: the run resumes at step {step} and train.train_steps is {train_steps} "
             "(raise train.train_steps to train on)")
-
-
-@contextlib.contextmanager
-def _naming(checkpoint):
-    """torch's ``CheckpointException`` (a ``BaseException``) raised while reading ``checkpoint`` gets its folder as
-    ``err.checkpoint``, which ``tools/train.py`` names in its error line."""
-    try:
-        yield
-    except CheckpointException as err:
-        err.checkpoint = str(checkpoint)
-        raise
 
 
 def check_output_dir(output_dir: str | Path) -> None:
@@ -188,12 +151,12 @@ class Trainer:
                                                    dp_rank=self.ctx.dp_rank, dp_size=dp)
         self.val_loaders = {name: build_eval_dataloader(ds, cfg.loader, dp_rank=self.ctx.dp_rank, dp_size=dp)
                             for name, ds in self.val_sets.items()}   # built once; each pass is a new iter()
-        self.state = TrainState()
-        self.initialized_from: str | None = None
-        self.lora_base: dict[str, str] | None = None    # identity of the base an adapters-only LoRA run trains on
-        self.resumed_from = self._resume()
-        self._checkpoint_bytes = self._check_checkpoint_dir()
-        self.stopped_by, self.last_checkpoint = None, None
+        self.checkpointer = Checkpointer(cfg, self.ctx, self.model, self.gpts, self.optimizer, self.scheduler,
+                                         self.train_loader)
+        self.state = self.checkpointer.start()
+        self.validator = Validator(cfg.validation, self.val_loaders, self.chunks, self._schedule_totals,
+                                   self._reduce_totals, self.micro_batches, self.ctx.device)
+        self.stopped_by = None
         self._stop_group = (dist.new_group(backend="gloo") if cfg.train.save_on_sigterm and self.ctx.world_size > 1
                             and dist.get_backend() != "gloo" else None)
         self._batches = None
@@ -268,95 +231,35 @@ class Trainer:
         """Every model chunk's ``GPTModel`` (one per virtual pipeline stage; one without)."""
         return [unwrap_model(chunk) for chunk in self.chunks]
 
-    # -- resume and checkpoint -------------------------------------------------------------------------------------
-    def _resume(self) -> str | None:
-        path = ckpt_files.find_resume_checkpoint(self.cfg.checkpoint_dir, self.cfg.checkpoint.resume)
-        init_from = self.cfg.checkpoint.init_from
-        if path is None:
-            if init_from:   # fresh optimizer; the model fields were checked by load_config
-                if self.cfg.lora.enabled:        # checkpoints will hold the adapters and this identity
-                    self.lora_base = base_identity(init_from)
-                self._load_base(init_from)
-                self.initialized_from = init_from
-            return None
-        saved = ckpt_files.load_train_state(path)
-        ckpt_files.check_resume_state(saved, path, tuple(f.name for f in fields(TrainState)))
-        latest = path.parent / ckpt_files.LATEST
-        if self.cfg.checkpoint.resume == "auto" and not latest.is_file() and self.ctx.rank == 0:
-            print(f"note: {path.parent} has no {latest.name} (a save was stopped before writing it); resuming its "
-                  f"newest complete checkpoint, {path.name}", flush=True)
-        newer = [p.name for p in ckpt_files.complete_checkpoints(self.cfg.checkpoint_dir)
-                 if ckpt_files.step_of(p) > saved["state"]["step"]]
-        if newer and self.ctx.rank == 0:
-            print(f"note: {self.cfg.checkpoint_dir} holds checkpoints past step {saved['state']['step']} ("
-                  f"{', '.join(newer)}), which this run does not continue: each is replaced when this run saves its "
-                  "step", flush=True)
-        recorded_sections = recorded_architecture(saved, path)
-        check_recorded_architecture(self.cfg.model, self.cfg.lora if self.cfg.lora.enabled else None,
-                                    recorded_sections, path, fix=RESUME_FIX)
-        check_recorded_optimizer(self.cfg.optimizer, recorded_sections, path, self.cfg.parallel)
-        recorded = saved.get(ckpt_files.LORA_BASE)
-        if recorded is not None:
-            if not self.cfg.lora.enabled:
-                raise ckpt.CheckpointError(f"checkpoint {path} holds only LoRA adapters (of the base "
-                                           f"{recorded.get('path')}); resume it with lora.enabled=true")
-            base_dir = check_lora_base(recorded, init_from, path)
-            self._load_base(base_dir)
-            self.lora_base = {"path": str(Path(base_dir).resolve()), "fingerprint": recorded["fingerprint"]}
-        with _naming(path):
-            ckpt.load_model_and_optimizer(path, self.model, self.optimizer, adapters_only=recorded is not None)
-        self.state = TrainState.from_dict(saved["state"])
-        was = recorded_sections["train"].get("global_batch_size")
-        if was is not None and was != self.cfg.train.global_batch_size and self.ctx.rank == 0:
-            print(f"note: train.global_batch_size is {self.cfg.train.global_batch_size}, checkpoint {path} was "
-                  f"trained with {was}: the data continues after the {self.state.consumed_samples} rows consumed, "
-                  f"{self.cfg.train.global_batch_size} a step from now on", flush=True)
-        set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
-        apply_optimizer_settings(self.optimizer, self.cfg.optimizer)    # the config's, as lr: not the saved
-        if self.cfg.checkpoint.restore_data_order:
-            load_loader_state_dict(self.train_loader, ckpt.load_loader_state(path, self.ctx.dp_rank))
-        elif self.ctx.rank == 0:
-            print(f"note: checkpoint.restore_data_order=false: the data order starts again from its first rows "
-                  f"(epoch 0), which the {self.state.consumed_samples} rows consumed up to step {self.state.step} "
-                  "may include: they are trained again", flush=True)
-        same_ranks = (saved.get("layout") or {}).get("world_size") == self.ctx.world_size
-        ckpt.load_rng_state(path, self.ctx.rank, required=same_ranks)
-        return str(path)
+    # -- checkpoints and validation (Checkpointer, Validator) -------------------------------------------------------
+    @property
+    def resumed_from(self) -> str | None:
+        """The checkpoint folder this run resumed, or None."""
+        return self.checkpointer.resumed_from
 
-    def _load_base(self, base_dir) -> None:
-        """Load an imported model folder into every chunk (LoRA: all but the adapters); refresh fp32 masters."""
-        with _naming(base_dir):          # global layer names: each stage's chunks load their layers, in one load
-            load_megatron_checkpoint(self.gpts, base_dir, base_only=self.cfg.lora.enabled)
-        self.optimizer.reload_model_params()     # fp32 master weights are copies made before the load
+    @property
+    def initialized_from(self) -> str | None:
+        """``checkpoint.init_from`` when its weights started the run, or None."""
+        return self.checkpointer.initialized_from
 
-    def _check_checkpoint_dir(self) -> int | None:
-        """Before step 1: ``checkpoint.dir`` writable with room for one checkpoint; return the size estimate."""
-        c = self.cfg.checkpoint
-        if not (c.save_interval or c.save_at_end or self.cfg.train.save_on_sigterm):
-            return None
-        if self.ctx.rank == 0:       # no save of this run has started: every .tmp is a killed save's
-            for partial in ckpt_files.remove_partial_checkpoints(self.cfg.checkpoint_dir):
-                print(f"removed {partial}: a checkpoint save that was interrupted (never published)", flush=True)
-        saved = [p for n, p in self.gpt.named_parameters() if self.lora_base is None or ".lora_" in n]
-        need = ckpt.checkpoint_bytes_estimate(saved, tp_size=self.ctx.tensor_model_parallel_size)
-        ckpt_files.check_checkpoint_dir(self.cfg.checkpoint_dir, need)
-        return need
+    @property
+    def lora_base(self) -> dict[str, str] | None:
+        """``{"path", "fingerprint"}`` of the base an adapters-only LoRA run trains on, or None."""
+        return self.checkpointer.lora_base
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The folder of this run's last save, or None."""
+        return self.checkpointer.last_checkpoint
 
     def save(self) -> None:
         """Write the checkpoint of the current step (collective)."""
         self._sync_counters()
-        train_state = {"state": asdict(self.state), "scheduler": self.scheduler.state_dict(),
-                       "config": config_to_yaml(self.cfg), "layout": self.layout()}
-        if self.lora_base is not None:
-            train_state[ckpt_files.LORA_BASE] = self.lora_base
-        if self.cfg.checkpoint.init_from:   # absolute: the config's path may be relative to the training folder
-            train_state[ckpt_files.INIT_FROM] = str(Path(self.cfg.checkpoint.init_from).resolve())
-        first_of_dp = dist.get_rank(self.ctx.tp_group) == 0 and self.ctx.cp_rank == 0 and self.ctx.pp_rank == 0
-        self.last_checkpoint = ckpt.save_checkpoint(
-            self.cfg.checkpoint_dir, self.state.step, self.model, self.optimizer, train_state=train_state,
-            loader_state=loader_state_dict(self.train_loader), dp_rank=self.ctx.dp_rank,
-            write_loader_state=first_of_dp, keep_last=self.cfg.checkpoint.keep_last,
-            need_bytes=self._checkpoint_bytes, adapters_only=self.lora_base is not None)
+        self.checkpointer.save(self.state, self.layout())
+
+    def validate(self) -> dict[str, float]:
+        """:meth:`Validator.validate <packsft.train.validation.Validator.validate>` at the current step."""
+        return self.validator.validate(self.state.step)
 
     def layout(self) -> dict[str, int | None]:
         """World size and TP/CP/PP/DP sizes (and the virtual pipeline size, None when not interleaved)."""
@@ -475,56 +378,18 @@ class Trainer:
                            group=self.ctx.pp_group)
         return tensor
 
-    # -- validation -------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def validate(self) -> dict[str, float]:
-        """Mean token loss of every validation set (all DP ranks; ``validation.max_batches`` per rank and set).
-
-        Returns ``val_loss`` and ``val_trained_tokens`` over all sets together (token-weighted) and, per set,
-        ``val_loss/<name>`` and ``val_trained_tokens/<name>``. The rows run through Megatron's forward-only schedule,
-        ``micro_batches`` at a time.
-        """
-        for chunk in self.chunks:
-            chunk.eval()
-        out, overall = {}, torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for name, loader in self.val_loaders.items():
-            totals = self._validation_totals(loader)
-            overall += totals
-            out[f"val_loss/{name}"] = float(totals[0] / totals[1].clamp(min=1))
-            out[f"val_trained_tokens/{name}"] = int(totals[1])
-        for chunk in self.chunks:
-            chunk.train()
-        return {"val_loss": float(overall[0] / overall[1].clamp(min=1)), "val_trained_tokens": int(overall[1]),
-                **out}
-
-    def _validation_totals(self, loader) -> torch.Tensor:
-        """``[loss sum, trained tokens]`` (fp64, all-reduced over DP x CP) of one pass over ``loader``."""
-        ctx, limit = self.ctx, self.cfg.validation.max_batches
-        totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)       # [loss sum, trained tokens]
-        pending: list[dict[str, Any]] = []
-        for i, row in enumerate(loader):
-            if limit is not None and i >= limit:
-                break
-            pending.append(model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device))
-            if len(pending) == self.micro_batches:
-                totals += self._schedule_totals(pending)
-                pending = []
-        if pending:
-            totals += self._schedule_totals(pending)
-        dist.all_reduce(totals, group=ctx.dp_cp_group)
-        self._from_last_stage(totals)
-        return totals
-
-    def _schedule_totals(self, batches: list[dict[str, Any]]) -> torch.Tensor:
-        """``[loss sum, trained tokens]`` (fp64) of ``batches`` by the forward-only schedule (zeros before the last
-        stage).
+    def _schedule_totals(self, rows: list[dict[str, Any]]) -> torch.Tensor:
+        """``[loss sum, trained tokens]`` (fp64) of collated ``rows`` (one micro-batch each) by the forward-only
+        schedule (zeros before the last stage).
 
         The interleaved schedule (virtual stages) runs only a multiple of ``P`` micro-batches (its groups of ``P``
         contiguous micro-batches per chunk): a last group of fewer rows is filled with copies of its first row
         that train no token (labels ``IGNORE_INDEX``, loss mask 0), which add exactly 0 to both totals.
         """
-        pp = self.ctx.pipeline_model_parallel_size
-        if self.ctx.virtual_pipeline_model_parallel_size is not None and len(batches) % pp:
+        ctx = self.ctx
+        batches = [model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device) for row in rows]
+        pp = ctx.pipeline_model_parallel_size
+        if ctx.virtual_pipeline_model_parallel_size is not None and len(batches) % pp:
             filler = {**batches[0], "labels": torch.full_like(batches[0]["labels"], IGNORE_INDEX),
                       "loss_mask": torch.zeros_like(batches[0]["loss_mask"]),
                       "trained_index": batches[0]["trained_index"][:0]}
@@ -533,6 +398,11 @@ class Trainer:
         for out in self.run_schedule(batches, forward_only=True):
             totals += torch.stack([out["loss_sum"].double(), out["trained_tokens"].double()])
         return totals
+
+    def _reduce_totals(self, totals: torch.Tensor) -> torch.Tensor:
+        """``totals`` summed over DP x CP and broadcast from the last pipeline stage (in place)."""
+        dist.all_reduce(totals, group=self.ctx.dp_cp_group)
+        return self._from_last_stage(totals)
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -581,9 +451,9 @@ class Trainer:
                      else "of an earlier run that left no checkpoint")
             logger.message(f"{logger.set_aside} metrics record(s) {which} moved to "
                            f"{Path(cfg.logging.output_dir) / DISCARDED_FILE}")
-        if cfg.validation.val_at_start and self.state.step == 0:
+        if self.validator.at_start(self.state.step):
             logger.log({"kind": "validation", "step": 0, **self.validate()})
-        saved_at = validated_at = None
+        saved_at = None
         started_at = self.state.step
         if started_at >= last:  # resumed at or past its end: the checkpoint it resumed from already holds it all
             logger.message(_nothing_to_train(started_at, cfg.train.stop_at_step, cfg.train.train_steps))
@@ -595,10 +465,9 @@ class Trainer:
                     break
                 self._one_step(logger)
                 step = self.state.step
-                if cfg.validation.val_period and step % cfg.validation.val_period == 0:
+                if self.validator.should_validate(step):
                     logger.log({"kind": "validation", "step": step, **self.validate()})
-                    validated_at = step
-                if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                if self.checkpointer.should_save(step):
                     self.save()
                     saved_at = step
             if self.stopped_by:
@@ -606,7 +475,7 @@ class Trainer:
                     self.save()
             elif self.state.step > started_at:   # a stop at train.stop_at_step is not the end: no final validation
                 at_end = self.state.step == cfg.train.train_steps
-                if cfg.validation.val_at_end and at_end and validated_at != self.state.step:
+                if at_end and self.validator.at_end(self.state.step):
                     logger.log({"kind": "validation", "step": self.state.step, **self.validate()})
                 if (cfg.checkpoint.save_at_end or not at_end) and saved_at != self.state.step:
                     self.save()   # a stop at train.stop_at_step saves: it exists to resume later

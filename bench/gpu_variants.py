@@ -22,7 +22,7 @@ update on step 1's rows (the loss per trained token and the gradient norm, compa
 ``--loss-rtol`` / ``--norm-rtol``, defaults by dtype: bf16 5e-3 / 3e-2, fp32 1e-5 / 1e-4); ``--warmup`` full steps;
 one step with its host syncs counted (CUDA: ``torch.cuda.set_sync_debug_mode("warn")``, one warning per synchronising
 call; CPU: every call of a tensor -> host read, ``HOST_READS``, by any code, patched for the step: the reads
-``tests/test_train_step_syncs.py`` counts); ``--timed`` full steps, synchronised: step time, tokens/s (all row
+``tests/train/test_step_syncs.py`` counts); ``--timed`` full steps, synchronised: step time, tokens/s (all row
 positions), peak memory (CUDA), and MFU two ways over the device's dense bf16 peak (from its name,
 ``bench/gpu_check_train.py``; printed; none on CPU): ``6 P tokens`` and ``6 P tokens + 6 h l sum(s_i^2)``, causal
 attention counted from the rows' real conversation lengths ``s_i`` (h = heads x head dim, l layers), not ``L^2``.

@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `examples` (samplers, demo scripts) is imported from the repository root
-    sys.path.insert(0, str(REPO_ROOT))
+TESTS = Path(__file__).resolve().parent
+# `examples` (samplers, demo scripts) is imported from the repository root; the test folders mirror packsft's
+# packages and a test file may import another's fixtures by module name (`from test_loop import packed`).
+for folder in (REPO_ROOT, *sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 SHARED_DATA = Path(os.environ.get("PACKSFT_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 # A shell starts a background job (`cmd &` without job control) with SIGINT ignored, and an ignored signal stays
 # ignored across exec: the Ctrl-C tests (KeyboardInterrupt here, exit 130 in the CLIs they start) would then see
@@ -45,25 +49,25 @@ def tokenizer_dir(shared_data: Path):
 LONGEST_FIRST = (
     "test_plain_install.py",             # 305 (a fresh venv, then the tools)
     "test_pipeline_parallel.py",         # 289
-    "test_hf_convert_pp.py",             # 219
-    "test_train_preemption.py",          # 216
-    "test_train_loop.py",                # 160
+    "test_hf_io_pp.py",             # 219
+    "test_preemption.py",          # 216
+    "test_loop.py",                # 160
     "test_lora_run.py",                  # 152
     "test_distributed_optimizer.py",     # 142
-    "test_pack_pipeline.py",             # 90
-    "test_train_kill_resume.py",         # 86
+    "test_pipeline.py",             # 90
+    "test_kill_resume.py",         # 86
     "test_parallel_checkpoint.py",       # 80
     "test_parallel_parity.py",           # 78
-    "test_data_dataset.py",              # 74
+    "test_dataset.py",              # 74
     "test_token_cache.py",               # 70
-    "test_pack_speed.py",                # 68
-    "test_pack_publish.py",              # 64
-    "test_train_init_from.py",           # 58
-    "test_train_memory.py",              # 57
-    "test_train_mixture.py",             # 55
-    "test_pack_ray.py",                  # 54
+    "test_speed.py",                # 68
+    "test_publish.py",              # 64
+    "test_init_from.py",           # 58
+    "test_memory.py",              # 57
+    "test_mixture.py",             # 55
+    "test_ray_engine.py",                  # 54
     "test_gpu_check.py",                 # 51
-    "test_hf_convert_tp.py",             # 47
+    "test_hf_io_tp.py",             # 47
 )
 
 

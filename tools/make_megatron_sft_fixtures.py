@@ -3,7 +3,7 @@
 Usage::
 
     python tools/make_megatron_sft_fixtures.py --megatron-lm path/to/Megatron-LM \\
-        --tokenizer path/to/nemotron-h-layout-tekken --out tests/data/megatron_sft_golden.json
+        --tokenizer path/to/nemotron-h-layout-tekken --out tests/fixtures/megatron_sft_golden.json
 
 ``--megatron-lm`` is a Megatron-LM source folder (a checkout, or the two files below at their paths); its git
 commit (``--commit``, else ``git rev-parse HEAD`` there) is recorded in the fixture. Nothing of Megatron-LM is

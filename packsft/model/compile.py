@@ -6,7 +6,7 @@ adds, norms, RoPE rotation, SwiGLU and casts around the GEMMs); the core attenti
 ``varlen_attn`` is an opaque custom op anyway. Megatron-Core 0.16's ``get_tensor_model_parallel_group_if_none``
 calls ``warnings.warn`` whenever a linear is called with ``tp_group=None`` (every ``RowParallelLinear``), a graph
 break in every layer; the layer-side modules get a copy without the warning. The compiled layers compute what the
-eager ones do (``tests/test_model_compile.py``, run eagerly there because compiling costs minutes on a CPU runner).
+eager ones do (``tests/model/test_compile.py``, run eagerly there because compiling costs minutes on a CPU runner).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ without TransformerEngine's ``apply_rope_fusion``) calls ``cu_seqlens.tolist()``
 drains the GPU queue. :func:`apply_rotary_pos_emb_thd` computes the same rotation without them: each local token's
 position in its conversation from ``cu_seqlens`` on the device (searchsorted; CP zigzag chunks included), the
 frequencies gathered with ``index_select``, then Megatron's own bshd rotation (``_apply_rotary_pos_emb_bshd``), so
-loss and gradients are bit-identical to Megatron's (``tests/test_model_gpt.py``). Positions and gathered frequencies
+loss and gradients are bit-identical to Megatron's (``tests/model/test_gpt.py``). Positions and gathered frequencies
 are computed by the first call of a micro-batch (keyed by the ``cu_seqlens`` and ``freqs`` objects, which every layer
 shares) and reused by the others.
 

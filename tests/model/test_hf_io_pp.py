@@ -1,0 +1,99 @@
+"""HF conversion under pipeline parallelism (2 gloo processes through ``torchrun``): import shards by stage, export
+gathers the stages, and the checkpoint does not depend on the layout (PP=2 written -> PP=1 read and vice versa).
+
+Models: the tiny random HF configs of ``tests/model/test_hf_io.py`` with 4 layers (2 per stage): Llama with tied
+embeddings (the last stage holds Megatron's copy of the embedding) and Qwen2 untied with a QKV bias. Trainer:
+``checkpoint.init_from`` of a PP=2 import, first loss at PP=2 and PP=1 (``tests/train/test_init_from.py``'s rows).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from test_hf_io import LENGTHS, VOCAB, hf_model, megatron_logits
+from test_init_from import hf_row_loss, records, setup, write_config  # noqa: F401 - fixture
+from transformers import AutoModelForCausalLM
+
+from packsft.data.context_parallel import make_packed_seq_params
+from packsft.data.dataset import PackedSFTDataset
+from packsft.model.config import read_model_config
+from packsft.model.gpt import build_gpt_model
+from packsft.model.hf_files import load_hf_checkpoint
+from packsft.train.model_checkpoint import load_megatron_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOOL = str(REPO_ROOT / "tools" / "convert_checkpoint.py")
+FAMILIES = ("llama", "qwen2")                                # tied; untied with QKV bias
+PP2 = ("--pipeline-model-parallel-size", "2")
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _run(*args, nproc: int = 1):
+    """``tools/*.py`` in a fresh process, under ``torchrun`` for ``nproc`` > 1 (dist_checkpointing needs __main__)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, *launcher, *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pp2_import_loads_at_pp1_and_pp2_export_equals_pp1(tmp_path, family, parallel_state_1proc):  # noqa: F811
+    original = hf_model(family, seed=21, num_hidden_layers=4)
+    original.save_pretrained(tmp_path / "src")
+    _, part = load_hf_checkpoint(tmp_path / "src", keep=lambda name: name.startswith("model.layers.3."))
+    assert part.keys() == {k for k in original.state_dict() if k.startswith("model.layers.3.")}   # a stage's read
+    _run(TOOL, "import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "mcore_pp2"), *PP2, nproc=2)
+    _run(TOOL, "import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "mcore_pp1"))
+
+    # PP=2 import -> PP=1 model: logits of a packed row equal transformers' per conversation
+    cfg = read_model_config(tmp_path / "mcore_pp2")
+    megatron = build_gpt_model(cfg).eval()
+    load_megatron_checkpoint(megatron, tmp_path / "mcore_pp2")
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = torch.randint(0, VOCAB, (1, int(cu[-1])), generator=torch.Generator().manual_seed(4))
+    position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    packed = megatron_logits(megatron, tokens, position_ids, make_packed_seq_params(cu, max(LENGTHS)))
+    with torch.no_grad():
+        diff = max((packed[s:e] - original(tokens[:, s:e]).logits[0]).abs().max().item()
+                   for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()))
+    print(family, "pp=2 import at pp=1: max |logit - transformers|", diff)
+    assert diff < 1e-4
+
+    # export at PP=2 (of the PP=1 import) == export at PP=1 (of the PP=2 import), file by file, bit for bit
+    _run(TOOL, "export", "--megatron", str(tmp_path / "mcore_pp1"), "--out", str(tmp_path / "hf_pp2"), *PP2, nproc=2)
+    _run(TOOL, "export", "--megatron", str(tmp_path / "mcore_pp2"), "--out", str(tmp_path / "hf_pp1"))
+    names = sorted(p.name for p in (tmp_path / "hf_pp1").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "hf_pp2").iterdir()) and "model.safetensors" in names
+    for name in names:
+        assert (tmp_path / "hf_pp2" / name).read_bytes() == (tmp_path / "hf_pp1" / name).read_bytes(), name
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_pp2", dtype=torch.float32)
+    assert exported.state_dict().keys() == original.state_dict().keys()
+    assert all(torch.equal(exported.state_dict()[k], v) for k, v in original.state_dict().items())
+
+
+def test_init_from_a_pp2_import_gives_the_same_first_loss_at_pp2_and_pp1(setup):  # noqa: F811
+    """``tests/train/test_init_from.py``'s tiny tied Llama (2 layers: 1 per stage) imported at PP=2; one step of
+    ``tools/train.py`` at PP=2 (2 processes) and at PP=1 from it (megatron optimizer: PP needs it)."""
+    imported = setup["dir"] / "imported_pp2"
+    _run(TOOL, "import", "--hf", str(setup["dir"] / "hf"), "--out", str(imported), *PP2, nproc=2)
+    config = write_config(setup, "pp_init")
+    common = (f"checkpoint.init_from={imported}", "optimizer.backend=megatron", "train.train_steps=1")
+    first = {}
+    for pp, nproc in ((2, 2), (1, 1)):
+        out = setup["dir"] / f"pp{pp}_init"
+        _run(str(REPO_ROOT / "tools" / "train.py"), "--config", str(config), *common, f"logging.output_dir={out}",
+             f"parallel.pipeline_model_parallel_size={pp}", nproc=nproc)
+        summary, = records(out, "summary")
+        assert summary["initialized_from"] == str(imported) and summary["pipeline_model_parallel_size"] == pp
+        first[pp] = records(out, "train")[0]
+    row = PackedSFTDataset(setup["rows"], setup["tokenizer"], "chat-template", 256)[0]
+    expected = hf_row_loss(setup["hf"], row)
+    print("first loss pp=2", first[2]["loss"], "pp=1", first[1]["loss"], "transformers", expected)
+    assert first[2]["trained_tokens"] == first[1]["trained_tokens"] == row["num_trained_tokens"]
+    assert abs(first[2]["loss"] - first[1]["loss"]) < 1e-6
+    assert first[1]["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-5)

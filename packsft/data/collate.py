@@ -17,17 +17,18 @@ from typing import Any
 
 import torch
 
-from packsft.layout import ROW_KEYS, TOKEN_KEYS
+from packsft.layout import TOKEN_KEYS
 
 
 def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Stack rows from :class:`~packsft.data.dataset.PackedSFTDataset` into one micro-batch.
 
     Args:
-        rows: ``b >= 1`` row dicts, each with ``tokens``, ``labels``, ``position_ids`` (int64 ``[L]``),
-            ``loss_mask`` (float32 ``[L]``), ``cu_seqlens`` (int32 ``[n_i + 1]``, real lengths),
-            ``cu_seqlens_padded`` (int32 ``[n_i + 1]``, 0 to ``L``), ``max_seqlen`` (int) and
-            ``num_trained_tokens`` (int), all with the same ``L``.
+        rows: ``b >= 1`` row dicts of :func:`packsft.data.row.build_row`, each with ``tokens``, ``labels``,
+            ``position_ids`` (int64 ``[L]``), ``loss_mask`` (float32 ``[L]``), ``cu_seqlens`` (int32
+            ``[n_i + 1]``, real lengths), ``cu_seqlens_padded`` (int32 ``[n_i + 1]``, 0 to ``L``), ``max_seqlen``
+            (int) and ``num_trained_tokens`` (int), all with the same ``L`` (one data config opens every file of
+            a run).
 
     Returns:
         ``tokens``, ``labels``, ``position_ids`` int64 ``[1, b * L]``; ``loss_mask`` float32 ``[1, b * L]``;
@@ -36,24 +37,11 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         conversation; ``max_seqlen`` int, the longest real conversation of any row; ``num_trained_tokens``
         int, the sum. Example: two rows of ``L = 8`` with ``cu_seqlens_padded`` ``[0, 3, 8]`` and ``[0, 8]``
         and ``cu_seqlens`` ``[0, 3, 7]`` and ``[0, 6]`` give ``[0, 3, 8, 16]`` and ``[0, 3, 7, 13]``.
-
-    Raises:
-        ValueError: no rows, a missing key, rows of different lengths, or a ``cu_seqlens_padded`` that does
-            not end at ``L``.
     """
-    if not rows:
-        raise ValueError("collate_rows needs at least one row")
-    missing = [k for k in ROW_KEYS if k not in rows[0]]
-    if missing:
-        raise ValueError(f"row 0 lacks {missing}; rows must come from PackedSFTDataset")
     length = rows[0]["tokens"].shape[-1]
     offsets, lengths = [], []
     for i, row in enumerate(rows):
-        cu = row["cu_seqlens_padded"]
-        if row["tokens"].shape != (length,) or int(cu[-1]) != length:
-            raise ValueError(f"row {i}: tokens shape {tuple(row['tokens'].shape)} and cu_seqlens_padded[-1] "
-                             f"{int(cu[-1])} must both match row 0's length {length}")
-        offsets.append(cu[1:].to(torch.int32) + i * length)
+        offsets.append(row["cu_seqlens_padded"][1:].to(torch.int32) + i * length)
         lengths.append(row["cu_seqlens"][1:] - row["cu_seqlens"][:-1])
     batch = {key: torch.cat([row[key] for row in rows]).unsqueeze(0) for key in TOKEN_KEYS}
     zero = torch.zeros(1, dtype=torch.int32)

@@ -19,7 +19,7 @@ from packsft.layout import TOKEN_KEYS, check_cu_seqlens, cp_partition_indices
 
 
 def slice_batch_for_cp(batch: dict, cp_size: int, cp_rank: int) -> dict:
-    """Keep this CP rank's tokens of one packed row.
+    """Keep this CP rank's tokens of one packed row (a :func:`packsft.data.collate.collate_rows` batch).
 
     ``tokens``, ``labels``, ``loss_mask`` and ``position_ids`` (shape ``[L]`` or ``[1, L]``, any
     dtype) are indexed along their last dimension with :func:`cp_partition_indices`, giving
@@ -32,23 +32,15 @@ def slice_batch_for_cp(batch: dict, cp_size: int, cp_rank: int) -> dict:
         a new dict; the input is not modified. With ``cp_size == 1`` the tensors are the same objects.
 
     Raises:
-        ValueError: if ``cu_seqlens`` is missing, a sliced tensor's last dimension differs from
-            ``cu_seqlens_padded[-1]``, or as :func:`cp_partition_indices`.
+        ValueError: as :func:`cp_partition_indices`.
     """
-    if "cu_seqlens" not in batch:
-        raise ValueError("batch has no 'cu_seqlens'; context-parallel slicing needs the segment offsets")
     out = dict(batch)
     if cp_size == 1:
         return out
     index = cp_partition_indices(batch.get("cu_seqlens_padded", batch["cu_seqlens"]), cp_size, cp_rank)
-    total = index.numel() * cp_size
     for key in TOKEN_KEYS:
-        if key not in batch:
-            continue
-        value = batch[key]
-        if value.shape[-1] != total:
-            raise ValueError(f"batch[{key!r}] has length {value.shape[-1]} but cu_seqlens_padded[-1] is {total}")
-        out[key] = value.index_select(-1, index.to(value.device))
+        if key in batch:
+            out[key] = batch[key].index_select(-1, index.to(batch[key].device))
     return out
 
 
@@ -74,8 +66,8 @@ def make_packed_seq_params(cu_seqlens: Tensor, max_seqlen: int | Tensor, cp_grou
             (as the loader gives them) with ``device`` set, so they are checked and read without a device sync.
         max_seqlen: longest real conversation in tokens (int or 0-d tensor).
         cp_group: the context-parallel process group, or None for cp=1.
-        cu_seqlens_padded: the same shape, segment offsets in the row including padding (0..``L``);
-            ``None``: equal to ``cu_seqlens`` (no padding).
+        cu_seqlens_padded: the same shape (the same row's), segment offsets in the row including padding
+            (0..``L``); ``None``: equal to ``cu_seqlens`` (no padding).
         device: where the offsets go (default: where they are).
 
     Returns:
@@ -88,13 +80,10 @@ def make_packed_seq_params(cu_seqlens: Tensor, max_seqlen: int | Tensor, cp_grou
         THD path) gives the same positions.
 
     Raises:
-        ValueError: a malformed offsets tensor, or offsets of different lengths.
+        ValueError: a malformed offsets tensor (:func:`packsft.layout.check_cu_seqlens`).
     """
     cu_seqlens = check_cu_seqlens(cu_seqlens).to(torch.int32)
     padded = cu_seqlens if cu_seqlens_padded is None else check_cu_seqlens(cu_seqlens_padded).to(torch.int32)
-    if padded.shape != cu_seqlens.shape:
-        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} and cu_seqlens_padded {tuple(padded.shape)} "
-                         "must have the same shape")
     host = tuple(padded.tolist())
     longest = max(int(max_seqlen), max(e - s for s, e in zip(host[:-1], host[1:])))
     if device is not None:

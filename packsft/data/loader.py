@@ -195,7 +195,7 @@ def build_train_dataloader(
         dataset: a map-style dataset (``PackedSFTDataset`` or any with ``__len__``/``__getitem__``);
             its optional ``fingerprint`` str goes into the checkpoint header. Must be picklable when
             ``num_workers > 0`` (workers are spawned and re-import its module).
-        config: the validated :class:`DataLoaderConfig`.
+        config: the :class:`DataLoaderConfig` (validated when it was built).
         dp_rank, dp_size: this rank and the data-parallel world size.
         collate_fn: turns a list of ``micro_batch_size`` rows into a batch; default
             ``packsft.data.collate.collate_rows`` (imported here, at call time).
@@ -204,9 +204,8 @@ def build_train_dataloader(
         A ``StatefulDataLoader`` yielding ``collate_fn([dataset[i] for i in micro_batch])`` forever.
 
     Raises:
-        ValueError: from the config or the sampler (bad ``dp_rank``, fewer rows than ``dp_size``, ...).
+        ValueError: from the sampler (fewer rows than ``dp_size``, ...).
     """
-    config.validate()
     cls = config.sampler_class()
     kwargs = _plain(config.sampler_kwargs)
     sampler = cls(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=config.seed, **kwargs)
@@ -243,7 +242,6 @@ def build_eval_dataloader(
     Raises:
         ValueError: if the dataset has fewer rows than ``dp_size``.
     """
-    config.validate()
     batch_sampler = torch.utils.data.BatchSampler(
         EvalShardSampler(dataset, dp_rank=dp_rank, dp_size=dp_size), config.micro_batch_size, drop_last=False
     )
@@ -312,36 +310,21 @@ def _end_workers_at_exit() -> None:
     _END_AT_EXIT = True
 
 
-def _batch_sampler_of(dataloader: StatefulDataLoader) -> ResumableBatchSampler:
-    """Return the loader's ResumableBatchSampler or raise TypeError for a loader not built here."""
-    if not isinstance(dataloader.batch_sampler, ResumableBatchSampler):
-        raise TypeError("the dataloader was not built by build_train_dataloader (no ResumableBatchSampler)")
-    return dataloader.batch_sampler
-
-
 def loader_state_dict(dataloader: StatefulDataLoader) -> dict[str, Any]:
     """Return the resumable state of a training loader: its header plus ``sampler_state``.
 
     ``sampler_state`` is the batch sampler's state as of the last micro-batch *yielded*: read live
     before the first ``iter()`` or with 0 workers, and from torchdata's per-step snapshot with workers
     (``_snapshot._main_snapshot._index_sampler_state``; the main process has sampled ahead). Plain
-    Python values only (JSON/``torch.save`` friendly).
-
-    Raises:
-        TypeError: if the loader was not built by :func:`build_train_dataloader`.
-        RuntimeError: if torchdata's snapshot lags the yielded batches (``snapshot_every_n_steps != 1``).
+    Python values only (JSON/``torch.save`` friendly). ``dataloader`` is one of :func:`build_train_dataloader`.
     """
-    batch_sampler = _batch_sampler_of(dataloader)
+    batch_sampler = dataloader.batch_sampler
     if dataloader._iterator is None:  # never iterated (or just loaded): the live state is exact
         sampler_state = batch_sampler.state_dict()
     else:
         state = dataloader.state_dict()
         if "_snapshot" in state:
-            if state["_steps_since_snapshot"] != 0:
-                raise RuntimeError(
-                    f"torchdata's snapshot is {state['_steps_since_snapshot']} steps old; "
-                    "build the loader with snapshot_every_n_steps=1"
-                )
+            assert state["_steps_since_snapshot"] == 0, "the loader is built with snapshot_every_n_steps=1"
             sampler_state = state["_snapshot"]["_main_snapshot"]["_index_sampler_state"]
         else:
             sampler_state = state["_index_sampler_state"]
@@ -349,7 +332,8 @@ def loader_state_dict(dataloader: StatefulDataLoader) -> dict[str, Any]:
 
 
 def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
-    """Refuse a state that would not continue the same order on this loader.
+    """Refuse a state that would not continue the same order on this loader (a foreign state differs in every
+    header field).
 
     Raises:
         ValueError: listing every header field that differs (``version``, ``dp_rank``, ``dp_size``,
@@ -358,8 +342,6 @@ def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
             training source changed, new or gone, or a mixture that is now one file), with the checkpoint's and
             the current value.
     """
-    if "sampler_state" not in state:
-        raise ValueError(f"not a packsft loader state (no 'sampler_state'); keys: {sorted(state)}")
     diffs = [
         f"{key}: checkpoint {state.get(key)!r}, now {value!r}"
         for key, value in expected.items()
@@ -402,7 +384,7 @@ def load_loader_state_dict(dataloader: StatefulDataLoader, state: dict[str, Any]
     Raises:
         ValueError: see :func:`check_loader_state`.
     """
-    batch_sampler = _batch_sampler_of(dataloader)
+    batch_sampler = dataloader.batch_sampler
     check_loader_state(batch_sampler.header, state)
     batch_sampler.load_state_dict(state["sampler_state"])
     dataloader.load_state_dict({})  # forget any iterator (and its prefetched indices)

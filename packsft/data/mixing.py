@@ -57,8 +57,10 @@ class MixedDataset:
     """Map-style concatenation of named ``sources``; row ``i`` is ``sources[s][i - offsets[s]]``.
 
     Args:
-        sources: ``{name: dataset}`` in order (each with ``__len__``/``__getitem__`` and optionally
-            ``fingerprint``, ``path``, ``sidecar``).
+        sources: ``{name: dataset}`` in order, at least two (each with ``__len__``/``__getitem__`` and optionally
+            ``fingerprint``, ``path``, ``sidecar``), all opened for the same ``max_seq_len``, CP size and
+            tokenizer: ``packsft.train.data.build_datasets`` opens each with the one data config and checks it
+            against the file's sidecar, so rows of every source batch together.
 
     Attributes:
         names, datasets, source_sizes (rows per source), offsets (first global index of each source).
@@ -66,29 +68,15 @@ class MixedDataset:
         fingerprint: sha256 over the names and source fingerprints.
 
     Raises:
-        ValueError: no source, an empty source (named with its file), one dataset object twice, or sources with
-            different ``max_seq_len``, ``context_parallel_size`` or tokenizer (``tokenizer_fingerprint``; where
-            they have these attributes).
+        ValueError: an empty source (named with its file): the weighted sampler could draw no row of it.
     """
 
     def __init__(self, sources: dict[str, Any]) -> None:
-        if not sources:
-            raise ValueError("a training mixture needs at least one source")
         self.names, self.datasets = list(sources), list(sources.values())
         self.source_sizes = [len(d) for d in self.datasets]
         for name, d, size in zip(self.names, self.datasets, self.source_sizes):
             if size == 0:
                 raise ValueError(f"training source {name!r} ({getattr(d, 'path', '?')}) has no rows")
-        if len(set(map(id, self.datasets))) < len(self.datasets):
-            raise ValueError(f"training sources {self.names} hold one dataset object twice: give each source its own "
-                             "(or one source a larger weight)")
-        for attr in ("max_seq_len", "context_parallel_size", "tokenizer_fingerprint"):  # rows that batch together
-            values = {n: getattr(d, attr) for n, d in zip(self.names, self.datasets) if hasattr(d, attr)}
-            if len(set(values.values())) > 1:
-                raise ValueError(f"training sources differ in {attr} ("
-                                 + ", ".join(f"{n!r}: {v}" for n, v in values.items())
-                                 + "): open every source of a mixture with the same "
-                                 + ("tokenizer" if attr == "tokenizer_fingerprint" else attr))
         self.offsets = np.concatenate([[0], np.cumsum(self.source_sizes)[:-1]]).astype(int).tolist()
         self.source_fingerprints = {name: f"{getattr(d, 'fingerprint', None)}:{len(d)}"
                                     for name, d in zip(self.names, self.datasets)}
@@ -102,9 +90,7 @@ class MixedDataset:
         return sum(self.source_sizes)
 
     def locate(self, index: int) -> tuple[int, int]:
-        """``(source, row)`` of global ``index``; raises IndexError outside ``[0, len)``."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"index {index} out of range for {len(self)} rows")
+        """``(source, row)`` of global ``index`` in ``[0, len)`` (the loader's batch sampler checks every index)."""
         source = bisect.bisect_right(self.offsets, index) - 1
         return source, index - self.offsets[source]
 
@@ -149,10 +135,13 @@ class WeightedMixingSampler(EpochSampler):
         data_source: a :class:`MixedDataset` (anything with ``source_sizes`` and ``offsets``).
         dp_rank, dp_size, seed: as for every sampler (``packsft.data.samplers``).
         weights: one positive weight per source; normalised (:func:`normalize_weights`).
-        samples_per_epoch: length of an epoch in rows; default ``len(data_source)``.
+        samples_per_epoch: length of an epoch in rows (``data.samples_per_epoch``, > 0); default ``len(data_source)``.
+            Fewer than ``dp_size`` fail at the first epoch (:meth:`EpochSampler.rank_order`).
+
+    The trainer builds it for a mixture with one weight per source (``Trainer._train_loader_config``).
 
     Raises:
-        TypeError: ``data_source`` has no sources. ValueError: see :func:`rows_per_source`.
+        ValueError: see :func:`rows_per_source`.
     """
 
     def __init__(
@@ -166,14 +155,8 @@ class WeightedMixingSampler(EpochSampler):
         samples_per_epoch: int | None = None,
     ) -> None:
         super().__init__(data_source, dp_rank, dp_size, seed)
-        if not hasattr(data_source, "source_sizes"):
-            raise TypeError(f"WeightedMixingSampler needs a MixedDataset, got {type(data_source).__name__}")
         self.source_sizes, self.offsets = list(data_source.source_sizes), list(data_source.offsets)
-        if len(weights) != len(self.source_sizes):
-            raise ValueError(f"got {len(weights)} weights for {len(self.source_sizes)} sources")
         self.samples_per_epoch = self.num_rows if samples_per_epoch is None else samples_per_epoch
-        if self.samples_per_epoch < dp_size:  # 0 too: it meant "all rows"
-            raise ValueError(f"samples_per_epoch={self.samples_per_epoch} is below dp_size={dp_size}")
         names = getattr(data_source, "names", None)
         files = [str(getattr(d, "path", "?")) for d in getattr(data_source, "datasets", [])] or None
         self.counts = rows_per_source(weights, self.samples_per_epoch, names, files)

@@ -121,8 +121,9 @@ def build_row(
         :class:`RowTruncation`.
 
     Raises:
-        ValueError: no conversation; a conversation with unequal or empty tokens/targets. ``max_seq_len`` is
-            not checked here (per row); callers check it once with :func:`packsft.layout.check_max_seq_len`.
+        ValueError: as :func:`build_row_flat`: no conversation, an empty one, or tokens and targets of unequal
+            length. ``max_seq_len`` is not checked here (per row); callers check it once with
+            :func:`packsft.layout.check_max_seq_len`.
 
     Example (``cp = 1``, ``L = 6``, pad 0, conversations ``([5, 6, 7], [-100, 6, 7])`` and ``([8, 9], [8, 9])``):
     ``toks = [5, 6, 7, 8, 9, 0, 0]``, ``tgts = [-100, 6, 7, 8, 9, 0, 0]`` ->
@@ -131,15 +132,10 @@ def build_row(
     ``loss_mask = [1, 1, 0, 1, 0, 0]``, ``position_ids = [0, 1, 2, 0, 1, 2]``, ``cu_seqlens = [0, 3, 5]``,
     ``cu_seqlens_padded = [0, 3, 6]``, ``max_seqlen = 3``.
     """
-    if not conversations:
-        raise ValueError("a row needs at least one conversation")
-    for k, (tokens, targets) in enumerate(conversations):
-        if len(tokens) != len(targets) or len(tokens) == 0:
-            raise ValueError(f"conversation {k}: tokens ({len(tokens)}) and targets ({len(targets)}) must be "
-                             "equally long and non-empty")
     lengths = np.asarray([len(t) for t, _ in conversations], dtype=np.int64)
-    tokens = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for t, _ in conversations])
-    targets = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for _, t in conversations])
+    none = [np.empty(0, dtype=np.int64)]  # no conversation: build_row_flat says so
+    tokens = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for t, _ in conversations] or none)
+    targets = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for _, t in conversations] or none)
     return build_row_flat(tokens, targets, lengths, pad_id, max_seq_len, context_parallel_size)
 
 

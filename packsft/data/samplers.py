@@ -29,24 +29,17 @@ new dict of plain Python values: torchdata calls it once per batch sent to a wor
 from __future__ import annotations
 
 import operator
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-STATE_KEYS = ("epoch", "position")
-
 
 def num_rows_of(data_source: Any) -> int:
-    """Return the number of rows of a map-style dataset, or ``data_source`` itself if it is an int.
-
-    Raises:
-        TypeError: if ``data_source`` is neither an ``int`` nor has ``__len__``.
-    """
+    """Return the number of rows of a map-style dataset (``len``), or ``data_source`` itself if it is an int."""
     if isinstance(data_source, (int, np.integer)) and not isinstance(data_source, bool):
         return int(data_source)
-    if not hasattr(data_source, "__len__"):
-        raise TypeError(f"data_source must be a row count or a map-style dataset, got {type(data_source)!r}")
     return len(data_source)
 
 
@@ -65,23 +58,22 @@ def _named(data_source: Any) -> str:
     return f" {path}" if path else ""
 
 
-class EpochSampler:
+class EpochSampler(ABC):
     """Infinite, epoch-aware, data-parallel sampler of row indices; subclass and define ``global_order``.
 
     Args:
         data_source: the map-style dataset or its number of rows.
-        dp_rank: this rank's index in the data-parallel group, ``0 <= dp_rank < dp_size``.
+        dp_rank: this rank's index in the data-parallel group, ``0 <= dp_rank < dp_size`` (the process group's).
         dp_size: number of data-parallel ranks.
         seed: seed of the per-epoch orders; the same on every rank.
 
     Raises:
-        ValueError: on a bad ``dp_rank``/``dp_size`` or fewer rows than ``dp_size``.
+        ValueError: fewer rows than ``dp_size``.
+        TypeError: (Python's) a subclass that does not define ``global_order``.
     """
 
     def __init__(self, data_source: Any, dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> None:
         self.num_rows = num_rows_of(data_source)
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
         if self.num_rows < dp_size:
             raise ValueError(f"the dataset{_named(data_source)} has {self.num_rows} rows, fewer than "
                              f"dp_size={dp_size}: some rank would get none")
@@ -89,9 +81,9 @@ class EpochSampler:
         self.epoch, self.position = 0, 0
         self._cached: tuple[int, list[int]] | None = None
 
+    @abstractmethod
     def global_order(self, epoch: int) -> Sequence[int]:
         """Return the order of row indices of ``epoch``, identical on every rank. Subclasses define it."""
-        raise NotImplementedError(f"{type(self).__name__} must define global_order(epoch)")
 
     def rank_order(self, epoch: int) -> list[int]:
         """Return this rank's share of ``global_order(epoch)``: truncated to a multiple of dp_size, strided.
@@ -125,16 +117,8 @@ class EpochSampler:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a state of :meth:`state_dict`; the next yielded index is the one that followed.
-
-        Raises:
-            ValueError: if a key is missing or a value is negative.
-        """
-        missing = [k for k in STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"{type(self).__name__} state lacks {missing}; got keys {sorted(state)}")
-        if state["epoch"] < 0 or state["position"] < 0:
-            raise ValueError(f"{type(self).__name__} state has a negative epoch or position: {state}")
+        """Continue from a state of :meth:`state_dict` (checked by the loader's header: same sampler, seed, dataset);
+        the next yielded index is the one that followed."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
@@ -177,8 +161,6 @@ class ResumableBatchSampler:
     """
 
     def __init__(self, sampler: Any, micro_batch_size: int, header: dict[str, Any] | None = None) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.sampler, self.micro_batch_size = sampler, micro_batch_size
         self.header = dict(header or {})
 
@@ -230,8 +212,6 @@ class EvalShardSampler:
 
     def __init__(self, data_source: Any, dp_rank: int = 0, dp_size: int = 1) -> None:
         num_rows = num_rows_of(data_source)
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
         if num_rows < dp_size:
             raise ValueError(f"the eval dataset{_named(data_source)} has {num_rows} rows, fewer than dp_size={dp_size}")
         self.num_skipped_rows = num_rows % dp_size

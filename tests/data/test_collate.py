@@ -1,6 +1,5 @@
 """collate_rows: one row (THD micro-batch) and several rows (one THD sequence, cu_seqlens over all tokens)."""
 
-import pytest
 import torch
 
 from packsft.data.collate import collate_rows
@@ -38,13 +37,3 @@ def test_several_rows_offset_cu_seqlens_by_row_and_sum_trained_tokens():
     starts = batch["cu_seqlens_padded"][:-1].long()
     assert (flat[starts] == 0).all()                      # every segment starts at position 0
 
-
-def test_errors_name_the_problem():
-    a, _ = rows()
-    short, _ = build_row([([1], [1])], pad_id=0, max_seq_len=4)
-    with pytest.raises(ValueError, match="at least one row"):
-        collate_rows([])
-    with pytest.raises(ValueError, match="row 1: tokens shape \\(4,\\)"):
-        collate_rows([a, short])
-    with pytest.raises(ValueError, match="lacks \\['cu_seqlens'"):
-        collate_rows([{k: v for k, v in a.items() if k != "cu_seqlens"}])

@@ -88,14 +88,9 @@ def test_slice_batch_ranks_reassemble_the_row():
     assert torch.equal(tokens, batch["tokens"])
 
 
-def test_slice_batch_cp1_is_identity_and_errors_are_clear():
+def test_slice_batch_cp1_is_identity():
     batch = _row()
     assert slice_batch_for_cp(batch, 1, 0)["tokens"] is batch["tokens"]
-    bad = dict(batch, tokens=torch.arange(6))
-    with pytest.raises(ValueError, match="tokens.*length 6"):
-        slice_batch_for_cp(bad, 2, 0)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        slice_batch_for_cp({"tokens": torch.arange(8)}, 2, 0)
 
 
 def test_make_packed_seq_params():
@@ -125,8 +120,6 @@ def test_make_packed_seq_params_passes_real_and_padded_offsets_te_style():
     assert psp.cu_seqlens_q.tolist() == psp.cu_seqlens_kv.tolist() == [0, 3, 8]
     assert psp.cu_seqlens_q_padded.tolist() == psp.cu_seqlens_kv_padded.tolist() == [0, 4, 12]
     assert psp.max_seqlen_q == psp.max_seqlen_kv == 8   # Megatron's THD RoPE needs a position per padded token
-    with pytest.raises(ValueError, match="same shape"):
-        make_packed_seq_params(torch.tensor([0, 3]), 3, cu_seqlens_padded=torch.tensor([0, 4, 8]))
 
 
 def test_cp_slicing_follows_the_padded_offsets_of_a_built_row():

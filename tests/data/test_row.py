@@ -107,8 +107,8 @@ def test_row_without_trained_token_has_zero_loss_mask():
     ("convs", "kwargs", "message"),
     [
         ([], {"max_seq_len": 8}, "at least one conversation"),
-        ([([1, 2], [1])], {"max_seq_len": 8}, "conversation 0.*equally long"),
-        ([([], [])], {"max_seq_len": 8}, "non-empty"),
+        ([([1, 2], [1])], {"max_seq_len": 8}, r"targets \(1\) must hold the first"),
+        ([([], [])], {"max_seq_len": 8}, "conversation 0: its length must be >= 1"),
     ],
 )
 def test_invalid_inputs(convs, kwargs, message):

@@ -155,7 +155,7 @@ def test_no_module_imports_another_modules_private_names(path):
 
 MAX_LINES = 450
 OVERSIZE = {          # modules still over MAX_LINES, each capped at its size today: they may shrink, never grow
-    "train/loop.py": 547, "conversation.py": 566, "sidecar.py": 477,
+    "conversation.py": 566, "sidecar.py": 477,
 }
 
 

@@ -20,21 +20,19 @@ Flow of ``Trainer(cfg).run()``:
    reduced by ``finalize_model_grads``, clipped by their TP-aware norm on the device, and AdamW steps (skipped on
    the device when the loss or the norm is not finite).
 5. Logging, validation and checkpoints on their periods: the loop asks the
-   :class:`~packsft.train.validation.Validator` and the :class:`~packsft.train.checkpointer.Checkpointer` whether
-   a step is theirs; a final validation (after ``train_steps`` only) and checkpoint. With
-   ``train.save_on_sigterm`` a SIGTERM or SIGINT (``packsft.train.process_guard``) stops the loop before the next
-   step, on every rank at the same step (a CPU all-reduce of the flag per step), and the run ends with a checkpoint.
+   :class:`~packsft.train.metrics.StepMeter`, the :class:`~packsft.train.validation.Validator` and the
+   :class:`~packsft.train.checkpointer.Checkpointer` whether a step is theirs; a final validation (after
+   ``train_steps`` only) and checkpoint. With ``train.save_on_sigterm`` a SIGTERM or SIGINT
+   (``packsft.train.process_guard``) stops the loop before the next step, on every rank at the same step (a CPU
+   all-reduce of the flag per step), and the run ends with a checkpoint.
 
 Pipeline parallelism (``parallel.pipeline_model_parallel_size`` P > 1): the model is this rank's stage
 (``build_gpt_stages``: one chunk, or one per virtual stage), each wrapped in Megatron DDP. Every stage reads the
-same micro-batches from its own loader (the DP rank is shared by the stages of a replica), so every stage has the
-packed-sequence parameters (``cu_seqlens``, ``max_seqlen``) of every micro-batch and its attention stays
-inside each conversation. The micro-batches run through Megatron-Core's schedule (``get_forward_backward_func``:
-1F1B, interleaved with virtual stages) with a fixed activation shape ``[mbs * L / CP (/ TP with SP), 1, h]``
-(every packed row is exactly ``L`` tokens); the last stage computes the loss, the first stage's input is the
-embedding, the others receive their input from the previous stage. ``finalize_model_grads`` then reduces over
-DP x CP, sums sequence-parallel norms over TP and all-reduces the tied embedding over the first and last stage.
-The loss is broadcast from the last stage so every rank logs and decides a skip alike.
+same micro-batches from its own loader (the DP rank is shared by the stages of a replica) and runs them through
+:class:`~packsft.train.schedule.Schedule` with a fixed activation shape ``[mbs * L / CP (/ TP with SP), 1, h]``
+(every packed row is exactly ``L`` tokens). ``finalize_model_grads`` then reduces over DP x CP, sums
+sequence-parallel norms over TP and all-reduces the tied embedding over the first and last stage. The loss is
+broadcast from the last stage so every rank logs and decides a skip alike.
 
 Loss scaling: the model's ``TransformerConfig.calculate_per_token_loss`` is set, so Megatron DDP
 reduces ``main_grad`` with a plain SUM (``gradient_scaling_factor`` 1, no ``average_in_collective``): each rank
@@ -47,8 +45,6 @@ clipping, Adam on fp32 master weights, copy / all-gather back to the model).
 
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -56,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 
 from packsft.data.loader import (
@@ -67,8 +62,7 @@ from packsft.data.loader import (
 )
 from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights
 from packsft.io import unwritable_dir_reason
-from packsft.layout import IGNORE_INDEX
-from packsft.loss import global_num_trained_tokens, normalize_loss
+from packsft.loss import global_num_trained_tokens
 from packsft.model.attention import describe_attention
 from packsft.model.compile import compile_transformer_layers
 from packsft.model.gpt import build_gpt_stages, unwrap_model
@@ -82,13 +76,13 @@ from packsft.train.config import Config, check_parallel_layout
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.grad_clip import optimizer_implementation
-from packsft.train.metrics import DISCARDED_FILE, MetricsLogger, format_summary, peak_memory_gib
+from packsft.train.metrics import DISCARDED_FILE, MetricsLogger, StepMeter, as_python, format_summary
 from packsft.train.optim import (
     ParamGroupSchedule,
     build_megatron_optimizer,
     megatron_step_skipping_non_finite,
 )
-from packsft.train.token_loss import gpt_token_loss
+from packsft.train.schedule import Schedule
 from packsft.train.validation import Validator
 
 
@@ -154,17 +148,16 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.ctx, self.model, self.gpts, self.optimizer, self.scheduler,
                                          self.train_loader)
         self.state = self.checkpointer.start()
-        self.validator = Validator(cfg.validation, self.val_loaders, self.chunks, self._schedule_totals,
-                                   self._reduce_totals, self.micro_batches, self.ctx.device)
+        self.schedule = Schedule(self.chunks, cfg, self.ctx)
+        self.validator = Validator(cfg.validation, self.val_loaders, self.chunks, self.schedule.totals,
+                                   self.schedule.reduce_totals, self.micro_batches, self.ctx.device)
         self.stopped_by = None
         self._stop_group = (dist.new_group(backend="gloo") if cfg.train.save_on_sigterm and self.ctx.world_size > 1
                             and dist.get_backend() != "gloo" else None)
         self._batches = None
-        # on the device since the last sync: trained tokens, skipped steps, the longest run of skipped steps ending
-        # in that window; and the current run of skipped steps
-        self._counters = torch.zeros(3, dtype=torch.int64, device=self.ctx.device)
-        self._skip_run = torch.zeros((), dtype=torch.int64, device=self.ctx.device)
-        self._logged_step, self._logged_at, self._last_step = self.state.step, time.perf_counter(), 0
+        self.meter = StepMeter(self.ctx.device, cfg.logging.log_interval,
+                               cfg.train.stop_at_step or cfg.train.train_steps, cfg.train.max_skipped_steps,
+                               self.state.step)
 
     def _train_loader_config(self) -> DataLoaderConfig:
         """``loader`` as configured; for a mixture of several sources, the weighted mixing sampler.
@@ -254,7 +247,7 @@ class Trainer:
 
     def save(self) -> None:
         """Write the checkpoint of the current step (collective)."""
-        self._sync_counters()
+        self.meter.read(self.state)
         self.checkpointer.save(self.state, self.layout())
 
     def validate(self) -> dict[str, float]:
@@ -279,18 +272,12 @@ class Trainer:
         return [model_input(next(self._batches), ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device)
                 for _ in range(self.micro_batches)]
 
-    def _autocast(self):
-        dtype = self.cfg.train.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=getattr(torch, dtype))
-
     def train_step(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
         """:meth:`step_tensors`, as Python numbers (``loss``, ``grad_norm``, ``lr``, ``trained_tokens``, ``skipped``).
 
         ``loss`` is the global-batch mean token loss (nats) before the update; identical on every rank.
         """
-        return _as_python(self.step_tensors(batches))
+        return as_python(self.step_tensors(batches))
 
     def step_tensors(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
         """Forward/backward over ``batches``, clip, optimizer and LR step, without a host sync.
@@ -305,13 +292,13 @@ class Trainer:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self.run_schedule(batches, count)
+        outputs = self.schedule.run(batches, count)
         finalize_model_grads(self.chunks)   # DP x CP, sequence-parallel norms over TP, tied embedding over stages
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for out in outputs:
             loss_sum += out["loss_sum"]
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
-        self._from_last_stage(loss_sum)
+        self.schedule.from_last_stage(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped, norm = megatron_step_skipping_non_finite(self.optimizer, loss_sum)
         self.scheduler.step()
@@ -319,91 +306,6 @@ class Trainer:
                 "skipped": skipped}
 
     # -- the schedule -----------------------------------------------------------------------------------------------
-    def _stage_forward(self, model: torch.nn.Module, batch: dict[str, Any], logits: bool = False) -> torch.Tensor:
-        """One model chunk on one micro-batch, with the row's packed-sequence parameters on every stage.
-
-        Returns: before the last stage, the hidden states ``[t, 1, h]`` sent to the next stage; on the last stage
-        the per-token loss fp32 ``[t]`` (``gpt_token_loss``), or with ``logits`` the logits ``[1, t, v / tp]``.
-        """
-        with self._autocast():
-            if not unwrap_model(model).post_process or logits:
-                return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
-            return self._token_losses(model, batch)
-
-    def _token_losses(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """The last stage's per-token loss, fp32 ``[t]`` (``gpt_token_loss`` with the ``loss`` settings)."""
-        per_token, _ = gpt_token_loss(model, batch, fused=self.cfg.loss.fused_linear_cross_entropy,
-                                      chunk_size=self.cfg.loss.chunk_size)
-        return per_token
-
-    def run_schedule(self, batches: list[dict[str, Any]], count: torch.Tensor | None = None, *,
-                     forward_only: bool = False, logits: bool = False) -> list[dict[str, torch.Tensor]]:
-        """Run ``batches`` (this rank's micro-batches, model inputs) through Megatron-Core's schedule
-        (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved 1F1B with virtual stages).
-
-        Training (``forward_only`` False): each micro-batch back-propagates ``sum(token loss) / count`` (``count``:
-        the global trained-token count, int64 scalar); gradients accumulate in ``main_grad`` (no reduction).
-        Forward only: no backward (validation, or ``logits`` to read the last stage's logits).
-
-        Returns:
-            On the last stage one dict per micro-batch: ``loss_sum`` (fp32 scalar, the token-loss sum) and
-            ``trained_tokens`` (int64 scalar), or ``logits`` (``[1, t, v / tp]``); ``[]`` on other stages.
-        """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            output = self._stage_forward(model, batch, logits=logits)
-            if not unwrap_model(model).post_process:
-                return output, None
-            trained = torch.tensor(batch["trained_index"].numel(), dtype=torch.int, device=self.ctx.device)
-            if logits:
-                return output, lambda out: (out.sum(), trained, {"logits": out.detach()})
-            loss_sum = output.sum()
-            reduced = {"loss_sum": loss_sum.detach().float(), "trained_tokens": trained.long()}
-            loss = loss_sum if count is None else normalize_loss(loss_sum, count, 1)
-            return loss, lambda out: (out, trained, reduced)
-
-        seq_length = self.cfg.loader.micro_batch_size * self.cfg.data.max_seq_len
-        iterators = [iter(batches) for _ in self.chunks]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.chunks, num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1,
-            forward_only=forward_only)
-
-    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` of the last pipeline stage, broadcast to every stage of this pipeline (in place)."""
-        if self.pipeline:
-            dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                           group=self.ctx.pp_group)
-        return tensor
-
-    def _schedule_totals(self, rows: list[dict[str, Any]]) -> torch.Tensor:
-        """``[loss sum, trained tokens]`` (fp64) of collated ``rows`` (one micro-batch each) by the forward-only
-        schedule (zeros before the last stage).
-
-        The interleaved schedule (virtual stages) runs only a multiple of ``P`` micro-batches (its groups of ``P``
-        contiguous micro-batches per chunk): a last group of fewer rows is filled with copies of its first row
-        that train no token (labels ``IGNORE_INDEX``, loss mask 0), which add exactly 0 to both totals.
-        """
-        ctx = self.ctx
-        batches = [model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device) for row in rows]
-        pp = ctx.pipeline_model_parallel_size
-        if ctx.virtual_pipeline_model_parallel_size is not None and len(batches) % pp:
-            filler = {**batches[0], "labels": torch.full_like(batches[0]["labels"], IGNORE_INDEX),
-                      "loss_mask": torch.zeros_like(batches[0]["loss_mask"]),
-                      "trained_index": batches[0]["trained_index"][:0]}
-            batches = [*batches, *[filler] * (pp - len(batches) % pp)]
-        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for out in self.run_schedule(batches, forward_only=True):
-            totals += torch.stack([out["loss_sum"].double(), out["trained_tokens"].double()])
-        return totals
-
-    def _reduce_totals(self, totals: torch.Tensor) -> torch.Tensor:
-        """``totals`` summed over DP x CP and broadcast from the last pipeline stage (in place)."""
-        dist.all_reduce(totals, group=self.ctx.dp_cp_group)
-        return self._from_last_stage(totals)
-
     # -- the loop ---------------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """Parameters, parallel layout, batch geometry, data rows, packing efficiency (from the sidecar), and the
@@ -438,7 +340,6 @@ class Trainer:
         """Train until ``train.stop_at_step`` or ``train.train_steps``; validate and checkpoint on their periods."""
         cfg, ctx = self.cfg, self.ctx
         last = cfg.train.stop_at_step or cfg.train.train_steps
-        self._last_step, self._logged_step, self._logged_at = last, self.state.step, time.perf_counter()
         restart = self.state.step if self.resumed_from else -1
         logger = MetricsLogger(cfg.logging.output_dir, enabled=ctx.rank == 0, tensorboard=cfg.logging.tensorboard,
                                progress=cfg.logging.progress and self.state.step < last,  # no bar of no step
@@ -455,6 +356,7 @@ class Trainer:
             logger.log({"kind": "validation", "step": 0, **self.validate()})
         saved_at = None
         started_at = self.state.step
+        self.meter.start_clock(started_at)
         if started_at >= last:  # resumed at or past its end: the checkpoint it resumed from already holds it all
             logger.message(_nothing_to_train(started_at, cfg.train.stop_at_step, cfg.train.train_steps))
         installed = cfg.train.save_on_sigterm and process_guard.STOP_SIGNAL.install()
@@ -485,7 +387,7 @@ class Trainer:
         finally:
             if installed:  # also when a step raises: the process keeps no handler of this run
                 process_guard.STOP_SIGNAL.uninstall()
-        self._sync_counters()
+        self.meter.read(self.state)
         logger.close()
         return self.state
 
@@ -501,47 +403,11 @@ class Trainer:
     def _one_step(self, logger: MetricsLogger) -> None:
         """One step; Python numbers (and, on CUDA, a synchronize) only on logging steps."""
         result = self.step_tensors(self.next_micro_batches())
-        rows, seq, st = self.cfg.train.global_batch_size, self.cfg.data.max_seq_len, self.state
-        st.step, st.consumed_samples = st.step + 1, st.consumed_samples + rows
-        skipped = result["skipped"].long()
-        self._skip_run = (self._skip_run + 1) * skipped
-        self._counters = torch.stack([self._counters[0] + result["trained_tokens"], self._counters[1] + skipped,
-                                      torch.maximum(self._counters[2], self._skip_run)])
-        if st.step % self.cfg.logging.log_interval and st.step < self._last_step:
-            return
-        self._sync_counters()
-        now = time.perf_counter()
-        steps, seconds = st.step - self._logged_step, now - self._logged_at
-        self._logged_step, self._logged_at = st.step, now
-        record = {"kind": "train", "step": st.step, **_as_python(result),
-                  "tokens_per_s": steps * rows * seq / seconds, "consumed_samples": st.consumed_samples,
-                  "consumed_tokens": st.consumed_samples * seq, "step_time_s": seconds / steps,
-                  "skipped_steps": st.skipped_steps, "mem_gib": peak_memory_gib()}
-        logger.log(record)
-        logger.progress(record)
-
-    def _sync_counters(self) -> None:
-        """Move the device-side counters into :attr:`state` (one host read; on CUDA after a synchronize).
-
-        Raises:
-            FloatingPointError: more than ``train.max_skipped_steps`` steps in a row were skipped since the last
-                sync (logging steps, checkpoints), before anything is saved.
-        """
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        trained, skipped, longest_run = self._counters.tolist()
-        self._counters = torch.zeros_like(self._counters)
-        self.state.trained_tokens += trained
-        self.state.skipped_steps += skipped
-        if longest_run > self.cfg.train.max_skipped_steps:
-            raise FloatingPointError(
-                f"step {self.state.step}: the loss or gradient norm was not finite for {longest_run} steps in a row "
-                f"(train.max_skipped_steps={self.cfg.train.max_skipped_steps}); the last checkpoint is intact. "
-                "Lower optimizer.lr, check the data (docs/troubleshooting.md), or resume from an earlier checkpoint")
-
-
-def _as_python(result: dict[str, Any]) -> dict[str, Any]:
-    """A step result with its 0-d tensors as Python numbers (a host sync)."""
-    out = {k: (v.item() if torch.is_tensor(v) else v) for k, v in result.items()}
-    out["trained_tokens"] = int(out["trained_tokens"])
-    return out
+        st = self.state
+        st.step, st.consumed_samples = st.step + 1, st.consumed_samples + self.cfg.train.global_batch_size
+        self.meter.add(result["trained_tokens"], result["skipped"])
+        if self.meter.should_log(st.step):
+            self.meter.read(st)
+            record = self.meter.record(st, result, self.cfg.train.global_batch_size, self.cfg.data.max_seq_len)
+            logger.log(record)
+            logger.progress(record)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,83 @@ def set_aside_records_after(output_dir: str | Path, step: int) -> int:
         with atomic_open(path) as f:
             f.write("".join(line + "\n" for line in kept))
     return len(moved)
+
+
+class StepMeter:
+    """The training steps between two logging steps, counted on the device: ``add`` per step reads nothing back;
+    ``should_log`` says which steps are logged (every ``log_interval``-th and the last); ``read`` moves the counts
+    into the run's state with one host read (logging steps, checkpoints); ``record`` is a logging step's
+    ``metrics.jsonl`` record.
+
+    Args:
+        device: where the counters live.
+        log_interval: ``logging.log_interval``, steps.
+        last_step: the run's last step (``train.stop_at_step`` or ``train.train_steps``).
+        max_skipped_steps: ``train.max_skipped_steps``: the longest run of skipped steps allowed.
+        start_step: the step the run starts from (after a resume).
+    """
+
+    def __init__(self, device: torch.device, log_interval: int, last_step: int, max_skipped_steps: int,
+                 start_step: int) -> None:
+        self.log_interval, self.last_step, self.max_skipped_steps = log_interval, last_step, max_skipped_steps
+        # since the last read: trained tokens, skipped steps, the longest run of skipped steps ending in that
+        # window; and the current run of skipped steps
+        self._counts = torch.zeros(3, dtype=torch.int64, device=device)
+        self._skip_run = torch.zeros((), dtype=torch.int64, device=device)
+        self._logged_step, self._logged_at = start_step, time.perf_counter()
+
+    def start_clock(self, step: int) -> None:
+        """Throughput of the next logging step counts from now, ``step`` (the start of the step loop)."""
+        self._logged_step, self._logged_at = step, time.perf_counter()
+
+    def add(self, trained_tokens: torch.Tensor, skipped: torch.Tensor) -> None:
+        """Count one step: its trained tokens (int64 scalar) and whether it was skipped (bool scalar), on the device."""
+        skipped = skipped.long()
+        self._skip_run = (self._skip_run + 1) * skipped
+        self._counts = torch.stack([self._counts[0] + trained_tokens, self._counts[1] + skipped,
+                                    torch.maximum(self._counts[2], self._skip_run)])
+
+    def should_log(self, step: int) -> bool:
+        """Whether ``step`` is logged: every ``log_interval``-th step and the last."""
+        return step % self.log_interval == 0 or step >= self.last_step
+
+    def read(self, state) -> None:
+        """Add the counts since the last read to ``state`` (its ``trained_tokens``, ``skipped_steps``); one host
+        read, on CUDA after a synchronize.
+
+        Raises:
+            FloatingPointError: more than ``max_skipped_steps`` steps in a row were skipped since the last read,
+                before anything is saved.
+        """
+        if self._counts.device.type == "cuda":
+            torch.cuda.synchronize()
+        trained, skipped, longest_run = self._counts.tolist()
+        self._counts = torch.zeros_like(self._counts)
+        state.trained_tokens += trained
+        state.skipped_steps += skipped
+        if longest_run > self.max_skipped_steps:
+            raise FloatingPointError(
+                f"step {state.step}: the loss or gradient norm was not finite for {longest_run} steps in a row "
+                f"(train.max_skipped_steps={self.max_skipped_steps}); the last checkpoint is intact. "
+                "Lower optimizer.lr, check the data (docs/troubleshooting.md), or resume from an earlier checkpoint")
+
+    def record(self, state, result: dict[str, Any], rows: int, seq: int) -> dict[str, Any]:
+        """The ``{"kind": "train", ...}`` record of a logging step, after :meth:`read`: ``result`` as Python numbers,
+        throughput over the steps since the previous logging step (``rows`` rows of ``seq`` tokens per step)."""
+        now = time.perf_counter()
+        steps, seconds = state.step - self._logged_step, now - self._logged_at
+        self._logged_step, self._logged_at = state.step, now
+        return {"kind": "train", "step": state.step, **as_python(result),
+                "tokens_per_s": steps * rows * seq / seconds, "consumed_samples": state.consumed_samples,
+                "consumed_tokens": state.consumed_samples * seq, "step_time_s": seconds / steps,
+                "skipped_steps": state.skipped_steps, "mem_gib": peak_memory_gib()}
+
+
+def as_python(result: dict[str, Any]) -> dict[str, Any]:
+    """A step result with its 0-d tensors as Python numbers (a host sync)."""
+    out = {k: (v.item() if torch.is_tensor(v) else v) for k, v in result.items()}
+    out["trained_tokens"] = int(out["trained_tokens"])
+    return out
 
 
 class MetricsLogger:

@@ -176,7 +176,7 @@ def test_megatron_optimizer_is_fused_and_its_norm_stays_on_the_device(tmp_path, 
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     batch = trainer.next_micro_batches()[0]
-    trainer._token_losses(trainer.model, batch).sum().backward()
+    trainer.schedule.token_losses(trainer.model, batch).sum().backward()
     trainer.optimizer.prepare_grads()
     norm = megatron_grad_norm(trainer.optimizer, "cpu")
     assert norm.shape == () and math.isclose(float(norm), trainer.optimizer.get_grad_norm(), rel_tol=1e-6)

@@ -203,9 +203,9 @@ def _isolation_worker(rank, world_size, config_path, train_path):
     edited = dict(batch, tokens=batch["tokens"].clone())
     edited["tokens"][0, changed] = (edited["tokens"][0, changed] + 1000) % 49152
     with torch.no_grad():
-        logits = [out["logits"][0] for out in trainer.run_schedule([batch, edited], forward_only=True, logits=True)]
+        logits = [out["logits"][0] for out in trainer.schedule.run([batch, edited], forward_only=True, logits=True)]
         # the Megatron-Bridge bug: middle stages without cu_seqlens attend over the whole row
-        forward = trainer._stage_forward
+        forward = trainer.schedule.stage_forward
 
         def without_cu_seqlens(model, b, logits=False):
             gpt = model.module
@@ -213,8 +213,8 @@ def _isolation_worker(rank, world_size, config_path, train_path):
                 b = dict(b, packed_seq_params=None)
             return forward(model, b, logits=logits)
 
-        trainer._stage_forward = without_cu_seqlens
-        broken = [out["logits"][0] for out in trainer.run_schedule([batch, edited], forward_only=True, logits=True)]
+        trainer.schedule.stage_forward = without_cu_seqlens
+        broken = [out["logits"][0] for out in trainer.schedule.run([batch, edited], forward_only=True, logits=True)]
     init = {n: p.detach().clone() for n, p in trainer.gpts[0].decoder.layers[0].named_parameters()}
     return {"stage": trainer.ctx.pp_rank, "cu": cu, "changed": changed, "logits": logits, "broken": broken,
             "init": init}

@@ -59,8 +59,7 @@ def _count_reads_of_steps(trainer, out_dir):
 
     logger = MetricsLogger(str(out_dir), enabled=True, tensorboard=False, progress=False, initial_step=0,
                            total_steps=100)
-    trainer._last_step = 100
-    trainer.cfg.logging.log_interval = 4
+    trainer.meter.last_step, trainer.meter.log_interval = 100, 4
     counts, draw = [], trainer.next_micro_batches
     for _ in range(4):
         batches = draw()                               # the loader reads host tensors: not counted
@@ -135,17 +134,17 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path, packed,
     trainer = trainer_for(tmp_path, packed, train={"global_batch_size": 2, "train_steps": 4, "max_skipped_steps": 1},
                           optimizer={"lr": 3e-3, "weight_decay": 0.0, **optimizer})
     before = {n: p.detach().clone() for n, p in trainer.gpt.named_parameters()}
-    original = trainer._token_losses
-    trainer._token_losses = lambda model, batch: original(model, batch) * float("nan")
+    original = trainer.schedule.token_losses
+    trainer.schedule.token_losses = lambda model, batch: original(model, batch) * float("nan")
     result = trainer.train_step(trainer.next_micro_batches())
     assert result["skipped"] and trainer.scheduler.last_epoch == 1          # the schedule follows the step number
     assert all(torch.equal(p, before[n]) for n, p in trainer.gpt.named_parameters())
     states = [s for opt in torch_optimizers(trainer.optimizer) for s in opt.state.values()]
     assert states and all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in states)   # Adam untouched
-    trainer._token_losses = original
+    trainer.schedule.token_losses = original
     assert not trainer.train_step(trainer.next_micro_batches())["skipped"]
     assert any(not torch.equal(p, before[n]) for n, p in trainer.gpt.named_parameters())
-    trainer._token_losses = lambda model, batch: original(model, batch) * float("inf")
+    trainer.schedule.token_losses = lambda model, batch: original(model, batch) * float("inf")
     from packsft.train.metrics import MetricsLogger
 
     logger = MetricsLogger(str(tmp_path / "o"), enabled=True, tensorboard=False, progress=False, initial_step=0,
@@ -165,13 +164,13 @@ def test_too_many_skipped_steps_stop_the_run_at_the_next_sync(tmp_path, packed, 
 
     logger = MetricsLogger(str(tmp_path / "o"), enabled=True, tensorboard=False, progress=False, initial_step=0,
                            total_steps=10)
-    trainer._last_step, trainer.cfg.logging.log_interval = 10, 4
-    original = trainer._token_losses
-    trainer._token_losses = lambda model, batch: original(model, batch) * float("nan")
+    trainer.meter.last_step, trainer.meter.log_interval = 10, 4
+    original = trainer.schedule.token_losses
+    trainer.schedule.token_losses = lambda model, batch: original(model, batch) * float("nan")
     for _ in range(3):
         trainer._one_step(logger)                                  # steps 1-3 skipped, not yet read
     assert trainer.state.skipped_steps == 0
-    trainer._token_losses = original
+    trainer.schedule.token_losses = original
     with pytest.raises(FloatingPointError, match="step 4: .* not finite for 3 steps in a row"):
         trainer._one_step(logger)
 

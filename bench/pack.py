@@ -66,8 +66,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, as in 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packsft, as tools/ does
 
-from packsft.conversation import ConversationError, iter_jsonl_lines, loads_line, parse_record  # noqa: E402
+from packsft.conversation import parse_record  # noqa: E402
 from packsft.io import write_json_atomic  # noqa: E402
+from packsft.jsonl import ConversationError, iter_jsonl_lines, loads_line  # noqa: E402
 from packsft.layout import conversation_cost  # noqa: E402
 from packsft.packing.algorithms import DEFAULT_ALGORITHM, lower_bound_rows, pack  # noqa: E402
 from packsft.packing.config import PackConfig  # noqa: E402

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packsft.conversation import NON_FINITE, NonFiniteNumber, json_type, loads_strict
+from packsft.jsonl import NON_FINITE, NonFiniteNumber, json_type, loads_strict
 
 RECORD_FORMATS = ("messages", "input-output", "sharegpt", "alpaca")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",

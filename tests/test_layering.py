@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "packsft"
-BASE = {"packsft", "conversation", "tokenizer", "io", "layout", "process_groups", "record_formats", "token_cache"}
+BASE = {"packsft", "conversation", "jsonl", "tokenizer", "io", "layout", "process_groups", "record_formats",
+        "token_cache"}
 ALLOWED = {
     "base": BASE,
     "prompt_formats": BASE | {"prompt_formats"},
@@ -155,7 +156,7 @@ def test_no_module_imports_another_modules_private_names(path):
 
 MAX_LINES = 450
 OVERSIZE = {          # modules still over MAX_LINES, each capped at its size today: they may shrink, never grow
-    "conversation.py": 566, "sidecar.py": 477,
+    "sidecar.py": 477,
 }
 
 

@@ -55,7 +55,7 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
         ValueError: naming the file: not valid JSON, or JSON that is not an object.
         OSError: the file cannot be read.
     """
-    from packsft.conversation import json_type
+    from packsft.jsonl import json_type
 
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from packsft.conversation import iter_jsonl_lines_sized
+from packsft.jsonl import iter_jsonl_lines_sized
 from packsft.packing.config import PackConfig
 from packsft.packing.sources import is_row_source, iter_source
 

@@ -35,8 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from packsft.conversation import iter_jsonl_lines_sized
 from packsft.io import file_blake2b
+from packsft.jsonl import iter_jsonl_lines_sized
 
 ROW_SUFFIXES = (".parquet", ".arrow")
 EXTRA = "packsft[datasets]"

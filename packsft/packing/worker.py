@@ -12,7 +12,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from packsft.conversation import ConversationError, loads_line, parse_record
+from packsft.conversation import ConversationError, parse_record
+from packsft.jsonl import loads_line
 from packsft.layout import conversation_cost
 from packsft.packing.config import PackConfig
 from packsft.packing.shards import Shard, ShardResult, read_shard

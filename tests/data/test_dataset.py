@@ -302,7 +302,8 @@ def _read_and_count(path, tok, fmt, limit, max_seq_len, cp, every_variant=0):
 
     ``chat-template`` must reject nothing; ``every_variant > 0`` adds :func:`variants` of every such conversation.
     """
-    from packsft.conversation import Conversation, iter_jsonl_lines, parse_record
+    from packsft.conversation import Conversation, parse_record
+    from packsft.jsonl import iter_jsonl_lines
     from packsft.layout import conversation_cost
     from packsft.prompt_formats import PromptFormatError, count_conversation_tokens
 

@@ -211,24 +211,16 @@ class TorchCoreAttention(MegatronModule):
 
     Drop-in for ``DotProductAttention`` (same constructor and forward signature, megatron-core
     0.16.1); see the module docstring for shapes, masking and the CP memory cost. No parameters, so
-    checkpoint keys equal the stock local spec's.
-
-    Raises:
-        NotImplementedError: for a non-causal ``attn_mask_type``, sliding windows, a softmax type
-            other than ``"vanilla"``, an ``attention_bias`` or an explicit ``attention_mask``.
+    checkpoint keys equal the stock local spec's. It implements what packsft's layer spec and
+    ``ModelConfig.transformer_config`` give it, and nothing else: a causal ``attn_mask_type``, no sliding
+    window, ``softmax_type="vanilla"``, no attention dropout, no ``attention_mask`` / ``attention_bias``
+    (it builds its own causal mask; others are ignored, not refused).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
         super().__init__(config=config)
-        if attn_mask_type != AttnMaskType.causal:
-            raise NotImplementedError(f"TorchCoreAttention supports causal masks only, got {attn_mask_type}")
-        if config.window_size is not None:
-            raise NotImplementedError("TorchCoreAttention does not support sliding-window attention")
-        if config.softmax_type != "vanilla":
-            raise NotImplementedError(f"TorchCoreAttention supports softmax_type='vanilla' only, "
-                                      f"got {config.softmax_type!r}")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -239,7 +231,6 @@ class TorchCoreAttention(MegatronModule):
         # apply_query_key_layer_scaling divides and re-multiplies by layer_number in fp32: net identity.
         default_scale = 1.0 / math.sqrt(config.kv_channels)
         self.softmax_scale = softmax_scale if softmax_scale is not None else default_scale
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.kernel: AttentionKernel | None = None     # select_attention_kernel's answer, at the first call
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -247,14 +238,8 @@ class TorchCoreAttention(MegatronModule):
                 packed_seq_params=None) -> Tensor:
         """Attend; shapes as in the module docstring (thd ``[t, np*hn]``, sbhd ``[s, b, np*hn]``).
 
-        Raises:
-            ValueError: offsets whose last entry is not the row's token count (``cp * t``).
+        The offsets' last entry is the row's token count (``cp * t``): the data path builds them so (asserted).
         """
-        if attention_bias is not None or attention_mask is not None:
-            raise NotImplementedError("TorchCoreAttention builds its own causal mask; "
-                                      "got an attention_mask or attention_bias")
-        if self.training and self.dropout_p > 0:
-            raise NotImplementedError("TorchCoreAttention does not implement attention dropout (set it to 0)")
         if self.kernel is None:                         # chosen once, at the first call
             self.kernel = select_attention_kernel(query.device.type, query.dtype)
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
@@ -269,9 +254,8 @@ class TorchCoreAttention(MegatronModule):
             cu = torch.tensor([0, query.shape[0] * cp_size], device=query.device)
         # host offsets when the data path gave them (no device read per layer), else read them back
         bounds = list(getattr(packed_seq_params, "cu_seqlens_padded_host", None) or ()) or cu.tolist()
-        if bounds[-1] != query.shape[0] * cp_size:
-            raise ValueError(f"cu_seqlens[-1] ({bounds[-1]}) != context_parallel_size * local tokens "
-                             f"({cp_size} * {query.shape[0]})")
+        assert bounds[-1] == query.shape[0] * cp_size, \
+            f"cu_seqlens[-1] ({bounds[-1]}) != context_parallel_size * local tokens ({cp_size} * {query.shape[0]})"
         if thd and self.kernel.varlen is not None:
             return self._attend_varlen(query, key, value, cu, bounds, group, packed_seq_params).flatten(1)
         if thd:

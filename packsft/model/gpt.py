@@ -49,7 +49,8 @@ class QKNorm:
 
 
 def layer_spec(attention_backend: str, qk_layernorm: bool = False):
-    """Transformer-layer ``ModuleSpec`` for an attention backend.
+    """Transformer-layer ``ModuleSpec`` for an attention backend (``model.attention_backend``, one of
+    ``ATTENTION_BACKENDS``: checked by ``ModelConfig``).
 
     ``"torch"``: Megatron's local spec (``get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=...)``)
     with ``self_attention.submodules.core_attention`` replaced by :class:`TorchCoreAttention`, the layer norms by
@@ -59,16 +60,7 @@ def layer_spec(attention_backend: str, qk_layernorm: bool = False):
 
     Raises:
         ImportError: for ``"te"`` when transformer_engine is not installed.
-        ValueError: for an unknown backend.
     """
-    if attention_backend == "torch":
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-        attention = spec.submodules.self_attention.submodules
-        attention.core_attention = TorchCoreAttention
-        if qk_layernorm:
-            attention.q_layernorm = attention.k_layernorm = QKNorm
-        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
-        return spec
     if attention_backend == "te":
         try:
             import transformer_engine  # noqa: F401
@@ -78,7 +70,13 @@ def layer_spec(attention_backend: str, qk_layernorm: bool = False):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    raise ValueError(f"unknown attention_backend {attention_backend!r}; expected 'torch' or 'te'")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = TorchCoreAttention
+    if qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = QKNorm
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
+    return spec
 
 
 def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_process: bool | None = None,
@@ -112,12 +110,8 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_p
         ``packsft.model.output_head`` for the hidden-state seam.
 
     Raises:
-        RuntimeError: if ``parallel_state`` is not initialised.
         ValueError: if ``cfg.vocab_size`` is not a multiple of the TP size.
     """
-    if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("megatron parallel_state is not initialised; call "
-                           "packsft.train.distributed.init_distributed() before build_gpt_model()")
     apply_cpu_workarounds()
     install_sync_free_rope()
     tp = parallel_state.get_tensor_model_parallel_world_size()

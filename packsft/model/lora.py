@@ -175,16 +175,14 @@ def adapter_seed(seed: int, name: str) -> int:
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> dict[str, torch.nn.Module]:
-    """Inject LoRA adapters into ``model`` (a ``GPTModel`` of the ``torch`` backend) in place and freeze the base.
+    """Inject LoRA adapters into ``model`` (a ``GPTModel`` of the ``torch`` backend, whose targets are Megatron's
+    ``ColumnParallelLinear`` / ``RowParallelLinear``: the training config refuses ``lora.enabled`` with ``te``) in
+    place and freeze the base.
 
     Call after ``build_gpt_model`` (``parallel_state`` initialised) and before building the optimizer and DDP.
 
     Returns:
         :func:`lora_modules` of the model (``{name: MegatronLoraLinear}``).
-
-    Raises:
-        NotImplementedError: for target modules that are not Megatron ``ColumnParallelLinear`` /
-            ``RowParallelLinear`` (the ``te`` backend's fused linears).
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -193,11 +191,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> dict[str, torch.nn.M
 
     from packsft.model.gpt import global_layer_name
 
-    targets = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in lora.target_modules]
-    unsupported = {type(m).__name__ for m in targets if not isinstance(m, ColumnParallelLinear | RowParallelLinear)}
-    if unsupported:
-        raise NotImplementedError(f"LoRA supports Megatron's ColumnParallelLinear / RowParallelLinear (the torch "
-                                  f"backend), not {sorted(unsupported)}")
     peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                  target_modules=list(lora.target_modules), bias="none")
     cls = _lora_classes()

@@ -58,11 +58,11 @@ from packsft.train.checkpoint_files import (
 from packsft.train.model_checkpoint import (  # noqa: F401 - CheckpointWriteError: this module's API
     CheckpointWriteError,
     check_partial_load,
-    checkpoint_write_error,
     is_adapter_key,
     load_dist_checkpoint,
+    naming_write_errors,
 )
-from packsft.train.safe_checkpoint_read import is_refused_global, refusal_reason, refused
+from packsft.train.safe_checkpoint_read import refusal_reason, refusing_code
 
 DIST_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """``metadata`` of ``DistributedOptimizer.sharded_state_dict`` (Megatron-LM's default for ``torch_dist``)."""
@@ -73,25 +73,19 @@ def _load_plain(file: Path) -> Any:
 
     Raises:
         CheckpointError: the file holds other objects (a pickled class, function or ``__reduce__`` payload), is not a
-            file, or is unreadable (truncated, damaged).
+            file, or is unreadable (truncated, damaged, no pickle at all).
     """
     if not file.is_file():
         raise CheckpointError(f"{file}: not a file; the checkpoint is damaged: resume another one "
                               "(checkpoint.resume=<its iter_* folder>)")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, UnicodeDecodeError) as err:  # a truncated zip ("PytorchStreamReader
-        # failed ..."), an empty file, a folder in its place, flipped bytes
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{file}: unreadable ({reason}): the file is truncated or damaged; resume from another "
-                              "checkpoint (checkpoint.resume=<its iter_* folder>)") from None
-    except pickle.UnpicklingError as err:
-        reason = refusal_reason(err)
-        if not is_refused_global(err):         # not a refused class or function: bytes that are no pickle at all
-            raise CheckpointError(f"{file}: unreadable (not a file torch.load reads: {reason}): the file is damaged; "
-                                  "resume from another checkpoint (checkpoint.resume=<its iter_* folder>)") from None
-        raise refused(file, "it holds objects other than tensors and plain values (torch.load(weights_only=True): "
-                            f"{reason})") from None
+        with refusing_code(file):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, UnicodeDecodeError, pickle.UnpicklingError) as err:  # a truncated zip
+        # ("PytorchStreamReader failed ..."), an empty file, flipped bytes, bytes that are no pickle
+        raise CheckpointError(f"{file}: unreadable (not a file torch.load reads: {refusal_reason(err)}): the file is "
+                              "truncated or damaged; resume from another checkpoint (checkpoint.resume=<its iter_* "
+                              "folder>)") from None
 
 
 def checkpoint_bytes_estimate(params, *, tp_size: int = 1) -> int:
@@ -151,8 +145,6 @@ def _model_sharded_state_dict(model, adapters_only: bool = False) -> dict[str, A
 def _load_model_state(model, state: dict[str, Any], adapters_only: bool = False) -> None:
     """``load_state_dict`` of what :func:`_model_sharded_state_dict` described, chunk by chunk for a list.
 
-    Raises:
-        RuntimeError: strict mismatch; with ``adapters_only``, an adapter tensor was not loaded.
     """
     if isinstance(model, list):
         for i, m in enumerate(model):
@@ -187,9 +179,7 @@ def _rng_state() -> dict[str, Any]:
     ``python``: ``random.getstate()`` as JSON text; ``numpy``: the MT19937 key (int64 [624]) plus
     ``[pos, has_gauss, cached_gaussian]``; ``torch`` (uint8), ``cuda`` and ``cuda_tracker`` (name -> uint8 tensor).
     """
-    kind, key, pos, has_gauss, cached = np.random.get_state()
-    if kind != "MT19937":
-        raise ValueError(f"numpy's global RNG is {kind!r}, not MT19937; cannot checkpoint it")
+    _, key, pos, has_gauss, cached = np.random.get_state()     # the legacy global RNG: always MT19937
     state = {"python": json.dumps(random.getstate()), "numpy_key": torch.from_numpy(key.astype(np.int64)),
              "numpy": [int(pos), int(has_gauss), float(cached)], "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -245,21 +235,13 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model, optimizer, *, train_
         tmp.mkdir(parents=True)
     dist.barrier()
     process_guard.start_checkpoint_writer()
-    try:
+    with naming_write_errors(tmp, lambda err: space_error(err, ckpt_dir, tmp, need_bytes)):
         dist_checkpointing.save(sharded_train_state(model, optimizer, adapters_only=adapters_only), str(tmp))
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         if write_loader_state:
             torch.save(loader_state, tmp / f"dataloader_dp{dp_rank}.pt")
         if rank == 0:
             write_json_atomic(tmp / TRAIN_STATE, train_state)
-    except BaseException as err:   # torch DCP's CheckpointException is a BaseException
-        full = space_error(err, ckpt_dir, tmp, need_bytes)
-        if full is not None:
-            raise full from err
-        failed = checkpoint_write_error(err, tmp)
-        if failed is None:
-            raise
-        raise failed from err
     dist.barrier()
     if rank == 0:
         publish_checkpoint(ckpt_dir, tmp, final, keep_last)

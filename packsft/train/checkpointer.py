@@ -119,10 +119,7 @@ class Checkpointer:
                                     fix=RESUME_FIX)
         check_recorded_optimizer(cfg.optimizer, recorded_sections, path, cfg.parallel)
         recorded = saved.get(ckpt_files.LORA_BASE)
-        if recorded is not None:
-            if not cfg.lora.enabled:
-                raise ckpt.CheckpointError(f"checkpoint {path} holds only LoRA adapters (of the base "
-                                           f"{recorded.get('path')}); resume it with lora.enabled=true")
+        if recorded is not None:    # a LoRA run's (lora.enabled was compared above)
             base_dir = check_lora_base(recorded, init_from, path)
             self.load_base(base_dir)
             self.lora_base = {"path": str(Path(base_dir).resolve()), "fingerprint": recorded["fingerprint"]}

@@ -23,10 +23,12 @@ again: about 1 GB/s).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import pickle
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -98,14 +100,10 @@ def base_identity(ckpt_dir: str | Path) -> dict[str, str]:
 
     Uses the file hashes of ``weights_fingerprint.json`` when its files are exactly the folder's, with the same
     sizes and modification times (other weights of the same shapes have the same sizes); otherwise hashes the
-    files (:func:`weights_fingerprint`).
-
-    Raises:
-        FileNotFoundError: ``ckpt_dir`` is not a folder.
+    files (:func:`weights_fingerprint`). ``ckpt_dir`` is ``checkpoint.init_from``, whose ``model_config.json``
+    ``load_config`` has read.
     """
     ckpt_dir = Path(ckpt_dir).resolve()
-    if not ckpt_dir.is_dir():
-        raise FileNotFoundError(f"base checkpoint {ckpt_dir} does not exist")
     return {"path": str(ckpt_dir), "fingerprint": _identity(ckpt_dir)[0]}
 
 
@@ -161,13 +159,8 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
         tmp.mkdir(parents=True)
     barrier()
     process_guard.start_checkpoint_writer()     # its helper process dies with this one
-    try:
+    with naming_write_errors(ckpt_dir):
         dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
-    except BaseException as err:   # torch DCP's CheckpointException is a BaseException
-        failed = checkpoint_write_error(err, ckpt_dir)
-        if failed is None:
-            raise
-        raise failed from err
     barrier()
     if rank == 0:
         (tmp / MODEL_CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
@@ -204,6 +197,23 @@ def checkpoint_write_error(err: BaseException, target: str | Path) -> Checkpoint
     return CheckpointWriteError(f"cannot write checkpoint {target}: {reason}")
 
 
+@contextlib.contextmanager
+def naming_write_errors(target: str | Path, space_error=None) -> Iterator[None]:
+    """Run a checkpoint write into ``target``; its failure is raised as ``space_error(err)`` (a full disk, when
+    given and not None), else :func:`checkpoint_write_error` (a failed writer), else as it is.
+
+    Raises:
+        CheckpointSpaceError (from ``space_error``), CheckpointWriteError: chained to the write's error.
+    """
+    try:
+        yield
+    except BaseException as err:   # torch DCP's CheckpointException is a BaseException
+        failed = (space_error(err) if space_error is not None else None) or checkpoint_write_error(err, target)
+        if failed is None:
+            raise
+        raise failed from err
+
+
 def unreadable_checkpoint_message(err: BaseException) -> str:
     """The ``error:`` text for torch's ``CheckpointException`` (a ``BaseException`` that wraps each rank's failure
     to read a checkpoint: a truncated or missing ``.distcp`` file, a model of another shape than the checkpoint)."""
@@ -235,11 +245,9 @@ def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
 
     try:
         return safe_checkpoint_read.load(sharded, Path(ckpt_dir))
-    except CheckpointError:
-        raise
     except Exception as err:  # noqa: BLE001 - unpickling, JSON, zip, OS errors, megatron's over other contents
-        damaged = _damaged_common_file(Path(ckpt_dir))
-        if damaged is None:          # the files megatron reads whole are sound: not theirs
+        damaged = None if isinstance(err, CheckpointError) else _damaged_common_file(Path(ckpt_dir))
+        if damaged is None:          # named already, or the files megatron reads whole are sound: not theirs
             raise
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, pickle.UnpicklingError):   # torch's first line suggests weights_only=False: never
@@ -282,7 +290,6 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = F
     base weights are left as they are (load the base first).
 
     Raises:
-        RuntimeError: (``load_state_dict``) a tensor that should have been loaded was not.
         CheckpointError: a damaged ``common.pt`` or ``metadata.json`` (:func:`load_dist_checkpoint`).
     """
     chunks = model if isinstance(model, list) else [model]
@@ -301,11 +308,13 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = F
 
 
 def check_partial_load(result, *, adapters_only: bool, what: str) -> None:
-    """Raise ``RuntimeError`` unless a non-strict ``load_state_dict`` missed only the other half (base / adapters).
+    """Assert that a non-strict ``load_state_dict`` missed only the other half (base / adapters).
 
     ``result``: its ``(missing_keys, unexpected_keys)``; ``adapters_only``: the adapters were loaded (else the base).
+    An invariant, not a check of the checkpoint: the state loaded is the model's own ``sharded_state_dict()``
+    filtered by :func:`is_adapter_key`, and ``dist_checkpointing.load`` refuses a checkpoint that lacks one of its
+    tensors (``CheckpointException`` naming it).
     """
     missing = [k for k in result.missing_keys if is_adapter_key(k) == adapters_only]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"{what} does not match the model: missing {missing}, "
-                           f"unexpected {list(result.unexpected_keys)}")
+    assert not missing and not result.unexpected_keys, \
+        f"{what} does not match the model: missing {missing}, unexpected {list(result.unexpected_keys)}"

@@ -87,6 +87,26 @@ def refusal_reason(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
+PLAIN_VALUES_ONLY = "it holds objects other than tensors and plain values"
+
+
+@contextlib.contextmanager
+def refusing_code(file: str | Path, what: str = PLAIN_VALUES_ONLY) -> Iterator[None]:
+    """Run a ``torch.load(weights_only=True)`` of ``file``; a class or function it refused becomes
+    :func:`refused` (``<file>: refused: <what> (torch.load(weights_only=True): unsupported GLOBAL ...)``).
+
+    Raises:
+        CheckpointError: the refusal, naming ``file``. Other ``pickle.UnpicklingError`` (bytes that are no pickle)
+            as they are.
+    """
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        if not is_refused_global(err):
+            raise
+        raise refused(file, f"{what} (torch.load(weights_only=True): {refusal_reason(err)})") from None
+
+
 class NotAdmittedError(pickle.UnpicklingError):
     """A pickle references a global (class, function) that its reader does not admit; ``qualname`` names it."""
 
@@ -115,9 +135,8 @@ def read_dcp_metadata(ckpt_dir: str | Path) -> Metadata:
     """``<ckpt_dir>/.metadata`` read with :class:`MetadataUnpickler`.
 
     Raises:
-        FileNotFoundError: no ``.metadata`` (not a ``torch_dist`` folder).
-        CheckpointError: it references another class or function (``refused ... could run code``), or it is not a
-            pickle of torch's ``Metadata`` (truncated, damaged).
+        CheckpointError: it references another class or function (``refused ... could run code``), or it is missing
+            or not a pickle of torch's ``Metadata`` (truncated, damaged).
     """
     file = Path(ckpt_dir) / METADATA_FILE
     try:
@@ -126,10 +145,8 @@ def read_dcp_metadata(ckpt_dir: str | Path) -> Metadata:
     except NotAdmittedError as err:
         raise refused(file, f"it references {err.qualname} (not one of the classes torch.distributed.checkpoint "
                             "metadata is made of)") from None
-    except FileNotFoundError:
-        raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
-            ImportError, OSError) as err:   # truncated, garbage, a folder in its place
+            ImportError, OSError) as err:   # missing, truncated, garbage, a folder in its place
         metadata = err
     if not isinstance(metadata, Metadata):
         reason = refusal_reason(metadata) if isinstance(metadata, BaseException) else f"a {type(metadata).__name__}"
@@ -149,13 +166,9 @@ class _WeightsOnlyBytes:
         return getattr(self._planner, name)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
+        what = f"its item {read_item.storage_index.fqn} holds objects other than tensors and plain values"
+        with refusing_code(self._file, what):
             item = torch.load(value, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            if not is_refused_global(err):
-                raise
-            raise refused(self._file, f"its item {read_item.storage_index.fqn} holds objects other than tensors and "
-                                      f"plain values (torch.load(weights_only=True): {refusal_reason(err)})") from None
         clean = io.BytesIO()
         torch.save(item, clean)
         clean.seek(0)
@@ -190,13 +203,8 @@ class SafeFileSystemReader(FileSystemReader):
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in by_file.items():         # one file at a time, to name it
             file = Path(self.path) / name
-            try:
+            with refusing_code(file):   # a tensor item (torch reads those with weights_only=True)
                 super().read_data(dataclasses.replace(plan, items=items), _WeightsOnlyBytes(planner, file))
-            except pickle.UnpicklingError as err:   # a tensor item (torch reads those with weights_only=True)
-                if not is_refused_global(err):
-                    raise
-                raise refused(file, "it holds objects other than tensors and plain values (torch.load("
-                                    f"weights_only=True): {refusal_reason(err)})") from None
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -217,13 +225,8 @@ class WeightsOnlyCommonLoadStrategy(TorchCommonLoadStrategy):
         file = Path(checkpoint_dir) / COMMON_STATE_FNAME
         if not file.exists():
             return super().load_common(checkpoint_dir)           # megatron's message
-        try:
+        with refusing_code(file):
             return torch.load(file, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            if not is_refused_global(err):
-                raise
-            raise refused(file, "it holds objects other than tensors and plain values (torch.load(weights_only="
-                                f"True): {refusal_reason(err)})") from None
 
 
 def check_extra_state(state: dict, ckpt_dir: str | Path, prefix: str = "") -> None:

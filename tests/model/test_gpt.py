@@ -123,12 +123,6 @@ def test_rotary_base_and_architecture(parallel_state_1proc):  # noqa: F811
     assert all(n.endswith("weight") for n, _ in model.named_parameters())             # no biases
 
 
-def test_build_requires_parallel_state(monkeypatch):
-    monkeypatch.setattr(gpt.parallel_state, "model_parallel_is_initialized", lambda: False)
-    with pytest.raises(RuntimeError, match="init_distributed"):
-        build_gpt_model(tiny_config())
-
-
 def test_te_backend_without_transformer_engine():
     try:
         import transformer_engine  # noqa: F401

@@ -6,16 +6,15 @@ import shlex
 
 import pytest
 
+from packsft.data.repack import REPACK_OPTIONS, repack_hint
 from packsft.prompt_formats import PromptFormat
 from packsft.sidecar import (
     CHECKED_FIELDS,
-    REPACK_OPTIONS,
     SidecarError,
     check_sidecar,
     loader_expectation,
     packing_efficiency,
     read_sidecar,
-    repack_hint,
     sidecar_path,
     write_sidecar,
 )

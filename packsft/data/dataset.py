@@ -40,6 +40,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from packsft.conversation import ConversationError, split_row
+from packsft.data.repack import repack_hint
 from packsft.data.row import build_row, build_row_flat
 from packsft.io import atomic_open, finish_interrupted_publish, missing_file
 from packsft.layout import check_max_seq_len
@@ -55,7 +56,6 @@ from packsft.sidecar import (
     loader_expectation,
     read_sidecar,
     refuse_sidecar_as_rows,
-    repack_hint,
     row_index_path,
     sidecar_path,
     special_tokens,

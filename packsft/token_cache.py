@@ -62,13 +62,8 @@ def stored_length(num_tokens: int, max_seq_len: int) -> int:
 
 
 def encode_conversation(tokens: Sequence[int], targets: Sequence[int], max_seq_len: int) -> bytes:
-    """One conversation as cache bytes: int32 little-endian ``[min(n, L), 2]`` (token, target) pairs.
-
-    Raises:
-        ValueError: ``tokens`` and ``targets`` differ in length.
-    """
-    if len(tokens) != len(targets):
-        raise ValueError(f"tokens ({len(tokens)}) and targets ({len(targets)}) must be equally long")
+    """One conversation as cache bytes: int32 little-endian ``[min(n, L), 2]`` (token, target) pairs of two equally
+    long sequences."""
     n = stored_length(len(tokens), max_seq_len)
     return encode_pairs(tokens[:n], targets[:n])
 
@@ -84,17 +79,13 @@ def encode_pairs(tokens: Sequence[int], targets: Sequence[int]) -> bytes:
 
 def encode_runs(tokens: Sequence[int], runs: Sequence[int]) -> bytes:
     """:func:`encode_pairs` of ``tokens`` and the targets their ``runs`` give (``+k``: ``k`` trained tokens,
-    their own ids; ``-k``: ``k`` masked ones, ``IGNORE_INDEX``), built in numpy from the runs.
-
-    Raises:
-        ValueError: the runs do not cover ``tokens``.
+    their own ids; ``-k``: ``k`` masked ones, ``IGNORE_INDEX``), built in numpy from the runs; the runs cover the
+    tokens (``tokenize_conversation(..., runs=True)`` gives both).
     """
     pairs = np.empty((len(tokens), 2), dtype="<i4")
     pairs[:, 0] = tokens
     r = np.array(runs, dtype=np.int64)
     lengths = np.abs(r)
-    if int(lengths.sum()) != len(tokens):
-        raise ValueError(f"runs cover {int(lengths.sum())} tokens, not {len(tokens)}")
     pairs[:, 1] = np.where(np.repeat(r > 0, lengths), pairs[:, 0], IGNORE_INDEX)
     return pairs.tobytes()
 
@@ -152,28 +143,19 @@ class TokenCacheWriter:
         self._rows = self._conv = self._tokens = 0
 
     def add_rows(self, data, num_tokens, row_sizes) -> None:
-        """Append whole rows.
+        """Append whole rows (the packer's own counts: within those announced).
 
         Args:
-            data: bytes-like, the rows' conversations' :func:`encode_conversation` bytes one after another.
+            data: bytes-like, the rows' conversations' :func:`encode_conversation` bytes one after another:
+                ``8 * sum(min(num_tokens, L))`` of them.
             num_tokens: int ``[c]``, each of those conversations' full length in tokens.
             row_sizes: int ``[r]``, conversations of each row (summing to ``c``).
-
-        Raises:
-            ValueError: ``data`` is not ``8 * sum(min(num_tokens, L))`` bytes, or ``row_sizes`` does not sum to
-                ``c``, or more rows or conversations than announced.
         """
         num_tokens = np.asarray(num_tokens, dtype=np.int64)
         row_sizes = np.asarray(row_sizes, dtype=np.int64)
         stored = np.minimum(num_tokens, self.max_seq_len)
         c, r = len(num_tokens), len(row_sizes)
-        nbytes = memoryview(data).nbytes
-        if nbytes != 8 * int(stored.sum()) or int(row_sizes.sum()) != c:
-            raise ValueError(f"{nbytes} bytes and {int(row_sizes.sum())} row entries for {c} conversations of "
-                             f"{int(stored.sum())} stored tokens (L {self.max_seq_len})")
-        if self._rows + r > len(self._row_conv) - 1 or self._conv + c > len(self._lengths):
-            raise ValueError(f"token cache: more than the announced {len(self._row_conv) - 1} rows or "
-                             f"{len(self._lengths)} conversations")
+        assert memoryview(data).nbytes == 8 * int(stored.sum()) and int(row_sizes.sum()) == c, "rows and bytes differ"
         self._out.write(data)
         self._lengths[self._conv : self._conv + c] = num_tokens
         conv_ends = np.cumsum(row_sizes)
@@ -187,13 +169,9 @@ class TokenCacheWriter:
 
         Args:
             rows_blake2b: the rows file's BLAKE2b-160 hex (stored in the index header).
-
-        Raises:
-            ValueError: fewer rows, conversations or tokens were added than announced.
         """
-        if (self._rows, self._conv, self._tokens) != (len(self._row_conv) - 1, len(self._lengths), self._total):
-            raise ValueError(f"token cache: {self._rows} rows, {self._conv} conversations, {self._tokens} tokens "
-                             f"written; {len(self._row_conv) - 1}, {len(self._lengths)}, {self._total} announced")
+        written = (self._rows, self._conv, self._tokens)
+        assert written == (len(self._row_conv) - 1, len(self._lengths), self._total), f"{written} not as announced"
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

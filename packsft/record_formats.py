@@ -122,12 +122,17 @@ def _decoded(text: str, where: str, expected: str) -> Any:
     """
     try:
         return loads_strict(text)
-    except NonFiniteNumber:
-        raise RecordFormatError(f"{where}: holds {NON_FINITE}") from None
-    except json.JSONDecodeError as e:
-        raise RecordFormatError(f"{where}: {expected} ({e.msg})") from e
-    except (ValueError, RecursionError) as e:  # nested too deeply, an integer of too many digits
-        raise RecordFormatError(f"{where}: {expected} (not valid JSON here: {e or 'nested too deeply'})") from e
+    except (ValueError, RecursionError) as e:  # json.JSONDecodeError and NonFiniteNumber are ValueErrors
+        raise RecordFormatError(f"{where}: {_not_json(e, expected)}") from e
+
+
+def _not_json(e: Exception, expected: str) -> str:
+    """Why a field's string is not what :func:`loads_strict` reads (it raised ``e``)."""
+    if isinstance(e, NonFiniteNumber):
+        return f"holds {NON_FINITE}"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{expected} ({e.msg})"
+    return f"{expected} (not valid JSON here: {e or 'nested too deeply'})"  # too deep, an integer of too many digits
 
 
 _MESSAGE_FIELD = re.compile(r"^messages\[(\d+)\](.*)$")

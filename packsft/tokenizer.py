@@ -49,16 +49,19 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             # never run a folder's own code (its auto_map): transformers would ask on stdin, and run it on "y"
             tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - the Rust tokenizer raises plain Exception; json, OSError, ValueError
-        if "trust_remote_code" in str(e):
-            raise ValueError(f"cannot load the tokenizer at {p}: its tokenizer_config.json needs the folder's own "
-                             "code (auto_map), which packsft never runs; give a folder with a tokenizer.json and a "
-                             "tokenizer class transformers itself has") from e
-        what = "a tokenizer.json file" if p.is_file() else "a tokenizer folder (tokenizer.json, tokenizer_config.json)"
-        raise ValueError(f"cannot load the tokenizer at {p} as {what}: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())}") from e  # one line (transformers' messages have several)
+        raise ValueError(f"cannot load the tokenizer at {p}{_load_error(p, e)}") from e
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"tokenizer at {p} has no fast backend (tokenizer.json); packsft needs one")
     return tok
+
+
+def _load_error(p: Path, e: Exception) -> str:
+    """Why the tokenizer at ``p`` did not load (transformers raised ``e``), on one line."""
+    if "trust_remote_code" in str(e):
+        return (": its tokenizer_config.json needs the folder's own code (auto_map), which packsft never runs; give a "
+                "folder with a tokenizer.json and a tokenizer class transformers itself has")
+    what = "a tokenizer.json file" if p.is_file() else "a tokenizer folder (tokenizer.json, tokenizer_config.json)"
+    return f" as {what}: {type(e).__name__}: {' '.join(str(e).split())}"  # transformers' messages have several lines
 
 
 def _generic_fast(folder: Path) -> bool:

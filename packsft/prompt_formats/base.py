@@ -10,6 +10,7 @@ Two families: the Megatron-LM presets (``megatron.py``) encode the whole renderi
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -153,7 +154,7 @@ class PromptFormat:
         raise NotImplementedError
 
 
-class PerTurnFormat(PromptFormat):
+class PerTurnFormat(PromptFormat, ABC):
     """A format whose segments are encoded each on its own: prompt parts, then each trained assistant turn.
 
     No token crosses a header and a reply; an assistant turn is trained unless it is empty, has ``weight: 0``
@@ -162,14 +163,14 @@ class PerTurnFormat(PromptFormat):
 
     per_turn = True
 
+    @abstractmethod
     def ends_silently(self, tokenizer: PreTrainedTokenizerBase) -> bool:
         """True when the format writes nothing after an assistant turn's content."""
-        raise NotImplementedError
 
+    @abstractmethod
     def render(self, messages: list[dict[str, Any]], tools: list | None, tokenizer: PreTrainedTokenizerBase,
                chat_template_kwargs: dict[str, Any] | None) -> list[Segment]:
         """The segments of a conversation that :meth:`segments` accepted: prompt, trained, ..., prompt."""
-        raise NotImplementedError
 
     def segments(self, messages, tools, tokenizer, chat_template_kwargs=None) -> list[Segment]:
         """Refuse a tool-call turn without content when the format does not render tool calls, then render."""

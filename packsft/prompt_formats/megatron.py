@@ -9,7 +9,7 @@ nothing in the Nemotron presets, and an assistant turn that only carries ``tool_
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from packsft.prompt_formats.base import NonMegatronError, PromptFormat, PromptFormatError, Segment
 
@@ -35,10 +35,6 @@ def _nemotron_segments(messages: list[dict[str, Any]], name: str) -> list[Segmen
             tail = "\n" if nano else "\n<SPECIAL_11>Assistant\n"
             segments.append(Segment(f"<SPECIAL_11>User\n{body}{tail}", i, False))
         elif role == "assistant":
-            if not content.strip():
-                why = " (the Nemotron presets do not render tool_calls; use chat-template)" if m.get(
-                    "tool_calls") else ""
-                raise PromptFormatError(f"empty assistant turn{why}", i)
             if nano:
                 segments.append(Segment(f"<SPECIAL_11>Assistant\n{content.strip()}\n<SPECIAL_12>\n", i, True, 3))
             else:
@@ -49,17 +45,7 @@ def _nemotron_segments(messages: list[dict[str, Any]], name: str) -> list[Segmen
 
 def _identity_segments(messages: list[dict[str, Any]]) -> list[Segment]:
     """Megatron-LM's ``identity``: every content verbatim; system, user and tool turns masked."""
-    segments = []
-    for i, m in enumerate(messages):
-        content = m.get("content")
-        if m["role"] == "assistant":
-            if not isinstance(content, str) or not content.strip():
-                why = " (identity does not render tool_calls; use chat-template)" if m.get("tool_calls") else ""
-                raise PromptFormatError(f"empty assistant turn{why}", i)
-            segments.append(Segment(content, i, True))
-        else:
-            segments.append(Segment(content or "", i, False))
-    return segments
+    return [Segment(m.get("content") or "", i, m["role"] == "assistant") for i, m in enumerate(messages)]
 
 
 def _check_megatron_order(messages: list[dict[str, Any]]) -> None:
@@ -97,17 +83,23 @@ class MegatronPreset(PromptFormat):
     preset_pad = "<unk>"
     megatron = True
     whole_texts = 1
+    tool_calls_hint: ClassVar[str] = "the Nemotron presets do not render tool_calls; use chat-template"
+    """Why an assistant turn with only ``tool_calls`` is empty (in the error)."""
 
     def render(self, messages: list[dict[str, Any]]) -> list[Segment]:
         """The preset's segments of a conversation."""
         return _nemotron_segments(messages, self.name)
 
     def segments(self, messages, tools, tokenizer, chat_template_kwargs=None):
-        """Refuse ``weight: 0``, render, and (unless :attr:`allow_non_megatron`) refuse Megatron-LM's order errors."""
+        """Refuse ``weight: 0`` and empty assistant turns, render, and (unless :attr:`allow_non_megatron`) refuse
+        Megatron-LM's order errors."""
         for i, m in enumerate(messages):
             if m.get("weight", 1) == 0:
                 raise PromptFormatError(f"'weight: 0' needs prompt format chat-template or passthrough; {self.name} "
                                         "masks as Megatron-LM does", i)
+            if m["role"] == "assistant" and not (m.get("content") or "").strip():
+                why = f" ({self.tool_calls_hint})" if m.get("tool_calls") else ""
+                raise PromptFormatError(f"empty assistant turn{why}", i)
         segments = self.render(messages)
         if not self.allow_non_megatron:
             _check_megatron_order(messages)
@@ -142,6 +134,8 @@ class MegatronPreset(PromptFormat):
 
 class Identity(MegatronPreset):
     """``identity``: every content verbatim (an assistant turn without content is an error)."""
+
+    tool_calls_hint = "identity does not render tool_calls; use chat-template"
 
     def render(self, messages):
         """Each message's content, verbatim."""

@@ -70,15 +70,14 @@ def get_prompt_format(
     cls = PROMPT_FORMATS[canonical]
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")
-    if not cls.per_turn and (train_on != "all" or append_eos):
-        raise ValueError(f"--train-on and --append-eos need prompt format chat-template or passthrough; "
-                         f"{canonical} masks as Megatron-LM does")
-    if chat_template_kwargs and not cls.templated:
-        raise ValueError(f"--chat-template-kwargs needs prompt format chat-template, not {canonical}")
-    if chat_template is not None and not cls.templated:
-        raise ValueError(f"--chat-template needs prompt format chat-template; {canonical} does not render a template")
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-        raise ValueError(f"chat_template_kwargs must be a JSON object, got {type(chat_template_kwargs).__name__}")
+    for given, capability, message in (
+            (train_on != "all" or append_eos, "per_turn", "--train-on and --append-eos need prompt format "
+             "chat-template or passthrough; {name} masks as Megatron-LM does"),
+            (chat_template_kwargs, "templated", "--chat-template-kwargs needs prompt format chat-template, not {name}"),
+            (chat_template is not None, "templated", "--chat-template needs prompt format chat-template; {name} does "
+             "not render a template")):
+        if given and not getattr(cls, capability):  # an option the format would ignore
+            raise ValueError(message.format(name=canonical))
     check_reserved(chat_template_kwargs, "--chat-template-kwargs")
     template = cls.template_for(tokenizer, chat_template)
     pad = pad_token if pad_token is not None else cls.preset_pad or _tokenizer_pad(tokenizer, canonical)

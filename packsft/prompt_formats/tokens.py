@@ -107,13 +107,11 @@ def _segments_batch(conversations, tokenizer, fmt: PromptFormat, known: list | N
     batch (render all, one encode call for all their new texts, then each one's pieces); per conversation its
     result or the :class:`PromptFormatError` it raised. ``known``: per conversation ``None`` or its own dict
     (as in :func:`tokenize_segments`); the presets' whole text, which a cut always changes, is not kept."""
-    if known is not None and len(known) != len(conversations):
-        raise ValueError(f"known has {len(known)} entries for {len(conversations)} conversations")
     whole = fmt.whole_texts  # texts before the segments' own
     out: list = []
     staged = []  # (index into out, segments, texts, dict, number of them encoded)
     todo: list[str] = []
-    for (messages, tools, kwargs), memo in zip(conversations, known or [None] * len(conversations)):
+    for (messages, tools, kwargs), memo in zip(conversations, known or [None] * len(conversations), strict=True):
         try:
             segments, own = fmt.texts(render_segments(messages, tools, tokenizer, fmt, kwargs))
         except PromptFormatError as e:

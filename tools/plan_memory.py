@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from packsft.layout import MAX_SEQ_LEN  # noqa: E402
+from packsft.packing.config import positive_int  # noqa: E402
 from packsft.train.compat import load_train_config  # noqa: E402
 from packsft.train.memory import GiB, Layout, format_plan, layout_from_config, max_seq_len, plan  # noqa: E402
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--config", required=True, help="training YAML (configs/*.yaml)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB, 141GiB (default 80GB)")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", type=positive_int, default=None,
                         help="GPUs of the job (default: TP x CP x PP of the config, i.e. DP = 1)")
     parser.add_argument("--sweep", action="store_true", help="list the layouts of --world-size that fit")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=None,
@@ -89,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
                      "(override it: data.max_seq_len=32768)")
     args.seq_lens = args.seq_lens or [8192, 32768, 131072]
     try:
-        if args.world_size is not None and args.world_size < 1:
-            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
         if any(not 1 <= n <= MAX_SEQ_LEN for n in args.seq_lens):
             raise ValueError(f"--seq-lens must be token counts from 1 to {MAX_SEQ_LEN:,}, got {args.seq_lens}")
         gpu_bytes = parse_bytes(args.gpu_memory)

@@ -136,9 +136,10 @@ def plan(model: ModelConfig, layout: Layout, seq_len: int, gpu_bytes: float) -> 
     up to ``PP`` micro-batches in flight, so its activations are about those of ``num_layers / PP`` layers x
     ``PP`` micro-batches, i.e. the same as without pipelining (Megatron-LM's observation).
 
+    ``seq_len`` is a multiple of ``2 CP`` (the training config's rule; :func:`max_seq_len` steps by it).
+
     Raises:
-        ValueError: a layout that does not divide the model (layers by PP, heads and vocabulary by TP) or the row
-            by ``2 CP``.
+        ValueError: a layout that does not divide the model (layers by PP, heads and vocabulary by TP).
     """
     if model.num_layers % layout.pp:
         raise ValueError(f"num_layers ({model.num_layers}) is not a multiple of pipeline_model_parallel_size "
@@ -149,8 +150,6 @@ def plan(model: ModelConfig, layout: Layout, seq_len: int, gpu_bytes: float) -> 
     if model.vocab_size % layout.tp:   # refused by the trainer (build_gpt_model)
         raise ValueError(f"vocab_size ({model.vocab_size}) is not a multiple of tensor_model_parallel_size "
                          f"({layout.tp}); pad the vocabulary")
-    if layout.cp > 1 and seq_len % (2 * layout.cp):
-        raise ValueError(f"max_seq_len ({seq_len}) is not a multiple of 2 * context_parallel_size")
     params = num_parameters(model)
     static = params * static_bytes_per_parameter(layout) / (layout.tp * layout.pp)
     tokens = layout.micro_batch_size * seq_len // layout.cp                    # this rank's tokens

@@ -23,7 +23,7 @@ peft 0.21's own megatron dispatch does not run (it reads a ``fan_in_fan_out`` ar
 ``lora_bias`` unset, and adds the tuple a Megatron linear returns); ``MegatronLoraLinear`` is registered as peft's
 custom module for the two Megatron classes and fixes all three. Sequence parallelism: replicated adapter weights
 see a sequence shard, so they are marked ``sequence_parallel`` (their gradients summed over TP like the norms').
-The ``te`` backend's fused linears are not supported (``NotImplementedError``).
+The ``te`` backend's fused linears are not supported (the training config refuses ``lora.enabled`` with it).
 """
 
 from __future__ import annotations

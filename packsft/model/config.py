@@ -8,13 +8,27 @@ optionally tied input/output embeddings. Everything that varies between those fa
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from packsft.config_rules import (
+    FINITE_POSITIVE,
+    POSITIVE_INT,
+    Exclusive,
+    Needs,
+    Rule,
+    at_most,
+    build_config,
+    check_fields,
+    config_errors,
+    multiple_of,
+    one_of,
+    rules,
+)
 from packsft.io import read_json_object
 
 ATTENTION_BACKENDS = ("torch", "te")
@@ -73,114 +87,58 @@ class ModelConfig:
             ``None`` means Megatron's default ``["core_attn"]``.
     """
 
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int
-    max_position_embeddings: int
-    kv_channels: int | None = None
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-5
+    num_layers: int = field(metadata=rules(POSITIVE_INT))
+    hidden_size: int = field(metadata=rules(POSITIVE_INT))
+    ffn_hidden_size: int = field(metadata=rules(POSITIVE_INT))
+    num_attention_heads: int = field(metadata=rules(POSITIVE_INT))
+    num_query_groups: int = field(metadata=rules(POSITIVE_INT))
+    vocab_size: int = field(metadata=rules(POSITIVE_INT))
+    max_position_embeddings: int = field(metadata=rules(POSITIVE_INT))
+    kv_channels: int | None = field(default=None, metadata=rules(POSITIVE_INT))
+    rotary_base: float = field(default=10000.0, metadata=rules(FINITE_POSITIVE))
+    norm_epsilon: float = field(default=1e-5, metadata=rules(FINITE_POSITIVE))
     tie_word_embeddings: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
-    rope_interpolation_factor: float | None = None
-    rope_scaling_factor: float | None = None
-    attention_backend: str = "torch"
-    params_dtype: str = "float32"
-    init_method_std: float = 0.02
+    rope_interpolation_factor: float | None = field(default=None, metadata=rules(FINITE_POSITIVE))
+    rope_scaling_factor: float | None = field(default=None, metadata=rules(FINITE_POSITIVE))
+    attention_backend: str = field(default="torch", metadata=rules(one_of(ATTENTION_BACKENDS)))
+    params_dtype: str = field(default="float32", metadata=rules(one_of(PARAMS_DTYPES)))
+    init_method_std: float = field(default=0.02, metadata=rules(FINITE_POSITIVE))
     bias_activation_fusion: bool = False
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    recompute_modules: list[str] | None = None
+    recompute_granularity: str | None = field(default=None, metadata=rules(one_of(RECOMPUTE_GRANULARITIES)))
+    recompute_method: str | None = field(default=None, metadata=rules(one_of(RECOMPUTE_METHODS)))
+    recompute_num_layers: int | None = field(default=None, metadata=rules(POSITIVE_INT))
+    recompute_modules: list[str] | None = field(default=None, metadata=rules(Rule(
+        lambda m: 0 < len(m) == len(set(m)) and set(m) <= set(RECOMPUTE_MODULES),
+        f"a non-empty list of distinct names from {RECOMPUTE_MODULES}")))
+
+    relations: ClassVar = (
+        Exclusive("rope_interpolation_factor", "rope_scaling_factor"),
+        multiple_of("num_attention_heads", "num_query_groups"),
+        # Megatron-LM's argument checks for activation recompute, plus no key that would be ignored
+        at_most("recompute_num_layers", "num_layers"),
+        Needs("recompute_method", ("recompute_granularity", "full")),
+        Needs(("recompute_granularity", "full"), "recompute_method"),
+        Needs("recompute_num_layers", ("recompute_granularity", "full")),
+        Needs(("recompute_granularity", "full"), "recompute_num_layers"),
+        Needs("recompute_modules", ("recompute_granularity", "selective")),
+    )
 
     def __post_init__(self) -> None:
-        """Validate the fields.
+        """Check the fields (:func:`~packsft.config_rules.check_fields`) and the head dimension.
 
         Raises:
             ValueError: naming the offending field and its value.
         """
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "num_query_groups", "vocab_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or self.kv_channels <= 0):
-            raise ValueError(f"model.kv_channels must be a positive integer or None, "
-                             f"got {self.kv_channels!r}")
+        check_fields("model", self)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be a multiple of model.num_attention_heads "
                 f"({self.num_attention_heads}) when model.kv_channels is not set"
             )
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
-                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"model.num_query_groups ({self.num_query_groups})"
-            )
         if self.head_dim % 2:
             raise ValueError(f"model head dimension ({self.head_dim}) must be even for rotary embeddings")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"model.attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
-        if self.params_dtype not in PARAMS_DTYPES:
-            raise ValueError(f"model.params_dtype must be one of {tuple(PARAMS_DTYPES)}, "
-                             f"got {self.params_dtype!r}")
-        if not isinstance(self.bias_activation_fusion, bool):
-            raise ValueError(f"model.bias_activation_fusion must be true or false, got {self.bias_activation_fusion!r}")
-        if self.rope_scaling_factor is not None and not 0 < self.rope_scaling_factor < math.inf:
-            raise ValueError(f"model.rope_scaling_factor must be a finite number > 0 or None, "
-                             f"got {self.rope_scaling_factor!r}")
-        if self.rope_interpolation_factor is not None:
-            if not 0 < self.rope_interpolation_factor < math.inf:
-                raise ValueError(f"model.rope_interpolation_factor must be a finite number > 0 or None, "
-                                 f"got {self.rope_interpolation_factor!r}")
-            if self.rope_scaling_factor is not None:
-                raise ValueError("model.rope_interpolation_factor and model.rope_scaling_factor are exclusive")
-        for name in ("rotary_base", "norm_epsilon", "init_method_std"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)!r}")
-        self._check_recompute()
-
-    def _check_recompute(self) -> None:
-        """Megatron-LM's argument checks for activation recompute, plus no key that would be ignored.
-
-        Raises:
-            ValueError: naming the ``model.recompute_*`` key and its value.
-        """
-        granularity, method, layers, modules = (self.recompute_granularity, self.recompute_method,
-                                                self.recompute_num_layers, self.recompute_modules)
-        if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"model.recompute_granularity must be null or one of {RECOMPUTE_GRANULARITIES}, "
-                             f"got {granularity!r}")
-        if method is not None and method not in RECOMPUTE_METHODS:
-            raise ValueError(f"model.recompute_method must be null or one of {RECOMPUTE_METHODS}, got {method!r}")
-        if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool)
-                                   or not 1 <= layers <= self.num_layers):
-            raise ValueError(f"model.recompute_num_layers must be an integer from 1 to model.num_layers "
-                             f"({self.num_layers}), got {layers!r}")
-        if granularity == "full":
-            if method is None:
-                raise ValueError("model.recompute_method must be set ('uniform' or 'block') with "
-                                 "model.recompute_granularity 'full'")
-            if layers is None:
-                raise ValueError("model.recompute_num_layers must be set with model.recompute_granularity 'full'")
-        else:
-            for name, value in (("recompute_method", method), ("recompute_num_layers", layers)):
-                if value is not None:
-                    raise ValueError(f"model.{name} ({value!r}) applies to model.recompute_granularity 'full' "
-                                     f"only, got {granularity!r}; set it to null")
-        if modules is not None:
-            if granularity != "selective":
-                raise ValueError(f"model.recompute_modules ({modules!r}) applies to model.recompute_granularity "
-                                 f"'selective' only, got {granularity!r}; set it to null")
-            bad = [m for m in modules if m not in RECOMPUTE_MODULES]
-            if not modules or bad or len(set(modules)) != len(modules):
-                raise ValueError(f"model.recompute_modules must be a non-empty list of distinct names from "
-                                 f"{RECOMPUTE_MODULES}, got {list(modules)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -202,15 +160,16 @@ class ModelConfig:
         shards exact slices of the TP=1 weights for the same seed.
 
         Raises:
-            ValueError: if ``num_attention_heads``/``num_query_groups`` are not divisible by ``tp``, or
-                ``num_layers`` not by ``pp * vp`` (the sizes are positive: the CLI and the training config check).
+            ValueError: if ``num_query_groups`` is not divisible by ``tp`` (Megatron also takes a divisor, whose
+                replicated key/value heads packsft's TP shards lack), or ``num_layers`` not by ``pp * vp`` (the
+                sizes are positive: the CLI and the training config check); Megatron's ``TransformerConfig``
+                refuses ``num_attention_heads`` not divisible by ``tp``.
         """
         from megatron.core.transformer import TransformerConfig
 
-        for name in ("num_attention_heads", "num_query_groups"):
-            if getattr(self, name) % tp:
-                raise ValueError(f"model.{name} ({getattr(self, name)}) must be a multiple of "
-                                 f"tensor_model_parallel_size ({tp})")
+        if self.num_query_groups % tp:
+            raise ValueError(f"model.num_query_groups ({self.num_query_groups}) must be a multiple of "
+                             f"tensor_model_parallel_size ({tp})")
         if self.num_layers % (pp * (vp or 1)):
             raise ValueError(f"model.num_layers ({self.num_layers}) must be a multiple of "
                              f"pipeline_model_parallel_size ({pp}) x virtual_pipeline_model_parallel_size ({vp})")
@@ -295,10 +254,8 @@ def yaml_model_section(path: str | Path) -> dict | None:
     """
     import yaml
 
-    try:
+    with config_errors(str(path)):
         data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a YAML mapping of config sections")
@@ -310,32 +267,12 @@ def yaml_model_section(path: str | Path) -> dict | None:
     return section
 
 
-def check_field_names(cls, values: dict, where: str) -> None:
-    """Refuse ``values`` that is not a mapping or has keys that are not fields of the dataclass ``cls``.
-
-    Raises:
-        ValueError: ``"{where}: unknown <cls> fields [...]"``, or naming the value that is not a mapping.
-    """
-    if not isinstance(values, dict):
-        raise ValueError(f"{where}: expected a mapping of {cls.__name__} fields, got {values!r}")
-    unknown = set(values) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"{where}: unknown {cls.__name__} fields {sorted(unknown)}")
-
-
 def config_from_dict(cls, values: dict, where: str, missing_hint: str = ""):
-    """``cls(**values)`` for a config dataclass (``ModelConfig``, ``LoraConfig``) read from a file.
+    """The config dataclass ``cls`` (``ModelConfig``, ``LoraConfig``) from one mapping read from a file, its fields
+    checked (:func:`~packsft.config_rules.build_config`).
 
     Raises:
-        ValueError: unknown fields or not a mapping (:func:`check_field_names`), ``"{where}: missing <cls> fields
-            [...]{missing_hint}"`` for required ones it lacks, or a value of the wrong type.
+        ValueError: ``"{where}: unknown <cls> fields [...]"``, ``"{where}: missing <cls> fields [...]{missing_hint}"``
+            for required ones it lacks, a value of the wrong type or an invalid one.
     """
-    check_field_names(cls, values, where)
-    missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
-               and f.name not in values]
-    if missing:
-        raise ValueError(f"{where}: missing {cls.__name__} fields {missing}{missing_hint}")
-    try:
-        return cls(**values)
-    except TypeError as err:        # a value of the wrong type compared in __post_init__
-        raise ValueError(f"{where}: {cls.__name__} field of the wrong type: {err}") from None
+    return build_config(cls, values, where=where, missing_hint=missing_hint)

@@ -29,6 +29,14 @@ QWEN_MAX_WINDOW_LAYERS = 28
 """``Qwen2Config`` / ``Qwen3Config``'s default ``max_window_layers`` (for a ``config.json`` that omits it)."""
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """The special-token ids of an exported ``config.json`` that the tokenizer supplies when the HF config does not."""
+FIXED_OPTIONS = {
+    "hidden_act": ("silu", "packsft's MLP is SwiGLU (silu)"),
+    "attention_bias": (False, "packsft's attention has no biases but Qwen2's QKV one"),   # Llama options
+    "mlp_bias": (False, "packsft's MLP has no biases"),
+    "pretraining_tp": (1, "expected 1"),
+    "attention_dropout": (0.0, "packsft trains without dropout, set it to 0.0"),
+}
+"""HF options and the one value packsft's Megatron model reproduces (an absent one has it), with the reason."""
 # Megatron's fixed Llama-3.1 scaling constants (megatron.core RotaryEmbedding._apply_scaling).
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -72,21 +80,14 @@ def _rope_interpolation_factor(hf_config) -> float | None:
 def _refuse_unsupported(hf_config, max_seq_len: int | None) -> None:
     """Raise ``ValueError`` naming the first HF option packsft's Megatron model cannot reproduce."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in ("gemma3", "gemma3_text"):
-        raise ValueError(f"unsupported model_type {model_type!r} (Gemma 3): packsft's Megatron GPT model lacks "
-                         + "; ".join(GEMMA3_MISSING))
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; packsft's MLP is SwiGLU (silu)")
-    for name in ("attention_bias", "mlp_bias"):   # Llama options; Qwen2's QKV bias is built in
-        if getattr(hf_config, name, False):
-            raise ValueError(f"unsupported {name}=True for model_type {model_type!r}")
-    if getattr(hf_config, "pretraining_tp", 1) != 1:
-        raise ValueError(f"unsupported pretraining_tp={hf_config.pretraining_tp}; expected 1")
-    if getattr(hf_config, "attention_dropout", 0.0):
-        raise ValueError(f"unsupported attention_dropout={hf_config.attention_dropout}; packsft trains "
-                         "without dropout, set it to 0.0")
+        gemma3 = model_type in ("gemma3", "gemma3_text")
+        raise ValueError(f"unsupported model_type {model_type!r}" + (
+            " (Gemma 3): packsft's Megatron GPT model lacks " + "; ".join(GEMMA3_MISSING) if gemma3
+            else f"; supported: {SUPPORTED_MODEL_TYPES}"))
+    for name, (value, why) in FIXED_OPTIONS.items():
+        if getattr(hf_config, name, value) != value:
+            raise ValueError(f"unsupported {name}={getattr(hf_config, name)!r} for model_type {model_type!r}: {why}")
     window = sliding_window(hf_config)
     if window is not None and window < hf_config.max_position_embeddings:
         if max_seq_len is None or max_seq_len > window:
@@ -232,10 +233,9 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model_type {model_type!r} cannot be exported; packsft writes {', '.join(ARCHITECTURES)} "
                          "configs (the HF config of another model?)")
-    if cfg.add_qkv_bias != (model_type == "qwen2"):
-        raise ValueError(f"model.add_qkv_bias={cfg.add_qkv_bias} cannot be exported as model_type {model_type!r}")
-    if cfg.qk_layernorm != (model_type == "qwen3"):
-        raise ValueError(f"model.qk_layernorm={cfg.qk_layernorm} cannot be exported as model_type {model_type!r}")
+    for name, family in (("add_qkv_bias", "qwen2"), ("qk_layernorm", "qwen3")):     # only that family has it
+        if getattr(cfg, name) != (model_type == family):
+            raise ValueError(f"model.{name}={getattr(cfg, name)} cannot be exported as model_type {model_type!r}")
     for key in ("model_type", "transformers_version", "architectures", "rope_scaling", "rope_theta"):
         base.pop(key, None)
     for key, value in (token_ids or {}).items():

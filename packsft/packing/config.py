@@ -12,8 +12,9 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from packsft.config_rules import Needs, Rule, check_fields, ge, one_of, rules
 from packsft.jsonl import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.layout import check_max_seq_len
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
@@ -33,11 +34,16 @@ HISTOGRAM_SUFFIX = ".lengths.png"
 
 
 def cli(flag: str, help: str | None = None, value: Callable[[argparse.Namespace], Any] | None = None,
-        **kwargs: Any) -> dict[str, Any]:
+        checks: tuple[Rule, ...] = (), **kwargs: Any) -> dict[str, Any]:
     """A :class:`PackConfig` field's command-line flag (its ``field`` metadata): ``add_argument(flag, help=help,
     **kwargs)``. Without ``value`` the flag gives the field as is, its default the field's (required without one);
-    ``value(namespace)`` makes the field of flags that declare their own defaults."""
-    return {"flags": ((flag, {"help": help, **kwargs}),), "value": value}
+    ``value(namespace)`` makes the field of flags that declare their own defaults. The field's rules
+    (:func:`~packsft.config_rules.check_fields`, naming it by its flag) are ``checks``, after ``choices`` as
+    :func:`~packsft.config_rules.one_of`: argparse refuses a bad value on the command line, ``validate`` a
+    ``PackConfig`` built in Python."""
+    choices = (one_of(kwargs["choices"]),) if "choices" in kwargs else ()
+    return {"flags": ((flag, {"help": help, **kwargs}),), "value": value,
+            **rules(*choices, *checks, name=flag)}
 
 
 def json_object(text: str) -> dict:
@@ -57,10 +63,7 @@ def json_object(text: str) -> dict:
 
 def positive_int(text: str) -> int:
     """An argparse ``type``: an integer >= 1 (the tools' parallel sizes)."""
-    try:
-        value = int(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from e
+    value = int(text)   # argparse reports a ValueError as "invalid positive_int value"
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -120,7 +123,7 @@ class PackConfig:
 
     inputs: list[str] = field(metadata=cli(
         "--input", "input JSONL file(s), read in order; also .parquet / .arrow files and datasets save_to_disk "
-        "folders (rows; needs the packsft[datasets] extra)", nargs="+"))
+        "folders (rows; needs the packsft[datasets] extra)", nargs="+", checks=(Rule(bool, "at least one file"),)))
     split: str | None = field(default=None, metadata=cli(
         "--split", "the split to read of a DatasetDict save_to_disk folder"))
     output: str = field(metadata=cli("--output", "output .jsonl.packed file"))
@@ -131,7 +134,7 @@ class PackConfig:
         "--chat-template", "Jinja template string or file (chat-template only)"))
     chat_template_kwargs: dict[str, Any] | None = field(default=None, metadata=cli(
         "--chat-template-kwargs", "JSON object passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'",
-        type=json_object))
+        type=json_object, checks=(Rule(lambda v: isinstance(v, dict), "a JSON object (a dict)"),)))
     train_on: str = field(default="all", metadata=cli(
         "--train-on", "train all assistant turns, or only the last of each conversation", choices=TRAIN_ON))
     append_eos: bool | None = field(default=None, metadata=cli(
@@ -153,13 +156,13 @@ class PackConfig:
         choices=OVERSIZE_POLICIES))
     max_conversation_bytes: int = field(default=MAX_CONVERSATION_BYTES, metadata=cli(
         "--max-conversation-bytes", f"reject input lines longer than this many bytes before parsing them (default "
-        f"{MAX_CONVERSATION_BYTES}, 4 MiB)", type=int))
+        f"{MAX_CONVERSATION_BYTES}, 4 MiB)", type=int, checks=(ge(1),)))
     seed: int = field(default=1234, metadata=cli("--seed", type=int))
     shuffle_rows: bool = field(default=False, metadata=cli(
         "--shuffle-rows", "write rows in a seeded random order", action="store_true"))
     num_workers: int = field(default=0, metadata=cli(
         "--num-workers", "worker processes that read, tokenize and count shards of the input (0: this process)",
-        type=int))
+        type=int, checks=(ge(0),)))
     engine: str = field(default="local", metadata=cli(
         "--engine", "local: this machine (--num-workers processes); ray: Ray Data tasks on a Ray cluster "
         "(packsft[ray] extra; --num-workers actors, default one per cluster CPU); same output", choices=ENGINES))
@@ -167,7 +170,7 @@ class PackConfig:
         "--ray-address", "Ray cluster to join with --engine ray (e.g. auto; default: $RAY_ADDRESS, else a local one)"))
     shard_bytes: int | None = field(default=None, metadata=cli(
         "--shard-bytes", "input bytes per shard, a worker's unit of work (default: 1/64 of the input, 256 KiB-64 MiB, "
-        "the last 2 shards' worth cut in quarters); the output does not depend on it", type=int))
+        "the last 2 shards' worth cut in quarters); the output does not depend on it", type=int, checks=(ge(1),)))
     record_format: str = field(default="messages", metadata=cli(
         "--format", "record shape: messages (OpenAI), input-output (with --input-key/--output-key), sharegpt "
         "(conversations: [{from, value}]) or alpaca (instruction, input, output)", dest="record_format",
@@ -202,50 +205,38 @@ class PackConfig:
         return TokenizationSpec(self.tokenizer, self.prompt_format, self.pad_token, self.chat_template,
                                 self.chat_template_kwargs, self.train_on, self.append_eos)
 
+    relations: ClassVar = (
+        Needs(("record_format", "input-output"), "input_key"),
+        Needs("input_key", "output_key"),
+        Needs("output_key", "input_key"),
+        Needs("ray_address", ("engine", "ray")),
+    )
+
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the bad setting."""
-        if not self.inputs:
-            raise ValueError("at least one --input is required")
+        """Check the settings: the fields' rules and :attr:`relations` (:func:`~packsft.config_rules.check_fields`),
+        the inputs (they exist and are not outputs), the row length, the record format or adapter, and the output
+        paths.
+
+        Raises:
+            ValueError: naming the flag and its value.
+        """
+        check_fields("", self)
         for p in self.inputs:
             check_source(p, self.split)
         if self.split is not None and not any(is_dataset_dict(p) for p in self.inputs):
             raise ValueError(f"--split {self.split}: no --input is a DatasetDict folder (dataset_dict.json)")
         check_max_seq_len(self.max_seq_len, self.context_parallel_size, self.sequence_parallel_size)
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"--algorithm {self.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
-        if self.oversize not in OVERSIZE_POLICIES:
-            raise ValueError(f"--oversize {self.oversize!r}: choose one of {', '.join(OVERSIZE_POLICIES)}")
-        record_converter(self.record_format, self.adapter)          # an unknown format or adapter fails here
-        if self.record_format == "input-output" and not self.input_key:
-            raise ValueError("--format input-output needs --input-key and --output-key")
-        if bool(self.input_key) != bool(self.output_key):
-            raise ValueError("--input-key and --output-key must be given together")
+        record_converter(self.record_format, self.adapter)          # an unknown adapter fails here
         if self.input_key and (self.adapter or self.record_format not in ("messages", "input-output")):
             raise ValueError(f"--input-key/--output-key read prompt/response records (--format input-output); "
                              f"{'--adapter' if self.adapter else '--format ' + self.record_format} records have "
                              "their own fields")
-        if self.train_on not in TRAIN_ON:
-            raise ValueError(f"--train-on {self.train_on!r}: choose one of {', '.join(TRAIN_ON)}")
-        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
-            raise ValueError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
         for name, value in (("--default-system-prompt", self.default_system_prompt),
                             ("--chat-template-kwargs", self.chat_template_kwargs)):
             try:
                 json.dumps(value, ensure_ascii=False).encode("utf-8")
             except (UnicodeEncodeError, TypeError) as e:
                 raise ValueError(f"{name}: not valid text ({e})") from None
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
-        if self.ray_address is not None and self.engine != "ray":
-            raise ValueError("--ray-address needs --engine ray")
-        if self.num_workers < 0:
-            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
-        if Path(self.output).is_dir():
-            raise ValueError(f"--output {self.output} is a directory; give the .jsonl.packed file to write")
-        if self.shard_bytes is not None and self.shard_bytes < 1:
-            raise ValueError(f"shard_bytes must be >= 1, got {self.shard_bytes}")
-        if self.max_conversation_bytes < 1:
-            raise ValueError(f"--max-conversation-bytes must be >= 1, got {self.max_conversation_bytes}")
         written = {_OUTPUT_NAMES[key]: path for key, path in output_paths(self).items()}
         for i, p in enumerate(self.inputs):
             for q in self.inputs[:i]:
@@ -261,7 +252,7 @@ class PackConfig:
                                  "rows would overwrite it; rename the input or write the output elsewhere")
         targets: dict[tuple[Path, str], str] = {}
         for what, out in written.items():
-            _check_output_target(what, out)
+            _check_output_target(what, out)     # refuses an --output that is a folder
             key = (Path(out).parent.resolve(), Path(out).name)  # the entry a rename replaces
             if key in targets:
                 raise ValueError(f"{what} {out} is also the {targets[key]} path: one output would replace the "

@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
+from packsft.config_rules import build_config, config_errors
 from packsft.io import read_json_object
 from packsft.model.config import (
     MODEL_CONFIG_FILE,
     ModelConfig,
-    check_field_names,
     config_from_dict,
     yaml_model_section,
 )
@@ -35,7 +33,6 @@ from packsft.train.checkpoint_files import TRAIN_STATE, CheckpointError, find_re
 from packsft.train.config import (
     Config,
     OptimizerConfig,
-    config_error,
     config_source,
     load_config,
     read_init_model_fields,
@@ -110,11 +107,9 @@ def load_train_config(path: str | Path | None, overrides: list[str] | tuple[str,
     if resumed is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"note: checkpoint.init_from={str(init_from)!r} has no {MODEL_CONFIG_FILE}; the run resumes "
               f"{resumed}, whose recorded model section is used", file=sys.stderr)
-    try:
+    with config_errors(f"invalid config {config_source(path, overrides)}"):
         check_init_model(cfg, imported, None if resumed is None else f"the model section checkpoint {resumed} records")
         check_init_window(cfg, init_from)
-    except ValueError as err:
-        raise ValueError(f"invalid config {config_source(path, overrides)}: {err}") from err
     return cfg
 
 
@@ -205,13 +200,7 @@ def read_yaml_model(path: str | Path, base: dict | None, source: str | None = No
         return config_from_dict(ModelConfig, section, str(path), missing_hint=(
             ": a partial model section takes the rest from a checkpoint model config (model_config.json, "
             "train_state.json) or checkpoint.init_from, and there is none here; give every field"))
-    check_field_names(ModelConfig, section, str(path))
-    try:
-        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), base, section))
-    except OmegaConfBaseException as err:
-        raise config_error(err, f"{path} model section over {source}") from None
-    except ValueError as err:
-        raise ValueError(f"{path} model section over {source}: {err}") from None
+    model = build_config(ModelConfig, base, section, where=f"{path} model section over {source}")
     if check:
         check_model_fields(model, base, source or "the checkpoint's model config")
     return model

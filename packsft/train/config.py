@@ -22,11 +22,21 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
+from packsft.config_rules import (
+    NON_NEGATIVE,
+    POSITIVE,
+    Needs,
+    Rule,
+    at_most,
+    check_fields,
+    config_errors,
+    in_range,
+    rules,
+)
 from packsft.data.loader import DataLoaderConfig
 from packsft.io import missing_file, read_json_object
 from packsft.layout import cp_granularity, row_granularity
@@ -41,10 +51,8 @@ from packsft.train.config_sections import (
     SchedulerConfig,
     TrainConfig,
     ValidationConfig,
-    check_positive,
 )
 
-OPTIMIZER_BACKENDS = ("megatron",)
 RENAMED_KEYS = {
     "loader.dataloader_num_workers": "loader.num_workers",
     "loader.dataloader_persistent_workers": "loader.persistent_workers",
@@ -57,32 +65,26 @@ RENAMED_KEYS = {
 class OptimizerConfig:
     """Megatron-Core's AdamW (decay for matrices, none for 1-D parameters) with global-norm clipping."""
 
-    backend: str = "megatron"
+    backend: str = field(default="megatron", metadata=rules(Rule(lambda v: v == "megatron", (
+        "'megatron' (Megatron-Core's DDP and optimizer; the torch AdamW backend was removed)"))))
     """``megatron``, the one value: Megatron-Core's ``DistributedDataParallel`` + ``get_megatron_optimizer``, with
     torch's fused AdamW inside."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (ZeRO-1): fp32 master weights and Adam moments sharded over the
     data-parallel(-with-context-parallel) group."""
-    lr: float = 3e-4
+    lr: float = field(default=3e-4, metadata=rules(*POSITIVE))
     """Peak learning rate (reached at the end of warmup)."""
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata=rules(*NON_NEGATIVE))
     """Decoupled weight decay of matrices; 1-D parameters (norm weights, biases) get 0."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    adam_beta1: float = field(default=0.9, metadata=rules(in_range(0, 1)))
+    adam_beta2: float = field(default=0.95, metadata=rules(in_range(0, 1)))
+    adam_eps: float = field(default=1e-8, metadata=rules(*POSITIVE))
+    clip_grad: float = field(default=1.0, metadata=rules(*NON_NEGATIVE))
     """Clip the global gradient L2 norm (TP-aware) to this value; 0 disables clipping (the norm is still logged)."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
-        if self.backend not in OPTIMIZER_BACKENDS:
-            raise ValueError(f"optimizer.backend must be 'megatron' (Megatron-Core's DDP and optimizer; the torch "
-                             f"AdamW backend was removed), got {self.backend!r}")
-        check_positive("optimizer", self, "lr", "adam_eps")
-        check_positive("optimizer", self, "weight_decay", "clip_grad", allow_zero=True)
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        check_fields("optimizer", self)
 
 
 @dataclass
@@ -102,51 +104,40 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
+    relations: ClassVar = (
+        at_most("data.max_seq_len", "model.max_position_embeddings"),
+        at_most("scheduler.min_lr", "optimizer.lr", "the decay would raise the learning rate"),
+        at_most("scheduler.warmup_steps", "train.train_steps"),
+        Needs("lora.enabled", ("model.attention_backend", "torch"), "LoRA wraps Megatron's parallel linears"),
+    )
+
     def __post_init__(self) -> None:
-        """Cross-section checks.
+        """Cross-section checks: :attr:`relations`, then the row length and the pipeline split.
 
         Raises:
             ValueError: naming both dotted keys and values: ``data.max_seq_len`` not a multiple of
-                ``2 * context_parallel_size``, ``max_seq_len`` above ``model.max_position_embeddings``, warmup
-                longer than the run, validation without data, ``stop_at_step`` past ``train_steps``,
-                ``scheduler.min_lr`` above ``optimizer.lr``.
+                :func:`~packsft.layout.row_granularity` or above ``model.max_position_embeddings``, warmup longer
+                than the run, ``model.num_layers`` not a multiple of the pipeline stages, no training data,
+                validation without data, ``scheduler.min_lr`` above ``optimizer.lr``.
         """
-        cp, seq = self.parallel.context_parallel_size, self.data.max_seq_len
-        if cp > 1 and seq % (2 * cp):
-            raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of 2 * parallel.context_parallel_size "
-                             f"({2 * cp})")
         if self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size == 1:
             warnings.warn("parallel.sequence_parallel needs tensor_model_parallel_size > 1; it is ignored",
                           UserWarning, stacklevel=2)
             self.parallel.sequence_parallel = False
+        check_fields("", self)
+        cp, seq = self.parallel.context_parallel_size, self.data.max_seq_len
         granularity = row_granularity(cp, self.parallel.sequence_parallel_size)
         if seq % granularity:
-            raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of {granularity} with "
-                             f"parallel.sequence_parallel: lcm(CP padding, CP x TP) = lcm({cp_granularity(cp)}, "
-                             f"{cp} x {self.parallel.tensor_model_parallel_size}), the CP padding being 2 x CP when CP "
-                             "> 1, else 1")
-        if seq > self.model.max_position_embeddings:
-            raise ValueError(f"data.max_seq_len ({seq}) must be <= model.max_position_embeddings "
-                             f"({self.model.max_position_embeddings})")
-        if self.scheduler.min_lr > self.optimizer.lr:
-            raise ValueError(f"scheduler.min_lr ({self.scheduler.min_lr}) must be <= optimizer.lr "
-                             f"({self.optimizer.lr}): the decay would raise the learning rate")
-        if self.scheduler.warmup_steps > self.train.train_steps:
-            raise ValueError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be <= "
-                             f"train.train_steps ({self.train.train_steps})")
-        if self.train.bf16 and self.train.autocast_dtype is not None:
-            raise ValueError(f"set either train.bf16 or train.autocast_dtype ({self.train.autocast_dtype!r}), not both")
-        if self.train.stop_at_step is not None and self.train.stop_at_step > self.train.train_steps:
-            raise ValueError(f"train.stop_at_step ({self.train.stop_at_step}) must be <= train.train_steps "
-                             f"({self.train.train_steps})")
+            tp = self.parallel.tensor_model_parallel_size
+            why = (f"2 * parallel.context_parallel_size ({granularity})" if self.parallel.sequence_parallel_size == 1
+                   else f"{granularity} with parallel.sequence_parallel: lcm(CP padding, CP x TP) = "
+                   f"lcm({cp_granularity(cp)}, {cp} x {tp}), the CP padding being 2 x CP when CP > 1, else 1")
+            raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of {why}")
         pp, vp = self.parallel.pipeline_model_parallel_size, self.parallel.virtual_pipeline_model_parallel_size
         if self.model.num_layers % (pp * (vp or 1)):
             raise ValueError(f"model.num_layers ({self.model.num_layers}) must be a multiple of "
                              f"parallel.pipeline_model_parallel_size ({pp})"
                              + (f" x parallel.virtual_pipeline_model_parallel_size ({vp})" if vp else ""))
-        if self.lora.enabled and self.model.attention_backend != "torch":
-            raise ValueError(f"lora.enabled=true needs model.attention_backend=torch (Megatron's parallel linears), "
-                             f"got {self.model.attention_backend!r}")
         if not self.data.train and not self.data.train_path:
             raise ValueError("data.train_path (one file) or data.train (a list of {name, path, weight}) is required")
         if self.validation.enabled and not self.data.has_validation:
@@ -182,50 +173,37 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         ValueError: an unknown key, a value of the wrong type, a missing required value (``???``) or any validation
             failure; the message names the file and the dotted key.
     """
-    where = config_source(path, overrides)
+    where = f"invalid config {config_source(path, overrides)}"
     if path is not None and not Path(path).is_file():
         raise missing_file("config file", path)
     try:
-        loose = [o for o in overrides if "=" not in o]
-        if loose:
-            raise ValueError(f"override {loose[0]!r} is not key=value (e.g. train.train_steps=100)")
-        loaded = OmegaConf.load(path) if path else OmegaConf.create()
-        if not isinstance(loaded, DictConfig):
-            raise ValueError("the file must be a mapping of sections (model:, data:, train:, ...), not a list")
-        layers = [_rename_old_keys(loaded, str(path)),
-                  _rename_old_keys(OmegaConf.from_dotlist(list(overrides)), "the overrides")]
-        merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
-        init_from = merged.checkpoint.init_from
-        if init_from:
-            ckpt_dir = Path(merged.checkpoint.dir or Path(merged.logging.output_dir) / "checkpoints")  # checkpoint_dir
-            base = (model_base(init_from, ckpt_dir, merged.checkpoint.resume) if model_base
-                    else read_init_model_fields(init_from))
-            merged = OmegaConf.merge(OmegaConf.structured(Config), {"model": base}, *layers)
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        raise config_error(err, f"invalid config {where}") from err
-    except ValueError as err:
-        raise ValueError(f"invalid config {where}: {err}") from err
+        with config_errors(where, Config):
+            loose = [o for o in overrides if "=" not in o]
+            if loose:
+                raise ValueError(f"override {loose[0]!r} is not key=value (e.g. train.train_steps=100)")
+            loaded = OmegaConf.load(path) if path else OmegaConf.create()
+            if not isinstance(loaded, DictConfig):
+                raise ValueError("the file must be a mapping of sections (model:, data:, train:, ...), not a list")
+            layers = [_rename_old_keys(loaded, str(path)),
+                      _rename_old_keys(OmegaConf.from_dotlist(list(overrides)), "the overrides")]
+            merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
+            init_from = merged.checkpoint.init_from
+            if init_from:
+                ckpt_dir = Path(merged.checkpoint.dir or Path(merged.logging.output_dir) / "checkpoints")
+                base = (model_base(init_from, ckpt_dir, merged.checkpoint.resume) if model_base
+                        else read_init_model_fields(init_from))
+                merged = OmegaConf.merge(OmegaConf.structured(Config), {"model": base}, *layers)
+            return OmegaConf.to_object(merged)
     except TypeError as err:  # OmegaConf.merge: a mapping where the schema has a list (data.train, data.validation)
-        raise ValueError(f"invalid config {where}: {err} (a mapping where a list is expected: data.train and "
-                         "data.validation are lists of entries, data.train=[{path: ..., weight: ...}, {...}]; an "
-                         "override cannot set one item of a list, as data.train.1.weight=0 tries)") from err
-    except yaml.YAMLError as err:  # the file is not YAML (its own message spans lines: one is kept)
-        raise ValueError(f"invalid config {where}: not valid YAML: {' '.join(str(err).split())}") from err
+        raise ValueError(f"{where}: {err} (a mapping where a list is expected: data.train and data.validation are "
+                         "lists of entries, data.train=[{path: ..., weight: ...}, {...}]; an override cannot set one "
+                         "item of a list, as data.train.1.weight=0 tries)") from err
 
 
 def config_source(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """How error messages name a config: the file and the overrides (``<defaults>`` for neither)."""
     where = (str(path) if path else "") + (f" with overrides {list(overrides)}" if overrides else "")
     return where.strip() or "<defaults>"
-
-
-def config_error(err: OmegaConfBaseException, where: str) -> ValueError:
-    """OmegaConf's error (its message, then lines of full_key and types) as one line: ``where``, the key, the first
-    line."""
-    key = getattr(err, "full_key", None)
-    first = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return ValueError(f"{where}: {f'{key}: ' if key else ''}{first}")
 
 
 def _rename_old_keys(layer, where: str):

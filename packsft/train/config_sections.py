@@ -1,36 +1,34 @@
 """The sections of the training configuration (``data``, ``loss``, ``scheduler``, ``parallel``, ``train``,
-``checkpoint``, ``logging``, ``validation``): dataclasses whose ``__post_init__`` checks their own fields and raises
-``ValueError`` naming the dotted key and the value. :mod:`packsft.train.config` assembles them (with ``model``,
-``loader``, ``optimizer`` and ``lora``) into :class:`~packsft.train.config.Config` and loads it.
+``checkpoint``, ``logging``, ``validation``): dataclasses whose fields declare their rules and whose ``__post_init__``
+checks them (:func:`~packsft.config_rules.check_fields`), raising ``ValueError`` naming the dotted key and the value.
+:mod:`packsft.train.config` assembles them (with ``model``, ``loader``, ``optimizer`` and ``lora``) into
+:class:`~packsft.train.config.Config` and loads it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from omegaconf import MISSING
+
+from packsft.config_rules import (
+    NON_NEGATIVE,
+    POSITIVE,
+    SEED,
+    Exclusive,
+    at_most,
+    check_fields,
+    gt,
+    in_range,
+    one_of,
+    rules,
+)
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 VERIFY_HASH = ("auto", "full")
 AUTOCAST_DTYPES = ("bfloat16", "float16")
-
-
-def check_positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
-    """Raise ``ValueError`` naming ``section.name`` for each field that is not a finite number > 0 (or >= 0).
-
-    ``None`` and OmegaConf's ``MISSING`` (a schema default still to be filled by the YAML) are skipped.
-    """
-    for name in names:
-        value = getattr(obj, name)
-        if value is None or value == MISSING:
-            continue
-        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison below
-            raise ValueError(f"{section}.{name} must be a finite number, got {value!r}")
-        if (value < 0) if allow_zero else (value <= 0):
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ValueError(f"{section}.{name} must be {bound}, got {value!r}")
 
 
 @dataclass
@@ -41,9 +39,9 @@ class TrainSourceConfig:
     """The ``.jsonl.packed`` file (with its sidecar)."""
     name: str | None = None
     """Name in logs, checkpoints and errors; default: the file name without ``.jsonl.packed``."""
-    weight: float = 1.0
+    weight: float = field(default=1.0, metadata=rules(gt(0)))
     """Share of the training rows drawn from this source, normalised over the sources (``[7, 3]`` is ``[0.7, 0.3]``)."""
-    split_validation_size: float = 0.0
+    split_validation_size: float = field(default=0.0, metadata=rules(in_range(0, 1)))
     """Fraction in [0, 1) of this source's rows held out as the validation set ``<name>`` (seeded by
     ``loader.seed``)."""
 
@@ -71,7 +69,7 @@ class DataConfig:
     """A single training file: the same as ``train: [{path: ...}]``."""
     tokenizer: str = MISSING
     """Local tokenizer folder or ``tokenizer.json`` (the one the file was packed with)."""
-    max_seq_len: int = MISSING
+    max_seq_len: int = field(default=MISSING, metadata=rules(*POSITIVE))
     """Tokens per packed row ``L``; a multiple of ``2 * parallel.context_parallel_size`` when CP > 1."""
     prompt_format: str = "chat-template"
     """``chat-template``, ``identity``, ``nemotron-nano-v2``, ``nemotron-h-aligned`` or ``passthrough``."""
@@ -81,7 +79,7 @@ class DataConfig:
     """Pad token override, as given to the packer."""
     require_sidecar: bool = False
     """Refuse a packed file without ``<file>.meta.json`` instead of warning."""
-    verify_hash: str = "auto"
+    verify_hash: str = field(default="auto", metadata=rules(one_of(VERIFY_HASH)))
     """How the packed files (rows, token cache) are checked against their sidecar at start: ``auto`` hashes a file
     of at most 256 MiB whole and checks a larger one only by size (a token cache file also by the BLAKE2b of its
     first and last MiB); ``full`` hashes every file whole (about 1 GB/s)."""
@@ -89,37 +87,26 @@ class DataConfig:
     """Named validation files ``[{name, path}]``, each evaluated and logged on its own."""
     validation_path: str | None = None
     """A single validation file: the same as ``validation: [{name: validation, path: ...}]``."""
-    split_validation_size: float = 0.0
+    split_validation_size: float = field(default=0.0, metadata=rules(in_range(0, 1)))
     """With ``train_path``: fraction in [0, 1) of its rows held out for validation (seeded by ``loader.seed``)."""
-    samples_per_epoch: int | None = None
+    samples_per_epoch: int | None = field(default=None, metadata=rules(*POSITIVE))
     """Rows per epoch of a mixture (default: all rows of all sources); each source gets its weight's share."""
+
+    relations: ClassVar = (
+        Exclusive("train", "train_path"),
+        Exclusive("validation", "validation_path"),
+        Exclusive("validation_path", "split_validation_size"),
+        Exclusive("train", "split_validation_size", "with data.train give each source its own split_validation_size"),
+    )
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
-        check_positive("data", self, "max_seq_len", "samples_per_epoch")
-        if self.verify_hash not in VERIFY_HASH:
-            raise ValueError(f"data.verify_hash must be one of {VERIFY_HASH}, got {self.verify_hash!r}")
+        check_fields("data", self)
+        for i, source in enumerate(self.train):
+            check_fields(f"data.train[{i}]", source)
         if self.samples_per_epoch is not None and (self.train_path or len(self.train) == 1):  # it was ignored
             raise ValueError(f"data.samples_per_epoch ({self.samples_per_epoch}) sets the epoch of a mixture of "
                              "several data.train sources; with one source an epoch is all its rows")
-        if not 0.0 <= self.split_validation_size < 1.0:
-            raise ValueError(f"data.split_validation_size must be in [0, 1), got {self.split_validation_size!r}")
-        if self.validation_path and self.split_validation_size > 0:
-            raise ValueError("set either data.validation_path or data.split_validation_size, not both "
-                             f"(got {self.validation_path!r} and {self.split_validation_size})")
-        if self.train and self.train_path:
-            raise ValueError("set either data.train (a list of {name, path, weight}) or data.train_path, not both")
-        if self.train and self.split_validation_size > 0:
-            raise ValueError("data.split_validation_size goes with data.train_path; with data.train give each "
-                             "source its own split_validation_size")
-        if self.validation and self.validation_path:
-            raise ValueError("set either data.validation (a list of {name, path}) or data.validation_path, not both")
-        for i, source in enumerate(self.train):
-            if not source.weight > 0:
-                raise ValueError(f"data.train[{i}].weight must be > 0, got {source.weight!r}")
-            if not 0.0 <= source.split_validation_size < 1.0:
-                raise ValueError(f"data.train[{i}].split_validation_size must be in [0, 1), got "
-                                 f"{source.split_validation_size!r}")
         for kind, names in (("data.train", [n for n, *_ in self.train_sources()]),   # not validation_sources(),
                             ("data.validation", [_source_name(v.name, v.path) for v in self.validation])):  # a dict
             dupes = sorted({n for n in names if names.count(n) > 1})
@@ -151,54 +138,51 @@ class LossConfig:
     fused_linear_cross_entropy: bool = True
     """True: packsft's chunked fused linear-CE (never holds ``[t, v]`` logits); False: Megatron's stock
     ``vocab_parallel_cross_entropy`` on full logits."""
-    chunk_size: int = 1024
+    chunk_size: int = field(default=1024, metadata=rules(*POSITIVE))
     """Tokens per chunk of the fused loss; with vocabulary blocks of ``b = min(32768, vocab / tp)`` rows, its
     buffers are about ``chunk_size * b * (4 + 2e)`` bytes (``e`` = 2 for bf16 inputs, 0 for fp32; ``docs/loss.md``)."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` for a non-positive ``chunk_size``."""
-        check_positive("loss", self, "chunk_size")
+        check_fields("loss", self)
 
 
 @dataclass
 class SchedulerConfig:
     """Learning rate per optimizer step: linear warmup from 0, then decay to ``min_lr``."""
 
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=rules(*NON_NEGATIVE))
     """Steps of linear warmup (lr = lr * (step + 1) / warmup_steps)."""
-    decay_style: str = "cosine"
+    decay_style: str = field(default="cosine", metadata=rules(one_of(DECAY_STYLES)))
     """``cosine``, ``linear`` or ``constant``."""
-    decay_steps: int | None = None
+    decay_steps: int | None = field(default=None, metadata=rules(*POSITIVE))
     """Steps of decay after warmup; default ``train.train_steps - warmup_steps``. After it lr stays ``min_lr``."""
-    min_lr: float = 0.0
+    min_lr: float = field(default=0.0, metadata=rules(*NON_NEGATIVE))
     """Final learning rate."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
-        check_positive("scheduler", self, "warmup_steps", "min_lr", allow_zero=True)
-        check_positive("scheduler", self, "decay_steps")
-        if self.decay_style not in DECAY_STYLES:
-            raise ValueError(f"scheduler.decay_style must be one of {DECAY_STYLES}, got {self.decay_style!r}")
+        check_fields("scheduler", self)
 
 
 @dataclass
 class ParallelConfig:
     """Parallel layout; the data-parallel size is ``WORLD_SIZE / (tensor * context * pipeline)``."""
 
-    tensor_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = field(default=1, metadata=rules(*POSITIVE))
+    context_parallel_size: int = field(default=1, metadata=rules(*POSITIVE))
+    pipeline_model_parallel_size: int = field(default=1, metadata=rules(*POSITIVE))
     """Pipeline stages ``P``: the layers are split over ``P`` ranks and each step runs Megatron-Core's 1F1B schedule
     (``get_forward_backward_func``) over the micro-batches; needs ``model.num_layers`` a multiple of ``P`` (times the
     virtual stages)."""
-    virtual_pipeline_model_parallel_size: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = field(default=None, metadata=rules(*POSITIVE))
     """Model chunks per pipeline rank (Megatron's interleaved 1F1B schedule); null: not interleaved. Needs ``P > 1``
     and micro-batches per step a multiple of ``P``."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (norms and residual stream split over the TP group); needs TP > 1 and
     ``data.max_seq_len`` a multiple of ``lcm(2 * cp, cp * tp)`` (pack with ``--tensor-model-parallel-size TP
     --sequence-parallel``). Ignored with a warning at TP = 1, as Megatron-LM does."""
-    backend: str | None = None
+    backend: str | None = field(default=None, metadata=rules(one_of(("nccl", "gloo"))))
     """``nccl`` or ``gloo``; default NCCL with CUDA, gloo on CPU."""
 
     @property
@@ -208,30 +192,27 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
-        check_positive("parallel", self, "tensor_model_parallel_size", "context_parallel_size",
-                  "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+        check_fields("parallel", self)
         if self.virtual_pipeline_model_parallel_size is not None and self.pipeline_model_parallel_size == 1:
             raise ValueError("parallel.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1, "
                              f"got {self.virtual_pipeline_model_parallel_size} with 1")
-        if self.backend not in (None, "nccl", "gloo"):
-            raise ValueError(f"parallel.backend must be 'nccl', 'gloo' or null, got {self.backend!r}")
 
 
 @dataclass
 class TrainConfig:
     """The step loop: batch size, length, seed, precision."""
 
-    global_batch_size: int = 8
+    global_batch_size: int = field(default=8, metadata=rules(*POSITIVE))
     """Packed rows per optimizer step over all data-parallel ranks (= micro-batches x data-parallel size)."""
-    train_steps: int = MISSING
+    train_steps: int = field(default=MISSING, metadata=rules(*POSITIVE))
     """Optimizer steps of the whole run (defines the LR schedule)."""
-    stop_at_step: int | None = None
+    stop_at_step: int | None = field(default=None, metadata=rules(*POSITIVE))
     """Stop (after checkpointing) once this step is done, before ``train_steps``; the schedule is unchanged.
     For time-limited jobs: resume later with ``checkpoint.resume=auto``."""
-    seed: int = 1234
+    seed: int = field(default=1234, metadata=rules(SEED))
     """Seeds weight init (``torch.manual_seed``) and ``random``, plus 100 x the pipeline rank (as Megatron-LM); the
     data order uses ``loader.seed``."""
-    autocast_dtype: str | None = None
+    autocast_dtype: str | None = field(default=None, metadata=rules(one_of(AUTOCAST_DTYPES)))
     """``bfloat16``/``float16``: ``torch.autocast`` on CUDA with fp32 master weights; null = no autocast (fp32).
     CPU autocast is refused (Megatron's backward fails in ``LinearWithGradAccumulationAndAsyncCommunication``)."""
     bf16: bool = False
@@ -242,24 +223,21 @@ class TrainConfig:
     """``torch.compile`` each transformer layer (``packsft.model.compile``; the core attention stays eager). The first
     steps pay the compile time (about a minute per distinct layer graph); off by default."""
 
-    max_skipped_steps: int = 10
+    max_skipped_steps: int = field(default=10, metadata=rules(*NON_NEGATIVE))
     """Steps in a row whose loss or gradient norm is not finite that are skipped (no update, counted in
     ``skipped_steps``) before the run stops with an error; 0 stops at the first."""
     save_on_sigterm: bool = True
     """On SIGTERM (what Slurm and torchrun send before killing) or SIGINT (Ctrl-C) finish the current step, write a
     checkpoint and exit 0; false leaves the signals' defaults (the process ends at once, no checkpoint)."""
 
+    relations: ClassVar = (
+        at_most("stop_at_step", "train_steps"),
+        Exclusive("bf16", "autocast_dtype"),
+    )
+
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
-        check_positive("train", self, "global_batch_size", "train_steps", "stop_at_step")
-        check_positive("train", self, "max_skipped_steps", allow_zero=True)
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"train.compile must be true or false, got {self.compile!r}")
-        if not 0 <= self.seed < 2**63:  # torch.manual_seed overflows past 64 bits; negative seeds as loader.seed
-            raise ValueError(f"train.seed must be in [0, 2**63), got {self.seed}")
-        if self.autocast_dtype not in (None, *AUTOCAST_DTYPES):
-            raise ValueError(f"train.autocast_dtype must be null or one of {AUTOCAST_DTYPES}, "
-                             f"got {self.autocast_dtype!r}")
+        check_fields("train", self)
 
 
 @dataclass
@@ -268,7 +246,7 @@ class CheckpointConfig:
 
     dir: str | None = None
     """Checkpoint folder; default ``<logging.output_dir>/checkpoints``."""
-    save_interval: int = 0
+    save_interval: int = field(default=0, metadata=rules(*NON_NEGATIVE))
     """Save every N steps; 0 = only at the end."""
     save_at_end: bool = True
     """Save after step ``train_steps``. A stop at ``train.stop_at_step`` always saves (it exists to resume later,
@@ -284,12 +262,12 @@ class CheckpointConfig:
     there is nothing to resume (a checkpoint found by ``resume`` wins); optimizer, schedule and data order start
     fresh. Its ``model_config.json`` fills the ``model`` section; ``model`` keys set in the YAML or overrides must
     agree with it, except those ``packsft.train.compat.MAY_CHANGE["init_from"]`` names."""
-    keep_last: int = 0
+    keep_last: int = field(default=0, metadata=rules(*NON_NEGATIVE))
     """Keep only the N newest complete checkpoints (by step; never the one ``latest`` names); 0 keeps all."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` for a negative ``save_interval`` or ``keep_last``."""
-        check_positive("checkpoint", self, "save_interval", "keep_last", allow_zero=True)
+        check_fields("checkpoint", self)
 
 
 @dataclass
@@ -298,7 +276,7 @@ class LoggingConfig:
 
     output_dir: str = "out/train"
     """Run folder: ``metrics.jsonl``, ``tensorboard/``, ``config.yaml``, ``checkpoints/`` (by default)."""
-    log_interval: int = 1
+    log_interval: int = field(default=1, metadata=rules(*POSITIVE))
     """Write a metrics record every N steps."""
     tensorboard: bool = True
     progress: bool = True
@@ -306,24 +284,23 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` for a non-positive ``log_interval``."""
-        check_positive("logging", self, "log_interval")
+        check_fields("logging", self)
 
 
 @dataclass
 class ValidationConfig:
     """Validation passes over ``data.validation_path`` or the ``data.split_validation_size`` held-out rows."""
 
-    val_period: int = 0
+    val_period: int = field(default=0, metadata=rules(*NON_NEGATIVE))
     """Validate every N steps; 0 = never periodically."""
     val_at_start: bool = False
     val_at_end: bool = False
-    max_batches: int | None = None
+    max_batches: int | None = field(default=None, metadata=rules(*POSITIVE))
     """Micro-batches per data-parallel rank and pass; null = the whole validation set."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
-        check_positive("validation", self, "val_period", allow_zero=True)
-        check_positive("validation", self, "max_batches")
+        check_fields("validation", self)
 
     @property
     def enabled(self) -> bool:

@@ -1,8 +1,8 @@
 """``PackedSFTDataset``: map-style dataset over a ``.jsonl.packed`` file, one packed row per item.
 
-The file is never held in memory: a byte-offset index of its rows is built once and cached beside it
-(``X.jsonl.packed.idx``), and ``__getitem__`` seeks to the row, parses it, splits it into conversations at
-each system message (:func:`packsft.conversation.split_row`), tokenizes them with the packer's own
+The file is never held in memory: a byte-offset index of its rows (:mod:`packsft.data.row_index`) is built once
+and cached beside it (``X.jsonl.packed.idx``), and ``__getitem__`` seeks to the row, parses it, splits it into
+conversations at each system message (:func:`packsft.conversation.split_row`), tokenizes them with the packer's own
 :func:`packsft.prompt_formats.tokenize_conversations` (``tokenize_conversation`` of each), and builds the tensors with
 :func:`packsft.data.row.build_row` (Megatron-LM ``SFTDataset`` semantics, ``docs/loader.md``).
 
@@ -11,13 +11,6 @@ When the packer wrote a token cache beside the rows (:mod:`packsft.token_cache`)
 tokenizing) and feeds the same :func:`~packsft.data.row.build_row`: the tensors are identical. Without a cache
 (or a sidecar recording one) the rows are re-tokenized, with one :class:`TokenCacheNotice` at open; a cache
 that disagrees with its sidecar is refused (``SidecarError`` naming both files).
-
-Index file: a ``.npy`` array of int64, ``[MAGIC, INDEX_VERSION, file_size, file_mtime_ns, rows_key, n, start_0 ..
-start_{n-1}, line_0 .. line_{n-1}]`` (byte offset and 1-based line number of each non-blank row; ``rows_key``: the
-first 60 bits of the sidecar's ``rows_file.blake2b``, 0 without one). It is written atomically (temporary file +
-``os.replace``) and rebuilt when the packed file's size, mtime or sidecar hash differs from the recorded ones (a
-re-pack of the same size restored with the same mtime gets a new index); when the folder is read-only the index
-is kept in memory only.
 
 Reports (``PackedDataWarning``, once per row and process): a row whose conversations exceed ``max_seq_len``
 (right-truncated; names file, line, lengths, what was cut), a row with no trained token (returned with an
@@ -28,7 +21,6 @@ micro-batch exactly 0), and a packed file without a sidecar.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import warnings
@@ -42,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from packsft.conversation import ConversationError, split_row
 from packsft.data.repack import repack_hint
 from packsft.data.row import build_row, build_row_flat
+from packsft.data.row_index import COUNT, HEADER, KEY, build_index, file_fingerprint, index_is_current, rows_key
 from packsft.io import atomic_open, finish_interrupted_publish, missing_file
 from packsft.layout import check_max_seq_len
 from packsft.prompt_formats import PromptFormat, PromptFormatError, TokenizationSpec, tokenize_conversations
@@ -62,12 +55,6 @@ from packsft.sidecar import (
 )
 from packsft.token_cache import TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
-
-INDEX_MAGIC = 0x504B5346545F4958  # "PKSFT_IX"
-INDEX_VERSION = 2
-_HEADER = 6
-_KEY, _COUNT = 4, 5  # header positions of rows_key and n
-_FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the file
 
 
 class PackedDataWarning(UserWarning):
@@ -97,58 +84,6 @@ class RowError(ConversationError):
         self.path, self.line, self.field, self.reason = "", 0, "", text
 
 
-def build_index(path: str | Path) -> np.ndarray:
-    """Scan a packed file once, check every row's structure, and return its index array (layout above).
-
-    Each row must be a JSON object whose ``messages`` split into valid conversations (:func:`split_row`: a system
-    message first, known roles, string contents, ...), so a corrupt row is reported when the dataset is opened,
-    not at the training step that first reads it. Token counts are not checked here (that needs the tokenizer).
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ConversationError: a row that is not JSON or not a valid packed row, naming ``path``, its line and field.
-    """
-    stat = os.stat(path)
-    starts, lines = [], []
-    offset = 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if raw.strip():
-                _check_row(raw, path, number)
-                starts.append(offset)
-                lines.append(number)
-            offset += len(raw)
-    header = [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns, 0, len(starts)]
-    return np.asarray(header + starts + lines, dtype=np.int64)
-
-
-def _check_row(raw: bytes, path: str | Path, line: int) -> None:
-    try:
-        record = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConversationError(path, line, "", f"not valid JSON: {e}") from e
-    if not isinstance(record, dict):
-        raise ConversationError(path, line, "", f"a packed row must be a JSON object, got {type(record).__name__}")
-    split_row(record.get("messages"), path, line)
-
-
-def _index_is_current(index: np.ndarray, path: str | Path, rows_key: int) -> bool:
-    stat = os.stat(path)
-    return (index.ndim == 1 and index.size >= _HEADER and index.dtype == np.int64
-            and list(index[:_HEADER - 1]) == [INDEX_MAGIC, INDEX_VERSION, stat.st_size, stat.st_mtime_ns, rows_key]
-            and index.size == _HEADER + 2 * int(index[_COUNT]))
-
-
-def rows_key(sidecar: dict[str, Any] | None) -> int:
-    """The index's ``rows_key`` of a sidecar: the first 60 bits of its ``rows_file.blake2b``, 0 without one."""
-    rows_file = (sidecar or {}).get("rows_file")
-    digest = rows_file.get("blake2b") if isinstance(rows_file, dict) else None
-    try:
-        return int(str(digest)[:15], 16)
-    except ValueError:
-        return 0
-
-
 def load_or_build_index(path: str | Path, index_path: str | Path | None = None, key: int = 0) -> np.ndarray:
     """Return the cached index of ``path``, rebuilding and re-caching it when missing or stale.
 
@@ -167,12 +102,12 @@ def load_or_build_index(path: str | Path, index_path: str | Path | None = None, 
     if index_path.is_file():
         try:
             index = np.load(index_path, mmap_mode="r", allow_pickle=False)
-            if _index_is_current(index, path, key):
+            if index_is_current(index, path, key):
                 return index
         except (ValueError, OSError):
             pass  # unreadable or foreign file: rebuild
     index = build_index(path)
-    index[_KEY] = key
+    index[KEY] = key
     try:
         with atomic_open(index_path, "wb") as f:
             np.save(f, index, allow_pickle=False)
@@ -180,29 +115,6 @@ def load_or_build_index(path: str | Path, index_path: str | Path | None = None, 
         warnings.warn(f"could not cache the row index at {index_path} ({e}); it is rebuilt on every load",
                       PackedDataWarning, stacklevel=2)
     return index
-
-
-def file_fingerprint(path: str | Path, index: np.ndarray) -> str:
-    """Cheap identity of a packed file: SHA-256 (hex, 16 chars) of its size, first and last MiB, and sidecar.
-
-    Hashing the whole file would cost a full read of a possibly many-GB file at every start; the packer
-    rewrites the sidecar (with its counts) on every run, and any re-pack that changes rows changes the size
-    or the ends in practice; its sidecar's ``rows_file`` records the BLAKE2b of the whole rows file, so a
-    re-pack always changes the fingerprint. Not detected: an edit in the middle of the file that keeps its
-    size and both ends, on a file without a sidecar (or without ``rows_file``). The mtime is left out so a
-    copied file keeps its fingerprint.
-    """
-    size = int(index[2])
-    h = hashlib.sha256(f"packsft-packed-v1:{size}:{int(index[_COUNT])}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(_FINGERPRINT_SPAN))
-        if size > _FINGERPRINT_SPAN:
-            f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
-            h.update(f.read())
-    side = sidecar_path(path)
-    if side.is_file():
-        h.update(side.read_bytes())
-    return h.hexdigest()[:16]
 
 
 class PackedSFTDataset(torch.utils.data.Dataset):
@@ -360,7 +272,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         """Number of rows (non-blank lines) in the packed file."""
-        return int(self._index[_COUNT])
+        return int(self._index[COUNT])
 
     @property
     def fingerprint(self) -> str:
@@ -371,7 +283,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
     def line_number(self, i: int) -> int:
         """1-based line number in the packed file of row ``i``."""
-        return int(self._index[_HEADER + len(self) + self._position(i)])
+        return int(self._index[HEADER + len(self) + self._position(i)])
 
     def _position(self, i: int) -> int:
         n = len(self)
@@ -393,7 +305,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         pos = self._position(i)
         if self._file is None or self._file_pid != os.getpid():
             self._file, self._file_pid = open(self.path, "rb"), os.getpid()  # kept open for reuse
-        self._file.seek(int(self._index[_HEADER + pos]))
+        self._file.seek(int(self._index[HEADER + pos]))
         try:
             return json.loads(self._file.readline())["messages"]
         except (ValueError, KeyError, TypeError) as e:

@@ -39,11 +39,12 @@ import json
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from packsft.config_rules import SEED, Needs, check_fields, ge, one_of, rules
 from packsft.data.samplers import BUILTIN_SAMPLERS, EvalShardSampler, ResumableBatchSampler
 
 STATE_VERSION = 1
@@ -98,50 +99,39 @@ class DataLoaderConfig:
     (``OmegaConf.to_object`` does it).
     """
 
-    sampler: str = "random"
+    relations: ClassVar[tuple] = (
+        Needs(("sampler", "custom"), "sampler_class_path", "e.g. 'examples.samplers.curriculum.CurriculumSampler'"),
+        Needs("sampler_class_path", ("sampler", "custom"), "it is only used with sampler='custom'"),
+    )
+
+    sampler: str = field(default="random", metadata=rules(one_of(SAMPLER_NAMES)))
     """``random`` (seeded permutation per epoch), ``sequential`` (file order) or ``custom``."""
     sampler_class_path: str | None = None
     """Import path of the class when ``sampler: custom``: ``pkg.module.Class`` or ``pkg.module:Class``."""
     sampler_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the sampler class (custom samplers only)."""
-    num_workers: int = 0
+    num_workers: int = field(default=0, metadata=rules(ge(0)))
     """Worker processes (``spawn`` context when > 0); may change between save and resume."""
     persistent_workers: bool = False
     """Keep workers alive between iterators; ignored when ``num_workers == 0``."""
-    seed: int = 1234
+    seed: int = field(default=1234, metadata=rules(SEED))
     """Seed of the sampling order, identical on every data-parallel rank."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = field(default=1, metadata=rules(ge(1)))
     """Rows per micro-batch on each data-parallel rank."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field and resolve the sampler class.
+        """Check every field (:func:`~packsft.config_rules.check_fields`) and resolve the sampler class.
 
         Raises:
             ValueError: naming the field and value: unknown ``sampler``, ``custom`` without (or a
                 built-in with) ``sampler_class_path``, an unresolvable or non-sampler class,
-                ``sampler_kwargs`` the class does not accept, negative workers, ``micro_batch_size < 1``, a negative
-                ``seed``.
+                ``sampler_kwargs`` the class does not accept, negative workers, ``micro_batch_size < 1``, a ``seed``
+                outside ``[0, 2**63)`` (numpy's ``SeedSequence`` and ``torch.Generator`` take no negative seed).
         """
-        if self.sampler not in SAMPLER_NAMES:
-            raise ValueError(f"sampler={self.sampler!r} is unknown; choose one of {list(SAMPLER_NAMES)}")
-        if self.sampler == "custom" and not self.sampler_class_path:
-            raise ValueError(
-                "sampler='custom' needs sampler_class_path (e.g. 'examples.samplers.curriculum.CurriculumSampler')"
-            )
-        if self.sampler != "custom" and self.sampler_class_path:
-            raise ValueError(
-                f"sampler_class_path={self.sampler_class_path!r} is only used with sampler='custom', "
-                f"but sampler={self.sampler!r}"
-            )
-        if self.num_workers < 0:
-            raise ValueError(f"loader.num_workers must be >= 0, got {self.num_workers}")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"loader.micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if not 0 <= self.seed < 2**63:  # numpy's SeedSequence and torch.Generator take no negative seed
-            raise ValueError(f"loader.seed must be in [0, 2**63), got {self.seed}")
+        check_fields("loader", self)
         cls = self.sampler_class()
         try:
             inspect.signature(cls).bind(0, dp_rank=0, dp_size=1, seed=self.seed, **_plain(self.sampler_kwargs))

@@ -70,9 +70,10 @@ def loader(n=10, fingerprint="toy-v1", dp_rank=0, dp_size=1, **cfg):
 
 
 def test_config_errors_name_field_and_value():
-    with pytest.raises(ValueError, match="sampler='shuffle' is unknown"):
+    with pytest.raises(ValueError,
+                       match=r"loader.sampler must be one of \('random', 'sequential', 'custom'\), got 'shuffle'"):
         DataLoaderConfig(sampler="shuffle")
-    with pytest.raises(ValueError, match="needs sampler_class_path"):
+    with pytest.raises(ValueError, match="loader.sampler custom needs loader.sampler_class_path"):
         DataLoaderConfig(sampler="custom")
     with pytest.raises(ValueError, match="'no_such_pkg.mod.Sampler' does not resolve"):
         DataLoaderConfig(sampler="custom", sampler_class_path="no_such_pkg.mod.Sampler")

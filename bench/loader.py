@@ -48,7 +48,7 @@ from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.data.row import build_row, build_row_flat  # noqa: E402
 from packsft.packing.config import PackConfig  # noqa: E402
 from packsft.packing.pipeline import run_pack  # noqa: E402
-from packsft.prompt_formats import tokenize_conversation  # noqa: E402
+from packsft.prompt_formats import Tokenization, tokenize_conversation  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("PACKSFT_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
@@ -121,7 +121,8 @@ def measure(ds: PackedSFTDataset, rows: int, seed: int) -> dict[str, float]:
         t0 = time.perf_counter()
         convs = split_row(ds.read_messages(i), ds.path, ds.line_number(i))
         t1 = time.perf_counter()
-        pieces = [tokenize_conversation(c.messages, ds.tokenizer, ds.prompt_format, c.tools) for c in convs]
+        tokenization = Tokenization.of(ds.tokenizer, ds.prompt_format)
+        pieces = [tokenize_conversation(c.messages, tokenization, c.tools) for c in convs]
         t2 = time.perf_counter()
         build_row(pieces, ds.prompt_format.pad_token_id, ds.max_seq_len, ds.context_parallel_size)
         t3 = time.perf_counter()

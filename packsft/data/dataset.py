@@ -37,7 +37,13 @@ from packsft.data.row import build_row, build_row_flat
 from packsft.data.row_index import COUNT, HEADER, KEY, build_index, file_fingerprint, index_is_current, rows_key
 from packsft.io import atomic_open, finish_interrupted_publish, missing_file
 from packsft.layout import check_max_seq_len
-from packsft.prompt_formats import PromptFormat, PromptFormatError, TokenizationSpec, tokenize_conversations
+from packsft.prompt_formats import (
+    PromptFormat,
+    PromptFormatError,
+    Tokenization,
+    TokenizationSpec,
+    tokenize_conversations,
+)
 from packsft.sidecar import (
     CACHE_SETTINGS,
     REPACK_INTRO,
@@ -323,7 +329,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         pos = self._position(i)
         conversations = split_row(self.read_messages(pos), self.path, self.line_number(pos), validate=False)
         pieces = tokenize_conversations([(c.messages, c.tools, c.chat_template_kwargs) for c in conversations],
-                                        self.tokenizer, self.prompt_format)  # as the packer does, one batch
+                                        Tokenization.of(self.tokenizer, self.prompt_format))  # as the packer, a batch
         for k, got in enumerate(pieces):
             if isinstance(got, PromptFormatError):
                 raise RowError(self.path, self.line_number(pos), f"conversation {k}", str(got)) from got

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from packsft.conversation import split_row
 from packsft.data.dataset import PackedSFTDataset
 from packsft.data.row import build_row
-from packsft.prompt_formats import tokenize_segments
+from packsft.prompt_formats import Tokenization, tokenize_segments
 
 GREEN, DIM, CYAN, BOLD, RESET = "\033[32m", "\033[2m", "\033[36m", "\033[1m", "\033[0m"
 
@@ -40,7 +40,7 @@ def _segment_spans(conversation, dataset: PackedSFTDataset) -> list[tuple[str, i
     """``(label, number of tokens)`` of each rendered piece of a conversation, in order."""
     fmt, tok = dataset.prompt_format, dataset.tokenizer
     spans = []
-    for seg, ids in tokenize_segments(conversation.messages, tok, fmt, conversation.tools,
+    for seg, ids in tokenize_segments(conversation.messages, Tokenization.of(tok, fmt), conversation.tools,
                                       conversation.chat_template_kwargs):
         if fmt.name in ("chat-template", "passthrough"):
             label = "assistant" if seg.trained else "prompt"

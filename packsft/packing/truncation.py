@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from packsft.packing.config import PackConfig
-from packsft.prompt_formats import PromptFormatError, tokenize_conversation
+from packsft.prompt_formats import PromptFormatError, Tokenization, tokenize_conversation
 from packsft.record_formats import ROW_JSON
 
 
@@ -102,8 +102,8 @@ def tokenize_record(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
 def _whole(conv, tok, fmt, first=None, known=None):
     """``tokenize_conversation(..., runs=True)`` of the whole ``conv``: ``first`` when given (raised when an error)."""
     if first is None:
-        return tokenize_conversation(conv.messages, tok, fmt, conv.tools, conv.chat_template_kwargs, known,
-                                     runs=True)
+        return tokenize_conversation(conv.messages, Tokenization.of(tok, fmt), conv.tools, conv.chat_template_kwargs,
+                                     known, runs=True)
     if isinstance(first, PromptFormatError):
         raise first
     return first
@@ -161,7 +161,8 @@ def _fit_own_row(conv, tok, fmt, cfg: PackConfig, first=None, known=None):
         msgs, cut = _cut_messages(conv.messages, budget, cfg.train_on, sizes)
         try:
             tokens, runs = whole if whole is not None and not cut else \
-                tokenize_conversation(msgs, tok, fmt, conv.tools, conv.chat_template_kwargs, known, runs=True)
+                tokenize_conversation(msgs, Tokenization.of(tok, fmt), conv.tools, conv.chat_template_kwargs, known,
+                                      runs=True)
         except PromptFormatError as e:  # a cut the format cannot render: try a shorter one
             if not cut:
                 raise

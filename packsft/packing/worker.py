@@ -277,7 +277,7 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
         of int ids, ``runs``: their targets as runs, ``tokenize_conversation(..., runs=True)``), or
         ``(None, None, reason, False, None, None)`` for a rejected line.
     """
-    cfg, tok, fmt = state.cfg, state.tok, state.fmt
+    cfg = state.cfg
     parsed: list = []  # per line: (conv, record, source), or its rejection
     for line, _, text, decode_error in items:
         try:
@@ -287,8 +287,8 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
     whole = [i for i, p in enumerate(parsed) if p[0] is not None and tokenized_whole(p[0], cfg)]
     known = [{} for _ in whole] if cfg.oversize == "own-row" else None  # kept for the cuts of long ones
     first = dict(zip(whole, tokenize_conversations(
-        [(parsed[i][0].messages, parsed[i][0].tools, parsed[i][0].chat_template_kwargs) for i in whole], tok, fmt,
-        known, runs=True)))
+        [(parsed[i][0].messages, parsed[i][0].tools, parsed[i][0].chat_template_kwargs) for i in whole],
+        state.tokenization, known, runs=True)))
     memo = dict(zip(whole, known)) if known else {}
     return [p if p[0] is None else _finish_line(state, *p, first.get(i), memo.get(i))
             for i, p in enumerate(parsed)]

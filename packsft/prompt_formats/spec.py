@@ -90,6 +90,14 @@ class Tokenization:
     tokenizer: Any
     fmt: PromptFormat
 
+    @classmethod
+    def of(cls, tokenizer: Any, fmt: PromptFormat) -> Tokenization:
+        """``tokenizer`` with ``fmt``, a format already bound to it; the spec is the one that binds to ``fmt``."""
+        spec = TokenizationSpec(str(getattr(tokenizer, "name_or_path", "") or ""), fmt.name, fmt.pad_token,
+                                fmt.chat_template, fmt.chat_template_kwargs, fmt.train_on, fmt.append_eos,
+                                fmt.allow_non_megatron)
+        return cls(spec, tokenizer, fmt)
+
     @cached_property
     def fingerprint(self) -> str:
         """:func:`packsft.tokenizer.tokenizer_fingerprint` of the tokenizer, taken once."""

@@ -10,6 +10,8 @@ from packsft.prompt_formats.base import PromptFormat, PromptFormatError, Segment
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from packsft.prompt_formats.spec import Tokenization
+
 
 def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat,
                     chat_template_kwargs: dict[str, Any] | None = None) -> list[Segment]:
@@ -28,7 +30,7 @@ def render_segments(messages, tools, tokenizer: PreTrainedTokenizerBase, fmt: Pr
 
     Raises:
         PromptFormatError: every assistant turn empty, template failure, or a turn that cannot be located.
-        NonMegatronError: (presets, unless ``fmt.allow_non_megatron``) an assistant turn that does not follow
+        NonMegatronError: (presets, unless the format allows non-Megatron) an assistant turn that does not follow
             a user or tool turn.
     """
     return fmt.segments(messages, tools, tokenizer, chat_template_kwargs)
@@ -69,8 +71,7 @@ def _encode_distinct(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> li
 
 def tokenize_segments(
     messages: list[dict[str, Any]],
-    tokenizer: PreTrainedTokenizerBase,
-    fmt: PromptFormat,
+    tokenization: Tokenization,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     known: dict[str, list[int]] | None = None,
@@ -78,25 +79,27 @@ def tokenize_segments(
     """Each rendered segment with its token ids, in order (their concatenation is the conversation).
 
     ``chat-template`` and ``passthrough`` encode every segment on its own (prompt parts through the
-    assistant header, then each trained assistant turn, plus EOS when ``fmt.append_eos``): no token crosses
+    assistant header, then each trained assistant turn, plus EOS when the format's ``append_eos``): no token crosses
     a header and a reply. The presets encode the whole rendering and check that every segment's own tokens
     equal its slice (Megatron-LM tokenizes the whole string and asserts this); with
-    ``fmt.allow_non_megatron`` a conversation that fails the check gets each segment's own tokens instead.
+    the format's ``allow_non_megatron`` a conversation that fails the check gets each segment's own tokens instead.
 
     Segments with equal texts get the same list of ids (each distinct text is encoded once), as do those
     taken from ``known``: do not change the pieces in place.
 
     Args:
+        tokenization: as in :func:`tokenize_conversation`.
         known: text -> ids of segment texts already encoded (each is encoded alone), taken from it and extended
             with the new ones, so that tokenizing variants of one conversation (the packer's own-row cuts)
             encodes each segment text once (the presets also encode their whole text each time).
 
     Raises:
         PromptFormatError: as :func:`render_segments`.
-        NonMegatronError: (presets, unless ``fmt.allow_non_megatron``) a token that crosses a turn boundary
+        NonMegatronError: (presets, unless the format allows non-Megatron) a token that crosses a turn boundary
             (names the message and the text on both sides), or an assistant turn not after a user/tool turn.
     """
-    got = _segments_batch([(messages, tools, chat_template_kwargs)], tokenizer, fmt, [known])[0]
+    got = _segments_batch([(messages, tools, chat_template_kwargs)], tokenization.tokenizer, tokenization.fmt,
+                          [known])[0]
     if isinstance(got, PromptFormatError):
         raise got
     return got
@@ -182,8 +185,7 @@ def _targets(pairs: list[tuple[Segment, list[int]]]) -> tuple[list[int], list[in
 
 def tokenize_conversation(
     messages: list[dict[str, Any]],
-    tokenizer: PreTrainedTokenizerBase,
-    fmt: PromptFormat,
+    tokenization: Tokenization,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     known: dict[str, list[int]] | None = None,
@@ -193,8 +195,9 @@ def tokenize_conversation(
 
     Args:
         messages: the conversation (first message ``system``); assistant turns may carry ``"weight": 0|1``.
-        tokenizer: fast Hugging Face tokenizer.
-        fmt: prompt format bound to ``tokenizer`` (:func:`~packsft.prompt_formats.get_prompt_format`).
+        tokenization: the tokenizer and the prompt format bound to it (:meth:`TokenizationSpec.resolve
+            <packsft.prompt_formats.TokenizationSpec.resolve>`, or :meth:`Tokenization.of
+            <packsft.prompt_formats.Tokenization.of>` of a bound format).
         tools: the conversation's tool schemas (``chat-template`` renders them).
         chat_template_kwargs: this conversation's ``apply_chat_template`` keyword arguments.
         known: as in :func:`tokenize_segments`.
@@ -203,20 +206,19 @@ def tokenize_conversation(
     Returns:
         ``(tokens, targets)``: two equally long lists of int token ids; ``targets[i]`` is ``tokens[i]`` where
         trained, else :data:`IGNORE_INDEX`. No BOS/EOS is added beyond what the format renders, except the
-        EOS of ``fmt.append_eos``.
+        EOS of the format's ``append_eos``.
 
     Raises:
         PromptFormatError: the conversation cannot be rendered, renders to no token, or (presets) a token
             crosses a turn boundary (the error names the message and the text on both sides).
     """
-    pairs = tokenize_segments(messages, tokenizer, fmt, tools, chat_template_kwargs, known)
+    pairs = tokenize_segments(messages, tokenization, tools, chat_template_kwargs, known)
     return _target_runs(pairs) if runs else _targets(pairs)
 
 
 def tokenize_conversations(
     conversations: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None]],
-    tokenizer: PreTrainedTokenizerBase,
-    fmt: PromptFormat,
+    tokenization: Tokenization,
     known: list[dict[str, list[int]] | None] | None = None,
     runs: bool = False,
 ) -> list[tuple[list[int], list[int]] | PromptFormatError]:
@@ -227,6 +229,7 @@ def tokenize_conversations(
     (``bench/pack.py``).
 
     Args:
+        tokenization: as in :func:`tokenize_conversation`.
         known: per conversation, ``None`` or its own dict as ``known`` in :func:`tokenize_segments` (distinct
             dicts): the packer keeps each conversation's segment ids, so that cutting it does not encode its
             kept turns again.
@@ -240,7 +243,7 @@ def tokenize_conversations(
     """
     out: list = []
     finish = _target_runs if runs else _targets
-    for got in _segments_batch(conversations, tokenizer, fmt, known):
+    for got in _segments_batch(conversations, tokenization.tokenizer, tokenization.fmt, known):
         try:
             out.append(got if isinstance(got, PromptFormatError) else finish(got))
         except PromptFormatError as e:  # renders to no tokens
@@ -250,8 +253,7 @@ def tokenize_conversations(
 
 def count_conversation_tokens(
     messages: list[dict[str, Any]],
-    tokenizer: PreTrainedTokenizerBase,
-    fmt: PromptFormat,
+    tokenization: Tokenization,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> int:
@@ -263,4 +265,4 @@ def count_conversation_tokens(
     Raises:
         PromptFormatError: as :func:`tokenize_conversation`.
     """
-    return len(tokenize_conversation(messages, tokenizer, fmt, tools, chat_template_kwargs)[0])
+    return len(tokenize_conversation(messages, tokenization, tools, chat_template_kwargs)[0])

@@ -14,7 +14,7 @@ from packsft.conversation import ConversationError
 from packsft.data import dataset as dataset_module
 from packsft.data.dataset import PackedDataWarning, PackedSFTDataset
 from packsft.data.row import build_row
-from packsft.prompt_formats import get_prompt_format, tokenize_conversation
+from packsft.prompt_formats import Tokenization, get_prompt_format, tokenize_conversation
 from packsft.sidecar import SidecarError, write_sidecar
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -68,7 +68,8 @@ def test_items_are_the_row_builder_applied_to_the_packers_tokenization(tmp_path,
     ds = PackedSFTDataset(path, tok, fmt, 64, cp)
     assert len(ds) == 3
     for i, row in enumerate(ROWS):
-        expected, _ = build_row([tokenize_conversation(c, tok, fmt) for c in row], fmt.pad_token_id, 64, cp)
+        expected, _ = build_row([tokenize_conversation(c, Tokenization.of(tok, fmt)) for c in row], fmt.pad_token_id,
+                                64, cp)
         item = ds[i]
         assert set(item) == set(expected)
         for key, value in expected.items():
@@ -160,8 +161,8 @@ def test_truncated_row_warns_once_naming_line_lengths_and_what_was_cut(tmp_path,
         item = ds[1]
     assert len(record) == 1
     message = str(record[0].message)
-    n1 = len(tokenize_conversation(conv("Hi", "Hello."), tok, fmt)[0])
-    n2 = len(tokenize_conversation(conv("Talk.", long_answer), tok, fmt)[0])
+    n1 = len(tokenize_conversation(conv("Hi", "Hello."), Tokenization.of(tok, fmt))[0])
+    n2 = len(tokenize_conversation(conv("Talk.", long_answer), Tokenization.of(tok, fmt))[0])
     assert "t.jsonl.packed:2 (row 1) right-truncated" in message
     assert f"need {n1 + n2} tokens but max_seq_len is 32" in message
     assert f"conversation 1 ({n2} tokens) was cut after {32 - n1} tokens" in message
@@ -316,7 +317,7 @@ def _read_and_count(path, tok, fmt, limit, max_seq_len, cp, every_variant=0):
             if every_variant and k % every_variant == 0 else []
         for conv in [c, *extra]:
             try:
-                n = count_conversation_tokens(conv.messages, tok, fmt, conv.tools)
+                n = count_conversation_tokens(conv.messages, Tokenization.of(tok, fmt), conv.tools)
             except Exception as e:  # PromptFormatError, or a template refusing this conversation
                 assert isinstance(e, PromptFormatError), e
                 assert fmt.name != "chat-template", f"{path}:{line}: rejected: {e}"

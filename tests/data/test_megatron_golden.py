@@ -14,7 +14,13 @@ import packsft.data.dataset as dataset_module
 from packsft.data.dataset import PackedSFTDataset
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack
-from packsft.prompt_formats import NonMegatronError, PromptFormatError, get_prompt_format, tokenize_conversation
+from packsft.prompt_formats import (
+    NonMegatronError,
+    PromptFormatError,
+    Tokenization,
+    get_prompt_format,
+    tokenize_conversation,
+)
 from packsft.tokenizer import load_tokenizer
 
 GOLDEN = json.loads((Path(__file__).parents[1] / "fixtures" / "megatron_sft_golden.json").read_text(encoding="utf-8"))
@@ -69,21 +75,21 @@ def test_packsft_refuses_exactly_what_megatron_refuses(tok, preset):
     for name, conv in GOLDEN["conversations"].items():
         if name in refused:
             with pytest.raises(PromptFormatError):
-                tokenize_conversation(conv, tok, fmt)
+                tokenize_conversation(conv, Tokenization.of(tok, fmt))
         else:
-            tokenize_conversation(conv, tok, fmt)
+            tokenize_conversation(conv, Tokenization.of(tok, fmt))
 
 
 def test_identity_masks_like_megatron_and_refuses_merged_turns(tok):
     fmt = get_prompt_format("identity", tok)
     conv = GOLDEN["conversations"]["newline_ended"]
-    tokens, targets = tokenize_conversation(conv, tok, fmt)
+    tokens, targets = tokenize_conversation(conv, Tokenization.of(tok, fmt))
     assert tok.decode(tokens) == "".join(m["content"] for m in conv)
     assert tok.decode([t for t in targets if t != -100]) == "Blue.\nGreen.\n"
     with pytest.raises(NonMegatronError, match=r"messages\[1\]: a token crosses the boundary .*Megatron-LM"):
-        tokenize_conversation(GOLDEN["conversations"]["merging_turns"], tok, fmt)
+        tokenize_conversation(GOLDEN["conversations"]["merging_turns"], Tokenization.of(tok, fmt))
     with pytest.raises(NonMegatronError, match=r"messages\[1\]: assistant turn follows a 'system' turn"):
-        tokenize_conversation(GOLDEN["conversations"]["assistant_after_system"], tok, fmt)
+        tokenize_conversation(GOLDEN["conversations"]["assistant_after_system"], Tokenization.of(tok, fmt))
 
 
 def test_pack_rejects_non_megatron_rows_or_keeps_them_as_packsft_only(tmp_path, tokenizer_dir, tok):

@@ -8,7 +8,7 @@ import torch
 
 from packsft.data.row import RowTruncation, build_row
 from packsft.layout import IGNORE_INDEX, conversation_cost
-from packsft.prompt_formats import get_prompt_format, tokenize_conversation
+from packsft.prompt_formats import Tokenization, get_prompt_format, tokenize_conversation
 from packsft.tokenizer import load_tokenizer
 
 X = IGNORE_INDEX
@@ -209,7 +209,7 @@ def test_presets_hand_computed(tokenizer_dir, tokenizer_name, preset, cp):
     tok = _tokenizer(tokenizer_dir(tokenizer_name))
     fmt = get_prompt_format(preset, tok)
     n1, n2, trained_text, num_trained = PRESET_CASES[(tokenizer_name, preset)]
-    convs = [tokenize_conversation(c, tok, fmt) for c in (CONV_1, CONV_2)]
+    convs = [tokenize_conversation(c, Tokenization.of(tok, fmt)) for c in (CONV_1, CONV_2)]
     assert [len(t) for t, _ in convs] == [n1, n2]
     row, trunc = build_row(convs, fmt.pad_token_id, max_seq_len=48, context_parallel_size=cp)
     c1 = FIRST_COST[cp][n1]

@@ -88,7 +88,7 @@ def test_chitchat_matches_shared_file(shared_data, tmp_path):
 def test_gguf_tokenizer_equals_shared_tokenizer(shared_data, tokenizer_dir, tmp_path):
     pytest.importorskip("gguf")
     gguf = _package_file_or_skip(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
-    from packsft.prompt_formats import get_prompt_format, tokenize_conversation
+    from packsft.prompt_formats import Tokenization, get_prompt_format, tokenize_conversation
     from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
     dst = tmp_path / "smollm2-tokenizer"
@@ -108,7 +108,8 @@ def test_gguf_tokenizer_equals_shared_tokenizer(shared_data, tokenizer_dir, tmp_
     assert fmt_ours == fmt_ref
     for messages in convs:
         messages = [{"role": "system", "content": ""}] + messages
-        assert tokenize_conversation(messages, ours, fmt_ours) == tokenize_conversation(messages, ref, fmt_ref)
+        assert tokenize_conversation(messages, Tokenization.of(ours, fmt_ours)) == \
+            tokenize_conversation(messages, Tokenization.of(ref, fmt_ref))
     with pytest.raises(FileExistsError, match="smollm2-tokenizer exists"):
         extract_gguf_tokenizer(gguf, dst)
 

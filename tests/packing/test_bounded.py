@@ -165,7 +165,7 @@ def test_own_row_cut_never_puts_tool_calls_after_a_cut_content(tmp_path, tokeniz
     """A turn's tool calls follow its content in the rendering: cutting the content and keeping the calls would
     train a reply the assistant never gave ("Let" + the calls). The row must train what the loader's truncation
     of the whole conversation trains."""
-    from packsft.prompt_formats import get_prompt_format, tokenize_conversation
+    from packsft.prompt_formats import Tokenization, get_prompt_format, tokenize_conversation
     from packsft.tokenizer import load_tokenizer
 
     tok_dir = tokenizer_dir("qwen2.5")
@@ -184,7 +184,8 @@ def test_own_row_cut_never_puts_tool_calls_after_a_cut_content(tmp_path, tokeniz
     run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tok_dir), max_seq_len=L,
                         progress=False, histogram=""))
     tok = load_tokenizer(tok_dir)
-    tokens, targets = tokenize_conversation(messages, tok, get_prompt_format("chat-template", tok), tools)
+    tokens, targets = tokenize_conversation(messages, Tokenization.of(tok, get_prompt_format("chat-template", tok)),
+                                            tools)
     item = PackedSFTDataset(out, tok, "chat-template", L)[0]
     assert item["tokens"].tolist() == tokens[:L]
     assert item["labels"].tolist()[: L - 1] == targets[1:L]

@@ -14,7 +14,7 @@ from packsft.packing.config import PackConfig, PackError
 from packsft.packing.pipeline import run_pack
 from packsft.packing.shards import plan_shards
 from packsft.packing.truncation import own_row_window
-from packsft.prompt_formats import count_conversation_tokens, get_prompt_format
+from packsft.prompt_formats import Tokenization, count_conversation_tokens, get_prompt_format
 from packsft.token_cache import cache_paths
 from packsft.tokenizer import load_tokenizer
 
@@ -65,7 +65,7 @@ def _check_invariants(cfg: PackConfig, report):
     for row in rows:
         assert list(row) == ["messages"]
         convs = split_row(row["messages"])
-        lengths = [count_conversation_tokens(c.messages, tok, fmt, c.tools) for c in convs]
+        lengths = [count_conversation_tokens(c.messages, Tokenization.of(tok, fmt), c.tools) for c in convs]
         cost = sum(conversation_cost(n, cfg.context_parallel_size) for n in lengths)
         assert cost <= cfg.max_seq_len or len(convs) == 1  # an oversize conversation gets its own row
         real += sum(min(n, cfg.max_seq_len) for n in lengths)
@@ -706,7 +706,7 @@ def test_length_histogram_shows_lengths_before_the_cut_and_the_dropped(tmp_path,
     src = _write_lines(tmp_path / "in.jsonl", records)
     tok = load_tokenizer(tok_dir)
     fmt = get_prompt_format("chat-template", tok)
-    true = [count_conversation_tokens(parse_record(r).messages, tok, fmt) for r in records]
+    true = [count_conversation_tokens(parse_record(r).messages, Tokenization.of(tok, fmt)) for r in records]
     L = 256
     high = own_row_window(L)[1]
     assert true[0] <= L and true[1] <= L and true[2] > high and len(json.dumps(records[3])) > 8 * high

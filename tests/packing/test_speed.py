@@ -44,7 +44,8 @@ def _tokenize_all(convs, tok, fmt):
     out = []
     for _, _, c in convs:
         try:
-            out.append(pf.tokenize_conversation(c.messages, tok, fmt, c.tools, c.chat_template_kwargs))
+            out.append(pf.tokenize_conversation(c.messages, pf.Tokenization.of(tok, fmt), c.tools,
+                                                c.chat_template_kwargs))
         except pf.PromptFormatError as e:
             out.append(f"error: {e}")
     return out
@@ -81,9 +82,9 @@ def test_a_template_that_uses_the_content_is_rendered_twice(template, tokenizer_
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "  x answer  "}]
     assert chat_template._render_traced(tok, fmt, chat_template._template_messages(msgs), [2], None, {}) is None
-    got = pf.tokenize_conversation(msgs, tok, fmt)
+    got = pf.tokenize_conversation(msgs, pf.Tokenization.of(tok, fmt))
     monkeypatch.setattr(chat_template, "_compile_jinja_template", None)
-    assert got == pf.tokenize_conversation(msgs, tok, fmt)
+    assert got == pf.tokenize_conversation(msgs, pf.Tokenization.of(tok, fmt))
 
 
 def test_a_template_that_only_concatenates_is_rendered_once(tokenizer_dir):

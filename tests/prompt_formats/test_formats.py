@@ -7,6 +7,7 @@ from packsft.prompt_formats import (
     IGNORE_INDEX,
     NonMegatronError,
     PromptFormatError,
+    Tokenization,
     count_conversation_tokens,
     get_prompt_format,
     render_segments,
@@ -41,7 +42,7 @@ def _trained_text(tok, tokens, targets):
 
 def test_nemotron_nano_v2_text_and_mask(nemo):
     fmt = get_prompt_format("nemotron-nano-v2", nemo)
-    tokens, targets = tokenize_conversation(CONV, nemo, fmt)
+    tokens, targets = tokenize_conversation(CONV, Tokenization.of(nemo, fmt))
     assert nemo.decode(tokens) == (
         "<SPECIAL_10>System\nBe kind.\n<SPECIAL_11>User\nHi  there\n"
         "<SPECIAL_11>Assistant\nHello!\n<SPECIAL_12>\n<SPECIAL_11>User\n2+2?\n<SPECIAL_11>Assistant\n4\n<SPECIAL_12>\n")
@@ -53,7 +54,7 @@ def test_nemotron_nano_v2_text_and_mask(nemo):
 
 def test_nemotron_h_aligned_text_and_mask(nemo):
     fmt = get_prompt_format("nemotron-h-aligned", nemo)
-    tokens, targets = tokenize_conversation(CONV, nemo, fmt)
+    tokens, targets = tokenize_conversation(CONV, Tokenization.of(nemo, fmt))
     assert nemo.decode(tokens) == (
         "<SPECIAL_10>System\nBe kind. /think\n<SPECIAL_11>User\nHi /no_think there\n<SPECIAL_11>Assistant\n"
         "Hello!\n<SPECIAL_11>User\n2+2?\n<SPECIAL_11>Assistant\n4\n")
@@ -64,7 +65,7 @@ def test_nemotron_h_aligned_text_and_mask(nemo):
 def test_identity_trains_assistant_turns_only_without_bos_or_eos(nemo):
     fmt = get_prompt_format("identity", nemo)
     conv = [dict(m, content=m["content"].strip() + "\n") for m in CONV]  # no token across turns
-    tokens, targets = tokenize_conversation(conv, nemo, fmt)
+    tokens, targets = tokenize_conversation(conv, Tokenization.of(nemo, fmt))
     assert nemo.decode(tokens) == "".join(m["content"] for m in conv)
     assert nemo.decode([t for t in targets if t != IGNORE_INDEX]) == "Hello!\n4\n"
     assert tokens[0] != nemo.bos_token_id and tokens[-1] != nemo.eos_token_id
@@ -72,8 +73,9 @@ def test_identity_trains_assistant_turns_only_without_bos_or_eos(nemo):
 
 def test_identity_refuses_a_token_across_turns_unless_allowed(nemo):
     with pytest.raises(NonMegatronError, match=r"messages\[1\]: a token crosses .*--allow-non-megatron"):
-        tokenize_conversation(CONV, nemo, get_prompt_format("identity", nemo))
-    tokens, targets = tokenize_conversation(CONV, nemo, get_prompt_format("identity", nemo, allow_non_megatron=True))
+        tokenize_conversation(CONV, Tokenization.of(nemo, get_prompt_format("identity", nemo)))
+    lenient = get_prompt_format("identity", nemo, allow_non_megatron=True)
+    tokens, targets = tokenize_conversation(CONV, Tokenization.of(nemo, lenient))
     assert tokens == [t for m in CONV for t in nemo.encode(m["content"], add_special_tokens=False)]
     assert nemo.decode([t for t in targets if t != IGNORE_INDEX]) == " Hello! 4"
 
@@ -84,7 +86,7 @@ def test_nemotron_tool_turns_render_to_nothing_and_tool_only_assistant_is_an_err
             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     msgs = [CONV[0], CONV[1], call, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "ok"}]
     with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn .*use chat-template"):
-        tokenize_conversation(msgs, nemo, fmt)
+        tokenize_conversation(msgs, Tokenization.of(nemo, fmt))
     tool_only = [CONV[0], CONV[1], {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
     with_tool = tool_only[:3] + [{"role": "tool", "content": "ignored"}] + tool_only[3:]
     assert [s.text for s in render_segments(with_tool, None, nemo, fmt)] == \
@@ -99,14 +101,16 @@ def test_passthrough_refuses_a_tool_call_turn_it_would_train_as_an_empty_reply(q
     msgs = [CONV[0], CONV[1], call, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "ok"}]
     with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn \(prompt format passthrough "
                                                 r"does not render tool_calls; use a chat template that does\)"):
-        tokenize_conversation(msgs, qwen, fmt)
-    tokenize_conversation([*msgs[:2], {**call, "content": "Calling f."}, *msgs[3:]], qwen, fmt)  # content: trained
+        tokenize_conversation(msgs, Tokenization.of(qwen, fmt))
+    tokenize_conversation([*msgs[:2], {**call, "content": "Calling f."}, *msgs[3:]],  # content: trained
+                          Tokenization.of(qwen, fmt))
     plain = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n{% endfor %}" \
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"   # a template without tool calls
     with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn \(the chat template does not "
                                                 r"render tool_calls"):
-        tokenize_conversation(msgs, qwen, get_prompt_format("chat-template", qwen, chat_template=plain))
-    tokenize_conversation(msgs, qwen, get_prompt_format("chat-template", qwen))   # Qwen2.5's renders the call
+        tokenize_conversation(msgs, Tokenization.of(qwen, get_prompt_format("chat-template", qwen,
+                                                                            chat_template=plain)))
+    tokenize_conversation(msgs, Tokenization.of(qwen, get_prompt_format("chat-template", qwen)))  # Qwen2.5's renders it
 
 
 def test_what_a_format_does_not_render_is_named(qwen, nemo, tokenizer_dir):
@@ -137,20 +141,20 @@ def test_empty_or_whitespace_assistant_is_an_error(nemo, qwen, name, content):
     tok = qwen if name == "chat-template" else nemo
     msgs = [CONV[0], CONV[1], {"role": "assistant", "content": content}]
     with pytest.raises(PromptFormatError, match=r"messages\[2\]: empty assistant turn"):
-        tokenize_conversation(msgs, tok, get_prompt_format(name, tok))
+        tokenize_conversation(msgs, Tokenization.of(tok, get_prompt_format(name, tok)))
 
 
 def test_empty_user_and_unicode_are_fine(qwen):
     fmt = get_prompt_format("chat-template", qwen)
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": ""},
             {"role": "assistant", "content": "Grüße 🙂 — 東京\r\nbye"}]
-    tokens, targets = tokenize_conversation(msgs, qwen, fmt)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(qwen, fmt))
     assert _trained_text(qwen, tokens, targets) == "Grüße 🙂 — 東京\r\nbye<|im_end|>"
 
 
 def test_chat_template_trains_assistant_turns_through_end_of_turn(qwen):
     fmt = get_prompt_format("chat-template", qwen)
-    tokens, targets = tokenize_conversation(CONV, qwen, fmt)
+    tokens, targets = tokenize_conversation(CONV, Tokenization.of(qwen, fmt))
     assert _trained_text(qwen, tokens, targets) == " Hello! <|im_end|>4<|im_end|>"
     # the newline after <|im_end|> and everything else is masked
     assert qwen.decode(tokens).endswith("<|im_start|>assistant\n4<|im_end|>\n")
@@ -170,13 +174,14 @@ def test_chat_template_counts_equal_a_fresh_apply_chat_template(qwen, shared_dat
                     for c in m.get("tool_calls") or []:
                         c["function"]["arguments"] = json.loads(c["function"]["arguments"])
                 fresh = qwen.apply_chat_template(msgs, tools=conv.tools, tokenize=True, return_dict=False)
-                assert count_conversation_tokens(conv.messages, qwen, fmt, conv.tools) == len(fresh), (name, i)
+                count = count_conversation_tokens(conv.messages, Tokenization.of(qwen, fmt), conv.tools)
+                assert count == len(fresh), (name, i)
 
 
 def test_chat_template_that_moves_the_system_prompt_is_handled(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir("mistral-nemo"))
     fmt = get_prompt_format("chat-template", tok)
-    tokens, targets = tokenize_conversation(CONV, tok, fmt)
+    tokens, targets = tokenize_conversation(CONV, Tokenization.of(tok, fmt))
     assert _trained_text(tok, tokens, targets) == " Hello! </s>4</s>"
 
 
@@ -188,7 +193,7 @@ def test_a_reply_starting_with_a_private_use_character_is_trained_whole(tokenize
     fmt = get_prompt_format("chat-template", tok)
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "q"},
             {"role": "assistant", "content": reply}]
-    assert _trained_text(tok, *tokenize_conversation(msgs, tok, fmt)) == f"{reply}</s>"
+    assert _trained_text(tok, *tokenize_conversation(msgs, Tokenization.of(tok, fmt))) == f"{reply}</s>"
 
 
 def test_chat_template_text_that_merges_across_turns_is_encoded_per_part(tokenizer_dir):
@@ -198,7 +203,7 @@ def test_chat_template_text_that_merges_across_turns_is_encoded_per_part(tokeniz
                             pad_token="!")
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
             {"role": "assistant", "content": "lo world"}]
-    tokens, targets = tokenize_conversation(msgs, tok, fmt)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(tok, fmt))
     enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     assert fmt.append_eos  # the template writes nothing after the reply: EOS is the stop signal
     assert tokens == enc("hel") + enc("lo world") + [tok.eos_token_id] != enc("hello world")
@@ -215,7 +220,7 @@ def test_preset_token_crossing_a_boundary_names_the_message_and_both_sides(monke
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
             {"role": "assistant", "content": "lo world"}, {"role": "user", "content": "bye"}]
     with pytest.raises(PromptFormatError) as err:
-        tokenize_conversation(msgs, tok, fmt)
+        tokenize_conversation(msgs, Tokenization.of(tok, fmt))
     text = str(err.value)
     assert text.startswith("messages[2]: a token crosses the boundary between 'A: hel' and 'lo world'")
     assert "token ' hello'" in text
@@ -229,7 +234,7 @@ def test_template_failure_is_a_clear_error(tokenizer_dir):
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"},
             {"role": "assistant", "content": "c"}]
     with pytest.raises(PromptFormatError, match="chat template failed: .*roles must alternate"):
-        tokenize_conversation(msgs, tok, fmt)
+        tokenize_conversation(msgs, Tokenization.of(tok, fmt))
 
 
 def test_pad_token_rules(tokenizer_dir, nemo):
@@ -307,10 +312,10 @@ def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_d
     calls = []
     real_turn_spans = pf._turn_spans
     monkeypatch.setattr(pf, "_turn_spans", lambda *a: calls.append(1) or real_turn_spans(*a))
-    fast = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
+    fast = [tokenize_conversation(c.messages, Tokenization.of(tok, fmt), c.tools) for c in convs]
     assert not calls  # the fast path was taken for every one of these conversations
     monkeypatch.setattr(pf, "_marked_spans", lambda *a, **k: None)
-    slow = [tokenize_conversation(c.messages, tok, fmt, c.tools) for c in convs]
+    slow = [tokenize_conversation(c.messages, Tokenization.of(tok, fmt), c.tools) for c in convs]
     assert fast == slow and len(calls) == len(convs)
 
 
@@ -334,13 +339,13 @@ def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, t
     calls: list[list[str]] = []
     encode = pf._encode
     monkeypatch.setattr(pf, "_encode", lambda t, texts: (calls.append(list(texts)), encode(t, texts))[1])
-    got = tokenize_conversations(batch, tok, fmt)
+    got = tokenize_conversations(batch, Tokenization.of(tok, fmt))
     assert len(calls) == 1 and len(set(calls[0])) == len(calls[0])
     monkeypatch.setattr(pf, "_encode", encode)
 
     def one(messages, tools, kwargs):
         try:
-            return tokenize_conversation(messages, tok, fmt, tools, kwargs)
+            return tokenize_conversation(messages, Tokenization.of(tok, fmt), tools, kwargs)
         except PromptFormatError as e:
             return e
 
@@ -349,9 +354,9 @@ def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, t
     assert [str(g) if isinstance(g, Exception) else g for g in got] == \
         [str(w) if isinstance(w, Exception) else w for w in want]
     assert sum(isinstance(w, PromptFormatError) for w in want) >= 1 and sum(isinstance(w, tuple) for w in want) >= 10
-    assert tokenize_conversations([], tok, fmt) == []
+    assert tokenize_conversations([], Tokenization.of(tok, fmt)) == []
     known = [{} for _ in batch]
-    with_known = tokenize_conversations(batch, tok, fmt, known)
+    with_known = tokenize_conversations(batch, Tokenization.of(tok, fmt), known)
     assert [str(g) if isinstance(g, Exception) else g for g in with_known] == \
         [str(w) if isinstance(w, Exception) else w for w in want]
     assert all(d for d, w in zip(known, want) if isinstance(w, tuple))
@@ -369,8 +374,8 @@ def test_known_segment_ids_are_reused_and_give_the_same_tokens(tokenizer_dir, sh
     with open(shared_data / "chat/chitchat.messages.jsonl") as f:
         conv = parse_record(json.loads(next(f)))
     known: dict = {}
-    whole = tokenize_conversations([(conv.messages, None, None)], tok, fmt, [known])[0]
-    assert whole == tokenize_conversation(conv.messages, tok, fmt) and known
+    whole = tokenize_conversations([(conv.messages, None, None)], Tokenization.of(tok, fmt), [known])[0]
+    assert whole == tokenize_conversation(conv.messages, Tokenization.of(tok, fmt)) and known
     encoded: list[str] = []
     encode = pf._encode
     monkeypatch.setattr(pf, "_encode", lambda t, texts: (encoded.extend(texts), encode(t, texts))[1])
@@ -378,17 +383,17 @@ def test_known_segment_ids_are_reused_and_give_the_same_tokens(tokenizer_dir, sh
         msgs = conv.messages[:keep] + [{**conv.messages[keep], "content": conv.messages[keep]["content"][:7]}]
         seen = set(known)
         encoded.clear()
-        got = tokenize_conversation(msgs, tok, fmt, known=known)
+        got = tokenize_conversation(msgs, Tokenization.of(tok, fmt), known=known)
         assert encoded and not seen & set(encoded)  # only new texts
         monkeypatch.setattr(pf, "_encode", encode)
-        assert got == tokenize_conversation(msgs, tok, fmt)
+        assert got == tokenize_conversation(msgs, Tokenization.of(tok, fmt))
         monkeypatch.setattr(pf, "_encode", lambda t, texts: (encoded.extend(texts), encode(t, texts))[1])
     if fmt_name == "chat-template":  # segments encoded alone: the kept turns were not encoded again
         assert sum(map(len, encoded)) < sum(len(m["content"]) for m in msgs) / 2
     else:  # the presets' whole text changes with every cut: not kept
         assert max(map(len, known)) < len(encoded[0])
     with pytest.raises(ValueError, match="zip"):  # one known dict per conversation
-        tokenize_conversations([(msgs, None, None)] * 2, tok, fmt, [{}])
+        tokenize_conversations([(msgs, None, None)] * 2, Tokenization.of(tok, fmt), [{}])
 
 
 def test_a_lone_surrogate_decoded_from_tool_call_arguments_is_a_prompt_format_error(qwen):
@@ -400,11 +405,11 @@ def test_a_lone_surrogate_decoded_from_tool_call_arguments_is_a_prompt_format_er
                                      {"role": "assistant", "content": None, "tool_calls": [call]},
                                      {"role": "tool", "content": "t"}, {"role": "assistant", "content": "ok"}]})
     with pytest.raises(PromptFormatError, match="lone UTF-16 surrogate \\(U\\+D800"):
-        tokenize_conversation(bad.messages, qwen, fmt)
+        tokenize_conversation(bad.messages, Tokenization.of(qwen, fmt))
     good = parse_record({"messages": CONV})
     got = tokenize_conversations([(good.messages, None, None), (bad.messages, None, None),
-                                  (good.messages, None, None)], qwen, fmt)
-    assert got[0] == got[2] == tokenize_conversation(good.messages, qwen, fmt)
+                                  (good.messages, None, None)], Tokenization.of(qwen, fmt))
+    assert got[0] == got[2] == tokenize_conversation(good.messages, Tokenization.of(qwen, fmt))
     assert isinstance(got[1], PromptFormatError) and "surrogate" in str(got[1])
 
 
@@ -448,7 +453,7 @@ def test_reply_starting_with_newlines_trains_exactly_what_follows_the_generation
             {"role": "assistant", "content": "\n\nHello there."}]
     prompt = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
     whole = tok.apply_chat_template(msgs, tokenize=False)
-    tokens, targets = tokenize_conversation(msgs, tok, fmt)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(tok, fmt))
     assert _enc(tok, whole) != tokens                            # the whole string merges across the header
     reply = "\n\nHello there.<|im_end|>"
     assert whole.startswith(prompt + reply)
@@ -459,7 +464,7 @@ def test_reply_starting_with_newlines_trains_exactly_what_follows_the_generation
 def test_prompt_response_records_whose_prompt_ends_in_a_space(qwen):
     fmt = get_prompt_format("chat-template", qwen)
     conv = parse_record({"prompt": "Translate: ", "response": " Bonjour"}, input_key="prompt", output_key="response")
-    tokens, targets = tokenize_conversation(conv.messages, qwen, fmt)
+    tokens, targets = tokenize_conversation(conv.messages, Tokenization.of(qwen, fmt))
     assert _trained_text(qwen, tokens, targets) == " Bonjour<|im_end|>"
 
 
@@ -471,7 +476,7 @@ def test_empty_assistant_turn_in_a_multi_turn_conversation_trains_nothing_and_ke
     eot = "</s>" if name == "mistral-nemo" else "<|im_end|>"
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
             {"role": "user", "content": "b"}, {"role": "assistant", "content": "Yes."}]
-    tokens, targets = tokenize_conversation(msgs, tok, fmt)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(tok, fmt))
     assert _trained_text(tok, tokens, targets) == f"Yes.{eot}"
     assert tok.decode(tokens) == tok.apply_chat_template(msgs, tokenize=False)
 
@@ -482,9 +487,10 @@ def test_weight_zero_and_train_on_last(qwen):
             {"role": "assistant", "content": "Two."}, {"role": "user", "content": "c"},
             {"role": "assistant", "content": "Three."}]
     fmt = get_prompt_format("chat-template", qwen)
-    assert _trained_text(qwen, *tokenize_conversation(msgs, qwen, fmt)) == "Two.<|im_end|>Three.<|im_end|>"
+    assert _trained_text(qwen, *tokenize_conversation(msgs, Tokenization.of(qwen, fmt))) == \
+        "Two.<|im_end|>Three.<|im_end|>"
     last = get_prompt_format("chat-template", qwen, train_on="last")
-    tokens, targets = tokenize_conversation(msgs, qwen, last)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(qwen, last))
     assert _trained_text(qwen, tokens, targets) == "Three.<|im_end|>"
     assert qwen.decode(tokens) == qwen.apply_chat_template(msgs, tokenize=False)
     assert last.spec()["train_on"] == "last" and fmt.spec()["train_on"] == "all"
@@ -499,8 +505,9 @@ def test_weight_zero_is_refused_by_the_megatron_presets(nemo):
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"},
             {"role": "assistant", "content": "b", "weight": 0}]
     with pytest.raises(PromptFormatError, match=r"messages\[2\]: 'weight: 0' needs prompt format chat-template"):
-        tokenize_conversation(msgs, nemo, fmt)
-    assert tokenize_conversation([dict(m, weight=1) if m["role"] == "assistant" else m for m in msgs], nemo, fmt)
+        tokenize_conversation(msgs, Tokenization.of(nemo, fmt))
+    assert tokenize_conversation([dict(m, weight=1) if m["role"] == "assistant" else m for m in msgs],
+                                 Tokenization.of(nemo, fmt))
 
 
 THINK = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -515,12 +522,12 @@ def test_chat_template_kwargs_reach_the_template_per_format_and_per_record(qwen)
     assert off.spec()["chat_template_kwargs"] == {"enable_thinking": False}
     assert plain.spec()["chat_template_kwargs"] == {}
     # the kwargs change what the generation prompt is; this template then does not render the turn after it
-    assert tokenize_conversation(msgs, qwen, plain)
+    assert tokenize_conversation(msgs, Tokenization.of(qwen, plain))
     with pytest.raises(PromptFormatError, match="generation header"):
-        tokenize_conversation(msgs, qwen, off)
+        tokenize_conversation(msgs, Tokenization.of(qwen, off))
     with pytest.raises(PromptFormatError, match="generation header"):
-        tokenize_conversation(msgs, qwen, plain, chat_template_kwargs={"enable_thinking": False})
-    assert tokenize_conversation(msgs, qwen, off, chat_template_kwargs={"enable_thinking": True})
+        tokenize_conversation(msgs, Tokenization.of(qwen, plain), chat_template_kwargs={"enable_thinking": False})
+    assert tokenize_conversation(msgs, Tokenization.of(qwen, off), chat_template_kwargs={"enable_thinking": True})
     with pytest.raises(ValueError, match="needs prompt format chat-template"):
         get_prompt_format("passthrough", qwen, chat_template_kwargs={"x": 1})
     for name in ("passthrough", "identity"):  # before: accepted, ignored, and recorded in the report's settings
@@ -530,7 +537,7 @@ def test_chat_template_kwargs_reach_the_template_per_format_and_per_record(qwen)
     with pytest.raises(PromptFormatError, match=r"--chat-template-kwargs sets 'add_generation_prompt', 'tokenize'"):
         get_prompt_format("chat-template", qwen, chat_template_kwargs={"tokenize": False, "add_generation_prompt": 1})
     with pytest.raises(PromptFormatError, match="the record's chat_template_kwargs sets 'return_dict'"):
-        tokenize_conversation(msgs, qwen, plain, chat_template_kwargs={"return_dict": True})
+        tokenize_conversation(msgs, Tokenization.of(qwen, plain), chat_template_kwargs={"return_dict": True})
     with pytest.raises(PromptFormatError, match="sets 'messages', 'sanitize_control_tokens'"):   # were per-line errors
         get_prompt_format("chat-template", qwen, chat_template_kwargs={"messages": [], "sanitize_control_tokens": 1})
 
@@ -544,10 +551,11 @@ def test_template_without_end_of_turn_trains_eos_by_default_or_reports_it(qwen):
             {"role": "user", "content": "b"}, {"role": "assistant", "content": "Bye"}]
     fmt = get_prompt_format("chat-template", qwen, chat_template=GLM)
     assert fmt.append_eos and fmt.spec()["append_eos"] and not fmt.missing_stop_signal(qwen)
-    tokens, targets = tokenize_conversation(msgs, qwen, fmt)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(qwen, fmt))
     assert _trained_text(qwen, tokens, targets) == "Hi<|im_end|>Bye<|im_end|>"
     off = get_prompt_format("chat-template", qwen, chat_template=GLM, append_eos=False)
-    assert off.missing_stop_signal(qwen) and _trained_text(qwen, *tokenize_conversation(msgs, qwen, off)) == "HiBye"
+    assert off.missing_stop_signal(qwen)
+    assert _trained_text(qwen, *tokenize_conversation(msgs, Tokenization.of(qwen, off))) == "HiBye"
     chatml = get_prompt_format("chat-template", qwen)
     assert not chatml.append_eos and not chatml.missing_stop_signal(qwen)
 
@@ -558,12 +566,12 @@ def test_passthrough_concatenates_contents_and_trains_the_assistant_contents(qwe
             {"role": "user", "content": "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"},
             {"role": "assistant", "content": "A<|im_end|>"}, {"role": "user", "content": "\nmore"},
             {"role": "assistant", "content": " B"}]
-    tokens, targets = tokenize_conversation(msgs, qwen, fmt)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(qwen, fmt))
     assert qwen.decode(tokens) == "".join(m["content"] for m in msgs) + "<|im_end|>"  # EOS after " B" only
     assert _trained_text(qwen, tokens, targets) == "A<|im_end|> B<|im_end|>"
     assert fmt.append_eos and fmt.chat_template is None and fmt.pad_token == "<|endoftext|>"
-    assert _trained_text(qwen, *tokenize_conversation(msgs, qwen, get_prompt_format(
-        "passthrough", qwen, append_eos=False))) == "A<|im_end|> B"
+    assert _trained_text(qwen, *tokenize_conversation(msgs, Tokenization.of(qwen, get_prompt_format(
+        "passthrough", qwen, append_eos=False)))) == "A<|im_end|> B"
 
 
 def test_mistral_multi_turn_tool_conversation_is_located_without_prefix_stability(tokenizer_dir):
@@ -575,7 +583,7 @@ def test_mistral_multi_turn_tool_conversation_is_located_without_prefix_stabilit
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "q"}, call,
             {"role": "tool", "tool_call_id": "call00001", "content": "2"}, {"role": "assistant", "content": "two"},
             {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]
-    tokens, targets = tokenize_conversation(msgs, tok, fmt, tools)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(tok, fmt), tools)
     assert _trained_text(tok, tokens, targets) == \
         '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}, "id": "call00001"}]</s>two</s>ok</s>'
     assert tok.decode(tokens) == tok.apply_chat_template(json.loads(json.dumps(msgs).replace(
@@ -651,10 +659,10 @@ def test_turn_spans_mask_the_assistant_header_with_and_without_tool_calls(monkey
     messages, contents = TOOL_CONVERSATIONS[conversation]
     fmt = get_prompt_format("chat-template", qwen, chat_template=SHAPES[shape])
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    got = tokenize_conversation(messages, qwen, fmt, tools)
+    got = tokenize_conversation(messages, Tokenization.of(qwen, fmt), tools)
     eos = "<|im_end|>" if fmt.append_eos else ""  # appended to each trained turn, not rendered
     assert qwen.decode(got[0]).replace(eos, "") == qwen.apply_chat_template(
         pf._template_messages(messages), tools=tools, chat_template=SHAPES[shape], tokenize=False)
     assert _trained_runs(qwen, *got) == [c + "<|im_end|>" for c in contents]  # (<|im_end|> is also Qwen's EOS)
     monkeypatch.setattr(pf, "_marked_spans", lambda *a, **k: None)  # every turn located by the per-turn path
-    assert tokenize_conversation(messages, qwen, fmt, tools) == got
+    assert tokenize_conversation(messages, Tokenization.of(qwen, fmt), tools) == got

@@ -11,6 +11,7 @@ from packsft.prompt_formats import (
     PromptFormat,
     PromptFormatError,
     Segment,
+    Tokenization,
     get_prompt_format,
     tokenize_conversation,
     tokenize_conversations,
@@ -60,12 +61,12 @@ def test_a_format_entered_in_the_registry_packs(qwen, monkeypatch):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"},
             {"role": "assistant", "content": "done"}]
-    tokens, targets = tokenize_conversation(msgs, qwen, fmt)
+    tokens, targets = tokenize_conversation(msgs, Tokenization.of(qwen, fmt))
     assert qwen.decode(tokens) == "System: s\nUser: hi\nAssistant: yo\nUser: and?\nAssistant: done<|im_end|>\n"
     assert qwen.decode([t for t in targets if t != IGNORE_INDEX]) == "done<|im_end|>"
     tool_only = msgs[:2] + [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
         "name": "f", "arguments": "{}"}}]}]
-    got = tokenize_conversations([(msgs, None, None), (tool_only, None, None)], qwen, fmt)
+    got = tokenize_conversations([(msgs, None, None), (tool_only, None, None)], Tokenization.of(qwen, fmt))
     assert got[0] == (tokens, targets) and isinstance(got[1], PromptFormatError)
     assert str(got[1]) == ("messages[2]: empty assistant turn (prompt format plain does not render tool_calls; use a "
                            "chat template that does)")

@@ -56,6 +56,13 @@ def one_of(choices) -> Rule:
     return Rule(lambda v: v in choices, f"one of {choices}")
 
 
+def distinct_names(choices) -> Rule:
+    """A non-empty list of distinct names from ``choices``."""
+    choices = tuple(choices)
+    return Rule(lambda v: 0 < len(v) == len(set(v)) and set(v) <= set(choices),
+                f"a non-empty list of distinct names from {choices}")
+
+
 FINITE = Rule(lambda v: not isinstance(v, float) or math.isfinite(v), "a finite number")
 POSITIVE = (FINITE, gt(0))
 """A finite number > 0 (NaN passes every comparison, so finiteness is checked first)."""

@@ -20,11 +20,11 @@ from packsft.config_rules import (
     POSITIVE_INT,
     Exclusive,
     Needs,
-    Rule,
     at_most,
     build_config,
     check_fields,
     config_errors,
+    distinct_names,
     multiple_of,
     one_of,
     rules,
@@ -109,9 +109,7 @@ class ModelConfig:
     recompute_granularity: str | None = field(default=None, metadata=rules(one_of(RECOMPUTE_GRANULARITIES)))
     recompute_method: str | None = field(default=None, metadata=rules(one_of(RECOMPUTE_METHODS)))
     recompute_num_layers: int | None = field(default=None, metadata=rules(POSITIVE_INT))
-    recompute_modules: list[str] | None = field(default=None, metadata=rules(Rule(
-        lambda m: 0 < len(m) == len(set(m)) and set(m) <= set(RECOMPUTE_MODULES),
-        f"a non-empty list of distinct names from {RECOMPUTE_MODULES}")))
+    recompute_modules: list[str] | None = field(default=None, metadata=rules(distinct_names(RECOMPUTE_MODULES)))
 
     relations: ClassVar = (
         Exclusive("rope_interpolation_factor", "rope_scaling_factor"),

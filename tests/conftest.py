@@ -55,7 +55,6 @@ LONGEST_FIRST = (
     "test_lora_run.py",                  # 152
     "test_distributed_optimizer.py",     # 142
     "test_pipeline.py",             # 90
-    "test_kill_resume.py",         # 86
     "test_parallel_checkpoint.py",       # 80
     "test_parallel_parity.py",           # 78
     "test_dataset.py",              # 74

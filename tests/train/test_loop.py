@@ -2,8 +2,11 @@
 unpacked loss, and the data-parallel split."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,20 +89,71 @@ OPTIMIZERS = {"megatron": {}, "megatron_dist_opt": {"use_distributed_optimizer":
 """``optimizer`` sections the exact-resume tests run with: Megatron's optimizer, and its distributed optimizer."""
 
 
+def resumed_run_config(packed: dict, optimizer: str) -> dict:
+    """The sections of the exact-resume runs: 8 steps over ``packed["many"]`` with validation every 4 steps."""
+    return {"train": {"global_batch_size": 2, "train_steps": 8}, "data": {"train_path": str(packed["many"]),
+            "split_validation_size": 0.2}, "scheduler": {"warmup_steps": 2, "decay_style": "cosine"},
+            "validation": {"val_period": 4, "max_batches": 2},
+            "optimizer": {"weight_decay": 0.1, **OPTIMIZERS[optimizer]}}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, packed):  # noqa: F811
+    """``optimizer -> output folder`` of the run the stopped and the killed ones must reproduce (built once each)."""
+    runs = {}
+
+    def run(optimizer: str) -> Path:
+        if optimizer not in runs:
+            out = tmp_path_factory.mktemp(f"full_{optimizer}")
+            train(write_config(out / "full.yaml", packed, out / "run", **resumed_run_config(packed, optimizer)))
+            runs[optimizer] = out / "run"
+        return runs[optimizer]
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_stopped_and_resumed_run_is_bit_exact(tmp_path, packed, parallel_state_1proc, optimizer):  # noqa: F811
-    common = {"train": {"global_batch_size": 2, "train_steps": 8}, "data": {"train_path": str(packed["many"]),
-              "split_validation_size": 0.2}, "scheduler": {"warmup_steps": 2, "decay_style": "cosine"},
-              "validation": {"val_period": 4, "max_batches": 2},
-              "optimizer": {"weight_decay": 0.1, **OPTIMIZERS[optimizer]}}
-    full, parts = tmp_path / "full", tmp_path / "parts"
-    train(write_config(tmp_path / "full.yaml", packed, full, **common))
-    parts_cfg = write_config(tmp_path / "parts.yaml", packed, parts, **common)
+def test_stopped_and_resumed_run_is_bit_exact(tmp_path, packed, parallel_state_1proc, uninterrupted,  # noqa: F811
+                                              optimizer):
+    parts = tmp_path / "parts"
+    parts_cfg = write_config(tmp_path / "parts.yaml", packed, parts, **resumed_run_config(packed, optimizer))
     train(parts_cfg, "train.stop_at_step=3")
     assert (parts / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
     train(parts_cfg)
-    assert_same_run(full, parts, steps=8)
+    assert_same_run(uninterrupted(optimizer), parts, steps=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_sigkilled_run_resumes_bit_exact(tmp_path, packed, parallel_state_1proc, uninterrupted,  # noqa: F811
+                                         optimizer):
+    """A training process killed with SIGKILL after a checkpoint resumes to the uninterrupted run's losses and
+    weights; the half-written save and the metrics past the checkpoint it left are set aside."""
+    killed = tmp_path / "killed"
+    cfg = write_config(tmp_path / "killed.yaml", packed, killed, **resumed_run_config(packed, optimizer))
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "train.py"), "--config", str(cfg),
+                             "checkpoint.save_interval=3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while not (latest.exists() and latest.read_text().strip() == "iter_0000003"):
+        assert proc.poll() is None, f"training ended before its first checkpoint: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no checkpoint at step 3 within 240 s"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "checkpoints" / "iter_0000008").exists()
+    (killed / "checkpoints" / "iter_0000006.tmp").mkdir(exist_ok=True)   # as a save killed half-way leaves it
+    with open(killed / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 5, "loss": 1.0}\n{"kind": "tra')   # steps past the checkpoint, a cut line
+    train(cfg)  # checkpoint.resume=auto: continues from `latest`
+    assert_same_run(uninterrupted(optimizer), killed, steps=8)
+    records = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 9))   # each step once
+    discarded = (killed / "metrics.discarded.jsonl").read_text().splitlines()
+    assert discarded[-2:] == ['{"kind": "train", "step": 5, "loss": 1.0}', '{"kind": "tra']
+    assert not list((killed / "checkpoints").glob("*.tmp"))
 
 
 def test_resume_without_latest_and_with_another_global_batch_size_continues_the_data_with_notes(tmp_path, packed):  # noqa: F811

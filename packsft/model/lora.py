@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from packsft.config_rules import FINITE_POSITIVE, POSITIVE_INT, check_fields, distinct_names, in_range, rules
+
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTER = "default"
 """peft's adapter name; it appears in the Megatron keys (``lora_A.default.weight``), not in the PEFT files."""
@@ -56,24 +58,17 @@ class LoraConfig:
     """
 
     enabled: bool = False
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    rank: int = field(default=8, metadata=rules(POSITIVE_INT))
+    alpha: float = field(default=16.0, metadata=rules(FINITE_POSITIVE))
+    dropout: float = field(default=0.0, metadata=rules(in_range(0, 1)))
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS),
+                                      metadata=rules(distinct_names(LORA_TARGETS)))
     seed: int = 0
 
     def __post_init__(self) -> None:
-        """Raises ``ValueError`` naming ``lora.<field>``."""
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
-            raise ValueError(f"lora.rank must be a positive integer, got {self.rank!r}")
-        if not 0 < self.alpha < math.inf:
-            raise ValueError(f"lora.alpha must be a finite number > 0, got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
-        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
-        if not self.target_modules or bad or len(set(self.target_modules)) != len(self.target_modules):
-            raise ValueError(f"lora.target_modules must be a non-empty list of distinct names from {LORA_TARGETS}, "
-                             f"got {list(self.target_modules)!r}")
+        """Check the fields (:func:`~packsft.config_rules.check_fields`); raises ``ValueError`` naming
+        ``lora.<field>``."""
+        check_fields("lora", self)
 
     @property
     def scaling(self) -> float:

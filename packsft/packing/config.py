@@ -24,7 +24,10 @@ from packsft.record_formats import RECORD_FORMATS, record_converter
 from packsft.sidecar import REPORT_SUFFIX, row_index_path, sidecar_path
 from packsft.token_cache import cache_paths
 
-OVERSIZE_POLICIES = ("own-row", "drop", "error")
+OVERSIZE_POLICIES = ("own-row", "drop", "error", "split")
+"""``--oversize``: what becomes of a conversation longer than a row (``own-row``, the default, NeMo RL's)."""
+SPLIT_FORMATS = ("chat-template", "default", "passthrough")
+"""The prompt formats ``--oversize split`` works with: those where ``weight: 0`` masks a piece's context."""
 MAX_CONVERSATION_BYTES = 4 << 20
 """Default ``--max-conversation-bytes``: longer input lines are rejected before they are parsed (4 MiB)."""
 ENGINES = ("local", "ray")
@@ -92,7 +95,8 @@ class PackConfig:
         sequence_parallel_size: the TP size of a run with sequence parallelism (1 without): ``max_seq_len``
             must then be a multiple of ``lcm(2 * cp, cp * tp)`` (:func:`packsft.layout.row_granularity`).
         algorithm: ``bfd-local-search`` (default), ``best-fit-decreasing`` or ``next-fit``.
-        oversize: ``own-row``, ``drop`` or ``error`` for conversations longer than ``max_seq_len``.
+        oversize: ``own-row``, ``drop``, ``error`` or ``split`` for conversations longer than ``max_seq_len``
+            (``split``: cut between turns into pieces that fit, :mod:`packsft.packing.split`).
         seed: seeds the row order when ``shuffle_rows`` is set; recorded in the sidecar.
         shuffle_rows: write rows in a seeded random order instead of creation order.
         num_workers: tokenizer processes (0 = in this process; with ``engine="ray"``: Ray Data actors, 0 = one
@@ -152,7 +156,9 @@ class PackConfig:
         "--algorithm", "bfd-local-search (default: best-fit decreasing, then rows emptied down to the lower bound "
         "where it can), best-fit-decreasing, or next-fit (input order, NeMo RL's)", choices=ALGORITHMS))
     oversize: str = field(default="own-row", metadata=cli(
-        "--oversize", "conversations longer than --max-seq-length: own row (truncated), drop, or error",
+        "--oversize", "conversations longer than --max-seq-length: own row (truncated), drop, error, or split "
+        "(cut between turns into pieces of at most --max-seq-length tokens, each assistant turn trained once, the "
+        "context before it masked)",
         choices=OVERSIZE_POLICIES))
     max_conversation_bytes: int = field(default=MAX_CONVERSATION_BYTES, metadata=cli(
         "--max-conversation-bytes", f"reject input lines longer than this many bytes before parsing them (default "
@@ -202,6 +208,9 @@ class PackConfig:
     def tokenization(self) -> TokenizationSpec:
         """The run's tokenizer and prompt format settings as one spec (``--allow-non-megatron`` is the packer's
         policy for such conversations, not the format's: the workers bind both)."""
+        Needs(("oversize", "split"), ("prompt_format", one_of(SPLIT_FORMATS)),
+              "a piece masks its context with 'weight: 0', which the Megatron presets cannot (they train every "
+              "assistant turn)"),
         return TokenizationSpec(self.tokenizer, self.prompt_format, self.pad_token, self.chat_template,
                                 self.chat_template_kwargs, self.train_on, self.append_eos)
 

@@ -25,6 +25,9 @@ class Counted:
         trained: conversations with a trained token within ``max_seq_len``.
         uncut: ``(tokens, exact)`` of each conversation longer than ``max_seq_len`` (own row or dropped, in
             input order) before the packer's cut: the length as given, for the histogram.
+        split: ``(index, pieces)`` of each conversation ``--oversize split`` cut (its pieces are conversations
+            ``index .. index + pieces - 1``), in input order.
+        split_tokens: the tokens of each of those conversations, whole (for the histogram).
     """
 
     def __init__(self, results: list[ShardResult]):
@@ -46,6 +49,17 @@ class Counted:
         self.token_offset = cat([r.token_offset for r in results], np.int64) if cached else None
         self.trained = sum(r.trained_fitting for r in results)  # set by count_all with the oversize ones kept
         self.uncut: list[tuple[int, bool]] = []  # set by count_all
+        self.split: list[tuple[int, int]] = []  # set by count_all
+        self.split_tokens: list[int] = []
+
+    def pieces_mask(self):
+        """Boolean ``[n]``: the conversations that are pieces of a split one."""
+        import numpy as np
+
+        mask = np.zeros(len(self.num_tokens), bool)
+        for index, pieces in self.split:
+            mask[index : index + pieces] = True
+        return mask
 
     def keep(self, mask) -> None:
         """Keep only the conversations where boolean ``mask`` is true."""
@@ -92,6 +106,8 @@ def count_all(cfg: PackConfig, results: Iterable[ShardResult], report: PackRepor
     lines_before = {}  # file_idx -> lines of that file in the shards before
     oversize: list[tuple] = []  # (global index, file_idx, absolute line, tokens, cut, uncut, exact, nbytes,
     #                              trained, in row)
+    split: list[tuple] = []  # (global index, pieces, file_idx, absolute line, tokens)
+    turns: list[tuple] = []  # (file_idx, absolute line, tokens, reason) of the rejected turns
     base = 0
     try:  # closed on an error too, so that the bar is not redrawn after the error line
         for r in results:
@@ -115,17 +131,37 @@ def count_all(cfg: PackConfig, results: Iterable[ShardResult], report: PackRepor
                 else:
                     report.warn(what[0], what[1], path, before + line)
             oversize += [(base + i, r.shard.file_idx, before + line, *rest) for i, line, *rest in r.oversize]
+            split += [(base + i, k, r.shard.file_idx, before + line, n) for i, k, line, n, _ in r.split]
+            turns += [(r.shard.file_idx, before + line, n, reason) for line, n, reason in r.rejected_turns]
             base += len(r.num_tokens)
-            r.rejected, r.warnings, r.oversize = [], [], []
+            r.rejected, r.warnings, r.oversize, r.split, r.rejected_turns = [], [], [], [], []
             merged.append(r)
     finally:
         bar.close()
     counted = Counted(merged)
     del merged
+    _report_split(cfg, counted, split, turns, report)
     _apply_oversize(cfg, counted, oversize, report, np)
     counted.uncut = [(uncut, exact) for *_, uncut, exact, _, _, _ in oversize]
     counted.trained += 0 if cfg.oversize == "drop" else sum(1 for o in oversize if o[-1])
     return counted
+
+
+def _report_split(cfg: PackConfig, counted: Counted, split: list[tuple], turns: list[tuple],
+                  report: PackReport) -> None:
+    """Report the conversations ``--oversize split`` cut (``action: split`` with their ``pieces``; ``dropped``
+    when none is left: nothing trained, or every trained turn rejected) and the turns it rejected."""
+    for index, pieces, file_idx, line, n in split:
+        path = cfg.inputs[file_idx]
+        report.oversize.append({"input": path, **position(path, line), "tokens": n,
+                                "action": "split" if pieces else "dropped", "pieces": pieces})
+        counted.split.append((index, pieces))
+        counted.split_tokens.append(n)
+    report.split_conversations = sum(1 for _, pieces, *_ in split if pieces)
+    report.pieces = sum(pieces for _, pieces, *_ in split)
+    for file_idx, line, n, reason in turns:
+        path = cfg.inputs[file_idx]
+        report.rejected_turns.append({"input": path, **position(path, line), "tokens": n, "reason": reason})
 
 
 def _apply_oversize(cfg: PackConfig, counted: Counted, oversize: list[tuple], report: PackReport, np) -> None:

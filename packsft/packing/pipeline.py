@@ -17,7 +17,9 @@ Flow (outputs and formats: ``docs/packing.md``, ``docs/formats.md``):
    (:class:`~packsft.packing.config.PackError` naming its shard).
 3. Conversations longer than ``max_seq_len`` follow the oversize policy: ``own-row`` (a row of their own, cut
    by the worker to :func:`~packsft.packing.truncation.own_row_window` tokens before counting, truncated to
-   ``max_seq_len`` by the loader, with a warning), ``drop`` (reported) or ``error`` (abort).
+   ``max_seq_len`` by the loader, with a warning), ``drop`` (reported), ``error`` (abort) or ``split`` (cut by
+   the worker between turns into pieces that fit, each counted and stored as a conversation:
+   :mod:`packsft.packing.split`).
    Conversations with no trained token, own-row conversations whose truncation removes every trained token,
    and a template that trains no stop signal are *warned* about and counted in the report.
 4. The packing algorithm (:mod:`packsft.packing.algorithms`) assigns conversations to rows using costs
@@ -169,7 +171,7 @@ def _run_pack(cfg: PackConfig, engine: Engine) -> PackReport:
             report.padding_tokens = report.rows * L - report.real_tokens
             row_fill = np.add.reduceat(costs[order], starts) if report.rows else costs[:0]
             _write_outputs(cfg, tokenization, report, lengths, row_fill, paths, temps, size, digest, cache_fields,
-                           fingerprint[0] if fingerprint else None, counted.uncut)
+                           fingerprint[0] if fingerprint else None, counted.uncut, counted)
         finally:
             with signals_held():
                 for tmp in temps.values():
@@ -178,10 +180,11 @@ def _run_pack(cfg: PackConfig, engine: Engine) -> PackReport:
 
 
 def _write_outputs(cfg, tokenization, report: PackReport, lengths, row_fill, paths, temps, size, digest,
-                   cache_fields=None, fingerprint: str | None = None, uncut=()) -> None:
+                   cache_fields=None, fingerprint: str | None = None, uncut=(), counted=None) -> None:
     """Write the sidecar, the report and the histogram to temp names and publish the set (``fingerprint``: the
     tokenizer's, when already taken; ``uncut``: :attr:`packsft.packing.merge.Counted.uncut`, the oversize
-    conversations' lengths before the cut, which the histogram shows)."""
+    conversations' lengths before the cut, which the histogram shows; ``counted``: the
+    :class:`~packsft.packing.merge.Counted`, whose split conversations the histogram shows whole)."""
     report.outputs = dict(paths)
     report.rows_file = {"size": size, "blake2b": digest}
     sidecar = {
@@ -201,8 +204,11 @@ def _write_outputs(cfg, tokenization, report: PackReport, lengths, row_fill, pat
         "seed": cfg.seed,
         "shuffle_rows": cfg.shuffle_rows,
         "default_system_prompt": cfg.default_system_prompt,
+        "oversize": cfg.oversize,
         "counts": {"input_conversations": report.input_conversations, "packed_conversations": len(lengths),
                    "rejected": len(report.rejected), "oversize": len(report.oversize),
+                   **({"split_conversations": report.split_conversations, "pieces": report.pieces,
+                       "rejected_turns": len(report.rejected_turns)} if cfg.oversize == "split" else {}),
                    "warnings": report.warning_counts(), "rows": report.rows,
                    "real_tokens": report.real_tokens, "padding_tokens": report.padding_tokens},
         **rows_file_fields(size, digest),
@@ -220,9 +226,13 @@ def _write_outputs(cfg, tokenization, report: PackReport, lengths, row_fill, pat
 
         temps["histogram"] = temp_path(paths["histogram"])
         over = [n for n, _ in uncut]
-        plot_lengths(temps["histogram"], lengths[lengths <= cfg.max_seq_len], row_fill, cfg.max_seq_len,
+        pieces = counted.pieces_mask() if counted is not None and counted.split else None
+        whole = lengths if pieces is None else lengths[~pieces]
+        split = counted.split_tokens if pieces is not None else ()
+        plot_lengths(temps["histogram"], whole[whole <= cfg.max_seq_len], row_fill, cfg.max_seq_len,
                      truncated=over if cfg.oversize == "own-row" else (),
-                     dropped=over if cfg.oversize == "drop" else (), estimated=sum(not e for _, e in uncut))
+                     dropped=over if cfg.oversize == "drop" else (), estimated=sum(not e for _, e in uncut),
+                     split=split, piece_tokens=int(lengths[pieces].sum()) if pieces is not None else 0)
     for key in ("sidecar", "report"):
         with open(temps[key], "rb+") as f:
             os.fsync(f.fileno())

@@ -169,7 +169,7 @@ def _encode(r) -> dict[str, Any]:
     meta = {"shard": [r.shard.index, r.shard.file_idx, r.shard.start, r.shard.end], "lines": r.lines,
             "conversations": r.conversations, "spool": r.spool, "token_spool": r.token_spool,
             "rejected": r.rejected, "warnings": r.warnings, "oversize": r.oversize, "nbytes": r.nbytes,
-            "trained_fitting": r.trained_fitting}
+            "trained_fitting": r.trained_fitting, "split": r.split, "rejected_turns": r.rejected_turns}
     return {"meta": json.dumps(meta), "num_tokens": r.num_tokens.astype("<i4").tobytes(),
             "offset": r.offset.astype("<i8").tobytes(), "size": r.size.astype("<i8").tobytes(),
             "token_offset": b"" if r.token_offset is None else r.token_offset.astype("<i8").tobytes()}
@@ -183,7 +183,8 @@ def _decode(row: dict[str, Any]) -> ShardResult:
                        np.frombuffer(row["size"], "<i8"), [tuple(x) for x in meta["rejected"]],
                        [tuple(x) for x in meta["warnings"]], [tuple(x) for x in meta["oversize"]], meta["nbytes"],
                        meta["token_spool"], np.frombuffer(row["token_offset"], "<i8") if cached else None,
-                       meta["trained_fitting"])
+                       meta["trained_fitting"], [tuple(x) for x in meta["split"]],
+                       [tuple(x) for x in meta["rejected_turns"]])
 
 
 def _task_error(e: Exception, cfg=None, shards=None, spool_dir: str | None = None) -> Exception:

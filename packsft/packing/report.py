@@ -29,7 +29,10 @@ class PackReport:
     padding_tokens: int = 0
     lower_bound_rows: int = 0
     oversize: list[dict[str, Any]] = field(default_factory=list)
+    split_conversations: int = 0
+    pieces: int = 0
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    rejected_turns: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[dict[str, Any]] = field(default_factory=list)
     per_input: dict[str, dict[str, int]] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
@@ -89,7 +92,11 @@ class PackReport:
                                                                   for v in self.per_input.values())) else []),
             f"warnings            : {len(self.warnings)} ({self.warning_counts_text()})",
             f"oversize            : {len(self.oversize)} "
-            f"({sum(o['action'] == 'dropped' for o in self.oversize)} dropped)",
+            f"({sum(o['action'] == 'dropped' for o in self.oversize)} dropped"
+            + (f", {self.split_conversations} split into {self.pieces} pieces)" if self.split_conversations
+               else ")"),
+            *([f"rejected turns      : {len(self.rejected_turns)} (longer than a row with the system message)"]
+              if self.rejected_turns else []),
             f"rows                : {self.rows} (lower bound {self.lower_bound_rows})",
             f"real tokens         : {self.real_tokens}",
             f"padding tokens      : {self.padding_tokens}",
@@ -102,16 +109,22 @@ class PackReport:
             lines.append(f"  rejected {entry_where(r)}: {r['reason']}")
         if len(self.rejected) > 5:
             lines.append(f"  ... {len(self.rejected) - 5} more rejected records in the report")
+        for r in self.rejected_turns[:5]:
+            lines.append(f"  rejected turn {entry_where(r)}: {r['reason']}")
+        if len(self.rejected_turns) > 5:
+            lines.append(f"  ... {len(self.rejected_turns) - 5} more rejected turns in the report")
         lines += [f"{k:<20}: {v}" for k, v in self.outputs.items()]
         return "\n".join(lines)
 
 
 def plot_lengths(path: str | Path, fitting: Sequence[int], row_fill: Sequence[int], max_seq_len: int, *,
-                 truncated: Sequence[int] = (), dropped: Sequence[int] = (), estimated: int = 0) -> None:
+                 truncated: Sequence[int] = (), dropped: Sequence[int] = (), estimated: int = 0,
+                 split: Sequence[int] = (), piece_tokens: int = 0) -> None:
     """Write a two-panel PNG: conversation lengths as tokenized, and padding per row.
 
     Left: stacked histogram of tokens per conversation before the packer's cut and drop: packed whole,
-    truncated to ``max_seq_len`` in a row of its own, dropped (``--oversize drop``). The axis ends at
+    truncated to ``max_seq_len`` in a row of its own, dropped (``--oversize drop``), split into pieces
+    (``--oversize split``). The axis ends at
     ``2 * max_seq_len`` (longer ones are counted in the last bin; the longest is in the title);
     ``max_seq_len``, where the rows cut, is drawn as a line. Right: padding tokens per row
     (``max_seq_len - fill``) on a log count axis, with the overall efficiency in the title.
@@ -124,6 +137,8 @@ def plot_lengths(path: str | Path, fitting: Sequence[int], row_fill: Sequence[in
         truncated: tokens of each own-row conversation before the cut (its row keeps ``max_seq_len``).
         dropped: tokens of each dropped conversation.
         estimated: how many of ``truncated`` are estimates (too long to tokenize whole).
+        split: tokens of each conversation split into pieces (whole).
+        piece_tokens: the tokens of all those pieces (in the rows).
     """
     import matplotlib
 
@@ -131,24 +146,25 @@ def plot_lengths(path: str | Path, fitting: Sequence[int], row_fill: Sequence[in
     import matplotlib.pyplot as plt
     import numpy as np
 
-    groups = [np.asarray(g, dtype=np.int64) for g in (fitting, truncated, dropped)]
+    groups = [np.asarray(g, dtype=np.int64) for g in (fitting, truncated, dropped, split)]
     row_fill = np.asarray(row_fill, dtype=np.int64)
     cap = 2 * max_seq_len
     total = sum(len(g) for g in groups)
     longest = max((int(g.max()) for g in groups if len(g)), default=0)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     labels = ["packed whole", f"own row, truncated to {max_seq_len}"
-              + (f" ({estimated} estimated)" if estimated else ""), "dropped"]
+              + (f" ({estimated} estimated)" if estimated else ""), "dropped", "split into pieces"]
     shown = [(np.minimum(g, cap), label, color) for g, label, color in
-             zip(groups, labels, ("#4c72b0", "#dd8452", "#8c8c8c")) if len(g)] or [(np.zeros(1), labels[0], "#4c72b0")]
+             zip(groups, labels, ("#4c72b0", "#dd8452", "#8c8c8c", "#8172b3")) if len(g)] \
+        or [(np.zeros(1), labels[0], "#4c72b0")]
     a.hist([g for g, _, _ in shown], bins=64, range=(0, cap), stacked=True, label=[lb for _, lb, _ in shown],
            color=[c for _, _, c in shown])
     a.axvline(max_seq_len, color="#c44e52", linestyle="--", label=f"max_seq_len = {max_seq_len} (cut)")
-    a.set(title=f"{total} conversations, {len(groups[1]) + len(groups[2])} longer than a row (longest {longest})",
+    a.set(title=f"{total} conversations, {total - len(groups[0])} longer than a row (longest {longest})",
           xlabel=f"tokens per conversation as tokenized (last bin: >= {cap})", ylabel="conversations")
     a.legend(fontsize="small")
     padding = max_seq_len - np.minimum(row_fill, max_seq_len) if len(row_fill) else [0]
-    real = int(groups[0].sum()) + len(groups[1]) * max_seq_len
+    real = int(groups[0].sum()) + len(groups[1]) * max_seq_len + piece_tokens
     efficiency = 100.0 * real / (len(row_fill) * max_seq_len) if len(row_fill) else 0.0
     b.hist(padding, bins=50, color="#55a868", log=True)
     b.set(title=f"{len(row_fill)} rows, efficiency {efficiency:.2f} %", xlabel="padding tokens per row",

@@ -4,7 +4,7 @@ row source; :func:`read_shard` reads one, and a worker's count of it comes back 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from packsft.jsonl import iter_jsonl_lines_sized
@@ -53,6 +53,10 @@ class ShardResult:
             tokens before the packer's cut, an estimate unless ``exact``; the counts as in :func:`process_lines`).
         nbytes: bytes of input read.
         trained_fitting: accepted conversations of at most ``max_seq_len`` cost with a trained token.
+        split: ``(index, pieces, line, num_tokens, nbytes)`` of each conversation ``--oversize split`` cut (its
+            ``pieces`` are the arrays' entries from ``index`` on; ``num_tokens``: of the whole conversation).
+        rejected_turns: ``(line, tokens, reason)`` of each assistant turn no piece trains (``tokens``: with the
+            system message, or ``None``).
     """
 
     shard: Shard
@@ -69,6 +73,8 @@ class ShardResult:
     token_spool: str | None = None
     token_offset: Any = None
     trained_fitting: int = 0
+    split: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    rejected_turns: list[tuple[int, int | None, str]] = field(default_factory=list)
 
 
 

@@ -18,6 +18,7 @@ from packsft.layout import conversation_cost
 from packsft.packing.config import PackConfig
 from packsft.packing.shards import Shard, ShardResult, read_shard
 from packsft.packing.signals import STOP_SIGNALS
+from packsft.packing.split import split_conversation
 from packsft.packing.truncation import tokenize_record, tokenized_whole
 from packsft.prompt_formats import (
     NonMegatronError,
@@ -166,7 +167,7 @@ def count_shard(shard: Shard, state: WorkerState | None = None) -> ShardResult:
     path = cfg.inputs[shard.file_idx]
     L, cp = cfg.max_seq_len, cfg.context_parallel_size
     ntok, offsets, sizes, token_offsets = array("i"), array("q"), array("q"), array("q")
-    rejected, warns, oversize = [], [], []
+    rejected, warns, oversize, split, rejected_turns = [], [], [], [], []
     lines = conversations = nbytes_total = trained_fitting = 0
     total: list[int] = []
 
@@ -201,23 +202,8 @@ def count_shard(shard: Shard, state: WorkerState | None = None) -> ShardResult:
         for batch in batches():
             yield from zip(batch, _process_lines(state, path, batch))
 
-    for (line, nbytes, _, _), (counts, msgs_json, reason, cut, tokens, runs) in processed():
-        lines, conversations, nbytes_total = line, conversations + 1, nbytes_total + nbytes
-        if reason is not None:
-            rejected.append((line, reason))
-            if cfg.strict:
-                break
-            continue
-        n, trained, trained_in_row, notes, (uncut, exact) = counts
-        warns.extend((kind, line, message) for kind, message in notes)
-        if trained == 0:
-            warns.append(("no_trained_token", line, "conversation has no trained token (no assistant turn to "
-                          "train: empty, weight 0, or not the last with --train-on last); it is packed as context "
-                          "only"))
-        if conversation_cost(n, cp) > L:
-            oversize.append((len(ntok), line, n, cut, uncut, exact, nbytes, trained, trained_in_row))
-        elif trained_in_row:
-            trained_fitting += 1
+    def add(n: int, msgs_json: str, tokens: list[int], runs: list[int]) -> None:  # one conversation to the spools
+        nonlocal spool_pos, token_pos
         data = msgs_json.encode("utf-8")
         ntok.append(n)
         offsets.append(spool_pos)
@@ -232,6 +218,32 @@ def count_shard(shard: Shard, state: WorkerState | None = None) -> ShardResult:
             run_block.extend(runs if k == n else runs_head(runs, k))
         if len(msg_block) >= 1024 or len(tok_block) >= 1 << 20:
             write_block()
+
+    for (line, nbytes, _, _), (counts, msgs_json, reason, cut, tokens, runs, pieces) in processed():
+        lines, conversations, nbytes_total = line, conversations + 1, nbytes_total + nbytes
+        if reason is not None:
+            rejected.append((line, reason))
+            if cfg.strict:
+                break
+            continue
+        n, trained, trained_in_row, notes, (uncut, exact) = counts
+        warns.extend((kind, line, message) for kind, message in notes)
+        if trained == 0 and pieces is None:
+            warns.append(("no_trained_token", line, "conversation has no trained token (no assistant turn to "
+                          "train: empty, weight 0, or not the last with --train-on last); it is packed as context "
+                          "only"))
+        if pieces is not None:  # --oversize split: the pieces instead of the conversation
+            split.append((len(ntok), len(pieces[0]), line, n, nbytes))
+            rejected_turns.extend((line, count, reason) for count, reason in pieces[1])
+            for piece_json, piece_tokens, piece_runs in pieces[0]:
+                trained_fitting += trained_in(piece_runs, 1, len(piece_tokens)) > 0
+                add(len(piece_tokens), piece_json, piece_tokens, piece_runs)
+            continue
+        if conversation_cost(n, cp) > L:
+            oversize.append((len(ntok), line, n, cut, uncut, exact, nbytes, trained, trained_in_row))
+        elif trained_in_row:
+            trained_fitting += 1
+        add(n, msgs_json, tokens, runs)
     write_block()
     spool.flush()
     if token_spool is not None:
@@ -249,7 +261,7 @@ def count_shard(shard: Shard, state: WorkerState | None = None) -> ShardResult:
                        np.frombuffer(offsets, np.int64), np.frombuffer(sizes, np.int64), rejected, warns,
                        oversize, nbytes_total, token_spool_path,
                        np.frombuffer(token_offsets, np.int64) if token_spool is not None else None,
-                       trained_fitting)
+                       trained_fitting, split, rejected_turns)
 
 
 def _worker_hook(state: WorkerState, index: int) -> None:
@@ -267,15 +279,17 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
     there (:mod:`packsft.packing.truncation`), and the stored, cut conversation is the one counted.
 
     Returns:
-        Per line, ``(counts, row_messages_json, None, cut, tokens, runs)`` for a good line, with ``counts`` =
+        Per line, ``(counts, row_messages_json, None, cut, tokens, runs, pieces)`` for a good line, with ``counts`` =
         ``(num_tokens, trained, trained_in_row, notes, uncut)`` (``trained``: tokens the model is trained to
         predict, or at least 1 for a cut conversation (its cut-off part is not counted); ``trained_in_row``:
         those within the first ``max_seq_len`` tokens, what the loader's truncation keeps; ``notes``: its
         warnings ``(kind, message)``: ``non_megatron`` (kept with ``--allow-non-megatron``) and those of
         :func:`packsft.prompt_formats.unrendered`; ``uncut``: ``(tokens, exact)`` before the packer's cut
         (:mod:`packsft.packing.truncation`); ``cut``: the packer cut it; ``tokens``: list
-        of int ids, ``runs``: their targets as runs, ``tokenize_conversation(..., runs=True)``), or
-        ``(None, None, reason, False, None, None)`` for a rejected line.
+        of int ids, ``runs``: their targets as runs, ``tokenize_conversation(..., runs=True)``; ``pieces``:
+        ``None``, or with ``--oversize split`` for a conversation longer than a row ``([(row_messages_json,
+        tokens, runs)], [(tokens, reason)])``, its pieces (:mod:`packsft.packing.split`) and its rejected turns),
+        or ``(None, None, reason, False, None, None, None)`` for a rejected line.
     """
     cfg = state.cfg
     parsed: list = []  # per line: (conv, record, source), or its rejection
@@ -285,7 +299,7 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
         except ConversationError as e:
             parsed.append(_rejected(f"{e.field + ': ' if e.field else ''}{e.reason}"))
     whole = [i for i, p in enumerate(parsed) if p[0] is not None and tokenized_whole(p[0], cfg)]
-    known = [{} for _ in whole] if cfg.oversize == "own-row" else None  # kept for the cuts of long ones
+    known = [{} for _ in whole] if cfg.oversize in ("own-row", "split") else None  # for the cuts of long ones
     first = dict(zip(whole, tokenize_conversations(
         [(parsed[i][0].messages, parsed[i][0].tools, parsed[i][0].chat_template_kwargs) for i in whole],
         state.tokenization, known, runs=True)))
@@ -295,7 +309,7 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
 
 
 def _rejected(reason: str) -> tuple:
-    return None, None, reason, False, None, None
+    return None, None, reason, False, None, None, None
 
 
 def _parse_line(state: WorkerState, path: str, line: int, text: str | None, decode_error: str | None):
@@ -344,7 +358,13 @@ def _finish_line(state: WorkerState, conv, record, source, first, known=None) ->
     if non_megatron is not None:
         notes.insert(0, ("non_megatron", f"kept with --allow-non-megatron (packsft-only): {non_megatron}"))
     counts = (n, max(1, in_row) if cut else trained, in_row, notes, uncut)
-    return counts, ROW_JSON(conv.to_row_messages()), None, cut, tokens, runs
+    pieces = None
+    if cfg.oversize == "split" and conversation_cost(n, cfg.context_parallel_size) > cfg.max_seq_len:
+        got = split_conversation(conv, state.tokenization, cfg.max_seq_len, cfg.context_parallel_size,
+                                 fmt.train_on, known)
+        pieces = ([(ROW_JSON(c.to_row_messages()), t, r) for c, t, r, _ in got.pieces],
+                  [(count, _input_turn(err, record, source, cfg.record_format)) for _, count, err in got.rejected])
+    return counts, ROW_JSON(conv.to_row_messages()) if pieces is None else None, None, cut, tokens, runs, pieces
 
 
 def trained_in(runs: list[int], start: int, end: int) -> int:

@@ -1,26 +1,32 @@
-"""Stateful data loaders over packed rows, and their num_workers-independent checkpoint state.
+"""Stateful data loaders over packed rows, and their checkpoint state (independent of workers and, for the
+global-order samplers, of the data-parallel layout).
 
 ``build_train_dataloader`` returns a torchdata ``StatefulDataLoader`` whose ``batch_sampler`` is a
-:class:`~packsft.data.samplers.ResumableBatchSampler` around an infinite, epoch-aware sampler (see
-``packsft.data.samplers`` for the data-parallel split and the sampler contract). Iterate it with one
-iterator and one ``next()`` per micro-batch; it never ends.
+:class:`~packsft.data.samplers.GlobalBatchSampler` around an :class:`~packsft.data.samplers.EpochSampler`
+(built-in samplers, the mixture's, custom subclasses): every rank cuts the same global order into global
+batches of ``global_batch_size`` rows and takes its share of each (``loader.balance`` decides which rows, see
+:mod:`packsft.data.balance`). A custom sampler that is not an ``EpochSampler`` yields its rank's indices itself
+(:class:`~packsft.data.samplers.ResumableBatchSampler`). Iterate with one iterator and one ``next()`` per
+micro-batch; it never ends.
 
 Checkpointing (``loader_state_dict`` / ``load_loader_state_dict``): the saved state is the
-*sampler's own* state plus a versioned header, never torchdata's worker snapshot, so a state saved
+*batch sampler's own* state plus a versioned header, never torchdata's worker snapshot, so a state saved
 with 2 workers loads into a loader with 0 workers and vice versa (torchdata's own state does not
 allow that). With workers the main process samples ahead of what was yielded (prefetch), so the
 sampler's state is read from torchdata's snapshot of the last *yielded* batch; the loader is built
 with ``snapshot_every_n_steps=1`` so that snapshot is always current.
 
-Portable between save and resume: ``num_workers``, ``persistent_workers``.
-Refused with ``ValueError``: a different ``dp_size`` or ``dp_rank`` (each rank's share of the order
-would change), a different dataset (``fingerprint`` attribute or row count), ``micro_batch_size``,
-sampler class, ``seed`` or ``sampler_kwargs``: any of those would not continue the same order.
+Portable between save and resume: ``num_workers``, ``persistent_workers``; with a global order and a state at a
+global batch boundary (every trainer checkpoint), also ``dp_size``, ``dp_rank``, ``micro_batch_size``,
+``global_batch_size`` and ``balance``: the next global batch holds the rows the saved run would have trained next.
+Refused with ``ValueError``: a different dataset (``fingerprint`` attribute or row count), sampler class, ``seed``
+or ``sampler_kwargs``; a layout change for a state inside a global batch or of a per-rank custom sampler; a state
+of version 1 at another ``dp_size``.
 
 Usage::
 
     cfg = DataLoaderConfig(sampler="random", seed=1234, micro_batch_size=1, num_workers=2)
-    loader = build_train_dataloader(dataset, cfg, dp_rank=dp_rank, dp_size=dp_size)
+    loader = build_train_dataloader(dataset, cfg, dp_rank=dp_rank, dp_size=dp_size, global_batch_size=64)
     if resuming:
         load_loader_state_dict(loader, checkpoint["dataloader"])
     batches = iter(loader)
@@ -45,9 +51,18 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from packsft.config_rules import SEED, Needs, check_fields, ge, one_of, rules
-from packsft.data.samplers import BUILTIN_SAMPLERS, EvalShardSampler, ResumableBatchSampler
+from packsft.data.balance import BALANCE_MODES, AttentionBalance
+from packsft.data.samplers import (
+    BUILTIN_SAMPLERS,
+    EpochSampler,
+    EvalShardSampler,
+    GlobalBatchSampler,
+    ResumableBatchSampler,
+)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+LAYOUT_FIELDS = ("dp_rank", "dp_size", "micro_batch_size", "global_batch_size", "balance")
+"""Header fields a global-order state may change at a global batch boundary."""
 SAMPLER_NAMES = (*BUILTIN_SAMPLERS, "custom")
 REQUIRED_SAMPLER_METHODS = ("__iter__", "state_dict", "load_state_dict")
 
@@ -118,6 +133,10 @@ class DataLoaderConfig:
     """Seed of the sampling order, identical on every data-parallel rank."""
     micro_batch_size: int = field(default=1, metadata=rules(ge(1)))
     """Rows per micro-batch on each data-parallel rank."""
+    balance: str = field(default="none", metadata=rules(one_of(BALANCE_MODES)))
+    """``none``: rank ``r`` trains rows ``r, r + dp, ...`` of each global batch; ``attention``: the rows of each
+    global batch assigned to ranks and micro-batches so that their ``sum(s_i ** 2)`` is balanced
+    (:mod:`packsft.data.balance`; needs a sampler that is an ``EpochSampler``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -129,10 +148,15 @@ class DataLoaderConfig:
             ValueError: naming the field and value: unknown ``sampler``, ``custom`` without (or a
                 built-in with) ``sampler_class_path``, an unresolvable or non-sampler class,
                 ``sampler_kwargs`` the class does not accept, negative workers, ``micro_batch_size < 1``, a ``seed``
-                outside ``[0, 2**63)`` (numpy's ``SeedSequence`` and ``torch.Generator`` take no negative seed).
+                outside ``[0, 2**63)`` (numpy's ``SeedSequence`` and ``torch.Generator`` take no negative seed),
+                an unknown ``balance``, or ``balance: attention`` with a sampler that is not an ``EpochSampler``.
         """
         check_fields("loader", self)
         cls = self.sampler_class()
+        if self.balance != "none" and not issubclass(cls, EpochSampler):
+            raise ValueError(f"loader.balance={self.balance!r} assigns the rows of each global batch to ranks: it "
+                             f"needs a sampler of one global order (a packsft.data.samplers.EpochSampler), and "
+                             f"{class_path(cls)} yields each rank's rows itself; use loader.balance=none")
         try:
             inspect.signature(cls).bind(0, dp_rank=0, dp_size=1, seed=self.seed, **_plain(self.sampler_kwargs))
         except TypeError as exc:
@@ -177,6 +201,7 @@ def build_train_dataloader(
     *,
     dp_rank: int = 0,
     dp_size: int = 1,
+    global_batch_size: int | None = None,
     collate_fn: Callable | None = None,
 ) -> StatefulDataLoader:
     """Build the infinite training loader of one data-parallel rank.
@@ -184,9 +209,13 @@ def build_train_dataloader(
     Args:
         dataset: a map-style dataset (``PackedSFTDataset`` or any with ``__len__``/``__getitem__``);
             its optional ``fingerprint`` str goes into the checkpoint header. Must be picklable when
-            ``num_workers > 0`` (workers are spawned and re-import its module).
+            ``num_workers > 0`` (workers are spawned and re-import its module). ``balance: attention`` reads its
+            rows' segment lengths (:func:`packsft.data.balance.segment_lengths_reader`).
         config: the :class:`DataLoaderConfig` (validated when it was built).
         dp_rank, dp_size: this rank and the data-parallel world size.
+        global_batch_size: rows per global batch (the trainer's ``train.global_batch_size``), a multiple of
+            ``dp_size * micro_batch_size``; default ``dp_size * micro_batch_size`` (one micro-batch per rank).
+            Unused by a sampler that is not an ``EpochSampler``.
         collate_fn: turns a list of ``micro_batch_size`` rows into a batch; default
             ``packsft.data.collate.collate_rows`` (imported here, at call time).
 
@@ -194,25 +223,36 @@ def build_train_dataloader(
         A ``StatefulDataLoader`` yielding ``collate_fn([dataset[i] for i in micro_batch])`` forever.
 
     Raises:
-        ValueError: from the sampler (fewer rows than ``dp_size``, ...).
+        ValueError: from the sampler (fewer rows than ``dp_size``, ...), or a ``global_batch_size`` that is not a
+            multiple of ``dp_size * micro_batch_size``.
     """
     cls = config.sampler_class()
     kwargs = _plain(config.sampler_kwargs)
     sampler = cls(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=config.seed, **kwargs)
+    b = config.micro_batch_size
+    global_order = isinstance(sampler, EpochSampler)
     header = {
         "version": STATE_VERSION,
+        "order": "global" if global_order else "rank",
         "dp_rank": dp_rank,
         "dp_size": dp_size,
         "num_rows": len(dataset),
         "dataset_fingerprint": getattr(dataset, "fingerprint", None),
         "sources": getattr(dataset, "source_fingerprints", None),        # a mixture's {name: fingerprint}
-        "micro_batch_size": config.micro_batch_size,
+        "micro_batch_size": b,
+        "global_batch_size": (global_batch_size or dp_size * b) if global_order else None,
+        "balance": config.balance,
         "sampler": class_path(cls),
         "seed": config.seed,
         "sampler_kwargs_digest": kwargs_digest(kwargs),
         "sampler_kwargs": _recordable(kwargs),      # to name what changed; compared through the digest
     }
-    return _make_loader(dataset, ResumableBatchSampler(sampler, config.micro_batch_size, header), config, collate_fn)
+    if not global_order:
+        return _make_loader(dataset, ResumableBatchSampler(sampler, b, header), config, collate_fn)
+    plan = AttentionBalance(dataset) if config.balance == "attention" else None
+    batch_sampler = GlobalBatchSampler(sampler, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=b,
+                                       global_batch_size=header["global_batch_size"], header=header, plan=plan)
+    return _make_loader(dataset, batch_sampler, config, collate_fn)
 
 
 def build_eval_dataloader(
@@ -325,17 +365,22 @@ def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
     """Refuse a state that would not continue the same order on this loader (a foreign state differs in every
     header field).
 
+    A global-order state at a global batch boundary (``sampler_state["micro_batch"] == 0``) may have another
+    layout (:data:`LAYOUT_FIELDS`); any other state must have this loader's.
+
     Raises:
-        ValueError: listing every header field that differs (``version``, ``dp_rank``, ``dp_size``,
-            ``num_rows``, ``dataset_fingerprint``, ``micro_batch_size``, ``sampler``, ``seed``, each changed
-            ``sampler_kwargs.<key>`` (``sampler_kwargs_digest`` for a state that does not record them), each
-            training source changed, new or gone, or a mixture that is now one file), with the checkpoint's and
-            the current value.
+        ValueError: listing every header field that differs (``version``, ``order``, ``dp_rank``, ``dp_size``,
+            ``num_rows``, ``dataset_fingerprint``, ``micro_batch_size``, ``global_batch_size``, ``balance``,
+            ``sampler``, ``seed``, each changed ``sampler_kwargs.<key>`` (``sampler_kwargs_digest`` for a state that
+            does not record them), each training source changed, new or gone, or a mixture that is now one file),
+            with the checkpoint's and the current value.
     """
+    inside = (state.get("sampler_state") or {}).get("micro_batch") or 0
+    free = LAYOUT_FIELDS if expected.get("order") == "global" == state.get("order") and not inside else ()
     diffs = [
         f"{key}: checkpoint {state.get(key)!r}, now {value!r}"
         for key, value in expected.items()
-        if state.get(key) != value and key not in ("sources", "dataset_fingerprint", "sampler_kwargs")
+        if state.get(key) != value and key not in ("sources", "dataset_fingerprint", "sampler_kwargs", *free)
     ]
     was, kwargs = state.get("sampler_kwargs"), expected.get("sampler_kwargs")
     digest = next((i for i, d in enumerate(diffs) if d.startswith("sampler_kwargs_digest:")), None)
@@ -358,23 +403,66 @@ def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
         diffs.append(f"dataset_fingerprint: checkpoint {state.get('dataset_fingerprint')!r}, "
                      f"now {expected.get('dataset_fingerprint')!r}")
     if diffs:
+        where = (f" (the state is inside a global batch, {inside} micro-batch(es) of it trained on this rank: only "
+                 "the same layout continues it)" if inside and expected.get("order") == "global" else "")
         raise ValueError(
             "cannot resume the data loader exactly; the checkpoint was written for a different setup "
-            "(dp_size/dp_rank, dataset, micro_batch_size, sampler, seed and sampler_kwargs must stay the same; "
-            "num_workers may change): " + "; ".join(diffs) + ". To keep the weights and optimizer but restart the "
-            "data order, resume with checkpoint.restore_data_order=false; to start over, checkpoint.resume=none"
+            "(dataset, sampler, seed and sampler_kwargs must stay the same; num_workers may change, and dp_size, "
+            "micro_batch_size, global_batch_size and balance at a global batch boundary, except for a custom "
+            "sampler that yields each rank's rows itself): " + "; ".join(diffs) + where + ". To keep the weights "
+            "and optimizer but restart the data order, resume with checkpoint.restore_data_order=false; to start "
+            "over, checkpoint.resume=none"
         )
+
+
+def upgrade_loader_state(state: dict[str, Any], batch_sampler: Any) -> dict[str, Any]:
+    """A version-1 state (each rank's position in its strided share of the epoch's order) as a version-2 one for
+    ``batch_sampler``; any other state unchanged.
+
+    With a global order the share's position ``p`` of epoch ``e`` becomes position ``p * dp_size`` of the
+    epoch's global order (the rows every rank trained), or epoch ``e + 1`` when the share was used up (version 1
+    skipped the last ``len % dp_size`` rows of an epoch). The next rows are those the saved run would have
+    trained next, at the same ``dp_size``.
+
+    Raises:
+        ValueError: a version-1 state of a global order at another ``dp_size`` (named).
+    """
+    if state.get("version") != 1:
+        return state
+    header = batch_sampler.header
+    upgraded = {**state, "version": STATE_VERSION, "order": header["order"],
+                "global_batch_size": header["global_batch_size"], "balance": "none"}
+    if header["order"] != "global":
+        return upgraded
+    if state.get("dp_size") != header["dp_size"]:
+        raise ValueError(f"cannot resume the data loader exactly: its state was saved by an earlier packsft "
+                         f"(loader state version 1: each rank's own position), which resumes only at its "
+                         f"dp_size {state.get('dp_size')}, now {header['dp_size']}; resume at data-parallel size "
+                         f"{state.get('dp_size')} once and save (its checkpoints then resume at any size), or resume "
+                         "with checkpoint.restore_data_order=false to restart the data order")
+    saved = state["sampler_state"]["sampler"]
+    dp, epoch = int(state["dp_size"]), int(saved["epoch"])
+    length = len(batch_sampler.sampler.epoch_order(epoch))
+    rows = int(saved["position"]) * dp
+    epoch, rows = (epoch + 1, 0) if rows >= length - length % dp else (epoch, rows)
+    upgraded["sampler_state"] = {"sampler": {**saved, "epoch": epoch, "position": rows}, "global_batches": 0,
+                                 "micro_batch": 0}
+    return upgraded
 
 
 def load_loader_state_dict(dataloader: StatefulDataLoader, state: dict[str, Any]) -> None:
     """Restore a state of :func:`loader_state_dict`; the next micro-batch is the one that followed.
 
-    Any worker count works. Drops the loader's current iterator, so call ``iter(dataloader)`` after.
+    Any worker count works; a global-order state at a global batch boundary loads at any data-parallel layout.
+    A version-1 state of the same dataset and sampler is upgraded first (:func:`upgrade_loader_state`). Drops the
+    loader's current iterator, so call ``iter(dataloader)`` after.
 
     Raises:
-        ValueError: see :func:`check_loader_state`.
+        ValueError: see :func:`check_loader_state` and :func:`upgrade_loader_state`.
     """
     batch_sampler = dataloader.batch_sampler
+    if state.get("sampler") == batch_sampler.header["sampler"]:     # (another sampler's is refused below)
+        state = upgrade_loader_state(state, batch_sampler)
     check_loader_state(batch_sampler.header, state)
     batch_sampler.load_state_dict(state["sampler_state"])
     dataloader.load_state_dict({})  # forget any iterator (and its prefetched indices)

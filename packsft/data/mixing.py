@@ -136,7 +136,7 @@ class WeightedMixingSampler(EpochSampler):
         dp_rank, dp_size, seed: as for every sampler (``packsft.data.samplers``).
         weights: one positive weight per source; normalised (:func:`normalize_weights`).
         samples_per_epoch: length of an epoch in rows (``data.samples_per_epoch``, > 0); default ``len(data_source)``.
-            Fewer than ``dp_size`` fail at the first epoch (:meth:`EpochSampler.rank_order`).
+            An epoch may be shorter than a global batch (global batches span epochs).
 
     The trainer builds it for a mixture with one weight per source (``Trainer._train_loader_config``).
 

@@ -1,36 +1,38 @@
-"""Resumable, data-parallel samplers for step-based training.
+"""Resumable samplers for step-based training, and the batch samplers that cut their order into micro-batches.
 
 Training runs on ``global_step``, not epochs, so every training sampler here is *infinite* and
 *epoch-aware*: epochs roll over inside ``__iter__`` and the step loop never sees ``StopIteration``
 or an empty epoch, also when a checkpoint was taken right after the last sample of an epoch.
 
-Data-parallel split (Megatron's ``MegatronPretrainingRandomSampler`` does the same): every rank
-computes the same *global* order of an epoch from ``(seed, epoch)``, truncates it to a multiple of
-``dp_size`` and keeps ``order[dp_rank::dp_size]``. Ranks therefore see disjoint rows and the same
-number of samples per epoch. The ``len(order) % dp_size`` samples cut at the end of an epoch are
-not seen in that epoch: with ``random`` they are different rows every epoch; with ``sequential``
-the last ``num_rows % dp_size`` rows are never seen.
-
-State is ``{"epoch": e, "position": p}``: ``p`` samples of epoch ``e`` of *this rank's* share have
-been yielded. It is a pure function of what was yielded, independent of ``num_workers``, so it
-can be restored into a loader with a different worker count (see ``packsft.data.loader``).
+Global order (:class:`EpochSampler` and its subclasses): the sampler yields the rows of every epoch in
+``global_order(epoch)``, one epoch after another, the same on every rank and for every data-parallel size.
+:class:`GlobalBatchSampler` cuts that stream into global batches of ``global_batch_size`` rows (a global batch
+may span an epoch boundary; no row is dropped at an epoch end) and gives data-parallel rank ``r`` its fixed
+share of each: rows ``r, r + dp_size, ...`` of the global batch, ``micro_batch_size`` at a time, or the
+share a ``balance`` plan (:mod:`packsft.data.balance`) assigns it. Its state is the sampler's
+``{"epoch", "position"}`` (rows of the epoch's global order consumed) at the start of the global batch in
+progress, the ``global_batches`` consumed, and the ``micro_batch``es of the batch in progress this rank has
+yielded: at a step boundary (``micro_batch == 0``) it means the same at any ``dp_size``,
+``micro_batch_size`` and global batch size, so a run resumes on another layout exactly.
 
 Sampler contract (built-in and ``sampler: custom`` classes alike)::
 
     cls(data_source, dp_rank=..., dp_size=..., seed=..., **sampler_kwargs)
 
-``data_source`` is the map-style dataset (built-ins also accept a row count). The class must
-define ``__iter__`` (yield row indices forever), ``state_dict()`` (cheap, no side effects, returns a
-new dict of plain Python values: torchdata calls it once per batch sent to a worker) and
-``load_state_dict(state)``. The easy way is to subclass :class:`EpochSampler` and override
-:meth:`EpochSampler.global_order`.
+``data_source`` is the map-style dataset (built-ins also accept a row count). The easy way is to subclass
+:class:`EpochSampler` and override :meth:`EpochSampler.global_order`; any state besides ``epoch`` and
+``position`` goes into ``state_dict`` next to them. A class that is not an ``EpochSampler`` must define
+``__iter__`` (yield *this rank's* row indices forever), ``state_dict()`` (cheap, no side effects, returns a new
+dict of plain Python values: torchdata calls it once per batch sent to a worker) and ``load_state_dict(state)``;
+the loader groups its indices with :class:`ResumableBatchSampler`, and its state resumes only on the same
+data-parallel layout.
 """
 
 from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,7 +61,10 @@ def _named(data_source: Any) -> str:
 
 
 class EpochSampler(ABC):
-    """Infinite, epoch-aware, data-parallel sampler of row indices; subclass and define ``global_order``.
+    """Infinite, epoch-aware sampler of the global order of rows; subclass and define ``global_order``.
+
+    Iterating yields ``global_order(0)``, then ``global_order(1)``, ... forever, whatever ``dp_rank`` and
+    ``dp_size`` (the loader's :class:`GlobalBatchSampler` gives each rank its share).
 
     Args:
         data_source: the map-style dataset or its number of rows.
@@ -85,35 +90,31 @@ class EpochSampler(ABC):
     def global_order(self, epoch: int) -> Sequence[int]:
         """Return the order of row indices of ``epoch``, identical on every rank. Subclasses define it."""
 
-    def rank_order(self, epoch: int) -> list[int]:
-        """Return this rank's share of ``global_order(epoch)``: truncated to a multiple of dp_size, strided.
+    def epoch_order(self, epoch: int) -> list[int]:
+        """``global_order(epoch)`` as a list (the last epoch's is cached).
 
         Raises:
-            RuntimeError: if the share is empty (the global order is shorter than dp_size).
+            RuntimeError: the epoch's order is empty.
         """
         if self._cached is None or self._cached[0] != epoch:
-            order = np.asarray(self.global_order(epoch), dtype=np.int64)
-            usable = len(order) - len(order) % self.dp_size
-            share = order[self.dp_rank : usable : self.dp_size].tolist()
-            if not share:
-                raise RuntimeError(
-                    f"{type(self).__name__}: epoch {epoch} has {len(order)} samples, fewer than "
-                    f"dp_size={self.dp_size}; an epoch must give every rank at least one sample"
-                )
-            self._cached = (epoch, share)
+            order = np.asarray(self.global_order(epoch), dtype=np.int64).tolist()
+            if not order:
+                raise RuntimeError(f"{type(self).__name__}: epoch {epoch} has no sample; an epoch must hold "
+                                   "at least one row")
+            self._cached = (epoch, order)
         return self._cached[1]
 
     def __iter__(self) -> Iterator[int]:
-        """Yield row indices forever, continuing from ``(epoch, position)`` and rolling epochs over."""
+        """Yield row indices of the global order forever, continuing from ``(epoch, position)``."""
         while True:
-            order = self.rank_order(self.epoch)
+            order = self.epoch_order(self.epoch)
             while self.position < len(order):
                 self.position += 1
                 yield order[self.position - 1]
             self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
-        """Return ``{"epoch", "position"}``: samples of this rank's share of ``epoch`` already yielded."""
+        """Return ``{"epoch", "position"}``: samples of ``global_order(epoch)`` already yielded."""
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -145,14 +146,42 @@ class SamplerError(ValueError):
     """A sampler yielded something that is not a row index of its dataset (names the sampler and the value)."""
 
 
+def check_index(index: Any, num_rows: int, name: str) -> int:
+    """``index`` as an int when it is an integer in ``[0, num_rows)``.
+
+    Raises:
+        SamplerError: otherwise, naming the sampler ``name`` and the value.
+    """
+    try:
+        value = operator.index(index)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < num_rows:
+        raise SamplerError(f"sampler {name} yielded {index!r}, not a row index of the training data "
+                           f"(0 to {num_rows - 1}: {num_rows} rows); a sampler must yield integers in "
+                           "range(len(data_source))")
+    return value
+
+
+def _next_index(it: Iterator[Any], sampler: Any) -> Any:
+    try:
+        return next(it)
+    except StopIteration:
+        raise RuntimeError(
+            f"sampler {type(sampler).__name__} stopped; training samplers must be infinite "
+            "and roll epochs over inside __iter__ (subclass packsft.data.samplers.EpochSampler)"
+        ) from None
+
+
 class ResumableBatchSampler:
-    """Group an infinite sampler's indices into micro-batches; the loader's ``batch_sampler``.
+    """Group a per-rank sampler's indices into micro-batches: the loader's ``batch_sampler`` for a custom sampler
+    that is not an :class:`EpochSampler` (it yields this rank's indices itself).
 
     Yields lists of ``micro_batch_size`` row indices forever; a micro-batch may span an epoch boundary.
     Its state is the inner sampler's state, wrapped with a ``header`` (see ``packsft.data.loader``)
     describing what the state is valid for. With ``header["num_rows"]`` (the loader sets it) every index
     is checked here, in the main process, before any row is read: indices enter the dataset only
-    through this class.
+    through this class or :class:`GlobalBatchSampler`.
 
     Raises:
         RuntimeError: (while iterating) if the inner sampler stops: samplers must roll epochs over.
@@ -168,31 +197,15 @@ class ResumableBatchSampler:
         """Yield micro-batches (lists of ``micro_batch_size`` row indices) forever."""
         it = iter(self.sampler)
         num_rows = self.header.get("num_rows")
+        name = self.header.get("sampler") or type(self.sampler).__name__
         while True:
             batch = []
             for _ in range(self.micro_batch_size):
-                try:
-                    index = next(it)
-                except StopIteration:
-                    raise RuntimeError(
-                        f"sampler {type(self.sampler).__name__} stopped; training samplers must be infinite "
-                        "and roll epochs over inside __iter__ (subclass packsft.data.samplers.EpochSampler)"
-                    ) from None
+                index = _next_index(it, self.sampler)
                 if num_rows is not None:
-                    self._check_index(index, num_rows)
+                    check_index(index, num_rows, name)
                 batch.append(index)
             yield batch
-
-    def _check_index(self, index: Any, num_rows: int) -> None:
-        try:
-            value = operator.index(index)
-        except TypeError:
-            value = None
-        if value is None or not 0 <= value < num_rows:
-            name = self.header.get("sampler") or type(self.sampler).__name__
-            raise SamplerError(f"sampler {name} yielded {index!r}, not a row index of the training data "
-                               f"(0 to {num_rows - 1}: {num_rows} rows); a sampler must yield integers in "
-                               "range(len(data_source))")
 
     def state_dict(self) -> dict[str, Any]:
         """Return ``{"sampler": inner sampler state}`` (a new dict; called once per batch by torchdata)."""
@@ -201,6 +214,89 @@ class ResumableBatchSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the inner sampler from ``state["sampler"]``."""
         self.sampler.load_state_dict(state["sampler"])
+
+
+Plan = Callable[[list[int], int, int], list[list[list[int]]]]
+"""``plan(global_batch, dp_size, micro_batch_size)``: for each rank, its micro-batches (lists of the global batch's
+row indices); every row of the global batch exactly once (:class:`packsft.data.balance.AttentionBalance`)."""
+
+
+class GlobalBatchSampler:
+    """This rank's micro-batches of the global batches cut from an :class:`EpochSampler`'s global order.
+
+    Each global batch is the next ``global_batch_size`` rows of the sampler's stream. Rank ``r`` trains rows
+    ``r, r + dp_size, r + 2 dp_size, ...`` of it, ``micro_batch_size`` per micro-batch, ``global_batch_size /
+    (dp_size * micro_batch_size)`` micro-batches per global batch; with ``plan``, the micro-batches the plan
+    gives rank ``r`` (a function of the global batch alone: the same on every rank, no communication).
+
+    Args:
+        sampler: an :class:`EpochSampler` (its stream does not depend on ``dp_size``).
+        dp_rank, dp_size: this rank and the data-parallel size.
+        micro_batch_size: rows per micro-batch.
+        global_batch_size: rows per global batch, a multiple of ``dp_size * micro_batch_size``.
+        header: the loader's state header (``num_rows`` enables the index check, ``sampler`` names the class).
+        plan: see :data:`Plan`; ``None``: the strided split above.
+
+    Raises:
+        ValueError: ``global_batch_size`` not a positive multiple of ``dp_size * micro_batch_size``.
+        RuntimeError, SamplerError: (while iterating) as :class:`ResumableBatchSampler`.
+    """
+
+    def __init__(self, sampler: EpochSampler, *, dp_rank: int, dp_size: int, micro_batch_size: int,
+                 global_batch_size: int, header: dict[str, Any] | None = None, plan: Plan | None = None) -> None:
+        per_step = dp_size * micro_batch_size
+        if global_batch_size < per_step or global_batch_size % per_step:
+            raise ValueError(f"global_batch_size ({global_batch_size}) must be a positive multiple of "
+                             f"micro_batch_size ({micro_batch_size}) * dp_size ({dp_size})")
+        self.sampler, self.plan = sampler, plan
+        self.dp_rank, self.dp_size, self.micro_batch_size = dp_rank, dp_size, micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.micro_batches = global_batch_size // per_step
+        self.header = dict(header or {})
+        self._start = dict(sampler.state_dict())    # the sampler's state where the batch in progress starts
+        self._global_batches, self._micro_batch = 0, 0
+
+    def rank_micro_batches(self, batch: list[int]) -> list[list[int]]:
+        """This rank's micro-batches of one global batch (row indices)."""
+        if self.plan is not None:
+            return self.plan(batch, self.dp_size, self.micro_batch_size)[self.dp_rank]
+        mine, b = batch[self.dp_rank::self.dp_size], self.micro_batch_size
+        return [mine[m * b:(m + 1) * b] for m in range(self.micro_batches)]
+
+    def global_batches(self) -> Iterator[list[int]]:
+        """The global batches from the current state on (row indices, checked), forever; moves the sampler."""
+        it = iter(self.sampler)
+        num_rows = self.header.get("num_rows")
+        name = self.header.get("sampler") or type(self.sampler).__name__
+        while True:
+            batch = [_next_index(it, self.sampler) for _ in range(self.global_batch_size)]
+            yield batch if num_rows is None else [check_index(i, num_rows, name) for i in batch]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield this rank's micro-batches forever, continuing from the state."""
+        batches = self.global_batches()
+        while True:
+            self._start = dict(self.sampler.state_dict())
+            micro = self.rank_micro_batches(next(batches))
+            for m in range(self._micro_batch, self.micro_batches):
+                self._micro_batch = m + 1
+                yield micro[m]
+            self._global_batches, self._micro_batch = self._global_batches + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sampler", "global_batches", "micro_batch"}`` as of the last micro-batch yielded (a new dict)."""
+        if self._micro_batch == self.micro_batches:    # the global batch is done: the state after it
+            return {"sampler": self.sampler.state_dict(), "global_batches": self._global_batches + 1,
+                    "micro_batch": 0}
+        return {"sampler": dict(self._start), "global_batches": self._global_batches,
+                "micro_batch": self._micro_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state``: the next micro-batch is the one that followed."""
+        self.sampler.load_state_dict(state["sampler"])
+        self._start = dict(self.sampler.state_dict())
+        self._global_batches = int(state.get("global_batches", 0))
+        self._micro_batch = int(state.get("micro_batch", 0))
 
 
 class EvalShardSampler:

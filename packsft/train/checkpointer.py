@@ -134,7 +134,10 @@ class Checkpointer:
         set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
         apply_optimizer_settings(self.optimizer, cfg.optimizer)    # the config's, as lr: not the saved
         if cfg.checkpoint.restore_data_order:
-            load_loader_state_dict(self.loader, ckpt.load_loader_state(path, ctx.dp_rank))
+            # a rank the checkpoint had not (a larger DP size) reads rank 0's: a global order's state at a step
+            # boundary is the same on every rank (load_loader_state_dict refuses a per-rank one)
+            own = (path / f"dataloader_dp{ctx.dp_rank}.pt").exists()
+            load_loader_state_dict(self.loader, ckpt.load_loader_state(path, ctx.dp_rank if own else 0))
         elif ctx.rank == 0:
             print(f"note: checkpoint.restore_data_order=false: the data order starts again from its first rows "
                   f"(epoch 0), which the {state.consumed_samples} rows consumed up to step {state.step} "

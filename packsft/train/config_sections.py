@@ -254,9 +254,9 @@ class CheckpointConfig:
     resume: str = "auto"
     """``auto`` (the ``latest`` checkpoint in ``dir`` if any), ``none``, or a path to an ``iter_XXXXXXX`` folder."""
     restore_data_order: bool = True
-    """Restore the loader's sampler position (needs the same data-parallel size and data); false restarts the
+    """Restore the loader's position in the data order (the same data; any data-parallel size); false restarts the
     data order from its first rows, those already trained included (a ``note:`` says so; use it to resume with
-    another data-parallel size or context-parallel file)."""
+    another context-parallel file)."""
     init_from: str | None = None
     """Model-only checkpoint folder (``tools/convert_checkpoint.py import --out``) whose weights start the run when
     there is nothing to resume (a checkpoint found by ``resume`` wins); optimizer, schedule and data order start

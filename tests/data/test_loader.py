@@ -58,13 +58,14 @@ def run(loader, k):
     return [rows(next(it)) for _ in range(k)]
 
 
-def loader(n=10, fingerprint="toy-v1", dp_rank=0, dp_size=1, **cfg):
+def loader(n=10, fingerprint="toy-v1", dp_rank=0, dp_size=1, global_batch_size=None, **cfg):
     cfg = {"seed": 7, "micro_batch_size": 2, **cfg}
     return build_train_dataloader(
         RowDataset(n, fingerprint),
         DataLoaderConfig(**cfg),
         dp_rank=dp_rank,
         dp_size=dp_size,
+        global_batch_size=global_batch_size,
         collate_fn=default_collate,
     )
 
@@ -149,7 +150,8 @@ def test_custom_sampler_state_is_in_the_checkpoint():
     assert [rows(next(it)) for _ in range(2)] == [[5, 4], [3, 2]]
     state = loader_state_dict(first)
     assert state["sampler"] == f"{__name__}.ReversedSampler"
-    assert state["sampler_state"] == {"sampler": {"epoch": 0, "position": 4, "tag": "q"}}
+    assert state["sampler_state"] == {"sampler": {"epoch": 0, "position": 4, "tag": "q"}, "global_batches": 2,
+                                      "micro_batch": 0}
     resumed = loader(n=6, **cfg)
     load_loader_state_dict(resumed, state)
     assert run(resumed, 2) == [[1, 0], [5, 4]]
@@ -160,8 +162,6 @@ def test_custom_sampler_state_is_in_the_checkpoint():
     [
         ({"fingerprint": "toy-v2"}, "dataset_fingerprint: checkpoint 'toy-v1', now 'toy-v2'"),
         ({"n": 11}, "num_rows: checkpoint 10, now 11"),
-        ({"dp_size": 2}, "dp_size: checkpoint 1, now 2"),
-        ({"micro_batch_size": 1}, "micro_batch_size: checkpoint 2, now 1"),
         ({"seed": 8}, "seed: checkpoint 7, now 8"),
         ({"sampler": "sequential"}, "sampler: checkpoint"),
     ],
@@ -171,6 +171,75 @@ def test_non_portable_changes_are_refused(change, message):
     run(first, 3)
     with pytest.raises(ValueError, match=message):
         load_loader_state_dict(loader(**change), loader_state_dict(first))
+
+
+def layout_rows(steps, dp_size, micro_batch_size, global_batch_size, state=None, **cfg):
+    """Per step: the sorted rows of all ranks' loaders (one per rank, in process), and each rank's last state."""
+    per_step, states = [[] for _ in range(steps)], []
+    for rank in range(dp_size):
+        one = build_train_dataloader(RowDataset(10), DataLoaderConfig(seed=7, micro_batch_size=micro_batch_size, **cfg),
+                                     dp_rank=rank, dp_size=dp_size, global_batch_size=global_batch_size,
+                                     collate_fn=default_collate)
+        if state is not None:
+            load_loader_state_dict(one, state)
+        it = iter(one)
+        for step in range(steps):
+            for _ in range(global_batch_size // (dp_size * micro_batch_size)):
+                per_step[step] += rows(next(it))
+        states.append(loader_state_dict(one))
+    return [sorted(r) for r in per_step], states
+
+
+def test_a_loader_state_saved_at_dp4_resumes_at_dp2_and_dp1_on_the_next_global_batches():
+    reference, _ = layout_rows(7, 4, 1, 8)
+    _, states = layout_rows(3, 4, 1, 8)           # the epoch of 10 rows ends inside step 2
+    assert {json.dumps(s["sampler_state"]) for s in states} == {json.dumps(states[0]["sampler_state"])}
+    for dp, b in [(2, 2), (2, 1), (1, 4)]:
+        resumed, _ = layout_rows(4, dp, b, 8, state=json.loads(json.dumps(states[1])))   # any rank's state
+        assert resumed == reference[3:], (dp, b)
+
+
+def test_a_state_inside_a_global_batch_is_refused_on_another_layout():
+    first = loader(dp_size=1, micro_batch_size=1, global_batch_size=4)
+    run(first, 3)                                 # 3 of the first global batch's 4 micro-batches
+    state = loader_state_dict(first)
+    assert state["sampler_state"]["micro_batch"] == 3
+    with pytest.raises(ValueError, match=r"dp_rank: checkpoint 0, now 1; dp_size: checkpoint 1, now 2 \(the state is "
+                                         r"inside a global batch, 3 micro-batch\(es\) of it trained on this rank"):
+        load_loader_state_dict(loader(dp_rank=1, dp_size=2, micro_batch_size=1, global_batch_size=4), state)
+    load_loader_state_dict(loader(dp_size=1, micro_batch_size=1, global_batch_size=4), state)  # same layout: fine
+
+
+def test_a_per_rank_custom_sampler_resumes_only_on_its_layout():
+    from test_balance import PerRankSampler
+
+    cfg = {"sampler": "custom", "sampler_class_path": "test_balance.PerRankSampler", "micro_batch_size": 1}
+    first = loader(**cfg)
+    assert isinstance(first.batch_sampler.sampler, PerRankSampler) and run(first, 2) == [[0], [1]]
+    with pytest.raises(ValueError, match="dp_size: checkpoint 1, now 2"):
+        load_loader_state_dict(loader(dp_size=2, **cfg), loader_state_dict(first))
+
+
+def version_1(state, position):
+    """``state`` as packsft wrote it before global batches: version 1, each rank's position in its share."""
+    old = {k: v for k, v in state.items() if k not in ("order", "global_batch_size", "balance")}
+    return {**old, "version": 1, "sampler_state": {"sampler": {"epoch": 0, "position": position}}}
+
+
+def test_a_version_1_state_resumes_at_its_dp_size_and_is_refused_at_another():
+    reference, _ = layout_rows(4, 2, 1, 4)        # 10 rows: steps 0-1 in epoch 0, step 2 crosses into epoch 1
+    _, states = layout_rows(1, 2, 1, 4)
+    old = version_1(states[0], 2)                 # each rank had 2 rows of its share: step 0 done
+    resumed, _ = layout_rows(1, 2, 1, 4, state=old)
+    assert resumed == reference[1:2]
+    with pytest.raises(ValueError, match="loader state version 1: each rank's own position.*only at its dp_size 2, "
+                                         "now 1"):
+        load_loader_state_dict(loader(micro_batch_size=1, global_batch_size=4), old)
+    ended = version_1(states[0], 5)               # the share of epoch 0 (5 rows each) used up: epoch 1 next
+    one = build_train_dataloader(RowDataset(10), DataLoaderConfig(seed=7, micro_batch_size=1), dp_size=2,
+                                 global_batch_size=4, collate_fn=default_collate)
+    load_loader_state_dict(one, ended)
+    assert loader_state_dict(one)["sampler_state"]["sampler"] == {"epoch": 1, "position": 0}
 
 
 def test_eval_loader_covers_each_rank_share_once():

@@ -9,6 +9,7 @@ from torch.utils.data import default_collate
 
 from packsft.data.loader import DataLoaderConfig, build_train_dataloader, load_loader_state_dict, loader_state_dict
 from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights, rows_per_source
+from packsft.data.samplers import GlobalBatchSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning")
 
@@ -62,11 +63,12 @@ def test_rows_per_source_normalises_and_refuses_zero_rows():
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_mixing_meets_weights_per_epoch_with_fresh_plans(dp_size):
     ds, weights, per_epoch = mixed(), [0.5, 0.3, 0.2], 1000
-    samplers = [
-        WeightedMixingSampler(ds, r, dp_size, seed=11, weights=weights, samples_per_epoch=per_epoch)
+    samplers = [  # each rank's share of the global batches (dp_size rows each) of the one global order
+        GlobalBatchSampler(WeightedMixingSampler(ds, r, dp_size, seed=11, weights=weights, samples_per_epoch=per_epoch),
+                           dp_rank=r, dp_size=dp_size, micro_batch_size=1, global_batch_size=dp_size)
         for r in range(dp_size)
     ]
-    shares = [take(s, 3 * per_epoch // dp_size) for s in samplers]
+    shares = [[i for batch in take(s, 3 * per_epoch // dp_size) for i in batch] for s in samplers]
     epochs = []
     for e in range(3):
         lo, hi = e * per_epoch // dp_size, (e + 1) * per_epoch // dp_size

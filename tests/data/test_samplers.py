@@ -7,6 +7,7 @@ import pytest
 from packsft.data.samplers import (
     EpochSampler,
     EvalShardSampler,
+    GlobalBatchSampler,
     RandomSampler,
     ResumableBatchSampler,
     SamplerError,
@@ -35,15 +36,79 @@ def test_sequential_yields_in_order_and_rolls_over():
     assert take(SequentialSampler(5), 12) == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
 
 
+def rank_steps(make_sampler, dp_size, micro_batch_size, global_batch_size, steps, state=None):
+    """Per step, per rank: the rows each rank's GlobalBatchSampler yields (one sampler per rank, in process)."""
+    out = [[[] for _ in range(dp_size)] for _ in range(steps)]
+    for rank in range(dp_size):
+        gbs = GlobalBatchSampler(make_sampler(), dp_rank=rank, dp_size=dp_size, micro_batch_size=micro_batch_size,
+                                 global_batch_size=global_batch_size)
+        if state is not None:
+            gbs.load_state_dict(state)
+        micro = iter(gbs)
+        for step in range(steps):
+            for _ in range(gbs.micro_batches):
+                out[step][rank] += next(micro)
+    return out
+
+
 @pytest.mark.parametrize("cls", [RandomSampler, SequentialSampler])
-def test_dp_ranks_are_disjoint_and_equal_sized(cls):
+def test_dp_ranks_are_disjoint_and_equal_sized_and_no_row_is_dropped(cls):
     n, dp = 23, 4
-    shares = [take(cls(n, dp_rank=r, dp_size=dp, seed=9), n // dp) for r in range(dp)]
-    seen = [i for s in shares for i in s]
-    assert len(seen) == len(set(seen)) == 20
-    # every rank strides the same global order
-    glob = list(cls(n, seed=9).global_order(0))[:20]
-    assert all(shares[r] == glob[r::dp] for r in range(dp))
+    steps = rank_steps(lambda: cls(n, seed=9), dp, 1, dp, 6)    # 24 rows: one epoch and the next one's first
+    stream = take(cls(n, seed=9), 24)
+    for k, ranks in enumerate(steps):
+        assert [len(r) for r in ranks] == [1] * dp
+        assert [r[0] for r in ranks] == stream[k * dp:(k + 1) * dp]    # rank r: row r of each global batch
+    assert sorted(stream[:n]) == list(range(n))                        # every row of the epoch, none dropped
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (1, 4), (2, 1), (2, 2), (4, 1), (4, 2)])  # (dp_size, micro_batch_size)
+def test_global_batches_do_not_depend_on_dp_size_or_micro_batches(layout):
+    dp, b = layout
+    got = rank_steps(lambda: RandomSampler(21, seed=3), dp, b, 8, 7)
+    stream = take(RandomSampler(21, seed=3), 56)
+    for k, ranks in enumerate(got):
+        assert sorted(i for r in ranks for i in r) == sorted(stream[8 * k:8 * (k + 1)])
+        assert [len(r) for r in ranks] == [8 // dp] * dp
+        assert all(r == stream[8 * k + rank:8 * (k + 1):dp] for rank, r in enumerate(ranks))
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (2, 2), (1, 1), (1, 8)])
+def test_a_state_saved_at_dp4_resumes_at_dp2_and_dp1_on_the_next_rows(layout):
+    make = lambda: RandomSampler(21, seed=3)   # noqa: E731
+    reference = rank_steps(make, 4, 1, 8, 9)
+    states = []
+    for rank in range(4):
+        gbs = GlobalBatchSampler(make(), dp_rank=rank, dp_size=4, micro_batch_size=1, global_batch_size=8)
+        it = iter(gbs)
+        for _ in range(4 * gbs.micro_batches):   # 4 steps; the 4th crosses the epoch end (21 rows)
+            next(it)
+        states.append(gbs.state_dict())
+    assert states == [states[0]] * 4 and states[0]["global_batches"] == 4 and states[0]["micro_batch"] == 0
+    dp, b = layout
+    resumed = rank_steps(make, dp, b, 8, 5, state=states[0])
+    assert [sorted(i for r in ranks for i in r) for ranks in resumed] == [
+        sorted(i for r in ranks for i in r) for ranks in reference[4:]]
+
+
+def test_a_state_inside_a_global_batch_resumes_on_the_same_layout():
+    reference = rank_steps(lambda: RandomSampler(10, seed=1), 2, 1, 6, 4)
+    gbs = GlobalBatchSampler(RandomSampler(10, seed=1), dp_rank=1, dp_size=2, micro_batch_size=1, global_batch_size=6)
+    it = iter(gbs)
+    got = [i for _ in range(5) for i in next(it)]      # one global batch and 2 of the 3 micro-batches of the next
+    assert gbs.state_dict()["micro_batch"] == 2 and gbs.state_dict()["global_batches"] == 1
+    again = GlobalBatchSampler(RandomSampler(10, seed=1), dp_rank=1, dp_size=2, micro_batch_size=1,
+                               global_batch_size=6)
+    again.load_state_dict(gbs.state_dict())
+    it = iter(again)
+    got += [i for _ in range(7) for i in next(it)]
+    assert got == [i for ranks in reference for i in ranks[1]]
+
+
+def test_global_batch_size_must_fit_the_layout():
+    with pytest.raises(ValueError, match=r"global_batch_size \(6\) must be a positive multiple of micro_batch_size "
+                                         r"\(2\) \* dp_size \(2\)"):
+        GlobalBatchSampler(RandomSampler(10), dp_rank=0, dp_size=2, micro_batch_size=2, global_batch_size=6)
 
 
 @pytest.mark.parametrize("cls", [RandomSampler, SequentialSampler])

@@ -13,6 +13,7 @@ from packsft.data.loader import (
     load_loader_state_dict,
     loader_state_dict,
 )
+from packsft.data.samplers import GlobalBatchSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning")
 
@@ -69,7 +70,9 @@ def test_curriculum_goes_easy_medium_hard_random_within_stage():
 
 
 def test_curriculum_ranks_change_stage_together():
-    shares = [take(CurriculumSampler(12, r, 2, seed=1, difficulties=list(range(12))), 6) for r in range(2)]
+    shares = [[i for batch in take(GlobalBatchSampler(CurriculumSampler(12, r, 2, seed=1, difficulties=list(range(12))),
+                                                      dp_rank=r, dp_size=2, micro_batch_size=1, global_batch_size=2), 6)
+               for i in batch] for r in range(2)]
     for share in shares:
         assert [max(share[0:2]) < 4, min(share[2:4]) >= 4 and max(share[2:4]) < 8, min(share[4:]) >= 8] == [True] * 3
     assert not set(shares[0]) & set(shares[1])

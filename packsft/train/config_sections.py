@@ -29,6 +29,7 @@ from packsft.config_rules import (
 DECAY_STYLES = ("cosine", "linear", "constant")
 VERIFY_HASH = ("auto", "full")
 AUTOCAST_DTYPES = ("bfloat16", "float16")
+LOSS_NORMALIZATIONS = ("token", "conversation")
 
 
 @dataclass
@@ -133,7 +134,8 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    """Token cross-entropy, normalised by the trained tokens of the whole global batch (``docs/loss.md``)."""
+    """Token cross-entropy, normalised over the whole global batch per trained token or per conversation
+    (``docs/loss.md``)."""
 
     fused_linear_cross_entropy: bool = True
     """True: packsft's chunked fused linear-CE (never holds ``[t, v]`` logits); False: Megatron's stock
@@ -141,9 +143,13 @@ class LossConfig:
     chunk_size: int = field(default=1024, metadata=rules(*POSITIVE))
     """Tokens per chunk of the fused loss; with vocabulary blocks of ``b = min(32768, vocab / tp)`` rows, its
     buffers are about ``chunk_size * b * (4 + 2e)`` bytes (``e`` = 2 for bf16 inputs, 0 for fp32; ``docs/loss.md``)."""
+    normalization: str = field(default="token", metadata=rules(one_of(LOSS_NORMALIZATIONS)))
+    """``token``: the mean over the trained tokens of the global batch; ``conversation``: each conversation's mean
+    over its trained tokens, averaged over the global batch's conversations that train a token (training and
+    validation alike)."""
 
     def __post_init__(self) -> None:
-        """Raise ``ValueError`` for a non-positive ``chunk_size``."""
+        """Raise ``ValueError`` for a non-positive ``chunk_size`` or an unknown ``normalization``."""
         check_fields("loss", self)
 
 

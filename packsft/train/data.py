@@ -17,7 +17,8 @@ import torch
 from packsft.data.context_parallel import make_packed_seq_params, slice_batch_for_cp
 from packsft.data.dataset import PackedSFTDataset
 from packsft.data.mixing import MixedDataset
-from packsft.layout import IGNORE_INDEX, TOKEN_KEYS
+from packsft.layout import IGNORE_INDEX, TOKEN_KEYS, cp_partition_indices
+from packsft.loss import conversation_weights
 from packsft.prompt_formats import TokenizationSpec
 from packsft.train.config import Config
 
@@ -130,7 +131,8 @@ def _file_key(path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, device: torch.device) -> dict[str, Any]:
+def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, device: torch.device,
+                normalization: str = "token") -> dict[str, Any]:
     """This CP rank's share of one collated row, on ``device``, as ``packsft.train.token_loss.gpt_token_loss`` wants.
 
     Args:
@@ -138,11 +140,16 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
             ``[1, L]``, ``loss_mask`` float32 ``[1, L]``, ``cu_seqlens`` and ``cu_seqlens_padded`` int32 ``[n + 1]``
             (real lengths, padded offsets), ``max_seqlen`` int.
         cp_size, cp_rank, cp_group: context parallelism (``cp_group`` is ignored when ``cp_size == 1``).
+        normalization: ``loss.normalization``; ``conversation`` adds the per-conversation weights.
 
     Returns:
         ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ``[1, L / cp_size]`` on ``device``,
         ``trained_index`` (int64 ``[n]``, the trained positions, computed on the host so the fused loss needs no
-        device sync) and ``packed_seq_params`` (THD, global ``cu_seqlens`` and ``cu_seqlens_padded``).
+        device sync) and ``packed_seq_params`` (THD, global ``cu_seqlens`` and ``cu_seqlens_padded``). With
+        ``conversation`` also ``loss_weight`` (fp32 ``[1, L / cp_size]``, ``1 / n_c`` at the trained tokens of
+        conversation ``c``, ``n_c`` counted over the whole row: ``packsft.loss.conversation_weights``) and
+        ``conversations`` (int64 scalar: the row's conversations that train a token on CP rank 0, 0 on the others,
+        so each is counted once).
     """
     local = slice_batch_for_cp(batch, cp_size, cp_rank)
     out = {key: local[key].to(device, non_blocking=True) for key in TOKEN_KEYS}
@@ -151,4 +158,12 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
     out["packed_seq_params"] = make_packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"],
                                                       cp_group if cp_size > 1 else None,
                                                       batch.get("cu_seqlens_padded"), device=device)
+    if normalization == "conversation":
+        offsets = batch.get("cu_seqlens_padded", batch["cu_seqlens"])
+        weights, conversations = conversation_weights(batch["loss_mask"], batch["labels"], offsets)
+        if cp_size > 1:
+            weights = weights.index_select(-1, cp_partition_indices(offsets, cp_size, cp_rank))
+            conversations = conversations * (cp_rank == 0)
+        out["loss_weight"] = weights.to(device, non_blocking=True)
+        out["conversations"] = conversations.to(device, non_blocking=True)
     return out

@@ -14,11 +14,12 @@ Flow of ``Trainer(cfg).run()``:
    nothing to resume, the model weights of ``checkpoint.init_from`` (an imported HF model) when set. A LoRA run from
    ``init_from`` checkpoints only its adapters and the base's identity; its resume loads the base (``init_from``,
    else the recorded path) after checking the fingerprint, then the adapters and optimizer state.
-4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count is
-   all-reduced over DP x CP, then the micro-batches run forward + backward on ``sum(token loss) / count`` through
-   Megatron-Core's schedule (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved), gradients are
-   reduced by ``finalize_model_grads``, clipped by their TP-aware norm on the device, and AdamW steps (skipped on
-   the device when the loss or the norm is not finite).
+4. Per step: ``global_batch_size / dp`` micro-batches of one packed row are read, the global trained-token count
+   (and under ``loss.normalization: conversation`` the conversation count, each token's loss weighted by one over
+   its conversation's trained tokens) is all-reduced over DP x CP, then the micro-batches run forward + backward on
+   ``sum(token loss) / count`` through Megatron-Core's schedule (``get_forward_backward_func``: no pipelining,
+   1F1B, or interleaved), gradients are reduced by ``finalize_model_grads``, clipped by their TP-aware norm on the
+   device, and AdamW steps (skipped on the device when the loss or the norm is not finite).
 5. Logging, validation and checkpoints on their periods: the loop asks the
    :class:`~packsft.train.metrics.StepMeter`, the :class:`~packsft.train.validation.Validator` and the
    :class:`~packsft.train.checkpointer.Checkpointer` whether a step is theirs; a final validation (after
@@ -62,7 +63,7 @@ from packsft.data.loader import (
 )
 from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights
 from packsft.io import unwritable_dir_reason
-from packsft.loss import global_num_trained_tokens
+from packsft.loss import global_num_trained_conversations, global_num_trained_tokens
 from packsft.model.attention import describe_attention
 from packsft.model.compile import compile_transformer_layers
 from packsft.model.gpt import build_gpt_stages, unwrap_model
@@ -270,13 +271,14 @@ class Trainer:
         if self._batches is None:
             self._batches = iter(self.train_loader)
         ctx = self.ctx
-        return [model_input(next(self._batches), ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device)
-                for _ in range(self.micro_batches)]
+        return [model_input(next(self._batches), ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device,
+                            self.cfg.loss.normalization) for _ in range(self.micro_batches)]
 
     def train_step(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
         """:meth:`step_tensors`, as Python numbers (``loss``, ``grad_norm``, ``lr``, ``trained_tokens``, ``skipped``).
 
-        ``loss`` is the global-batch mean token loss (nats) before the update; identical on every rank.
+        ``loss`` is the global-batch mean token loss (nats) before the update, or its mean conversation loss under
+        ``loss.normalization: conversation``; identical on every rank.
         """
         return as_python(self.step_tensors(batches))
 
@@ -290,20 +292,24 @@ class Trainer:
         """
         count = global_num_trained_tokens([b["loss_mask"] for b in batches], (self.ctx.dp_cp_group,),
                                           labels=[b["labels"] for b in batches])
+        divisor, summed = count, "loss_sum"
+        if self.cfg.loss.normalization == "conversation":
+            divisor = global_num_trained_conversations([b["conversations"] for b in batches], (self.ctx.dp_cp_group,))
+            summed = "conversation_loss_sum"
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self.schedule.run(batches, count)
+        outputs = self.schedule.run(batches, divisor)
         finalize_model_grads(self.chunks)   # DP x CP, sequence-parallel norms over TP, tied embedding over stages
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for out in outputs:
-            loss_sum += out["loss_sum"]
+            loss_sum += out[summed]
         dist.all_reduce(loss_sum, group=self.ctx.dp_cp_group)
         self.schedule.from_last_stage(loss_sum)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped, norm = megatron_step_skipping_non_finite(self.optimizer, loss_sum)
         self.scheduler.step()
-        return {"loss": loss_sum / count.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
+        return {"loss": loss_sum / divisor.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
                 "skipped": skipped}
 
     # -- the schedule -----------------------------------------------------------------------------------------------

@@ -60,15 +60,21 @@ class Schedule:
         """Run ``batches`` (this rank's micro-batches, model inputs) through Megatron-Core's schedule
         (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved 1F1B with virtual stages).
 
-        Training (``forward_only`` False): each micro-batch back-propagates ``sum(token loss) / count`` (``count``:
-        the global trained-token count, int64 scalar); gradients accumulate in ``main_grad`` (no reduction).
-        Forward only: no backward (validation, or ``logits`` to read the last stage's logits).
+        Training (``forward_only`` False): each micro-batch back-propagates ``sum(token loss) / count``; gradients
+        accumulate in ``main_grad`` (no reduction). ``count`` (int64 scalar) is the global trained-token count, or
+        under ``loss.normalization: conversation`` the global conversation count, and the sum is weighted by the
+        batch's ``loss_weight`` (``model_input``). Forward only: no backward (validation, or ``logits`` to read the
+        last stage's logits).
 
         Returns:
             On the last stage one dict per micro-batch: ``loss_sum`` (fp32 scalar, the token-loss sum) and
-            ``trained_tokens`` (int64 scalar), or ``logits`` (``[1, t, v / tp]``); ``[]`` on other stages.
+            ``trained_tokens`` (int64 scalar), under ``conversation`` also ``conversation_loss_sum`` (fp32 scalar,
+            the ``loss_weight``-weighted sum) and ``conversations`` (int64 scalar); or ``logits``
+            (``[1, t, v / tp]``); ``[]`` on other stages.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        per_conversation = self.cfg.loss.normalization == "conversation"
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
@@ -80,6 +86,9 @@ class Schedule:
                 return output, lambda out: (out.sum(), trained, {"logits": out.detach()})
             loss_sum = output.sum()
             reduced = {"loss_sum": loss_sum.detach().float(), "trained_tokens": trained.long()}
+            if per_conversation:
+                loss_sum = (output * batch["loss_weight"].reshape(-1)).sum()
+                reduced.update(conversation_loss_sum=loss_sum.detach().float(), conversations=batch["conversations"])
             loss = loss_sum if count is None else normalize_loss(loss_sum, count, 1)
             return loss, lambda out: (out, trained, reduced)
 
@@ -98,24 +107,33 @@ class Schedule:
         return tensor
 
     def totals(self, rows: list[dict[str, Any]]) -> torch.Tensor:
-        """``[loss sum, trained tokens]`` (fp64) of collated ``rows`` (one micro-batch each) by the forward-only
-        schedule (zeros before the last stage).
+        """``[loss numerator, normaliser, trained tokens]`` (fp64) of collated ``rows`` (one micro-batch each) by the
+        forward-only schedule (zeros before the last stage): ``[loss sum, trained tokens, trained tokens]``, or
+        under ``loss.normalization: conversation`` ``[conversation loss sum, conversations, trained tokens]``
+        (each conversation's mean loss summed, see :meth:`run`).
 
         The interleaved schedule (virtual stages) runs only a multiple of ``P`` micro-batches (its groups of ``P``
         contiguous micro-batches per chunk): a last group of fewer rows is filled with copies of its first row
-        that train no token (labels ``IGNORE_INDEX``, loss mask 0), which add exactly 0 to both totals.
+        that train no token (labels ``IGNORE_INDEX``, loss mask 0, no conversation), which add exactly 0 to the
+        totals.
         """
-        ctx = self.ctx
-        batches = [model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device) for row in rows]
+        ctx, mode = self.ctx, self.cfg.loss.normalization
+        batches = [model_input(row, ctx.context_parallel_size, ctx.cp_rank, ctx.cp_group, ctx.device, mode)
+                   for row in rows]
         pp = ctx.pipeline_model_parallel_size
         if ctx.virtual_pipeline_model_parallel_size is not None and len(batches) % pp:
             filler = {**batches[0], "labels": torch.full_like(batches[0]["labels"], IGNORE_INDEX),
                       "loss_mask": torch.zeros_like(batches[0]["loss_mask"]),
                       "trained_index": batches[0]["trained_index"][:0]}
+            if mode == "conversation":
+                filler.update(loss_weight=torch.zeros_like(filler["loss_weight"]),
+                              conversations=torch.zeros_like(filler["conversations"]))
             batches = [*batches, *[filler] * (pp - len(batches) % pp)]
-        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        numerator, normaliser = (("conversation_loss_sum", "conversations") if mode == "conversation"
+                                 else ("loss_sum", "trained_tokens"))
+        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         for out in self.run(batches, forward_only=True):
-            totals += torch.stack([out["loss_sum"].double(), out["trained_tokens"].double()])
+            totals += torch.stack([out[numerator].double(), out[normaliser].double(), out["trained_tokens"].double()])
         return totals
 
     def reduce_totals(self, totals: torch.Tensor) -> torch.Tensor:

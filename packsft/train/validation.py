@@ -11,15 +11,17 @@ from packsft.train.config_sections import ValidationConfig
 
 
 class Validator:
-    """Mean token loss of each validation set; the loop asks :meth:`at_start`, :meth:`should_validate` after each
+    """Mean loss of each validation set (per token, or per conversation under ``loss.normalization:
+    conversation``, as the training loss); the loop asks :meth:`at_start`, :meth:`should_validate` after each
     step and :meth:`at_end`.
 
     Args:
         cfg: the ``validation`` section.
         loaders: ``{name: loader}`` of this DP rank's rows (each pass is a new ``iter()``).
         chunks: the model chunks (``eval()`` during a pass).
-        totals: ``[loss sum, trained tokens]`` fp64 ``[2]`` of a non-empty list of collated rows (one micro-batch
-            each, at most ``micro_batches``), this rank's share.
+        totals: ``[loss numerator, normaliser, trained tokens]`` fp64 ``[3]`` of a non-empty list of collated rows
+            (one micro-batch each, at most ``micro_batches``), this rank's share (``Schedule.totals``: the
+            normaliser counts trained tokens or conversations).
         reduce: the sum of a set's totals over the ranks (collective; called once per set on every rank), equal on
             every rank.
         micro_batches: rows per call of ``totals``.
@@ -47,30 +49,30 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, step: int) -> dict[str, float]:
-        """Mean token loss of every validation set (all DP ranks; ``validation.max_batches`` per rank and set).
+        """Mean loss of every validation set (all DP ranks; ``validation.max_batches`` per rank and set).
 
-        Returns ``val_loss`` and ``val_trained_tokens`` over all sets together (token-weighted) and, per set,
-        ``val_loss/<name>`` and ``val_trained_tokens/<name>``.
+        Returns ``val_loss`` and ``val_trained_tokens`` over all sets together (weighted by tokens, or by
+        conversations under ``loss.normalization: conversation``) and, per set, ``val_loss/<name>`` and
+        ``val_trained_tokens/<name>``.
         """
         for chunk in self.chunks:
             chunk.eval()
-        out, overall = {}, torch.zeros(2, dtype=torch.float64, device=self.device)
+        out, overall = {}, torch.zeros(3, dtype=torch.float64, device=self.device)
         for name, loader in self.loaders.items():
             totals = self.reduce(self._pass(loader))
             overall += totals
             out[f"val_loss/{name}"] = float(totals[0] / totals[1].clamp(min=1))
-            out[f"val_trained_tokens/{name}"] = int(totals[1])
+            out[f"val_trained_tokens/{name}"] = int(totals[2])
         for chunk in self.chunks:
             chunk.train()
         self.validated_at = step
-        return {"val_loss": float(overall[0] / overall[1].clamp(min=1)), "val_trained_tokens": int(overall[1]),
+        return {"val_loss": float(overall[0] / overall[1].clamp(min=1)), "val_trained_tokens": int(overall[2]),
                 **out}
 
     def _pass(self, loader) -> torch.Tensor:
-        """This rank's ``[loss sum, trained tokens]`` (fp64) of one pass over ``loader``, ``micro_batches`` rows at
-        a time."""
+        """This rank's ``totals`` (fp64 ``[3]``) of one pass over ``loader``, ``micro_batches`` rows at a time."""
         limit, pending = self.cfg.max_batches, []
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i, row in enumerate(loader):
             if limit is not None and i >= limit:
                 break

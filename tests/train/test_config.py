@@ -43,6 +43,8 @@ def test_missing_required_values_are_named():
 def test_overrides_apply_after_the_file():
     cfg = load_config(TINY, ["optimizer.lr=0.5", "train.train_steps=7", "loss.fused_linear_cross_entropy=false"])
     assert (cfg.optimizer.lr, cfg.train.train_steps, cfg.loss.fused_linear_cross_entropy) == (0.5, 7, False)
+    assert load_config(TINY).loss.normalization == "token"
+    assert load_config(TINY, ["loss.normalization=conversation"]).loss.normalization == "conversation"
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -52,6 +54,7 @@ def test_overrides_apply_after_the_file():
     (["optimizer.lr=0"], "optimizer.lr must be > 0"),
     (["model.num_layers=0"], "model.num_layers"),
     (["scheduler.decay_style=exp"], "scheduler.decay_style"),
+    (["loss.normalization=sample"], "loss.normalization must be one of ('token', 'conversation'), got 'sample'"),
     (["scheduler.warmup_steps=1000", "train.train_steps=10"], "scheduler.warmup_steps (1000)"),
     (["data.split_validation_size=0", "validation.val_period=5"], "no validation data"),
     (["data.split_validation_size=1.5"], "data.split_validation_size must be in [0, 1)"),

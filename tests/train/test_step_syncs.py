@@ -83,6 +83,15 @@ def test_a_step_reads_nothing_back(tmp_path, packed, parallel_state_1proc, fused
     assert all(torch.is_tensor(result[k]) for k in ("loss", "grad_norm", "trained_tokens"))
 
 
+def test_a_conversation_normalized_step_reads_nothing_back(tmp_path, packed, parallel_state_1proc):  # noqa: F811
+    """``loss.normalization: conversation`` adds a count and weights to the step, never a host read."""
+    trainer = trainer_for(tmp_path, packed, loss={"normalization": "conversation"},
+                          optimizer={"lr": 3e-3, "weight_decay": 0.0})
+    quiet, logging = _count_reads_of_steps(trainer, tmp_path / "o")
+    assert quiet == [], quiet
+    assert len(logging) == LOGGING_READS, logging
+
+
 def _layouts_reads_worker(rank, world_size, config_path, layouts):
     """Host reads of a quiet and a logging step on this rank, for each layout (dotted overrides) in turn."""
     from megatron.core import parallel_state

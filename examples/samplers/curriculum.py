@@ -19,8 +19,8 @@ Difficulty sources, first one given wins: ``difficulties`` (one number per row),
 Resumable: the order of an epoch is a pure function of ``(seed, epoch)`` and the stages, so the state is
 the base class's ``(epoch, position)`` and a digest of the stages: a resume whose stages differ (the
 ``difficulty_file`` edited since, say) is refused, as its epoch would repeat some rows and skip others.
-Data-parallel ranks stride the same global order (see ``packsft.data.samplers``), so all ranks change stage
-at the same step, give or take one sample.
+Every data-parallel rank trains its share of the same global batches of this order (see
+``packsft.data.samplers``), so all ranks change stage at the same step.
 """
 
 from __future__ import annotations

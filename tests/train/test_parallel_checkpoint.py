@@ -2,9 +2,10 @@
 
 Each run is ``tools/train.py`` in fresh processes (``torch.distributed.run`` for 2 ranks; ``dist_checkpointing``'s
 save needs the script's ``__main__`` guard). Data: 4 real packed rows (the shortest hh-rlhf conversations, SmolLM2
-tokenizer, ``max_seq_len`` 256) and ``train.global_batch_size`` 2, so step 2 trains the other half of the epoch's
-order: the resumed run has the same step-2 loss only when it continues on the 2-rank run's next global batch (the
-loader's state of a global order resumes at another DP size; ``restore_data_order=false`` would train step 1's rows).
+tokenizer, ``max_seq_len`` 256) and ``train.global_batch_size`` 4, so every step trains on all rows; the DP change
+trains global batches of 2 rows, so step 2 trains the other half of the epoch's order: the resumed run has the same
+step-2 loss only when it continues on the 2-rank run's next global batch (the loader's state of a global order
+resumes at another DP size; ``restore_data_order=false`` would train step 1's rows again).
 """
 
 import json
@@ -43,7 +44,7 @@ def config(tmp_path_factory, shared_data, tokenizer_dir) -> Path:
         "data": {"train_path": str(packed), "tokenizer": tokenizer, "max_seq_len": SEQ},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.1},
         "scheduler": {"warmup_steps": 1, "decay_style": "constant"},
-        "train": {"global_batch_size": ROWS // 2, "train_steps": 2},
+        "train": {"global_batch_size": ROWS, "train_steps": 2},
         "checkpoint": {"save_interval": 1, "save_at_end": False},
         "logging": {"progress": False, "tensorboard": False},
     }
@@ -63,7 +64,8 @@ def _train(config: Path, output_dir: Path, nproc: int, *overrides: str) -> dict[
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-@pytest.mark.parametrize(("two_rank", "one_rank"), [(("parallel.tensor_model_parallel_size=2",), ()), ((), ())],
+@pytest.mark.parametrize(("two_rank", "one_rank"), [(("parallel.tensor_model_parallel_size=2",), ()),
+                                                     (("train.global_batch_size=2",), ("train.global_batch_size=2",))],
                          ids=["tp2_to_tp1", "dp2_to_dp1"])
 def test_two_rank_checkpoint_resumes_on_one_rank_with_the_same_next_loss(tmp_path, config, two_rank, one_rank):
     two = _train(config, tmp_path / "two", 2, *two_rank)       # 2 ranks: TP=2, or DP=2 when no TP is given

@@ -12,8 +12,9 @@ only as context, when it fits there).
 Per piece, in order: its first trained turn with the least context that fits, up to the turn's own prompt (the
 messages back to the previous assistant turn, a tool call with its results); then as many of the following trained
 turns as fit with that prompt; then the earliest start that still fits; the last piece also takes the messages
-after the last trained turn when they fit. Each choice is a binary search over token counts of real
-tokenizations (a few per piece, each piece's texts encoded once: ``known``).
+after the last trained turn when they fit. Each choice is a search over token counts of real tokenizations
+(steps of 1, 2, 4, ... messages, then bisection: the pieces tried stay near a row's length; each text is encoded
+once: ``known``).
 """
 
 from __future__ import annotations
@@ -121,25 +122,39 @@ def split_conversation(conv, tokenization: Tokenization, max_seq_len: int, conte
 
 
 def _first_true(xs: list[int], ok: Callable[[int], bool]) -> int:
-    """The smallest index ``i`` of ``xs`` with ``ok(xs[i])``, by bisection, given that ``ok(xs[-1])`` holds (the
-    index returned always passed ``ok``, even where ``ok`` is not monotone)."""
-    lo, hi = 0, len(xs) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
+    """The smallest index ``i`` of ``xs`` with ``ok(xs[i])``, given that ``ok(xs[-1])`` holds: steps of 1, 2, 4, ...
+    back from the end until one fails, then bisection (so the pieces tried stay near a row's length). The index
+    returned always passed ``ok``, even where ``ok`` is not monotone."""
+    good, lo, step = len(xs) - 1, 0, 1
+    while good > lo:
+        x = max(good - step, lo)
+        if not ok(xs[x]):
+            lo = x + 1
+            break
+        good, step = x, 2 * step
+    while lo < good:
+        mid = (lo + good) // 2
         if ok(xs[mid]):
-            hi = mid
+            good = mid
         else:
             lo = mid + 1
-    return hi
+    return good
 
 
 def _last_true(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
-    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)``, by bisection, given that ``ok(lo)`` holds (as
-    :func:`_first_true`, the value returned passed ``ok``)."""
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
+    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)``, given that ``ok(lo)`` holds (as :func:`_first_true`,
+    galloping up from ``lo``)."""
+    good, step = lo, 1
+    while good < hi:
+        x = min(good + step, hi)
+        if not ok(x):
+            hi = x - 1
+            break
+        good, step = x, 2 * step
+    while good < hi:
+        mid = (good + hi + 1) // 2
         if ok(mid):
-            lo = mid
+            good = mid
         else:
             hi = mid - 1
-    return lo
+    return good

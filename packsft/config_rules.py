@@ -16,6 +16,7 @@ what goes wrong there (an unknown key, a value of the wrong type, invalid YAML, 
 
 from __future__ import annotations
 
+import argparse
 import math
 import operator
 from collections.abc import Callable, Iterator
@@ -244,3 +245,11 @@ def build_config(cls, *layers, where: str, missing_hint: str | None = None):
         if missing and missing_hint is not None:
             raise ValueError(f"missing {cls.__name__} fields {missing}{missing_hint}")
         return OmegaConf.to_object(merged)
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (the tools' parallel sizes)."""
+    value = int(text)   # argparse reports a ValueError as "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from packsft.config_rules import positive_int  # noqa: E402
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.data.describe import describe_row  # noqa: E402
 from packsft.io import missing_file, os_error_text  # noqa: E402
-from packsft.packing.config import positive_int  # noqa: E402
 from packsft.prompt_formats import PRESETS  # noqa: E402
 from packsft.sidecar import read_sidecar, refuse_sidecar_as_rows  # noqa: E402
 

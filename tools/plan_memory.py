@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from packsft.config_rules import positive_int  # noqa: E402
 from packsft.layout import MAX_SEQ_LEN  # noqa: E402
-from packsft.packing.config import positive_int  # noqa: E402
 from packsft.train.compat import load_train_config  # noqa: E402
 from packsft.train.memory import GiB, Layout, format_plan, layout_from_config, max_seq_len, plan  # noqa: E402
 

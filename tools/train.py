@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def error(text: str) -> None:
+    """Print ``error: <text>`` as one write (under torchrun the ranks share stderr: a line is never split)."""
+    sys.stderr.write(f"error: {text}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load the config, train, tear down; return the exit status (2 on a config error)."""
     args = parse_args(argv)
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_train_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        error(str(err))
         return 2
     # from here on the run stops after a step and saves; without save_on_sigterm, once the trainer is built
     stop.action = stop.ACTION if cfg.train.save_on_sigterm else "stopping once the trainer is built"
@@ -92,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError, ImportError, CheckpointingException) as err:
             # layout, data, sidecar, vocabulary, resume (old format, another architecture), checkpoint.dir, an
             # optional dependency the config needs (TransformerEngine)
-            print(f"error: {err}", file=sys.stderr)
+            error(str(err))
             return 2
         except OSError as err:                  # a file of the run that cannot be read (a stray publish journal, ...)
-            print(f"error: {os_error_text(err)}", file=sys.stderr)
+            error(os_error_text(err))
             return 2
         except CheckpointException as err:      # torch's reader: a truncated or missing .distcp (a BaseException)
             where = f"{err.checkpoint}: " if getattr(err, "checkpoint", None) else ""
-            print(f"error: {where}{unreadable_checkpoint_message(err)}", file=sys.stderr)
+            error(f"{where}{unreadable_checkpoint_message(err)}")
             return 2
         if trainer.ctx.rank == 0:
             with atomic_open(Path(cfg.logging.output_dir) / "config.yaml") as f:
@@ -113,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             state = trainer.run()
         except CheckpointSpaceError as err:
-            print(f"error: {err.strerror}", file=sys.stderr)
+            error(err.strerror)
             return 1
         except CheckpointWriteError as err:      # a dist_checkpointing writer process failed or died
-            print(f"error: {err}", file=sys.stderr)
+            error(str(err))
             return 1
         except (RowError, SamplerError) as err:  # a row that does not tokenize (no sidecar); a sampler's bad index
-            print(f"error: {err}", file=sys.stderr)
+            error(str(err))
             return 2
         if trainer.ctx.rank == 0:
             if trainer.stopped_by:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from packsft.config_rules import Needs, Rule, check_fields, ge, one_of, rules
+from packsft.config_rules import Needs, Rule, check_fields, ge, one_of, positive_int, rules
 from packsft.jsonl import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.layout import check_max_seq_len
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
@@ -61,14 +61,6 @@ def json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON here ({e or 'nested too deeply'}): {text!r}") from e
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer >= 1 (the tools' parallel sizes)."""
-    value = int(text)   # argparse reports a ValueError as "invalid positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
@@ -208,9 +200,6 @@ class PackConfig:
     def tokenization(self) -> TokenizationSpec:
         """The run's tokenizer and prompt format settings as one spec (``--allow-non-megatron`` is the packer's
         policy for such conversations, not the format's: the workers bind both)."""
-        Needs(("oversize", "split"), ("prompt_format", one_of(SPLIT_FORMATS)),
-              "a piece masks its context with 'weight: 0', which the Megatron presets cannot (they train every "
-              "assistant turn)"),
         return TokenizationSpec(self.tokenizer, self.prompt_format, self.pad_token, self.chat_template,
                                 self.chat_template_kwargs, self.train_on, self.append_eos)
 
@@ -219,6 +208,9 @@ class PackConfig:
         Needs("input_key", "output_key"),
         Needs("output_key", "input_key"),
         Needs("ray_address", ("engine", "ray")),
+        Needs(("oversize", "split"), ("prompt_format", one_of(SPLIT_FORMATS)),
+              "a piece masks its context with 'weight: 0', which the Megatron presets cannot (they train every "
+              "assistant turn)"),
     )
 
     def validate(self) -> None:

@@ -240,8 +240,9 @@ def find_resume_checkpoint(ckpt_dir: str | Path, resume: str) -> Path | None:
         path = Path(resume)
     check_checkpoint_format(path)
     if not (path / TRAIN_STATE).is_file():
+        hint = "" if path.exists() else " (checkpoint.resume is 'auto', 'none' or a checkpoint folder)"
         raise FileNotFoundError(f"checkpoint {path} (checkpoint.resume={resume!r}) is missing or incomplete: "
-                                f"no {TRAIN_STATE}")
+                                f"no {TRAIN_STATE}{hint}")
     return path
 
 

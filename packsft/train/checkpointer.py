@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -133,17 +134,20 @@ class Checkpointer:
                   f"{cfg.train.global_batch_size} a step from now on", flush=True)
         set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
         apply_optimizer_settings(self.optimizer, cfg.optimizer)    # the config's, as lr: not the saved
-        if cfg.checkpoint.restore_data_order:
-            # a rank the checkpoint had not (a larger DP size) reads rank 0's: a global order's state at a step
-            # boundary is the same on every rank (load_loader_state_dict refuses a per-rank one)
-            own = (path / f"dataloader_dp{ctx.dp_rank}.pt").exists()
-            load_loader_state_dict(self.loader, ckpt.load_loader_state(path, ctx.dp_rank if own else 0))
-        elif ctx.rank == 0:
+        def own_files() -> None:    # this rank's files: its loader state and RNG states
+            if cfg.checkpoint.restore_data_order:
+                # a rank the checkpoint had not (a larger DP size) reads rank 0's: a global order's state at a step
+                # boundary is the same on every rank (load_loader_state_dict refuses a per-rank one)
+                own = (path / f"dataloader_dp{ctx.dp_rank}.pt").exists()
+                load_loader_state_dict(self.loader, ckpt.load_loader_state(path, ctx.dp_rank if own else 0))
+            same_ranks = (saved.get("layout") or {}).get("world_size") == ctx.world_size
+            ckpt.load_rng_state(path, ctx.rank, required=same_ranks)
+
+        read_on_every_rank(own_files, ctx, path)
+        if not cfg.checkpoint.restore_data_order and ctx.rank == 0:
             print(f"note: checkpoint.restore_data_order=false: the data order starts again from its first rows "
                   f"(epoch 0), which the {state.consumed_samples} rows consumed up to step {state.step} "
                   "may include: they are trained again", flush=True)
-        same_ranks = (saved.get("layout") or {}).get("world_size") == ctx.world_size
-        ckpt.load_rng_state(path, ctx.rank, required=same_ranks)
         self.resumed_from = str(path)
         return state
 
@@ -183,3 +187,26 @@ class Checkpointer:
             keep_last=self.cfg.checkpoint.keep_last, need_bytes=self._need_bytes,
             adapters_only=self.lora_base is not None)
         return self.last_checkpoint
+
+
+def read_on_every_rank(read, ctx, path: Path) -> None:
+    """Run ``read`` (this rank's own files of checkpoint ``path``; ``ctx``: the ``DistributedContext``), then agree:
+    when it fails on any rank, every rank stops (an all-reduce of the failure), the failing ones with their own error.
+
+    Raises:
+        ValueError, OSError: this rank's ``read`` failed (a refused or damaged file); or another rank's did,
+            named by its rank.
+    """
+    error = None
+    try:
+        read()
+    except (ValueError, OSError) as err:
+        error = err
+    failed = torch.tensor([ctx.rank + 1 if error is not None else 0], device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise ValueError(f"checkpoint {path}: rank {int(failed.item()) - 1} could not read its files (its error "
+                         "line names the file); no rank resumes")

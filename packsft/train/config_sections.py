@@ -25,6 +25,7 @@ from packsft.config_rules import (
     one_of,
     rules,
 )
+from packsft.prompt_formats import ALIASES, PRESETS
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 VERIFY_HASH = ("auto", "full")
@@ -72,7 +73,7 @@ class DataConfig:
     """Local tokenizer folder or ``tokenizer.json`` (the one the file was packed with)."""
     max_seq_len: int = field(default=MISSING, metadata=rules(*POSITIVE))
     """Tokens per packed row ``L``; a multiple of ``2 * parallel.context_parallel_size`` when CP > 1."""
-    prompt_format: str = "chat-template"
+    prompt_format: str = field(default="chat-template", metadata=rules(one_of((*PRESETS, *ALIASES))))
     """``chat-template``, ``identity``, ``nemotron-nano-v2``, ``nemotron-h-aligned`` or ``passthrough``."""
     chat_template: str | None = None
     """Jinja string or file for ``chat-template`` (default: the tokenizer's)."""

@@ -57,6 +57,8 @@ def test_export_out_holding_other_files_is_refused(tmp_path, tokenizer_dir):
     import pytest
     from test_convert_checkpoint_errors import _convert_tool
 
+    from packsft.train.convert import refuse_foreign_out
+
     tool = _convert_tool()
     state = {"a": torch.zeros(4), "b": torch.zeros(4)}
     out = write_hf_checkpoint(state, hf_config("llama"), tmp_path / "hf",
@@ -67,7 +69,7 @@ def test_export_out_holding_other_files_is_refused(tmp_path, tokenizer_dir):
     (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
 
     def check(folder, *extra):
-        tool.refuse_foreign_out(tool.parse_args(["export", "--megatron", str(tmp_path / "mg"), "--out", str(folder),
+        refuse_foreign_out(tool.parse_args(["export", "--megatron", str(tmp_path / "mg"), "--out", str(folder),
                                                  *extra]))
 
     check(out, "--lora-adapter", str(tmp_path / "adapter"))     # a previous export and adapter are replaced

@@ -85,7 +85,7 @@ def test_import_of_a_bad_weight_file_is_named_before_the_model_is_built(tmp_path
     def build(cfg):
         raise AssertionError("the model was built before the weight files were checked")
 
-    monkeypatch.setattr(tool, "build_gpt_model", build)
+    monkeypatch.setattr("packsft.train.convert.build_gpt_model", build)
     assert tool.main(["import", "--hf", str(hf), "--out", str(tmp_path / "out")]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {hf / 'model.safetensors'}: ") and message in errors[0], \
@@ -100,6 +100,17 @@ def test_import_names_a_missing_tensor_from_the_headers(tmp_path):
     with pytest.raises(ValueError, match="hf: HF checkpoint has no tensor 'model.embed_tokens.weight' \\(and 289 "
                                          "more\\), which its config needs"):
         check_hf_weight_files(hf, cfg)
+
+
+def test_an_out_that_cannot_be_written_is_named_before_any_work(tmp_path, capsys):
+    """A read-only --out printed only the OS error about a temp folder, without naming --out."""
+    (tmp_path / "mg").mkdir()
+    (tmp_path / "file").write_text("")
+    tool = _convert_tool()
+    assert tool.main(["export", "--megatron", str(tmp_path / "mg"), "--out", str(tmp_path / "file" / "hf")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --out {tmp_path / 'file' / 'hf'}: its folder "
+                                               f"{tmp_path / 'file'} cannot be written ({tmp_path / 'file'} is a "
+                                               "file, not a folder)")
 
 
 def test_out_holding_other_files_is_refused_and_a_previous_import_is_replaced(tmp_path):
@@ -251,7 +262,7 @@ def test_import_of_a_non_floating_tensor_is_refused(tmp_path):
 
 
 def _convert_tool():
-    """tools/convert_checkpoint.py as a module (its functions, without a process)."""
+    """tools/convert_checkpoint.py as a module (its ``parse_args`` and ``main``, without a process)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("convert_checkpoint", CONVERT)
@@ -270,8 +281,7 @@ def test_export_config_yaml_with_a_partial_or_no_model_section(tmp_path):
 
     from packsft.model.config import ModelConfig
     from packsft.model.lora import LoraConfig
-
-    export_sections = _convert_tool().export_sections
+    from packsft.train.convert import export_sections
     cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                       vocab_size=256, max_position_embeddings=128, kv_channels=32, rotary_base=50000.0)
     lora = LoraConfig(enabled=True, rank=2, alpha=4.0)

@@ -169,3 +169,15 @@ def test_the_folder_logic_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
+def test_a_misspelt_resume_value_is_named_with_the_values_it_can_take(tmp_path):
+    """``checkpoint.resume=autoo`` was taken for a folder with no word of ``auto``."""
+    from packsft.train.checkpoint_files import find_resume_checkpoint
+
+    with pytest.raises(FileNotFoundError, match=r"checkpoint autoo \(checkpoint.resume='autoo'\) is missing or "
+                                                r"incomplete: no train_state.json \(checkpoint.resume is 'auto', "):
+        find_resume_checkpoint(tmp_path / "checkpoints", "autoo")
+    (tmp_path / "half").mkdir()             # a folder that exists: no hint, it is a damaged checkpoint
+    with pytest.raises(FileNotFoundError, match=r"no train_state.json$"):
+        find_resume_checkpoint(tmp_path / "checkpoints", str(tmp_path / "half"))

@@ -55,6 +55,7 @@ def test_overrides_apply_after_the_file():
     (["model.num_layers=0"], "model.num_layers"),
     (["scheduler.decay_style=exp"], "scheduler.decay_style"),
     (["loss.normalization=sample"], "loss.normalization must be one of ('token', 'conversation'), got 'sample'"),
+    (["data.prompt_format=chat-templat"], "data.prompt_format must be one of ('identity', "),   # named the key not
     (["scheduler.warmup_steps=1000", "train.train_steps=10"], "scheduler.warmup_steps (1000)"),
     (["data.split_validation_size=0", "validation.val_period=5"], "no validation data"),
     (["data.split_validation_size=1.5"], "data.split_validation_size must be in [0, 1)"),

@@ -21,12 +21,8 @@ import math
 import sys
 from pathlib import Path
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0}
-
-
-def peak_tflops(gpu_name: str) -> float | None:
-    """bf16 dense peak of a GPU from its name (``torch.cuda.get_device_name``), or None when unknown."""
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu_name), None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from packsft.train.metrics import peak_tflops  # noqa: E402 - the trainer's table of dense bf16 peaks
 
 
 def _records(run: Path) -> list[dict]:

@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check_train import peak_tflops  # noqa: E402 - the bench folder's own module
+from packsft.train.metrics import peak_tflops  # noqa: E402
 
 ORDER = ("base", "varlen", "rope", "fused_adam", "swiglu", "compile", "stock_loss", "te")
 HOST_READS = [(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",

@@ -77,7 +77,14 @@ from packsft.train.config import Config, check_parallel_layout
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.grad_clip import optimizer_implementation
-from packsft.train.metrics import DISCARDED_FILE, MetricsLogger, StepMeter, as_python, format_summary
+from packsft.train.metrics import (
+    DISCARDED_FILE,
+    MetricsLogger,
+    StepMeter,
+    as_python,
+    format_summary,
+    row_lengths,
+)
 from packsft.train.optim import (
     ParamGroupSchedule,
     build_megatron_optimizer,
@@ -159,7 +166,7 @@ class Trainer:
         self._batches = None
         self.meter = StepMeter(self.ctx.device, cfg.logging.log_interval,
                                cfg.train.stop_at_step or cfg.train.train_steps, cfg.train.max_skipped_steps,
-                               self.state.step)
+                               self.state.step, self.ctx.dp_group)
 
     def _train_loader_config(self) -> DataLoaderConfig:
         """``loader`` as configured; for a mixture of several sources, the weighted mixing sampler.
@@ -352,6 +359,9 @@ class Trainer:
                                progress=cfg.logging.progress and self.state.step < last,  # no bar of no step
                                initial_step=self.state.step, total_steps=last, restart_step=restart)
         summary = self.summary()
+        m = cfg.model
+        self.meter.set_flops(summary["parameters"], m.num_attention_heads * m.head_dim, m.num_layers, ctx.world_size,
+                             torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None)
         logger.log(summary)
         logger.message(format_summary(summary))
         if logger.set_aside:
@@ -409,10 +419,11 @@ class Trainer:
 
     def _one_step(self, logger: MetricsLogger) -> None:
         """One step; Python numbers (and, on CUDA, a synchronize) only on logging steps."""
-        result = self.step_tensors(self.next_micro_batches())
+        batches = self.next_micro_batches()
+        result = self.step_tensors(batches)
         st = self.state
         st.step, st.consumed_samples = st.step + 1, st.consumed_samples + self.cfg.train.global_batch_size
-        self.meter.add(result["trained_tokens"], result["skipped"])
+        self.meter.add(result["trained_tokens"], result["skipped"], row_lengths(batches))
         if self.meter.should_log(st.step):
             self.meter.read(st)
             record = self.meter.record(st, result, self.cfg.train.global_batch_size, self.cfg.data.max_seq_len)

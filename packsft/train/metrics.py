@@ -2,11 +2,15 @@
 
 ``metrics.jsonl`` (appended across resumes, one JSON object per line):
 
-* ``{"kind": "train", "step", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens", "consumed_samples",
-  "consumed_tokens", "step_time_s", "mem_gib"}``: ``loss`` is the global-batch mean token loss (nats, ``docs/loss.md``);
-  ``grad_norm`` the TP-aware L2 norm before clipping; ``tokens_per_s`` all row tokens of the global batch (padding
-  included) per second of the step; ``trained_tokens`` the global trained-token count of the step; ``mem_gib`` the peak
-  CUDA memory allocated (GPU) or the process's peak RSS (CPU), GiB.
+* ``{"kind": "train", "step", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens_per_s", "packing_efficiency",
+  "mfu", "trained_tokens", "consumed_samples", "consumed_tokens", "step_time_s", "mem_gib"}``: ``loss`` is the
+  global-batch loss (nats, ``docs/loss.md``); ``grad_norm`` the TP-aware L2 norm before clipping; ``tokens_per_s``
+  all row tokens of the global batch (padding included) per second, ``trained_tokens_per_s`` the trained tokens per
+  second, ``packing_efficiency`` real tokens / row tokens, ``mfu`` the model FLOPs utilisation against the GPUs' dense
+  bf16 peak (``6 P`` per row token + causal attention ``6 h l sum(s_i^2)`` over the real conversation lengths; null
+  on a CPU or an unknown GPU), each over the steps since the previous logging step; ``trained_tokens`` the global
+  trained-token count of the step; ``mem_gib`` the peak CUDA memory allocated (GPU) or the process's peak RSS (CPU),
+  GiB.
 * ``{"kind": "validation", "step", "val_loss", "val_trained_tokens", "val_loss/<name>", "val_trained_tokens/<name>"}``:
   all validation sets together (token-weighted), then each named set.
 * ``{"kind": "summary", ...}``: the run summary, once per start.
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def peak_memory_gib() -> float:
@@ -74,6 +79,22 @@ def set_aside_records_after(output_dir: str | Path, step: int) -> int:
     return len(moved)
 
 
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0}
+"""Dense bf16 peak TFLOP/s of a GPU, by a part of its name (``torch.cuda.get_device_name``)."""
+
+
+def peak_tflops(gpu_name: str) -> float | None:
+    """bf16 dense peak of a GPU from its name, or None when unknown."""
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu_name), None)
+
+
+def row_lengths(batches: list[dict[str, Any]]) -> torch.Tensor:
+    """``[real tokens, sum of squared conversation lengths]`` (int64, on the device) of micro-batches: from each
+    one's ``packed_seq_params.cu_seqlens_q`` (the real conversation offsets of its rows); no host read."""
+    cus = [b["packed_seq_params"].cu_seqlens_q.long() for b in batches]
+    return torch.stack([sum(cu[-1] for cu in cus), sum(((cu[1:] - cu[:-1]) ** 2).sum() for cu in cus)])
+
+
 class StepMeter:
     """The training steps between two logging steps, counted on the device: ``add`` per step reads nothing back;
     ``should_log`` says which steps are logged (every ``log_interval``-th and the last); ``read`` moves the counts
@@ -86,27 +107,45 @@ class StepMeter:
         last_step: the run's last step (``train.stop_at_step`` or ``train.train_steps``).
         max_skipped_steps: ``train.max_skipped_steps``: the longest run of skipped steps allowed.
         start_step: the step the run starts from (after a resume).
+        dp_group: the data-parallel group: the real tokens and conversation lengths each rank counts are summed
+            over it at a read (None: one rank).
     """
 
     def __init__(self, device: torch.device, log_interval: int, last_step: int, max_skipped_steps: int,
-                 start_step: int) -> None:
+                 start_step: int, dp_group=None) -> None:
         self.log_interval, self.last_step, self.max_skipped_steps = log_interval, last_step, max_skipped_steps
         # since the last read: trained tokens, skipped steps, the longest run of skipped steps ending in that
-        # window; and the current run of skipped steps
-        self._counts = torch.zeros(3, dtype=torch.int64, device=device)
+        # window (global, the same on every rank), real tokens and sum(s_i^2) of this DP rank's rows; and the
+        # current run of skipped steps
+        self._counts = torch.zeros(5, dtype=torch.int64, device=device)
         self._skip_run = torch.zeros((), dtype=torch.int64, device=device)
+        self._dp_group = dp_group if dp_group is not None and dist.get_world_size(dp_group) > 1 else None
+        self._window = [0, 0, 0]     # since the last logging step: trained tokens, real tokens, sum(s_i^2)
         self._logged_step, self._logged_at = start_step, time.perf_counter()
+        self._flops = None
+
+    def set_flops(self, parameters: int, heads_times_head_dim: int, layers: int, world_size: int,
+                  device_name: str | None) -> None:
+        """Model FLOPs for MFU: ``6 P`` per row token plus causal attention ``6 h l sum(s_i^2)`` (fwd + bwd; ``h``
+        heads x head dim, ``s_i`` the real conversation lengths), against ``world_size`` times the device's dense
+        bf16 peak (no MFU on an unknown device or a CPU)."""
+        peak = peak_tflops(device_name) if device_name else None
+        self._flops = (6.0 * parameters, 6.0 * heads_times_head_dim * layers, peak * 1e12 * world_size) \
+            if peak else None
 
     def start_clock(self, step: int) -> None:
         """Throughput of the next logging step counts from now, ``step`` (the start of the step loop)."""
         self._logged_step, self._logged_at = step, time.perf_counter()
+        self._window = [0, 0, 0]
 
-    def add(self, trained_tokens: torch.Tensor, skipped: torch.Tensor) -> None:
-        """Count one step: its trained tokens (int64 scalar) and whether it was skipped (bool scalar), on the device."""
+    def add(self, trained_tokens: torch.Tensor, skipped: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Count one step: its trained tokens (int64 scalar), whether it was skipped (bool scalar) and this rank's
+        :func:`row_lengths`, on the device."""
         skipped = skipped.long()
         self._skip_run = (self._skip_run + 1) * skipped
-        self._counts = torch.stack([self._counts[0] + trained_tokens, self._counts[1] + skipped,
-                                    torch.maximum(self._counts[2], self._skip_run)])
+        self._counts = torch.cat([torch.stack([self._counts[0] + trained_tokens, self._counts[1] + skipped,
+                                               torch.maximum(self._counts[2], self._skip_run)]),
+                                  self._counts[3:] + lengths])
 
     def should_log(self, step: int) -> bool:
         """Whether ``step`` is logged: every ``log_interval``-th step and the last."""
@@ -114,18 +153,23 @@ class StepMeter:
 
     def read(self, state) -> None:
         """Add the counts since the last read to ``state`` (its ``trained_tokens``, ``skipped_steps``); one host
-        read, on CUDA after a synchronize.
+        read, on CUDA after a synchronize (collective over the DP group: every rank reads at the same steps).
 
         Raises:
             FloatingPointError: more than ``max_skipped_steps`` steps in a row were skipped since the last read,
                 before anything is saved.
         """
-        if self._counts.device.type == "cuda":
+        counts = self._counts
+        if self._dp_group is not None:     # the global counts once (rank 0's), this rank's lengths summed
+            counts = torch.cat([counts[:3] * int(dist.get_rank(self._dp_group) == 0), counts[3:]])
+            dist.all_reduce(counts, group=self._dp_group)
+        if counts.device.type == "cuda":
             torch.cuda.synchronize()
-        trained, skipped, longest_run = self._counts.tolist()
+        trained, skipped, longest_run, real, squares = counts.tolist()
         self._counts = torch.zeros_like(self._counts)
         state.trained_tokens += trained
         state.skipped_steps += skipped
+        self._window = [self._window[0] + trained, self._window[1] + real, self._window[2] + squares]
         if longest_run > self.max_skipped_steps:
             raise FloatingPointError(
                 f"step {state.step}: the loss or gradient norm was not finite for {longest_run} steps in a row "
@@ -134,12 +178,19 @@ class StepMeter:
 
     def record(self, state, result: dict[str, Any], rows: int, seq: int) -> dict[str, Any]:
         """The ``{"kind": "train", ...}`` record of a logging step, after :meth:`read`: ``result`` as Python numbers,
-        throughput over the steps since the previous logging step (``rows`` rows of ``seq`` tokens per step)."""
+        throughput, packing efficiency and MFU over the steps since the previous logging step (``rows`` rows of
+        ``seq`` tokens per step)."""
         now = time.perf_counter()
         steps, seconds = state.step - self._logged_step, now - self._logged_at
-        self._logged_step, self._logged_at = state.step, now
+        (trained, real, squares), tokens = self._window, steps * rows * seq
+        self._logged_step, self._logged_at, self._window = state.step, now, [0, 0, 0]
+        mfu = None
+        if self._flops is not None:
+            per_token, per_square, peak = self._flops
+            mfu = (per_token * tokens + per_square * squares) / seconds / peak
         return {"kind": "train", "step": state.step, **as_python(result),
-                "tokens_per_s": steps * rows * seq / seconds, "consumed_samples": state.consumed_samples,
+                "tokens_per_s": tokens / seconds, "trained_tokens_per_s": trained / seconds,
+                "packing_efficiency": real / tokens, "mfu": mfu, "consumed_samples": state.consumed_samples,
                 "consumed_tokens": state.consumed_samples * seq, "step_time_s": seconds / steps,
                 "skipped_steps": state.skipped_steps, "mem_gib": peak_memory_gib()}
 

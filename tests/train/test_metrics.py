@@ -49,3 +49,65 @@ def test_records_past_the_restart_step_are_set_aside(tmp_path):
     assert len((tmp_path / "metrics.discarded.jsonl").read_text().splitlines()) == 7
     assert MetricsLogger(tmp_path / "new", enabled=True, tensorboard=False, progress=False, initial_step=0,
                          total_steps=4, restart_step=-1).set_aside == 0
+
+
+def _batch(cu):
+    from types import SimpleNamespace
+
+    import torch
+
+    return {"packed_seq_params": SimpleNamespace(cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))}
+
+
+def test_step_meter_reports_trained_tokens_per_s_packing_efficiency_and_mfu():
+    """Two steps of 2 rows of 8 tokens: real tokens and squared conversation lengths from the rows' cu_seqlens."""
+    import pytest
+    import torch
+
+    from packsft.train.checkpointer import TrainState
+    from packsft.train.metrics import StepMeter, row_lengths
+
+    assert row_lengths([_batch([0, 3, 7]), _batch([0, 8])]).tolist() == [15, 9 + 16 + 64]
+    meter = StepMeter(torch.device("cpu"), log_interval=2, last_step=10, max_skipped_steps=0, start_step=0)
+    meter.set_flops(parameters=1000, heads_times_head_dim=16, layers=2, world_size=2,
+                    device_name="NVIDIA H100 80GB HBM3")
+    state = TrainState()
+    for step, (cus, trained) in enumerate([([[0, 3, 7], [0, 8]], 12), ([[0, 5], [0, 2, 4, 6]], 9)], start=1):
+        meter.add(torch.tensor(trained), torch.tensor(False), row_lengths([_batch(cu) for cu in cus]))
+        state.step = step
+        assert meter.should_log(step) == (step == 2)
+    meter.read(state)
+    record = meter.record(state, {"loss": torch.tensor(1.0), "trained_tokens": torch.tensor(9)}, rows=2, seq=8)
+    seconds = record["step_time_s"] * 2
+    assert state.trained_tokens == 21 and record["trained_tokens"] == 9
+    assert record["packing_efficiency"] == (15 + 11) / 32
+    assert record["trained_tokens_per_s"] == pytest.approx(21 / seconds)
+    squares = 9 + 16 + 64 + 25 + 3 * 4
+    flops = 6 * 1000 * 32 + 6 * 16 * 2 * squares
+    assert record["mfu"] == pytest.approx(flops / seconds / (989e12 * 2))
+    meter.set_flops(parameters=1000, heads_times_head_dim=16, layers=2, world_size=1, device_name=None)
+    meter.add(torch.tensor(1), torch.tensor(False), row_lengths([_batch([0, 8])]))
+    state.step = 4
+    meter.read(state)
+    assert meter.record(state, {"trained_tokens": torch.tensor(1)}, rows=1, seq=8)["mfu"] is None   # CPU
+
+
+def _dp_worker(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from packsft.train.checkpointer import TrainState
+    from packsft.train.metrics import StepMeter, row_lengths
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    meter = StepMeter(torch.device("cpu"), 1, 1, 0, 0, dp_group=dist.group.WORLD)
+    meter.add(torch.tensor(5), torch.tensor(False), row_lengths([_batch([0, 2 + rank])]))   # global count 5
+    state = TrainState(step=1)
+    meter.read(state)
+    return state.trained_tokens, meter.record(state, {"trained_tokens": torch.tensor(5)}, 2, 4)["packing_efficiency"]
+
+
+def test_step_meter_sums_the_ranks_rows_once_each():
+    from distributed_helpers import run_distributed
+
+    assert run_distributed(_dp_worker, 2) == [(5, 5 / 8), (5, 5 / 8)]

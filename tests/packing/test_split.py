@@ -144,6 +144,12 @@ def test_pack_split_rows_report_sidecar_and_loader(tmp_path, shared_data):
     trained += sum(sum(r for r in runs if r > 0) for s in splits.values() for _, _, runs, _ in s.pieces)
     assert sum(int(a["num_trained_tokens"]) for a, _ in rows) == trained
 
+    again = tmp_path / "again.jsonl.packed"  # worker processes and other shards: the same rows and token cache
+    run_pack(PackConfig(inputs=[str(src)], output=str(again), tokenizer=str(tok), max_seq_len=512, oversize="split",
+                        num_workers=2, shard_bytes=20000, progress=False, histogram=""))
+    for suffix in ("", ".tokens.npy", ".tokens-index.npy"):
+        assert Path(str(again) + suffix).read_bytes() == Path(str(out) + suffix).read_bytes()
+
     Path(str(out) + REPORT_SUFFIX).unlink()  # the re-pack command reads the policy from the sidecar too
     assert "--oversize split" in repack_hint(out, meta, tz.fmt, str(tok), 1024, 1)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
@@ -49,10 +49,11 @@ line = st.one_of(
 
 
 @pytest.mark.slow
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(lines=st.lists(line, min_size=1, max_size=12), oversize=st.sampled_from(["own-row", "drop"]),
        crlf=st.booleans())
+@example(lines=[b'{"messages": [{"role": "user", "content": ""}]}'], oversize="own-row", crlf=False)  # trains nothing
 def test_random_jsonl_is_packed_or_reported_line_by_line(tmp_path_factory, tokenizer_dir, lines, oversize, crlf):
     d = tmp_path_factory.mktemp("fuzz")
     src = d / "in.jsonl"
@@ -63,8 +64,8 @@ def test_random_jsonl_is_packed_or_reported_line_by_line(tmp_path_factory, token
                      oversize=oversize, progress=False, histogram="", max_conversation_bytes=MAX_BYTES)
     try:
         report = run_pack(cfg)
-    except PackError as e:  # nothing packable: no output at all
-        assert str(e).startswith("no conversation to pack"), e
+    except PackError as e:  # nothing packable, or nothing trained in what is: no output at all
+        assert str(e).startswith(("no conversation to pack", "nothing to train")), e
         assert sorted(p.name for p in Path(d).iterdir()) == [".o.jsonl.packed.lock", "in.jsonl"]
         return
     rejected = [r["line"] for r in report.rejected]

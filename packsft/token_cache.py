@@ -263,6 +263,29 @@ class TokenCache:
         block = self._pairs[int(self._row_token[r]):int(self._row_token[r + 1])]
         return block[:, 0], block[:, 1], self._lengths[int(self._row_conv[r]):int(self._row_conv[r + 1])]
 
+    def trained_tokens_per_row(self, pad_id: int, chunk_rows: int = 1 << 16) -> np.ndarray:
+        """int64 ``[R]``: each row's trained tokens as :func:`packsft.data.row.build_row_flat` counts them for a
+        row that fits ``L`` (every row the packer writes): targets neither ``IGNORE_INDEX`` nor ``pad_id``, less
+        each conversation's first token (no label crosses a conversation). Reads the targets column in blocks of
+        ``chunk_rows`` rows; tokenizes nothing."""
+        if self._pid != os.getpid():
+            self._open()
+        rows = len(self._row_token) - 1
+        stored = np.minimum(self._lengths, self._max_seq_len)
+        conv_start = np.concatenate([[0], np.cumsum(stored)[:-1]]).astype(np.int64)
+        out = np.zeros(rows, dtype=np.int64)
+        for a in range(0, rows, chunk_rows):
+            b = min(rows, a + chunk_rows)
+            lo, hi = int(self._row_token[a]), int(self._row_token[b])
+            targets = self._pairs[lo:hi, 1]
+            trained = ((targets != IGNORE_INDEX) & (targets != pad_id)).astype(np.int64)
+            sums = np.concatenate([[0], np.cumsum(trained)])
+            firsts = conv_start[int(self._row_conv[a]):int(self._row_conv[b])] - lo
+            sums_at_first = np.concatenate([[0], np.cumsum(trained[firsts])])
+            token_ends, conv_ends = self._row_token[a:b + 1] - lo, self._row_conv[a:b + 1] - self._row_conv[a]
+            out[a:b] = np.diff(sums[token_ends]) - np.diff(sums_at_first[conv_ends])
+        return out
+
     def __getstate__(self) -> dict[str, object]:
         """Pickle the paths and checks only (each process maps the files itself)."""
         return {k: v for k, v in self.__dict__.items() if k in

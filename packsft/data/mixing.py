@@ -5,8 +5,11 @@ for the same tokenizer, prompt format, ``max_seq_len`` and CP size): index ``i``
 ``torch.utils.data.ConcatDataset``. :class:`WeightedMixingSampler` plans every epoch afresh: ``samples_per_epoch``
 rows (default: all rows of all sources), of which source ``s`` gets ``round(w_s * samples_per_epoch)`` (largest
 remainder, so the counts add up), drawn as whole shuffled passes over the source and then part of one more, all
-shuffled together. The plan is a pure function of ``(seed, epoch)`` and the state is ``(epoch, position)``, so a
-resumed run continues exactly (``packsft.data.samplers``). Configuration and examples: ``docs/data_loading.md``.
+shuffled together. With ``trained_tokens_per_row`` (``data.mixture_unit: trained_tokens``) the weights are shares of
+trained tokens instead: source ``s`` gets rows in proportion to ``w_s / t_s``, ``t_s`` its mean trained tokens per row
+(:func:`mean_trained_tokens`, from the packer's token cache). The plan is a pure function of ``(seed, epoch)`` and the
+state is ``(epoch, position)``, so a resumed run continues exactly (``packsft.data.samplers``). Configuration and
+examples: ``docs/data_loading.md``.
 """
 
 from __future__ import annotations
@@ -100,6 +103,32 @@ class MixedDataset:
         return self.datasets[source][row]
 
 
+def mean_trained_tokens(dataset: Any, name: str = "") -> float:
+    """Mean trained tokens per row of a training source (a ``PackedSFTDataset``, or a ``RowSubset`` of one), from the
+    per-row targets of its token cache (:meth:`packsft.token_cache.TokenCache.trained_tokens_per_row`).
+
+    Raises:
+        ValueError: the source reads no token cache (its rows would all have to be re-tokenized), naming it and
+            why; or it has no trained token.
+    """
+    indices = getattr(dataset, "indices", None)
+    base = getattr(dataset, "base", dataset)
+    cache = getattr(base, "token_cache", None)
+    if cache is None:
+        raise ValueError(f"data.mixture_unit=trained_tokens: training source {name!r} ({getattr(base, 'path', '?')}) "
+                         f"has no token cache to count its trained tokens from "
+                         f"({getattr(base, 'token_cache_status', 'not a packed file')}); re-pack it with packsft's "
+                         "packer (it writes the cache by default) or use data.mixture_unit=rows")
+    per_row = cache.trained_tokens_per_row(base.prompt_format.pad_token_id)
+    if indices is not None:
+        per_row = per_row[np.asarray(indices, dtype=np.int64)]
+    mean = float(per_row.mean()) if len(per_row) else 0.0
+    if mean <= 0:
+        raise ValueError(f"data.mixture_unit=trained_tokens: training source {name!r} ({base.path}) has no trained "
+                         "token: no share of trained tokens can come from it")
+    return mean
+
+
 def rows_per_source(weights: Sequence[float], samples_per_epoch: int, names: Sequence[str] | None = None,
                     files: Sequence[str] | None = None) -> list[int]:
     """Split ``samples_per_epoch`` by normalised ``weights`` with the largest-remainder method.
@@ -137,6 +166,9 @@ class WeightedMixingSampler(EpochSampler):
         weights: one positive weight per source; normalised (:func:`normalize_weights`).
         samples_per_epoch: length of an epoch in rows (``data.samples_per_epoch``, > 0); default ``len(data_source)``.
             An epoch may be shorter than a global batch (global batches span epochs).
+        trained_tokens_per_row: ``None`` (default): the weights are shares of rows. Else each source's mean trained
+            tokens per row (> 0, :func:`mean_trained_tokens`): the weights are shares of trained tokens, and source
+            ``s`` gets rows in proportion to ``weights[s] / trained_tokens_per_row[s]``.
 
     The trainer builds it for a mixture with one weight per source (``Trainer._train_loader_config``).
 
@@ -153,12 +185,19 @@ class WeightedMixingSampler(EpochSampler):
         *,
         weights: Sequence[float],
         samples_per_epoch: int | None = None,
+        trained_tokens_per_row: Sequence[float] | None = None,
     ) -> None:
         super().__init__(data_source, dp_rank, dp_size, seed)
         self.source_sizes, self.offsets = list(data_source.source_sizes), list(data_source.offsets)
         self.samples_per_epoch = self.num_rows if samples_per_epoch is None else samples_per_epoch
         names = getattr(data_source, "names", None)
         files = [str(getattr(d, "path", "?")) for d in getattr(data_source, "datasets", [])] or None
+        if trained_tokens_per_row is not None:
+            if len(trained_tokens_per_row) != len(weights):
+                raise ValueError(f"trained_tokens_per_row has {len(trained_tokens_per_row)} entries for "
+                                 f"{len(weights)} sources")
+            weights = [w / t for w, t in zip(normalize_weights(weights, names, files),
+                                             normalize_weights(trained_tokens_per_row, names, files))]
         self.counts = rows_per_source(weights, self.samples_per_epoch, names, files)
 
     def global_order(self, epoch: int) -> np.ndarray:

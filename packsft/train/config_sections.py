@@ -31,6 +31,7 @@ DECAY_STYLES = ("cosine", "linear", "constant")
 VERIFY_HASH = ("auto", "full")
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 LOSS_NORMALIZATIONS = ("token", "conversation")
+MIXTURE_UNITS = ("rows", "trained_tokens")
 
 
 @dataclass
@@ -93,6 +94,10 @@ class DataConfig:
     """With ``train_path``: fraction in [0, 1) of its rows held out for validation (seeded by ``loader.seed``)."""
     samples_per_epoch: int | None = field(default=None, metadata=rules(*POSITIVE))
     """Rows per epoch of a mixture (default: all rows of all sources); each source gets its weight's share."""
+    mixture_unit: str = field(default="rows", metadata=rules(one_of(MIXTURE_UNITS)))
+    """What a mixture's weights share out: ``rows`` (default), or ``trained_tokens``: each source's rows are drawn in
+    proportion to weight / its mean trained tokens per row (from its token cache), so its share of the trained
+    tokens is its weight."""
 
     relations: ClassVar = (
         Exclusive("train", "train_path"),
@@ -109,6 +114,9 @@ class DataConfig:
         if self.samples_per_epoch is not None and (self.train_path or len(self.train) == 1):  # it was ignored
             raise ValueError(f"data.samples_per_epoch ({self.samples_per_epoch}) sets the epoch of a mixture of "
                              "several data.train sources; with one source an epoch is all its rows")
+        if self.mixture_unit != "rows" and (self.train_path or len(self.train) == 1):
+            raise ValueError(f"data.mixture_unit ({self.mixture_unit}) sets what the weights of a mixture of several "
+                             "data.train sources share out; with one source there is nothing to share")
         for kind, names in (("data.train", [n for n, *_ in self.train_sources()]),   # not validation_sources(),
                             ("data.validation", [_source_name(v.name, v.path) for v in self.validation])):  # a dict
             dupes = sorted({n for n in names if names.count(n) > 1})

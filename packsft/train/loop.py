@@ -61,7 +61,7 @@ from packsft.data.loader import (
     build_train_dataloader,
     class_path,
 )
-from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights
+from packsft.data.mixing import MixedDataset, WeightedMixingSampler, mean_trained_tokens, normalize_weights
 from packsft.io import unwritable_dir_reason
 from packsft.loss import global_num_trained_conversations, global_num_trained_tokens
 from packsft.model.attention import describe_attention
@@ -182,8 +182,12 @@ class Trainer:
                              "loader.sampler random")
         sources = self.cfg.data.train_sources()
         weights = normalize_weights([w for _, _, w, _ in sources], self.train_set.names, [p for _, p, _, _ in sources])
+        kwargs = {"weights": weights, "samples_per_epoch": self.cfg.data.samples_per_epoch}
+        if self.cfg.data.mixture_unit == "trained_tokens":  # (only then: a rows run's kwargs stay what they were)
+            kwargs["trained_tokens_per_row"] = [mean_trained_tokens(d, n) for n, d in
+                                                zip(self.train_set.names, self.train_set.datasets)]
         return replace(self.cfg.loader, sampler="custom", sampler_class_path=class_path(WeightedMixingSampler),
-                       sampler_kwargs={"weights": weights, "samples_per_epoch": self.cfg.data.samples_per_epoch})
+                       sampler_kwargs=kwargs)
 
     def _check_vocab(self) -> None:
         tokenizer = self.train_set.tokenizer

@@ -8,7 +8,13 @@ from test_example_samplers import MaskDataset, assert_resumes_exactly, take
 from torch.utils.data import default_collate
 
 from packsft.data.loader import DataLoaderConfig, build_train_dataloader, load_loader_state_dict, loader_state_dict
-from packsft.data.mixing import MixedDataset, WeightedMixingSampler, normalize_weights, rows_per_source
+from packsft.data.mixing import (
+    MixedDataset,
+    WeightedMixingSampler,
+    mean_trained_tokens,
+    normalize_weights,
+    rows_per_source,
+)
 from packsft.data.samplers import GlobalBatchSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning")
@@ -146,3 +152,94 @@ def test_mixing_through_the_loader_resumes_and_refuses_changed_sources():
     with pytest.raises(ValueError, match=r"training sources: checkpoint \['s0', 's1'\], now one file") as err:
         load_loader_state_dict(single, state)
     assert "is gone" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def two_packed_sources(tmp_path_factory, shared_data, tokenizer_dir):
+    """Chit-chat and math answers, 160 conversations each, packed for smollm2 (L 1024) by the
+    packer in-process: a mixture of two real sources of different mean trained tokens per row (math packs several
+    answers a row; some chats are longer than a row, kept cut in their own)."""
+    from packsft.data.dataset import PackedSFTDataset
+    from packsft.packing.config import PackConfig
+    from packsft.packing.pipeline import run_pack
+    from packsft.tokenizer import load_tokenizer
+
+    folder, tok_dir = tmp_path_factory.mktemp("mixture_unit"), tokenizer_dir("smollm2-135m-instruct")
+    tok, sources = load_tokenizer(tok_dir), {}
+    for name, file in (("chat", "chitchat"), ("math", "gsm8k_test")):
+        lines = (shared_data / "chat" / f"{file}.messages.jsonl").read_text(encoding="utf-8").splitlines(True)[:160]
+        (src := folder / f"{name}.jsonl").write_text("".join(lines), encoding="utf-8")
+        out = folder / f"{name}.jsonl.packed"
+        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tok_dir), max_seq_len=1024,
+                            prompt_format="chat-template", histogram="", progress=False))
+        sources[name] = PackedSFTDataset(out, tok, "chat-template", 1024, require_sidecar=True)
+    return MixedDataset(sources)
+
+
+def trained_shares(ds, order):
+    """Each source's share of the trained tokens of the rows ``order`` (global indices), from the loader's rows."""
+    per_row = [[d[i]["num_trained_tokens"] for i in range(len(d))] for d in ds.datasets]
+    totals = [0, 0]
+    for i in order:
+        s, row = ds.locate(int(i))
+        totals[s] += per_row[s][row]
+    return [t / sum(totals) for t in totals]
+
+
+@pytest.mark.filterwarnings("ignore::packsft.data.dataset.PackedDataWarning")  # the cut chats, reported
+def test_mixture_unit_trained_tokens_meets_the_weights_in_trained_tokens(two_packed_sources):
+    ds = two_packed_sources
+    means = [mean_trained_tokens(d, n) for n, d in zip(ds.names, ds.datasets)]
+    for d, mean in zip(ds.datasets, means):  # the token cache's count is the loader's, row by row
+        loader_counts = [d[i]["num_trained_tokens"] for i in range(len(d))]
+        assert d.token_cache.trained_tokens_per_row(d.prompt_format.pad_token_id).tolist() == loader_counts
+        assert mean == pytest.approx(sum(loader_counts) / len(d))
+    assert means[1] > 1.3 * means[0], means
+    from packsft.data.dataset import PackedSFTDataset
+
+    chat = ds.datasets[0]
+    plain = PackedSFTDataset(chat.path, chat.tokenizer, "chat-template", 1024, use_token_cache=False)
+    with pytest.raises(ValueError, match=r"training source 'chat' \(.*chat.jsonl.packed\) has no token cache .*"
+                                         r"use_token_cache=False"):
+        mean_trained_tokens(plain, "chat")   # never re-tokenized for a mean
+    by_rows = WeightedMixingSampler(ds, seed=5, weights=[1, 1])
+    by_tokens = WeightedMixingSampler(ds, seed=5, weights=[1, 1], trained_tokens_per_row=means)
+    for epoch in range(2):
+        rows_shares = trained_shares(ds, by_rows.global_order(epoch))
+        token_shares = trained_shares(ds, by_tokens.global_order(epoch))
+        assert all(abs(s - 0.5) <= 0.01 for s in token_shares), token_shares
+        assert all(abs(s - 0.5) > 0.01 for s in rows_shares), rows_shares
+    assert by_tokens.counts[0] > by_tokens.counts[1] and sum(by_tokens.counts) == len(ds)
+
+
+def test_mixture_unit_trained_tokens_resumes_exactly_in_the_middle_of_an_epoch(two_packed_sources):
+    ds = two_packed_sources
+    means = [mean_trained_tokens(d, n) for n, d in zip(ds.names, ds.datasets)]
+    cfg = DataLoaderConfig(sampler="custom", sampler_class_path="packsft.data.mixing:WeightedMixingSampler",
+                           sampler_kwargs={"weights": [0.5, 0.5], "samples_per_epoch": None,
+                                           "trained_tokens_per_row": means}, micro_batch_size=2)
+
+    def rows(rows_):
+        return [r["tokens"].tolist() for r in rows_]
+
+    def batches(loader, k):
+        it = iter(loader)
+        return [next(it) for _ in range(k)]
+
+    reference = batches(build_train_dataloader(ds, cfg, global_batch_size=4, collate_fn=rows), 8)
+    first = build_train_dataloader(ds, cfg, global_batch_size=4, collate_fn=rows)
+    batches(first, 4)
+    state = loader_state_dict(first)
+    resumed = build_train_dataloader(ds, cfg, global_batch_size=4, collate_fn=rows)
+    load_loader_state_dict(resumed, state)
+    assert batches(resumed, 4) == reference[4:]
+    ranks = []  # at DP 2 the two ranks share out the same global batches (the order does not depend on DP)
+    for rank in range(2):
+        resumed = build_train_dataloader(ds, cfg, dp_rank=rank, dp_size=2, global_batch_size=4, collate_fn=rows)
+        load_loader_state_dict(resumed, state)
+        ranks.append(batches(resumed, 2))
+    for g in range(2):
+        assert sorted(ranks[0][g] + ranks[1][g]) == sorted(reference[4 + 2 * g] + reference[5 + 2 * g])
+    with pytest.raises(ValueError, match="sampler_kwargs.trained_tokens_per_row"):
+        load_loader_state_dict(build_train_dataloader(ds, DataLoaderConfig(**{**vars(cfg), "sampler_kwargs": {
+            "weights": [0.5, 0.5], "samples_per_epoch": None}}), global_batch_size=4, collate_fn=rows), state)

@@ -75,6 +75,8 @@ def test_overrides_apply_after_the_file():
     (["lora.enabled=true", "lora.alpha=inf"], "lora.alpha must be a finite number > 0, got inf"),
     (["scheduler.min_lr=1.0", "optimizer.lr=0.003"], "scheduler.min_lr (1.0) must be <= optimizer.lr (0.003)"),
     (["data.samples_per_epoch=5"], "data.samples_per_epoch (5) sets the epoch of a mixture"),  # it was ignored
+    (["data.mixture_unit=tokens"], "data.mixture_unit must be one of ('rows', 'trained_tokens'), got 'tokens'"),
+    (["data.mixture_unit=trained_tokens"], "data.mixture_unit (trained_tokens) sets what the weights of a mixture"),
     (["loader.seed=-1"], "loader.seed must be in [0, 2**63), got -1"),   # numpy's traceback at the first batch before
     (["train.seed=18446744073709551616"], "train.seed must be in [0, 2**63), got 18446744073709551616"),  # overflow
     (["train.seed=-1"], "train.seed must be in [0, 2**63), got -1"),

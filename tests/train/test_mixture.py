@@ -54,6 +54,21 @@ def test_weights_7_3_and_07_03_are_the_same_plan(tmp_path, packed, parallel_stat
     assert plans[0] == plans[1]
 
 
+def test_mixture_unit_trained_tokens_gives_the_sampler_each_sources_mean(tmp_path, packed,  # noqa: F811
+                                                                           parallel_state_1proc):  # noqa: F811
+    from packsft.train.loop import Trainer
+
+    path = mixture_config(tmp_path, packed, "unit", checkpoint={"resume": "none"})
+    rows = Trainer(load_config(path)).train_loader.batch_sampler
+    assert rows.header["sampler_kwargs"] == {"weights": [0.75, 0.25], "samples_per_epoch": None}   # as before
+    trainer = Trainer(load_config(path, ["data.mixture_unit=trained_tokens"]))
+    means = trainer.train_loader.batch_sampler.header["sampler_kwargs"]["trained_tokens_per_row"]
+    mixed = trainer.train_set   # "many" holds a quarter of its rows out: the mean is over its training rows
+    assert means == pytest.approx([sum(d[i]["num_trained_tokens"] for i in range(len(d))) / len(d)
+                                   for d in mixed.datasets])
+    assert trainer.train_loader.batch_sampler.sampler.counts != rows.sampler.counts
+
+
 def test_config_errors_name_the_source(tmp_path, packed):  # noqa: F811
     path = mixture_config(tmp_path, packed, "dup")
     with pytest.raises(ValueError, match=r"names must be unique, \['few'\]"):

@@ -52,6 +52,8 @@ LONGEST_FIRST = (
     "test_hf_io_pp.py",             # 219
     "test_preemption.py",          # 216
     "test_loop.py",                # 160
+    "test_convert_checkpoint_errors.py",  # ~150
+    "test_tools_errors.py",        # ~130
     "test_lora_run.py",                  # 152
     "test_distributed_optimizer.py",     # 142
     "test_pipeline.py",             # 90
@@ -67,6 +69,8 @@ LONGEST_FIRST = (
     "test_ray_engine.py",                  # 54
     "test_gpu_check.py",                 # 51
     "test_hf_io_tp.py",             # 47
+    "test_schedule.py",            # 45
+    "test_split.py",               # ~30
 )
 
 

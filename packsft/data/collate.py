@@ -28,14 +28,14 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             ``position_ids`` (int64 ``[L]``), ``loss_mask`` (float32 ``[L]``), ``cu_seqlens`` (int32
             ``[n_i + 1]``, real lengths), ``cu_seqlens_padded`` (int32 ``[n_i + 1]``, 0 to ``L``), ``max_seqlen``
             (int) and ``num_trained_tokens`` (int), all with the same ``L`` (one data config opens every file of
-            a run).
+            a run); in a mixture also ``source`` (int, :class:`~packsft.data.mixing.MixedDataset`).
 
     Returns:
         ``tokens``, ``labels``, ``position_ids`` int64 ``[1, b * L]``; ``loss_mask`` float32 ``[1, b * L]``;
         ``cu_seqlens_padded`` int32 ``[sum(n_i) + 1]`` over the flattened ``b * L`` tokens (row ``i``'s offsets
         ``+ i * L``); ``cu_seqlens`` int32 ``[sum(n_i) + 1]``, the cumulative real lengths of every
         conversation; ``max_seqlen`` int, the longest real conversation of any row; ``num_trained_tokens``
-        int, the sum. Example: two rows of ``L = 8`` with ``cu_seqlens_padded`` ``[0, 3, 8]`` and ``[0, 8]``
+        int, the sum; in a mixture ``trained_tokens_by_source``, ``[(source, num_trained_tokens)]`` per row. Example: two rows of ``L = 8`` with ``cu_seqlens_padded`` ``[0, 3, 8]`` and ``[0, 8]``
         and ``cu_seqlens`` ``[0, 3, 7]`` and ``[0, 6]`` give ``[0, 3, 8, 16]`` and ``[0, 3, 7, 13]``.
     """
     length = rows[0]["tokens"].shape[-1]
@@ -49,4 +49,6 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     batch["cu_seqlens"] = torch.cat([zero, torch.cumsum(torch.cat(lengths), 0).to(torch.int32)])
     batch["max_seqlen"] = max(int(row["max_seqlen"]) for row in rows)
     batch["num_trained_tokens"] = sum(int(row["num_trained_tokens"]) for row in rows)
+    if "source" in rows[0]:
+        batch["trained_tokens_by_source"] = [(int(row["source"]), int(row["num_trained_tokens"])) for row in rows]
     return batch

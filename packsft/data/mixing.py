@@ -97,10 +97,11 @@ class MixedDataset:
         source = bisect.bisect_right(self.offsets, index) - 1
         return source, index - self.offsets[source]
 
-    def __getitem__(self, index: int) -> Any:
-        """Row ``index`` of the concatenation (whatever the source dataset returns)."""
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Row ``index`` of the concatenation: the source dataset's row dict with ``source`` (int, the index of its
+        source in ``names``) added."""
         source, row = self.locate(int(index))
-        return self.datasets[source][row]
+        return {**self.datasets[source][row], "source": source}
 
 
 def mean_trained_tokens(dataset: Any, name: str = "") -> float:

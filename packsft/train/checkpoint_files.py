@@ -315,8 +315,8 @@ def load_train_state(path: str | Path) -> dict[str, Any]:
 
 def check_resume_state(saved: dict[str, Any], path: str | Path, counters: tuple[str, ...]) -> None:
     """Refuse a train state (:func:`load_train_state`) a resume cannot continue from: ``state.step`` or
-    ``state.consumed_samples`` missing, one of ``counters`` in ``state`` or ``scheduler.last_epoch`` not an integer
-    >= 0, a step other than the ``iter_XXXXXXX`` folder's, or a ``layout`` that is not an object.
+    ``state.consumed_samples`` missing, one of ``counters`` in ``state``, a value of ``state.source_trained_tokens``
+    or ``scheduler.last_epoch`` not an integer >= 0, a step other than the ``iter_XXXXXXX`` folder's, or a ``layout`` that is not an object.
 
     Raises:
         CheckpointError: naming the file and the field.
@@ -329,6 +329,9 @@ def check_resume_state(saved: dict[str, Any], path: str | Path, counters: tuple[
         values["scheduler.last_epoch"] = scheduler.get("last_epoch")
     else:
         wrong.append("scheduler is missing" if scheduler is None else f"scheduler is {json.dumps(scheduler)}")
+    by_source = saved["state"].get("source_trained_tokens", {})
+    values.update({f"state.source_trained_tokens.{k}": v for k, v in by_source.items()}
+                  if isinstance(by_source, dict) else {"state.source_trained_tokens": by_source})
     wrong += [f"{k} is {json.dumps(v)}, not an integer >= 0" for k, v in values.items()
               if isinstance(v, bool) or not isinstance(v, int) or v < 0]
     step = step_of(path)

@@ -9,7 +9,7 @@ checkpoint of the model chunks, optimizer, schedule, loader and :class:`TrainSta
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,8 @@ RESUME_FIX = ("a resumed run keeps the architecture it was trained with: set {ke
 
 @dataclass
 class TrainState:
-    """Counters saved in checkpoints: optimizer steps done, rows consumed and tokens trained (global).
+    """Counters saved in checkpoints: optimizer steps done, rows consumed and tokens trained (global), and in a
+    mixture the trained tokens of each source by name.
 
     Consumed tokens are not stored: every row is ``max_seq_len`` tokens, so they are ``consumed_samples * L``.
     """
@@ -41,11 +42,13 @@ class TrainState:
     consumed_samples: int = 0
     trained_tokens: int = 0
     skipped_steps: int = 0
+    source_trained_tokens: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> TrainState:
-        """From a checkpoint's dict; fields of older versions (``consumed_tokens``) are ignored."""
-        return cls(**{f.name: int(saved[f.name]) for f in fields(cls) if f.name in saved})
+        """From a checkpoint's dict (checked by ``check_resume_state``); fields of older versions
+        (``consumed_tokens``) are ignored, missing ones start at 0."""
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
 
 
 @contextlib.contextmanager
@@ -104,7 +107,7 @@ class Checkpointer:
                 self.initialized_from = init_from
             return TrainState()
         saved = ckpt_files.load_train_state(path)
-        ckpt_files.check_resume_state(saved, path, tuple(f.name for f in fields(TrainState)))
+        ckpt_files.check_resume_state(saved, path, tuple(f.name for f in fields(TrainState) if f.type == "int"))
         latest = path.parent / ckpt_files.LATEST
         if cfg.checkpoint.resume == "auto" and not latest.is_file() and ctx.rank == 0:
             print(f"note: {path.parent} has no {latest.name} (a save was stopped before writing it); resuming its "

@@ -149,7 +149,7 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
         ``conversation`` also ``loss_weight`` (fp32 ``[1, L / cp_size]``, ``1 / n_c`` at the trained tokens of
         conversation ``c``, ``n_c`` counted over the whole row: ``packsft.loss.conversation_weights``) and
         ``conversations`` (int64 scalar: the row's conversations that train a token on CP rank 0, 0 on the others,
-        so each is counted once).
+        so each is counted once). A mixture's ``trained_tokens_by_source`` is passed on as it is (host ints).
     """
     local = slice_batch_for_cp(batch, cp_size, cp_rank)
     out = {key: local[key].to(device, non_blocking=True) for key in TOKEN_KEYS}
@@ -158,6 +158,8 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
     out["packed_seq_params"] = make_packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"],
                                                       cp_group if cp_size > 1 else None,
                                                       batch.get("cu_seqlens_padded"), device=device)
+    if "trained_tokens_by_source" in batch:
+        out["trained_tokens_by_source"] = batch["trained_tokens_by_source"]
     if normalization == "conversation":
         offsets = batch.get("cu_seqlens_padded", batch["cu_seqlens"])
         weights, conversations = conversation_weights(batch["loss_mask"], batch["labels"], offsets)

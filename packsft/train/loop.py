@@ -166,7 +166,8 @@ class Trainer:
         self._batches = None
         self.meter = StepMeter(self.ctx.device, cfg.logging.log_interval,
                                cfg.train.stop_at_step or cfg.train.train_steps, cfg.train.max_skipped_steps,
-                               self.state.step, self.ctx.dp_group)
+                               self.state.step, self.ctx.dp_group,
+                               sources=self.train_set.names if isinstance(self.train_set, MixedDataset) else None)
 
     def _train_loader_config(self) -> DataLoaderConfig:
         """``loader`` as configured; for a mixture of several sources, the weighted mixing sampler.
@@ -427,7 +428,8 @@ class Trainer:
         result = self.step_tensors(batches)
         st = self.state
         st.step, st.consumed_samples = st.step + 1, st.consumed_samples + self.cfg.train.global_batch_size
-        self.meter.add(result["trained_tokens"], result["skipped"], row_lengths(batches))
+        self.meter.add(result["trained_tokens"], result["skipped"], row_lengths(batches),
+                       [pair for b in batches for pair in b.get("trained_tokens_by_source", ())])
         if self.meter.should_log(st.step):
             self.meter.read(st)
             record = self.meter.record(st, result, self.cfg.train.global_batch_size, self.cfg.data.max_seq_len)

@@ -10,7 +10,8 @@
   bf16 peak (``6 P`` per row token + causal attention ``6 h l sum(s_i^2)`` over the real conversation lengths; null
   on a CPU or an unknown GPU), each over the steps since the previous logging step; ``trained_tokens`` the global
   trained-token count of the step; ``mem_gib`` the peak CUDA memory allocated (GPU) or the process's peak RSS (CPU),
-  GiB.
+  GiB. A mixture of training sources adds ``"trained_tokens/<name>"`` (each source's trained tokens since step 0,
+  counted from the rows trained, resumes included) and ``"trained_token_share/<name>"`` (its share of them).
 * ``{"kind": "validation", "step", "val_loss", "val_trained_tokens", "val_loss/<name>", "val_trained_tokens/<name>"}``:
   all validation sets together (token-weighted), then each named set.
 * ``{"kind": "summary", ...}``: the run summary, once per start.
@@ -109,10 +110,11 @@ class StepMeter:
         start_step: the step the run starts from (after a resume).
         dp_group: the data-parallel group: the real tokens and conversation lengths each rank counts are summed
             over it at a read (None: one rank).
+        sources: the names of a mixture's training sources (rows carry their source index), or None.
     """
 
     def __init__(self, device: torch.device, log_interval: int, last_step: int, max_skipped_steps: int,
-                 start_step: int, dp_group=None) -> None:
+                 start_step: int, dp_group=None, sources: list[str] | None = None) -> None:
         self.log_interval, self.last_step, self.max_skipped_steps = log_interval, last_step, max_skipped_steps
         # since the last read: trained tokens, skipped steps, the longest run of skipped steps ending in that
         # window (global, the same on every rank), real tokens and sum(s_i^2) of this DP rank's rows; and the
@@ -123,6 +125,8 @@ class StepMeter:
         self._window = [0, 0, 0]     # since the last logging step: trained tokens, real tokens, sum(s_i^2)
         self._logged_step, self._logged_at = start_step, time.perf_counter()
         self._flops = None
+        self.sources = sources or []
+        self._by_source = [0] * len(self.sources)   # this rank's trained tokens per source since the last read
 
     def set_flops(self, parameters: int, heads_times_head_dim: int, layers: int, world_size: int,
                   device_name: str | None) -> None:
@@ -138,9 +142,13 @@ class StepMeter:
         self._logged_step, self._logged_at = step, time.perf_counter()
         self._window = [0, 0, 0]
 
-    def add(self, trained_tokens: torch.Tensor, skipped: torch.Tensor, lengths: torch.Tensor) -> None:
+    def add(self, trained_tokens: torch.Tensor, skipped: torch.Tensor, lengths: torch.Tensor,
+            by_source: list[tuple[int, int]] = ()) -> None:
         """Count one step: its trained tokens (int64 scalar), whether it was skipped (bool scalar) and this rank's
-        :func:`row_lengths`, on the device."""
+        :func:`row_lengths`, on the device; ``by_source``, this rank's ``(source, trained tokens)`` per row (host
+        ints, the micro-batches' ``trained_tokens_by_source``)."""
+        for source, tokens in by_source:
+            self._by_source[source] += tokens
         skipped = skipped.long()
         self._skip_run = (self._skip_run + 1) * skipped
         self._counts = torch.cat([torch.stack([self._counts[0] + trained_tokens, self._counts[1] + skipped,
@@ -152,21 +160,24 @@ class StepMeter:
         return step % self.log_interval == 0 or step >= self.last_step
 
     def read(self, state) -> None:
-        """Add the counts since the last read to ``state`` (its ``trained_tokens``, ``skipped_steps``); one host
-        read, on CUDA after a synchronize (collective over the DP group: every rank reads at the same steps).
+        """Add the counts since the last read to ``state`` (its ``trained_tokens``, ``skipped_steps``,
+        ``source_trained_tokens``); one host read, on CUDA after a synchronize (collective over the DP group: every
+        rank reads at the same steps).
 
         Raises:
             FloatingPointError: more than ``max_skipped_steps`` steps in a row were skipped since the last read,
                 before anything is saved.
         """
-        counts = self._counts
-        if self._dp_group is not None:     # the global counts once (rank 0's), this rank's lengths summed
+        counts = torch.cat([self._counts, torch.tensor(self._by_source, dtype=torch.int64).to(self._counts.device)])
+        if self._dp_group is not None:     # the global counts once (rank 0's), this rank's rows' counts summed
             counts = torch.cat([counts[:3] * int(dist.get_rank(self._dp_group) == 0), counts[3:]])
             dist.all_reduce(counts, group=self._dp_group)
         if counts.device.type == "cuda":
             torch.cuda.synchronize()
-        trained, skipped, longest_run, real, squares = counts.tolist()
-        self._counts = torch.zeros_like(self._counts)
+        (trained, skipped, longest_run, real, squares), by_source = counts[:5].tolist(), counts[5:].tolist()
+        self._counts, self._by_source = torch.zeros_like(self._counts), [0] * len(self.sources)
+        for name, tokens in zip(self.sources, by_source):
+            state.source_trained_tokens[name] = state.source_trained_tokens.get(name, 0) + tokens
         state.trained_tokens += trained
         state.skipped_steps += skipped
         self._window = [self._window[0] + trained, self._window[1] + real, self._window[2] + squares]
@@ -192,7 +203,18 @@ class StepMeter:
                 "tokens_per_s": tokens / seconds, "trained_tokens_per_s": trained / seconds,
                 "packing_efficiency": real / tokens, "mfu": mfu, "consumed_samples": state.consumed_samples,
                 "consumed_tokens": state.consumed_samples * seq, "step_time_s": seconds / steps,
-                "skipped_steps": state.skipped_steps, "mem_gib": peak_memory_gib()}
+                "skipped_steps": state.skipped_steps, "mem_gib": peak_memory_gib(), **source_shares(state)}
+
+
+def source_shares(state) -> dict[str, Any]:
+    """``trained_tokens/<name>`` and ``trained_token_share/<name>`` of each mixture source in ``state`` (none for
+    one source or before any trained token)."""
+    counts = state.source_trained_tokens
+    total = sum(counts.values())
+    if not total:
+        return {}
+    return {**{f"trained_tokens/{n}": c for n, c in counts.items()},
+            **{f"trained_token_share/{n}": c / total for n, c in counts.items()}}
 
 
 def as_python(result: dict[str, Any]) -> dict[str, Any]:

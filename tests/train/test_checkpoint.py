@@ -351,6 +351,8 @@ def test_latest_that_does_not_name_a_checkpoint_folder_is_refused(tmp_path, make
     (lambda d: d["state"].pop("consumed_samples"), "state.consumed_samples is missing"),   # restarted at 0
     (lambda d: d["state"].update(step=1), "state.step is 1 in the checkpoint of step 2"),  # resumed as step 1
     (lambda d: d.update(layout="x"), 'layout is "x", not an object'),                     # a traceback
+    (lambda d: d["state"].update(source_trained_tokens={"a": 1.5}), "state.source_trained_tokens.a is 1.5"),
+    (lambda d: d["state"].update(source_trained_tokens=[3]), r"state.source_trained_tokens is \[3\]"),
 ])
 def test_resume_state_with_a_wrong_counter_is_refused(tmp_path, edit, field):
     saved = {"state": {"step": 2, "consumed_samples": 4, "trained_tokens": 9}, "scheduler": {"last_epoch": 2}}

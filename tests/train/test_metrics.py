@@ -92,6 +92,38 @@ def test_step_meter_reports_trained_tokens_per_s_packing_efficiency_and_mfu():
     assert meter.record(state, {"trained_tokens": torch.tensor(1)}, rows=1, seq=8)["mfu"] is None   # CPU
 
 
+def test_step_meter_counts_each_sources_trained_tokens_across_reads_and_resumes():
+    """A mixture's rows carry their source: per-source trained tokens add up over reads, survive a checkpoint's
+    dict, and their shares are logged."""
+    from dataclasses import asdict
+
+    import torch
+
+    from packsft.data.collate import collate_rows
+    from packsft.train.checkpointer import TrainState
+    from packsft.train.metrics import StepMeter, row_lengths
+
+    def row(source, trained):
+        return {**{k: torch.zeros(4, dtype=torch.int64) for k in ("tokens", "labels", "position_ids")},
+                "loss_mask": torch.zeros(4), "cu_seqlens": torch.tensor([0, 4], dtype=torch.int32),
+                "cu_seqlens_padded": torch.tensor([0, 4], dtype=torch.int32), "max_seqlen": 4,
+                "num_trained_tokens": trained, "source": source}
+
+    batch = collate_rows([row(0, 3), row(1, 1), row(0, 2)])
+    assert batch["trained_tokens_by_source"] == [(0, 3), (1, 1), (0, 2)]
+    meter = StepMeter(torch.device("cpu"), 1, 10, 0, 0, sources=["chat", "tools"])
+    state = TrainState(step=1)
+    meter.add(torch.tensor(6), torch.tensor(False), row_lengths([_batch([0, 4, 8, 12])]), batch["trained_tokens_by_source"])
+    meter.read(state)
+    state = TrainState.from_dict(asdict(state))      # as a resume reads it
+    meter.add(torch.tensor(2), torch.tensor(False), row_lengths([_batch([0, 4, 8, 12])]), [(1, 2)])
+    state.step = 2
+    meter.read(state)
+    record = meter.record(state, {"trained_tokens": torch.tensor(2)}, rows=3, seq=4)
+    assert state.source_trained_tokens == {"chat": 5, "tools": 3}
+    assert (record["trained_tokens/chat"], record["trained_token_share/tools"]) == (5, 3 / 8)
+
+
 def _dp_worker(rank, world_size):
     import torch
     import torch.distributed as dist

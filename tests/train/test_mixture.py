@@ -122,7 +122,13 @@ def test_mixture_trains_logs_every_set_and_refuses_a_changed_source_by_name(tmp_
     vals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in vals if r["kind"] == "validation"]
     assert vals and {"val_loss/many", "val_loss/heldout"} <= vals[0].keys()
-    assert sorted(train_records(tmp_path / "run")) == [1, 2]
+    records = train_records(tmp_path / "run")
+    assert sorted(records) == [1, 2]
+    # each source's trained tokens, counted from the rows' sources, add up to the loss's own count
+    last = records[2]
+    assert last["trained_tokens/few"] + last["trained_tokens/many"] == sum(r["trained_tokens"] for r in
+                                                                            records.values())
+    assert last["trained_token_share/few"] + last["trained_token_share/many"] == pytest.approx(1)
     # the 'many' source changes on disk: resuming the data order is refused, naming it
     shutil.copy(packed["few"], tmp_path / "changed.jsonl.packed")
     shutil.copy(str(packed["few"]) + ".meta.json", tmp_path / "changed.jsonl.packed.meta.json")

@@ -35,7 +35,8 @@ def collate_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         ``cu_seqlens_padded`` int32 ``[sum(n_i) + 1]`` over the flattened ``b * L`` tokens (row ``i``'s offsets
         ``+ i * L``); ``cu_seqlens`` int32 ``[sum(n_i) + 1]``, the cumulative real lengths of every
         conversation; ``max_seqlen`` int, the longest real conversation of any row; ``num_trained_tokens``
-        int, the sum; in a mixture ``trained_tokens_by_source``, ``[(source, num_trained_tokens)]`` per row. Example: two rows of ``L = 8`` with ``cu_seqlens_padded`` ``[0, 3, 8]`` and ``[0, 8]``
+        int, the sum; in a mixture ``trained_tokens_by_source``, ``[(source, num_trained_tokens)]`` per row.
+        Example: two rows of ``L = 8`` with ``cu_seqlens_padded`` ``[0, 3, 8]`` and ``[0, 8]``
         and ``cu_seqlens`` ``[0, 3, 7]`` and ``[0, 6]`` give ``[0, 3, 8, 16]`` and ``[0, 3, 7, 13]``.
     """
     length = rows[0]["tokens"].shape[-1]

@@ -316,7 +316,8 @@ def load_train_state(path: str | Path) -> dict[str, Any]:
 def check_resume_state(saved: dict[str, Any], path: str | Path, counters: tuple[str, ...]) -> None:
     """Refuse a train state (:func:`load_train_state`) a resume cannot continue from: ``state.step`` or
     ``state.consumed_samples`` missing, one of ``counters`` in ``state``, a value of ``state.source_trained_tokens``
-    or ``scheduler.last_epoch`` not an integer >= 0, a step other than the ``iter_XXXXXXX`` folder's, or a ``layout`` that is not an object.
+    or ``scheduler.last_epoch`` not an integer >= 0, a step other than the ``iter_XXXXXXX`` folder's, or a
+    ``layout`` that is not an object.
 
     Raises:
         CheckpointError: naming the file and the field.

@@ -113,7 +113,8 @@ def test_step_meter_counts_each_sources_trained_tokens_across_reads_and_resumes(
     assert batch["trained_tokens_by_source"] == [(0, 3), (1, 1), (0, 2)]
     meter = StepMeter(torch.device("cpu"), 1, 10, 0, 0, sources=["chat", "tools"])
     state = TrainState(step=1)
-    meter.add(torch.tensor(6), torch.tensor(False), row_lengths([_batch([0, 4, 8, 12])]), batch["trained_tokens_by_source"])
+    lengths = row_lengths([_batch([0, 4, 8, 12])])
+    meter.add(torch.tensor(6), torch.tensor(False), lengths, batch["trained_tokens_by_source"])
     meter.read(state)
     state = TrainState.from_dict(asdict(state))      # as a resume reads it
     meter.add(torch.tensor(2), torch.tensor(False), row_lengths([_batch([0, 4, 8, 12])]), [(1, 2)])

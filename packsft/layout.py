@@ -27,13 +27,7 @@ ROW_KEYS = (*TOKEN_KEYS, "cu_seqlens", "cu_seqlens_padded", "max_seqlen", "num_t
 
 
 def cp_granularity(context_parallel_size: int) -> int:
-    """Padding granularity ``g`` in tokens: ``2 * context_parallel_size`` when CP > 1, else 1.
-
-    Raises:
-        ValueError: ``context_parallel_size < 1``.
-    """
-    if context_parallel_size < 1:
-        raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}")
+    """Padding granularity ``g`` in tokens: ``2 * context_parallel_size`` when CP > 1, else 1."""
     return 2 * context_parallel_size if context_parallel_size > 1 else 1
 
 
@@ -56,8 +50,6 @@ def row_granularity(context_parallel_size: int = 1, sequence_parallel_size: int 
     row length must divide, not each conversation (Megatron-Bridge's ``lcm(2 * cp, cp * tp)``, applied to
     the fixed-length row).
     """
-    if sequence_parallel_size < 1:
-        raise ValueError(f"sequence_parallel_size must be >= 1, got {sequence_parallel_size}")
     return math.lcm(cp_granularity(context_parallel_size), context_parallel_size * sequence_parallel_size)
 
 
@@ -66,8 +58,12 @@ MAX_SEQ_LEN = 1 << 24
 
 
 def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1, sequence_parallel_size: int = 1) -> None:
-    """Raise ``ValueError`` unless ``max_seq_len`` is positive, at most :data:`MAX_SEQ_LEN` and a multiple of
-    :func:`row_granularity`."""
+    """Raise ``ValueError`` unless both parallel sizes are >= 1 and ``max_seq_len`` is positive, at most
+    :data:`MAX_SEQ_LEN` and a multiple of :func:`row_granularity`: the one check of the sizes every other function
+    here takes (the packer's ``PackConfig.validate`` and ``PackedSFTDataset`` call it where the sizes enter)."""
+    if context_parallel_size < 1 or sequence_parallel_size < 1:
+        raise ValueError(f"context_parallel_size ({context_parallel_size}) and sequence_parallel_size "
+                         f"({sequence_parallel_size}) must be >= 1")
     g = row_granularity(context_parallel_size, sequence_parallel_size)
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
@@ -83,26 +79,6 @@ def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1, sequence
                          f"{what}")
 
 
-def check_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
-    """``cu_seqlens`` as a 1-D integer tensor (a ``[1, n + 1]`` one is squeezed).
-
-    Raises:
-        ValueError: not 1-D with at least 2 entries, not integer, not starting at 0, or decreasing.
-    """
-    if cu_seqlens.dim() == 2 and cu_seqlens.shape[0] == 1:
-        cu_seqlens = cu_seqlens[0]
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, "
-                         f"got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype.is_floating_point:
-        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-    if int(cu_seqlens[0]) != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(cu_seqlens[0])}")
-    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
-    return cu_seqlens
-
-
 def cp_partition_indices(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tensor:
     """Positions in the full row of the tokens that CP rank ``cp_rank`` keeps.
 
@@ -113,33 +89,22 @@ def cp_partition_indices(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tens
 
     Args:
         cu_seqlens: integer ``[num_segments + 1]`` (or ``[1, num_segments + 1]``), padded offsets from 0
-            to the row length ``L``.
+            to the row length ``L``, non-decreasing, each segment a multiple of ``2 * cp_size`` when
+            ``cp_size > 1``: a row of :func:`packsft.data.row.build_row` (or several collated) built for this CP
+            size, as the loader builds them.
         cp_size: context-parallel size (>= 1).
         cp_rank: this rank's index in the CP group, ``0 <= cp_rank < cp_size``.
 
     Returns:
         int64 ``[L // cp_size]`` on ``cu_seqlens``' device, ascending.
-
-    Raises:
-        ValueError: a malformed ``cu_seqlens``, a bad ``cp_size``/``cp_rank``, or (``cp_size > 1``) a
-            segment whose length is not a multiple of ``2 * cp_size``.
     """
     import torch
 
-    cu_seqlens = check_cu_seqlens(cu_seqlens).to(torch.int64)
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"need context_parallel_size >= 1 and 0 <= cp_rank < context_parallel_size, "
-                         f"got cp_size={cp_size}, cp_rank={cp_rank}")
+    cu_seqlens = cu_seqlens.reshape(-1).to(torch.int64)
     total = int(cu_seqlens[-1])
     if cp_size == 1:
         return torch.arange(total, device=cu_seqlens.device)
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    bad = (lengths % (2 * cp_size)).nonzero().flatten()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"segment {i} of cu_seqlens has length {int(lengths[i])}, not a multiple of "
-                         f"2 * context_parallel_size = {2 * cp_size} (pad conversations when packing)")
-    chunk = lengths // (2 * cp_size)                                           # [n]
+    chunk = (cu_seqlens[1:] - cu_seqlens[:-1]) // (2 * cp_size)                                           # [n]
     seg = torch.repeat_interleave(torch.arange(len(chunk), device=chunk.device), 2 * chunk)
     local_start = torch.cumsum(2 * chunk, 0) - 2 * chunk                       # [n]
     j = torch.arange(total // cp_size, device=chunk.device) - local_start[seg]  # offset in own 2 chunks

@@ -18,4 +18,4 @@ def test_sequence_parallel_needs_the_row_to_split_over_tp():
     with pytest.raises(ValueError, match="2 \\* context_parallel_size"):
         check_max_seq_len(6, 2)
     with pytest.raises(ValueError, match="sequence_parallel_size"):
-        row_granularity(1, 0)
+        check_max_seq_len(8, 1, 0)

@@ -15,7 +15,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
-from packsft.layout import TOKEN_KEYS, check_cu_seqlens, cp_partition_indices
+from packsft.layout import TOKEN_KEYS, cp_partition_indices
 
 
 def slice_batch_for_cp(batch: dict, cp_size: int, cp_rank: int) -> dict:
@@ -30,9 +30,6 @@ def slice_batch_for_cp(batch: dict, cp_size: int, cp_rank: int) -> dict:
 
     Returns:
         a new dict; the input is not modified. With ``cp_size == 1`` the tensors are the same objects.
-
-    Raises:
-        ValueError: as :func:`cp_partition_indices`.
     """
     out = dict(batch)
     if cp_size == 1:
@@ -63,7 +60,7 @@ def make_packed_seq_params(cu_seqlens: Tensor, max_seqlen: int | Tensor, cp_grou
     Args:
         cu_seqlens: integer ``[num_segments + 1]`` (or ``[1, num_segments + 1]``), cumulative real
             conversation lengths; converted to int32 as TE and Megatron expect. Pass the offsets on the host
-            (as the loader gives them) with ``device`` set, so they are checked and read without a device sync.
+            (as the loader gives them) with ``device`` set, so they are read without a device sync.
         max_seqlen: longest real conversation in tokens (int or 0-d tensor).
         cp_group: the context-parallel process group, or None for cp=1.
         cu_seqlens_padded: the same shape (the same row's), segment offsets in the row including padding
@@ -78,12 +75,9 @@ def make_packed_seq_params(cu_seqlens: Tensor, max_seqlen: int | Tensor, cp_grou
         positions and applies them to each padded segment, and TE only needs an upper bound. ``m`` equals
         ``cu_seqlens_padded[-1]`` only for a single-segment row, where RoPE's pack-offset mode (``rope_utils``'
         THD path) gives the same positions.
-
-    Raises:
-        ValueError: a malformed offsets tensor (:func:`packsft.layout.check_cu_seqlens`).
     """
-    cu_seqlens = check_cu_seqlens(cu_seqlens).to(torch.int32)
-    padded = cu_seqlens if cu_seqlens_padded is None else check_cu_seqlens(cu_seqlens_padded).to(torch.int32)
+    cu_seqlens = cu_seqlens.reshape(-1).to(torch.int32)
+    padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded.reshape(-1).to(torch.int32)
     host = tuple(padded.tolist())
     longest = max(int(max_seqlen), max(e - s for s, e in zip(host[:-1], host[1:])))
     if device is not None:

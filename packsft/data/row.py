@@ -121,9 +121,8 @@ def build_row(
         :class:`RowTruncation`.
 
     Raises:
-        ValueError: as :func:`build_row_flat`: no conversation, an empty one, or tokens and targets of unequal
-            length. ``max_seq_len`` is not checked here (per row); callers check it once with
-            :func:`packsft.layout.check_max_seq_len`.
+        ValueError: tokens and targets of unequal length (:func:`build_row_flat`). ``max_seq_len`` is not checked
+            here (per row); callers check it once with :func:`packsft.layout.check_max_seq_len`.
 
     Example (``cp = 1``, ``L = 6``, pad 0, conversations ``([5, 6, 7], [-100, 6, 7])`` and ``([8, 9], [8, 9])``):
     ``toks = [5, 6, 7, 8, 9, 0, 0]``, ``tgts = [-100, 6, 7, 8, 9, 0, 0]`` ->
@@ -133,9 +132,8 @@ def build_row(
     ``cu_seqlens_padded = [0, 3, 6]``, ``max_seqlen = 3``.
     """
     lengths = np.asarray([len(t) for t, _ in conversations], dtype=np.int64)
-    none = [np.empty(0, dtype=np.int64)]  # no conversation: build_row_flat says so
-    tokens = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for t, _ in conversations] or none)
-    targets = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for _, t in conversations] or none)
+    tokens = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for t, _ in conversations])
+    targets = np.concatenate([np.asarray(t[:max_seq_len], dtype=np.int64) for _, t in conversations])
     return build_row_flat(tokens, targets, lengths, pad_id, max_seq_len, context_parallel_size)
 
 
@@ -153,21 +151,18 @@ def build_row_flat(
         tokens, targets: int ``[T]`` arrays: conversation ``k``'s first ``min(lengths[k], L)`` token ids and
             targets, the conversations one after another (int32 views of :mod:`packsft.token_cache`, or the
             concatenated lists of :func:`build_row`).
-        lengths: int ``[n]``, each conversation's full length in tokens (``>= 1``): costs, ``cu_seqlens``
-            and the truncation record use it, so the row is that of the whole conversations.
+        lengths: int ``[n]``, ``n >= 1``, each conversation's full length in tokens (``>= 1``: a packed row splits
+            into at least one conversation, and a conversation tokenizes to at least one token): costs,
+            ``cu_seqlens`` and the truncation record use it, so the row is that of the whole conversations.
         pad_id, max_seq_len, context_parallel_size: as :func:`build_row`.
 
     Returns:
         As :func:`build_row`.
 
     Raises:
-        ValueError: no conversation, a length below 1, or ``T`` is not ``sum(min(lengths, L))``.
+        ValueError: ``T`` is not ``sum(min(lengths, L))`` (a token cache whose index disagrees with its tokens).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.size == 0:
-        raise ValueError("a row needs at least one conversation")
-    if lengths.min() < 1:
-        raise ValueError(f"conversation {int(np.argmin(lengths))}: its length must be >= 1")
     expected = int(np.minimum(lengths, max_seq_len).sum())
     if len(tokens) != expected or len(targets) != expected:
         raise ValueError(f"tokens ({len(tokens)}) and targets ({len(targets)}) must hold the first "

@@ -42,21 +42,6 @@ def test_rank_zero_holds_first_and_last_chunk_of_each_segment():
     assert idx == [0, 1, 10, 11, 12, 13, 22, 23]
 
 
-@pytest.mark.parametrize(
-    ("cu", "cp", "rank", "message"),
-    [
-        ([0, 4, 10], 2, 0, "segment 1 .* length 6"),
-        ([2, 6], 2, 0, "start at 0"),
-        ([0, 8, 4], 2, 0, "non-decreasing"),
-        ([0, 4], 2, 2, "cp_rank"),
-        ([0], 1, 0, "at least 2"),
-    ],
-)
-def test_invalid_inputs_raise(cu, cp, rank, message):
-    with pytest.raises(ValueError, match=message):
-        cp_partition_indices(torch.tensor(cu), cp, rank)
-
-
 def _row(length=8):
     return {
         "tokens": torch.arange(100, 100 + length),

@@ -103,17 +103,9 @@ def test_row_without_trained_token_has_zero_loss_mask():
     assert (row["labels"] == X).all()
 
 
-@pytest.mark.parametrize(
-    ("convs", "kwargs", "message"),
-    [
-        ([], {"max_seq_len": 8}, "at least one conversation"),
-        ([([1, 2], [1])], {"max_seq_len": 8}, r"targets \(1\) must hold the first"),
-        ([([], [])], {"max_seq_len": 8}, "conversation 0: its length must be >= 1"),
-    ],
-)
-def test_invalid_inputs(convs, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        build_row(convs, pad_id=0, **kwargs)
+def test_tokens_and_targets_of_unequal_length_are_refused():
+    with pytest.raises(ValueError, match=r"targets \(1\) must hold the first"):
+        build_row([([1, 2], [1])], pad_id=0, max_seq_len=8)
 
 
 def megatron_reference(conversations, pad, pack_length, cp):

@@ -31,8 +31,8 @@ def test_cost_is_cp_aligned():
     check_max_seq_len(4096, 4)
     with pytest.raises(ValueError, match="multiple of 2 \\* context_parallel_size \\(8\\)"):
         check_max_seq_len(4100, 4)
-    with pytest.raises(ValueError):
-        conversation_cost(3, 0)
+    with pytest.raises(ValueError, match=r"context_parallel_size \(0\) .* must be >= 1"):
+        check_max_seq_len(8, 0)
 
 
 def test_next_fit_hand_example_keeps_order_and_closes_full_rows():

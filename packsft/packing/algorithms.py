@@ -301,23 +301,23 @@ def pack_order(costs: Sequence[int] | np.ndarray, max_seq_len: int,
         those of :func:`pack`, in the same order.
 
     Raises:
-        ValueError: unknown algorithm, or a cost outside ``1..max_seq_len``.
+        KeyError: unknown algorithm (``PackConfig`` and ``--algorithm`` take only :data:`ALGORITHMS`).
+        ValueError: a cost outside ``1..max_seq_len``.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown packing algorithm {algorithm!r} (choose one of {', '.join(ALGORITHMS)})")
-    c = _check_costs(costs, max_seq_len)
-    if algorithm == "next-fit":
-        return np.arange(len(c), dtype=np.int64), _next_fit_starts(c, max_seq_len)
-    if algorithm == "best-fit-decreasing":
-        return _order_from_assignment(*_bfd_assign(c, max_seq_len))
-    return _local_search_order(c, max_seq_len)
+    return _ORDERS[algorithm](_check_costs(costs, max_seq_len), max_seq_len)
+
+
+_ORDERS = {"bfd-local-search": _local_search_order,
+           "best-fit-decreasing": lambda c, L: _order_from_assignment(*_bfd_assign(c, L)),
+           "next-fit": lambda c, L: (np.arange(len(c), dtype=np.int64), _next_fit_starts(c, L))}
+"""``(order, starts)`` of each of :data:`ALGORITHMS` from int64 costs ``c`` [n] and the row capacity ``L``."""
 
 
 def pack(costs: Sequence[int], max_seq_len: int, algorithm: str) -> list[list[int]]:
     """Dispatch to the algorithm named ``algorithm`` (one of :data:`ALGORITHMS`); rows as lists of indices.
 
     Raises:
-        ValueError: unknown algorithm, or a cost outside ``1..max_seq_len``.
+        KeyError, ValueError: as :func:`pack_order`.
     """
     return _rows_from_order(*pack_order(costs, max_seq_len, algorithm))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from packsft.config_rules import Needs, Rule, check_fields, ge, one_of, positive_int, rules
+from packsft.config_rules import Exclusive, Needs, Rule, check_fields, ge, one_of, positive_int, rules
 from packsft.jsonl import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.layout import check_max_seq_len
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
@@ -34,6 +34,7 @@ ENGINES = ("local", "ray")
 """``--engine``: this machine (:mod:`packsft.packing.local_engine`) or a Ray cluster
 (:mod:`packsft.packing.ray_engine`)."""
 HISTOGRAM_SUFFIX = ".lengths.png"
+_PROMPT_RESPONSE = "--input-key/--output-key read prompt/response records (--format input-output)"
 
 
 def cli(flag: str, help: str | None = None, value: Callable[[argparse.Namespace], Any] | None = None,
@@ -53,12 +54,10 @@ def json_object(text: str) -> dict:
     """An argparse ``type``: a JSON object (``--chat-template-kwargs``), standard JSON only."""
     try:
         value = loads_strict(text)
-    except NonFiniteNumber:
-        raise argparse.ArgumentTypeError(f"{NON_FINITE}: {text!r}") from None
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from e
-    except (ValueError, RecursionError) as e:  # a duplicate key, nested too deeply, too many digits
-        raise argparse.ArgumentTypeError(f"not JSON here ({e or 'nested too deeply'}): {text!r}") from e
+    except (ValueError, RecursionError) as e:  # not JSON, NaN, a duplicate key, nested too deeply, too many digits
+        why = NON_FINITE if isinstance(e, NonFiniteNumber) else \
+            f"not JSON ({getattr(e, 'msg', None) or e or 'nested too deeply'})"
+        raise argparse.ArgumentTypeError(f"{why}: {text!r}") from e
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"enable_thinking\": false}}': {text!r}")
     return value
@@ -208,6 +207,9 @@ class PackConfig:
         Needs("input_key", "output_key"),
         Needs("output_key", "input_key"),
         Needs("ray_address", ("engine", "ray")),
+        Exclusive("input_key", "adapter", f"{_PROMPT_RESPONSE}; --adapter records have their own fields"),
+        Needs("input_key", ("record_format", one_of(("messages", "input-output"))),
+              f"{_PROMPT_RESPONSE}; other --format records have their own fields"),
         Needs(("oversize", "split"), ("prompt_format", one_of(SPLIT_FORMATS)),
               "a piece masks its context with 'weight: 0', which the Megatron presets cannot (they train every "
               "assistant turn)"),
@@ -228,10 +230,6 @@ class PackConfig:
             raise ValueError(f"--split {self.split}: no --input is a DatasetDict folder (dataset_dict.json)")
         check_max_seq_len(self.max_seq_len, self.context_parallel_size, self.sequence_parallel_size)
         record_converter(self.record_format, self.adapter)          # an unknown adapter fails here
-        if self.input_key and (self.adapter or self.record_format not in ("messages", "input-output")):
-            raise ValueError(f"--input-key/--output-key read prompt/response records (--format input-output); "
-                             f"{'--adapter' if self.adapter else '--format ' + self.record_format} records have "
-                             "their own fields")
         for name, value in (("--default-system-prompt", self.default_system_prompt),
                             ("--chat-template-kwargs", self.chat_template_kwargs)):
             try:

@@ -134,6 +134,10 @@ def _check_visible(folder: str) -> None:
                         "inputs and tokenizer) must be on a filesystem every Ray node mounts at the same path")
 
 
+_NO_RESULT = {"error": "", "meta": "", "num_tokens": b"", "offset": b"", "size": b"", "token_offset": b""}
+"""The columns of one :class:`_ShardCounter` row; a failed shard's row sets only ``error``."""
+
+
 class _ShardCounter:
     """A Ray Data actor: :func:`~packsft.packing.worker.count_shard` for one shard per batch, spooled to
     files of that shard (``spool.shardN``, ``tokens.shardN``)."""
@@ -151,15 +155,14 @@ class _ShardCounter:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out: dict[str, list] = {}
         for index, file_idx, start, end in zip(*(batch[k].tolist() for k in ("index", "file_idx", "start", "end"))):
-            try:
-                if self.error:
-                    raise PackError(self.error.partition(": ")[2])
-                self.state.spool_name = f"shard{index}"
-                row = _encode(count_shard(Shard(index, file_idx, start, end), self.state))
-            except (ValueError, OSError, PackError) as e:  # sent back as data: Ray keeps only its text
-                row = {"error": f"{'ValueError' if isinstance(e, ValueError) else 'PackError'}: {e}", "meta": "",
-                       **dict.fromkeys(("num_tokens", "offset", "size", "token_offset"), b"")}
-            for key, value in {"error": "", **row}.items():
+            row = {"error": self.error}
+            if not self.error:
+                try:
+                    self.state.spool_name = f"shard{index}"
+                    row = _encode(count_shard(Shard(index, file_idx, start, end), self.state))
+                except (ValueError, OSError, PackError) as e:  # sent back as data: Ray keeps only its text
+                    row = {"error": f"{'ValueError' if isinstance(e, ValueError) else 'PackError'}: {e}"}
+            for key, value in {**_NO_RESULT, **row}.items():
                 out.setdefault(key, []).append(value)
         return {k: np.array(v, dtype=object) for k, v in out.items()}
 

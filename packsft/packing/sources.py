@@ -106,6 +106,11 @@ def _dataset_dir(path: Path, split: str | None) -> Path:
     return path
 
 
+def _split_folder(path: Path, split: str | None) -> Path:
+    """The ``Dataset`` folder of a folder input that passed :func:`check_source`: ``path``, or its ``split``."""
+    return path / split if is_dataset_dict(path) else path
+
+
 def is_dataset_dict(path: str | Path) -> bool:
     """True for a folder written by ``DatasetDict.save_to_disk`` (it has ``dataset_dict.json``)."""
     return (Path(path) / "dataset_dict.json").is_file()
@@ -180,6 +185,8 @@ def iter_source(path: str | Path, max_bytes: int | None = None, split: str | Non
     dropped as described above), ``nbytes`` its size in bytes; a record over ``max_bytes`` bytes, or one that
     does not convert to JSON, comes with ``text=None`` and an ``error``.
 
+    ``path`` and ``split`` passed :func:`check_source`.
+
     Raises:
         SourceError: the file or folder cannot be read (corrupt, not Parquet/Arrow), naming it.
     """
@@ -194,8 +201,6 @@ def iter_source(path: str | Path, max_bytes: int | None = None, split: str | Non
                 for record in batch.slice(start, _ROWS_PER_BATCH).to_pylist():
                     yield (index, *_record_json(record, max_bytes))
                     index += 1
-    except SourceError:
-        raise
     except Exception as err:  # noqa: BLE001 - pyarrow/datasets raise many types for a corrupt file
         at = f"row {index}" if index else "before its first row"  # a whole-file failure has no row to name
         raise SourceError(f"{path}: {at}: cannot be read as {_kind(p)} ({type(err).__name__}: {err})") from err
@@ -210,7 +215,7 @@ def _record_batches(path: Path, split: str | None):
     pa = _import("pyarrow")
     if path.is_dir():
         datasets = _import("datasets")
-        ds = datasets.load_from_disk(str(_dataset_dir(path, split)))
+        ds = datasets.load_from_disk(str(_split_folder(path, split)))
         yield from ds.with_format("arrow").iter(batch_size=1024)
     elif path.suffix.lower() == ".parquet":
         pq = _import("pyarrow.parquet")
@@ -268,7 +273,7 @@ def _record_json(record: dict[str, Any], max_bytes: int | None) -> tuple[int, st
 
 
 def source_identity(path: str | Path, split: str | None = None) -> dict[str, Any]:
-    """What identifies a row source's content, for the sidecar.
+    """What identifies a row source's content (one that passed :func:`check_source`), for the sidecar.
 
     Returns:
         ``{"kind": "dataset" | "parquet" | "arrow", "num_rows": int, "files": [{"name", "size", "blake2b"}],
@@ -278,7 +283,7 @@ def source_identity(path: str | Path, split: str | None = None) -> dict[str, Any
     p = Path(path)
     out: dict[str, Any] = {}
     if p.is_dir():
-        folder = _dataset_dir(p, split)
+        folder = _split_folder(p, split)
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
         names = ["state.json", "dataset_info.json"] + [f["filename"] for f in state.get("_data_files", [])]
         files = [folder / n for n in names if (folder / n).is_file()]

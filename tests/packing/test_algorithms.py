@@ -92,7 +92,7 @@ def test_best_fit_is_near_the_lower_bound_and_beats_next_fit():
 def test_oversize_cost_is_rejected_and_unknown_algorithm():
     with pytest.raises(ValueError, match="conversation 1 costs 9 tokens"):
         next_fit([1, 9], 8)
-    with pytest.raises(ValueError, match="unknown packing algorithm"):
+    with pytest.raises(KeyError, match="first-fit"):  # PackConfig and --algorithm take only ALGORITHMS
         pack([1], 8, "first-fit")
 
 

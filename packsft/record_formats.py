@@ -197,24 +197,36 @@ def alpaca_to_messages(record: dict[str, Any]) -> dict[str, Any]:
     return _with_tools({"messages": messages}, record)
 
 
-def import_adapter(path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """The callable named ``pkg.module:fn`` (or ``pkg.module.fn``).
+def import_named(path: str, option: str, example: str, kind: Callable[[Any], bool] = callable,
+                 noun: str = "a callable") -> Any:
+    """The object a user names by import path, ``pkg.module:name`` or ``pkg.module.name`` (``--adapter``, the
+    loader's ``sampler_class_path``), from ``PYTHONPATH``.
+
+    Args:
+        option: how the path was given, the messages' prefix (``"--adapter "``, ``"sampler_class_path="``).
+        example: an import path of the right form, for the message.
+        kind, noun: what the object must be (``kind(obj)`` true), and its name in the message.
 
     Raises:
-        ValueError: not an import path, the module or attribute is missing, or it is not callable.
+        ValueError: not an import path, the module or attribute is missing, or ``kind(obj)`` is false.
     """
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"--adapter {path!r} is not an import path like 'my_pkg.my_module:to_messages'")
+        raise ValueError(f"{option}{path!r} is not an import path like '{example}'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"--adapter {path!r} does not resolve ({err}); is its folder on PYTHONPATH?") from err
-    if not callable(fn):
-        raise ValueError(f"--adapter {path!r} is a {type(fn).__name__}, not a callable")
-    return fn
+        raise ValueError(f"{option}{path!r} does not resolve ({err}); is its folder on PYTHONPATH?") from err
+    if not kind(obj):
+        raise ValueError(f"{option}{path!r} is a {type(obj).__name__}, not {noun}")
+    return obj
+
+
+def import_adapter(path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The ``--adapter`` function named ``pkg.module:fn`` (or ``pkg.module.fn``); raises as :func:`import_named`."""
+    return import_named(path, "--adapter ", "my_pkg.my_module:to_messages")
 
 
 def adapter_identity(path: str) -> dict[str, str]:
@@ -230,11 +242,13 @@ def adapter_identity(path: str) -> dict[str, str]:
 def record_converter(record_format: str, adapter: str | None) -> Callable[[Any], Any] | None:
     """The function that turns one decoded record into a ``messages`` record, or None when none is needed.
 
+    Args:
+        record_format: one of :data:`RECORD_FORMATS` (``PackConfig`` checks it, as ``--format``'s choices).
+
     Raises:
-        ValueError: an unknown format, or an adapter together with a named format other than ``messages``.
+        ValueError: an adapter together with a named format other than ``messages``, or one that does not import
+            (:func:`import_named`).
     """
-    if record_format not in RECORD_FORMATS:
-        raise ValueError(f"--format {record_format!r}: choose one of {', '.join(RECORD_FORMATS)}")
     if adapter:
         if record_format != "messages":
             raise ValueError("--adapter replaces --format: give one of them")

@@ -5,7 +5,6 @@ loader state by value and digest."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from typing import Any, ClassVar
 from packsft.config_rules import SEED, Needs, check_fields, ge, one_of, rules
 from packsft.data.balance import BALANCE_MODES
 from packsft.data.samplers import BUILTIN_SAMPLERS, EpochSampler
+from packsft.record_formats import import_named
 
 SAMPLER_NAMES = (*BUILTIN_SAMPLERS, "custom")
 REQUIRED_SAMPLER_METHODS = ("__iter__", "state_dict", "load_state_dict")
@@ -26,15 +26,7 @@ def import_sampler_class(path: str) -> type:
         ValueError: if the path does not resolve, is not a class, or the class lacks ``__iter__``,
             ``state_dict`` or ``load_state_dict``; the message names ``sampler_class_path``.
     """
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"sampler_class_path={path!r} is not an import path like 'pkg.module.ClassName'")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"sampler_class_path={path!r} does not resolve: {exc}") from exc
-    if not isinstance(obj, type):
-        raise ValueError(f"sampler_class_path={path!r} is a {type(obj).__name__}, not a class")
+    obj = import_named(path, "sampler_class_path=", "pkg.module.ClassName", inspect.isclass, "a class")
     missing = [m for m in REQUIRED_SAMPLER_METHODS if not callable(getattr(obj, m, None))]
     if missing:
         raise ValueError(

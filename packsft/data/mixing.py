@@ -168,8 +168,8 @@ class WeightedMixingSampler(EpochSampler):
         samples_per_epoch: length of an epoch in rows (``data.samples_per_epoch``, > 0); default ``len(data_source)``.
             An epoch may be shorter than a global batch (global batches span epochs).
         trained_tokens_per_row: ``None`` (default): the weights are shares of rows. Else each source's mean trained
-            tokens per row (> 0, :func:`mean_trained_tokens`): the weights are shares of trained tokens, and source
-            ``s`` gets rows in proportion to ``weights[s] / trained_tokens_per_row[s]``.
+            tokens per row (one per weight, > 0, :func:`mean_trained_tokens`): the weights are shares of trained
+            tokens, and source ``s`` gets rows in proportion to ``weights[s] / trained_tokens_per_row[s]``.
 
     The trainer builds it for a mixture with one weight per source (``Trainer._train_loader_config``).
 
@@ -194,9 +194,6 @@ class WeightedMixingSampler(EpochSampler):
         names = getattr(data_source, "names", None)
         files = [str(getattr(d, "path", "?")) for d in getattr(data_source, "datasets", [])] or None
         if trained_tokens_per_row is not None:
-            if len(trained_tokens_per_row) != len(weights):
-                raise ValueError(f"trained_tokens_per_row has {len(trained_tokens_per_row)} entries for "
-                                 f"{len(weights)} sources")
             weights = [w / t for w, t in zip(normalize_weights(weights, names, files),
                                              normalize_weights(trained_tokens_per_row, names, files))]
         self.counts = rows_per_source(weights, self.samples_per_epoch, names, files)

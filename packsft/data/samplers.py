@@ -38,11 +38,21 @@ from typing import Any
 import numpy as np
 
 
-def num_rows_of(data_source: Any) -> int:
-    """Return the number of rows of a map-style dataset (``len``), or ``data_source`` itself if it is an int."""
+def num_rows_of(data_source: Any, dp_size: int = 1, what: str = "dataset") -> int:
+    """Return the number of rows of a map-style dataset (``len``), or ``data_source`` itself if it is an int.
+
+    Raises:
+        ValueError: fewer rows than ``dp_size`` (some rank would get none), naming the ``what`` and its file.
+    """
     if isinstance(data_source, (int, np.integer)) and not isinstance(data_source, bool):
-        return int(data_source)
-    return len(data_source)
+        num_rows = int(data_source)
+    else:
+        num_rows = len(data_source)
+    if num_rows < dp_size:
+        path = getattr(data_source, "path", None)  # a packed file, a subset of one
+        raise ValueError(f"the {what}{f' {path}' if path else ''} has {num_rows} rows, fewer than dp_size={dp_size}: "
+                         "some rank would get none")
+    return num_rows
 
 
 def epoch_rng(seed: int, epoch: int, salt: int = 0) -> np.random.Generator:
@@ -52,12 +62,6 @@ def epoch_rng(seed: int, epoch: int, salt: int = 0) -> np.random.Generator:
     distinct, unlike ``seed + epoch``. Orders are reproducible for a given numpy release (NEP 19).
     """
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch), int(salt)]))
-
-
-def _named(data_source: Any) -> str:
-    """`` <path>`` of a dataset that has one (a packed file, a subset of one), for error messages; else ``""``."""
-    path = getattr(data_source, "path", None)
-    return f" {path}" if path else ""
 
 
 class EpochSampler(ABC):
@@ -78,10 +82,7 @@ class EpochSampler(ABC):
     """
 
     def __init__(self, data_source: Any, dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> None:
-        self.num_rows = num_rows_of(data_source)
-        if self.num_rows < dp_size:
-            raise ValueError(f"the dataset{_named(data_source)} has {self.num_rows} rows, fewer than "
-                             f"dp_size={dp_size}: some rank would get none")
+        self.num_rows = num_rows_of(data_source, dp_size)
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, int(seed)
         self.epoch, self.position = 0, 0
         self._cached: tuple[int, list[int]] | None = None
@@ -233,25 +234,21 @@ class GlobalBatchSampler:
         sampler: an :class:`EpochSampler` (its stream does not depend on ``dp_size``).
         dp_rank, dp_size: this rank and the data-parallel size.
         micro_batch_size: rows per micro-batch.
-        global_batch_size: rows per global batch, a multiple of ``dp_size * micro_batch_size``.
+        global_batch_size: rows per global batch, a positive multiple of ``dp_size * micro_batch_size`` (the
+            training config checks it against the world size, ``packsft.train.config``).
         header: the loader's state header (``num_rows`` enables the index check, ``sampler`` names the class).
         plan: see :data:`Plan`; ``None``: the strided split above.
 
     Raises:
-        ValueError: ``global_batch_size`` not a positive multiple of ``dp_size * micro_batch_size``.
         RuntimeError, SamplerError: (while iterating) as :class:`ResumableBatchSampler`.
     """
 
     def __init__(self, sampler: EpochSampler, *, dp_rank: int, dp_size: int, micro_batch_size: int,
                  global_batch_size: int, header: dict[str, Any] | None = None, plan: Plan | None = None) -> None:
-        per_step = dp_size * micro_batch_size
-        if global_batch_size < per_step or global_batch_size % per_step:
-            raise ValueError(f"global_batch_size ({global_batch_size}) must be a positive multiple of "
-                             f"micro_batch_size ({micro_batch_size}) * dp_size ({dp_size})")
         self.sampler, self.plan = sampler, plan
         self.dp_rank, self.dp_size, self.micro_batch_size = dp_rank, dp_size, micro_batch_size
         self.global_batch_size = global_batch_size
-        self.micro_batches = global_batch_size // per_step
+        self.micro_batches = global_batch_size // (dp_size * micro_batch_size)
         self.header = dict(header or {})
         self._start = dict(sampler.state_dict())    # the sampler's state where the batch in progress starts
         self._global_batches, self._micro_batch = 0, 0
@@ -307,9 +304,7 @@ class EvalShardSampler:
     """
 
     def __init__(self, data_source: Any, dp_rank: int = 0, dp_size: int = 1) -> None:
-        num_rows = num_rows_of(data_source)
-        if num_rows < dp_size:
-            raise ValueError(f"the eval dataset{_named(data_source)} has {num_rows} rows, fewer than dp_size={dp_size}")
+        num_rows = num_rows_of(data_source, dp_size, "eval dataset")
         self.num_skipped_rows = num_rows % dp_size
         self.rows = range(dp_rank, num_rows - self.num_skipped_rows, dp_size)
 

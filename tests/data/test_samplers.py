@@ -105,12 +105,6 @@ def test_a_state_inside_a_global_batch_resumes_on_the_same_layout():
     assert got == [i for ranks in reference for i in ranks[1]]
 
 
-def test_global_batch_size_must_fit_the_layout():
-    with pytest.raises(ValueError, match=r"global_batch_size \(6\) must be a positive multiple of micro_batch_size "
-                                         r"\(2\) \* dp_size \(2\)"):
-        GlobalBatchSampler(RandomSampler(10), dp_rank=0, dp_size=2, micro_batch_size=2, global_batch_size=6)
-
-
 @pytest.mark.parametrize("cls", [RandomSampler, SequentialSampler])
 @pytest.mark.parametrize("k", [1, 7, 10, 13, 20, 29])  # mid-epoch, epoch end, across epochs (epoch = 10)
 def test_resume_continues_at_next_sample(cls, k):

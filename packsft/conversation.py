@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from packsft.jsonl import NON_FINITE, ConversationError, DuplicateKey, NonFiniteNumber, json_type, loads_strict
 
@@ -69,16 +69,53 @@ Rule = tuple[str, Callable[[Any], bool], Any]
 """A field check: ``(field, the value passes, reason)``; ``reason`` is text or a function of the value."""
 
 
-def _first_failed(value: Any, rules: tuple[Rule, ...]) -> tuple[str, str] | None:
+class Each(NamedTuple):
+    """A rule on a list: every item passes ``rules`` (its field: ``[i]``, then the failed rule's own)."""
+
+    rules: tuple
+
+
+def _first_failed(value: Any, rules: tuple) -> tuple[str, str] | None:
     """``(field, reason)`` of the first of ``rules`` (in order: a later one may assume the earlier) ``value`` fails."""
-    for where, ok, reason in rules:
-        if not ok(value):
-            return where, reason if isinstance(reason, str) else reason(value)
+    for rule in rules:
+        if isinstance(rule, Each):
+            for i, item in enumerate(value):
+                failed = _first_failed(item, rule.rules)
+                if failed:
+                    return f"[{i}]{failed[0]}", failed[1]
+        elif not rule[1](value):
+            return rule[0], rule[2] if isinstance(rule[2], str) else rule[2](value)
     return None
+
+
+def check_value(value: Any, rules: tuple, path: str | Path, line: int, where: str) -> None:
+    """Raise :class:`~packsft.jsonl.ConversationError` naming ``where`` and the field of the first of ``rules``
+    (:data:`Rule` or :class:`Each`) that ``value`` fails."""
+    failed = _first_failed(value, rules)
+    if failed:
+        raise ConversationError(path, line, where + failed[0], failed[1])
 
 
 def _name_ok(fn: dict) -> bool:
     return isinstance(fn.get("name"), str) and bool(fn["name"])
+
+
+def _arguments_problem(call: dict) -> str | None:
+    """Why a tool call's ``function.arguments`` is neither an object nor a string :func:`loads_strict` reads as
+    one, or ``None``."""
+    args = call["function"].get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = loads_strict(args)
+        except NonFiniteNumber:
+            return f"is a string holding {NON_FINITE}"
+        except json.JSONDecodeError as e:
+            return f"is a string but not JSON ({e.msg})"
+        except DuplicateKey as e:
+            return f"is a string whose JSON has a {e}"
+        except (ValueError, RecursionError) as e:  # nested too deeply, too many digits
+            return f"is a string but not JSON here ({e or 'nested too deeply'})"
+    return None if isinstance(args, dict) else f"must be a JSON object or a string holding one, got {json_type(args)}"
 
 
 _TOOL_RULES: tuple[Rule, ...] = (
@@ -92,62 +129,55 @@ _TOOL_RULES: tuple[Rule, ...] = (
 )
 """What each entry of ``tools`` must be (an OpenAI function schema)."""
 
-_TOOL_CALL_RULES: tuple[Rule, ...] = (
-    (".function", lambda c: isinstance(c, dict) and isinstance(c.get("function"), dict),
-     "must be an object with 'name' and 'arguments'"),
-    (".function.name", lambda c: _name_ok(c["function"]), "must be a non-empty string"),
+_TOOLS_RULES = (("", lambda v: isinstance(v, list), lambda v: f"must be a list of function schemas, got {json_type(v)}"),
+               Each(_TOOL_RULES))
+"""What a record's (or a packed conversation's) ``tools`` must be."""
+
+_KWARGS_RULES = (("", lambda v: isinstance(v, dict),
+                 lambda v: f"must be an object of apply_chat_template keyword arguments, got {json_type(v)}"),)
+"""What ``chat_template_kwargs`` must be."""
+
+_TOOL_CALLS_RULES = (
+    ("", lambda v: isinstance(v, list) and bool(v), "must be a non-empty list"),
+    Each((
+        (".function", lambda c: isinstance(c, dict) and isinstance(c.get("function"), dict),
+         "must be an object with 'name' and 'arguments'"),
+        (".function.name", lambda c: _name_ok(c["function"]), "must be a non-empty string"),
+        (".function.arguments", lambda c: _arguments_problem(c) is None, _arguments_problem),
+    )),
 )
-"""What each entry of an assistant turn's ``tool_calls`` must be (its ``arguments``: :func:`_check_tool_calls`)."""
+"""What an assistant turn's ``tool_calls`` must be."""
+
+_WEIGHT_RULES = (("", lambda w: w in (0, 1) and not isinstance(w, bool), lambda w: f"must be 0 or 1, got {w!r}"),)
 
 
-def _check_tools(tools: Any, path: str | Path, line: int, prefix: str = "tools") -> None:
-    if not isinstance(tools, list):
-        raise ConversationError(path, line, prefix, f"must be a list of function schemas, got {json_type(tools)}")
-    for i, tool in enumerate(tools):
-        failed = _first_failed(tool, _TOOL_RULES)
-        if failed:
-            raise ConversationError(path, line, f"{prefix}[{i}]{failed[0]}", failed[1])
+def _has_calls(m: dict) -> bool:
+    return m.get("role") == "assistant" and m.get("tool_calls") not in (None, [])
 
 
-def _check_kwargs(kwargs: Any, path: str | Path, line: int, where: str) -> None:
-    if not isinstance(kwargs, dict):
-        raise ConversationError(path, line, where, f"must be an object of apply_chat_template keyword arguments, "
-                                                   f"got {json_type(kwargs)}")
+def _unknown_role(m: dict) -> str:
+    return f"unknown role {m['role']!r}" if "role" in m else "missing"
 
 
-def _check_weight(weight: Any, path: str | Path, line: int, where: str) -> None:
-    if weight not in (0, 1) or isinstance(weight, bool):
-        raise ConversationError(path, line, where, f"must be 0 or 1, got {weight!r}")
+_MESSAGE_RULES = (
+    ("", lambda m: isinstance(m, dict), lambda m: f"must be an object, got {json_type(m)}"),
+    (".role", lambda m: m.get("role") in ROLES,
+     lambda m: f"{_unknown_role(m)} (expected one of {', '.join(ROLES)})"),
+    (".content", lambda m: m.get("content") is not None or _has_calls(m),
+     lambda m: "is null; null content is allowed only on an assistant turn with tool_calls" if "content" in m else
+     "missing; content may be left out only on an assistant turn with tool_calls"),
+    (".content", lambda m: isinstance(m.get("content"), (str, type(None))),
+     lambda m: f"must be a string, got {json_type(m['content'])}"
+               + (" (lists of content parts are not supported; join the text parts)"
+                  if isinstance(m["content"], list) else "")),
+)
+"""What each message must be, on its own (its place in the conversation: :func:`validate_messages`)."""
 
-
-def _arguments_error(e: Exception) -> str:
-    """Why a tool call's ``arguments`` string is not what :func:`loads_strict` reads (it raised ``e``)."""
-    if isinstance(e, NonFiniteNumber):
-        return f"is a string holding {NON_FINITE}"
-    if isinstance(e, json.JSONDecodeError):
-        return f"is a string but not JSON ({e.msg})"
-    if isinstance(e, DuplicateKey):
-        return f"is a string whose JSON has a {e}"
-    return f"is a string but not JSON here ({e or 'nested too deeply'})"  # nested too deeply, too many digits
-
-
-def _check_tool_calls(calls: Any, path: str | Path, line: int, where: str) -> None:
-    if not isinstance(calls, list) or not calls:
-        raise ConversationError(path, line, where, "must be a non-empty list")
-    for j, call in enumerate(calls):
-        cw = f"{where}[{j}]"
-        failed = _first_failed(call, _TOOL_CALL_RULES)
-        if failed:
-            raise ConversationError(path, line, cw + failed[0], failed[1])
-        args = call["function"].get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = loads_strict(args)
-            except (ValueError, RecursionError) as e:
-                raise ConversationError(path, line, f"{cw}.function.arguments", _arguments_error(e)) from e
-        if not isinstance(args, dict):
-            raise ConversationError(path, line, f"{cw}.function.arguments",
-                                    f"must be a JSON object or a string holding one, got {json_type(args)}")
+_MESSAGES_RULES = (
+    ("", lambda v: isinstance(v, list), lambda v: f"must be a list, got {json_type(v)}"),
+    ("", lambda v: any(isinstance(m, dict) and m.get("role") != "system" for m in v),
+     "needs at least one user, assistant or tool message"),
+)
 
 
 def _first_system(i: int, role: str) -> bool:
@@ -159,16 +189,16 @@ def _assistant(i: int, role: str) -> bool:
 
 
 _CARRIED = {
-    "weight": ((), _assistant, "only assistant turns may carry a weight, not {role}", _check_weight),
-    "tool_calls": ((None, []), _assistant, "only assistant turns may carry tool_calls, not {role}", _check_tool_calls),
+    "weight": ((), _assistant, "only assistant turns may carry a weight, not {role}", _WEIGHT_RULES),
+    "tool_calls": ((None, []), _assistant, "only assistant turns may carry tool_calls, not {role}", _TOOL_CALLS_RULES),
     # a template reads neither from another message: it would be dropped
     "tools": ((), _first_system, "only the record or its first (system) message may carry tools, not {role} "
-                                 "message {i}", _check_tools),
+                                 "message {i}", _TOOLS_RULES),
     "chat_template_kwargs": ((), _first_system, "only the record or its first (system) message may carry "
-                                                "chat_template_kwargs, not {role} message {i}", _check_kwargs),
+                                                "chat_template_kwargs, not {role} message {i}", _KWARGS_RULES),
 }
 """The optional keys of a message: ``key: (values that count as absent, which message i of a role may carry it,
-reason when another does, the check of its value)``."""
+reason when another does, the rules of its value)``."""
 
 
 def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0) -> None:
@@ -183,43 +213,25 @@ def validate_messages(messages: Any, path: str | Path = "<input>", line: int = 0
     Raises:
         ConversationError: naming ``path``, ``line`` and the field (``messages[i].role`` ...).
     """
-    if not isinstance(messages, list):
-        raise ConversationError(path, line, "messages", f"must be a list, got {json_type(messages)}")
-    if not any(isinstance(m, dict) and m.get("role") != "system" for m in messages):
-        raise ConversationError(path, line, "messages", "needs at least one user, assistant or tool message")
+    check_value(messages, _MESSAGES_RULES, path, line, "messages")
     previous = None
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ConversationError(path, line, where, f"must be an object, got {json_type(m)}")
-        role = m.get("role")
-        if role not in ROLES:
-            what = f"unknown role {role!r}" if "role" in m else "missing"
-            raise ConversationError(path, line, f"{where}.role", f"{what} (expected one of {', '.join(ROLES)})")
-        content = m.get("content")
-        has_calls = role == "assistant" and m.get("tool_calls") not in (None, [])
-        if content is None and not has_calls:
-            raise ConversationError(path, line, f"{where}.content",
-                                    "is null; null content is allowed only on an assistant turn with tool_calls"
-                                    if "content" in m else
-                                    "missing; content may be left out only on an assistant turn with tool_calls")
-        if content is not None and not isinstance(content, str):
-            parts = isinstance(content, list)
-            why = " (lists of content parts are not supported; join the text parts)" if parts else ""
-            raise ConversationError(path, line, f"{where}.content", f"must be a string, got {json_type(content)}{why}")
-        for key, (absent, may, reason, check) in _CARRIED.items():
+        check_value(m, _MESSAGE_RULES, path, line, where)
+        role = m["role"]
+        for key, (absent, may, reason, rules) in _CARRIED.items():
             if key not in m or m[key] in absent:
                 continue
             if not may(i, role):
                 raise ConversationError(path, line, f"{where}.{key}", reason.format(role=role, i=i))
-            check(m[key], path, line, f"{where}.{key}")
+            check_value(m[key], rules, path, line, f"{where}.{key}")
         if role == "system" and i != 0:
             raise ConversationError(path, line, f"{where}.role",
                                     "a system message may only come first (a later one would split the conversation)")
         if role == "tool" and previous not in ("tool_call", "tool"):
             raise ConversationError(path, line, f"{where}.role",
                                     "a tool message must follow an assistant turn with tool_calls")
-        previous = "tool_call" if has_calls else role
+        previous = "tool_call" if _has_calls(m) else role
 
 
 def parse_record(
@@ -269,10 +281,10 @@ def parse_record(
     validate_messages(messages, path, line)
     tools = record.get("tools")
     if tools is not None:
-        _check_tools(tools, path, line)
+        check_value(tools, _TOOLS_RULES, path, line, "tools")
     kwargs = record.get("chat_template_kwargs")
     if kwargs is not None:
-        _check_kwargs(kwargs, path, line, "chat_template_kwargs")
+        check_value(kwargs, _KWARGS_RULES, path, line, "chat_template_kwargs")
     messages = [dict(m) for m in messages]
     if messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": default_system_prompt})
@@ -321,9 +333,9 @@ def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: 
             try:
                 validate_messages(msgs, path, line)
                 if tools is not None:
-                    _check_tools(tools, path, line, f"messages[{s}].tools")
+                    check_value(tools, _TOOLS_RULES, path, line, f"messages[{s}].tools")
                 if kwargs is not None:
-                    _check_kwargs(kwargs, path, line, f"messages[{s}].chat_template_kwargs")
+                    check_value(kwargs, _KWARGS_RULES, path, line, f"messages[{s}].chat_template_kwargs")
             except ConversationError as err:
                 raise ConversationError(path, line, f"conversation {k}: {err.field}", err.reason) from err
         conversations.append(Conversation(messages=msgs, tools=tools, path=str(path), line=line,

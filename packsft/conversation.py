@@ -129,8 +129,10 @@ _TOOL_RULES: tuple[Rule, ...] = (
 )
 """What each entry of ``tools`` must be (an OpenAI function schema)."""
 
-_TOOLS_RULES = (("", lambda v: isinstance(v, list), lambda v: f"must be a list of function schemas, got {json_type(v)}"),
-               Each(_TOOL_RULES))
+_TOOLS_RULES = (
+    ("", lambda v: isinstance(v, list), lambda v: f"must be a list of function schemas, got {json_type(v)}"),
+    Each(_TOOL_RULES),
+)
 """What a record's (or a packed conversation's) ``tools`` must be."""
 
 _KWARGS_RULES = (("", lambda v: isinstance(v, dict),

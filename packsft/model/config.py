@@ -222,7 +222,8 @@ def read_model_config(path: str | Path) -> ModelConfig:
     Raises:
         ValueError: naming unknown or missing fields (a partial YAML ``model:`` section, as training allows with
             ``checkpoint.init_from``: see ``packsft.train.compat.read_yaml_model``), or a YAML without one.
-        FileNotFoundError: no such file (a folder without ``model_config.json``: not a packsft checkpoint).
+        FileNotFoundError: a folder without ``model_config.json`` (not a packsft checkpoint), or no such file (the
+            ``OSError`` of reading it, naming it).
     """
     path = Path(path)
     if path.is_dir():
@@ -231,8 +232,6 @@ def read_model_config(path: str | Path) -> ModelConfig:
                                     "written by `convert_checkpoint.py import` or by training, e.g. "
                                     "out/train/checkpoints/iter_0000100); or pass the run's --config YAML")
         path = path / MODEL_CONFIG_FILE
-    elif not path.is_file():
-        raise FileNotFoundError(f"model config not found: {path}")
     if path.suffix in (".yaml", ".yml"):
         data = yaml_model_section(path)
         if data is None:

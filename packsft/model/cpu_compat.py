@@ -90,12 +90,7 @@ def _get_pos_emb_on_this_cp_rank(pos_emb: Tensor, seq_dim: int, cp_group) -> Ten
 
     Cuts ``pos_emb`` along ``seq_dim`` into ``2 * cp`` chunks and keeps chunks ``r`` and
     ``2 * cp - 1 - r`` (the load-balanced causal layout).
-
-    Raises:
-        ValueError: if ``cp_group`` is None.
     """
-    if cp_group is None:
-        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
     pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
@@ -116,13 +111,7 @@ def _set_no_cuda_rng_state(new_state: Tensor, device: int = -1, graph_safe: bool
 
 
 def _add_without_cuda(self, name: str, seed: int) -> None:
-    """``CudaRNGStatesTracker.add`` without CUDA: register ``name`` with the empty (no generator) state.
-
-    Raises:
-        Exception: ``name`` is already registered, as Megatron's ``add`` does.
-    """
-    if name in self.states_:
-        raise Exception(f"cuda rng state {name} already exists")
+    """``CudaRNGStatesTracker.add`` without CUDA: register ``name`` with the empty (no generator) state."""
     self.states_[name] = _NO_CUDA_RNG_STATE
 
 

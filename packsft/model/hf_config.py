@@ -216,10 +216,11 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
         ``model.max_position_embeddings`` keeps the original model's context).
 
     Raises:
-        ValueError: the base's ``model_type`` is not one packsft exports (``ARCHITECTURES``), or
-            ``cfg.add_qkv_bias`` or ``cfg.qk_layernorm`` disagrees with it
-            (only Qwen2 has the bias, only Qwen3 the q/k norms), or transformers refuses the merged config (one line:
-            e.g. a base of another model, whose ``layer_types`` has another length than ``cfg.num_layers``).
+        ValueError: the base's ``model_type`` is not one packsft exports (``ARCHITECTURES``); transformers refuses
+            the merged config (one line: e.g. a base of another model, whose ``layer_types`` has another length
+            than ``cfg.num_layers``); or the result does not describe ``cfg`` (:func:`_check_describes`: e.g.
+            ``cfg.add_qkv_bias`` or ``cfg.qk_layernorm`` against a base of another family: only Qwen2 has the
+            bias, only Qwen3 the q/k norms).
     """
     from transformers import AutoConfig
 
@@ -233,9 +234,6 @@ def hf_config_from_model_config(cfg: ModelConfig, base=None, token_ids: dict | N
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model_type {model_type!r} cannot be exported; packsft writes {', '.join(ARCHITECTURES)} "
                          "configs (the HF config of another model?)")
-    for name, family in (("add_qkv_bias", "qwen2"), ("qk_layernorm", "qwen3")):     # only that family has it
-        if getattr(cfg, name) != (model_type == family):
-            raise ValueError(f"model.{name}={getattr(cfg, name)} cannot be exported as model_type {model_type!r}")
     for key in ("model_type", "transformers_version", "architectures", "rope_scaling", "rope_theta"):
         base.pop(key, None)
     for key, value in (token_ids or {}).items():

@@ -48,16 +48,10 @@ def use_hidden_state_output(model) -> None:
     """Let ``model`` (a ``GPTModel`` or a wrapper with ``.module``) return final hidden states on demand.
 
     Idempotent. Changes no parameter, buffer or checkpoint key; the model keeps returning logits/loss
-    until :func:`gpt_token_loss` asks for hidden states.
-
-    Raises:
-        ValueError: if the model has no ``ColumnParallelLinear`` ``output_layer`` (e.g. not the last
-            pipeline stage).
+    until :func:`gpt_token_loss` asks for hidden states. Only the last pipeline stage has an ``output_layer``
+    (Megatron's ``ColumnParallelLinear``).
     """
-    gpt = unwrap_model(model)
-    layer = getattr(gpt, "output_layer", None)
-    if not isinstance(layer, ColumnParallelLinear):
-        raise ValueError(f"model.output_layer must be a ColumnParallelLinear, got {type(layer).__name__}")
+    layer = unwrap_model(model).output_layer
     if not isinstance(layer, HiddenStateOutputLayer):
         layer.__class__ = HiddenStateOutputLayer
         layer.return_hidden_states = False
@@ -91,12 +85,6 @@ def final_hidden_states(model, tokens: Tensor, position_ids: Tensor, packed_seq_
 
     Returns:
         ``[1, t, h]`` in the model's activation dtype.
-
-    Raises:
-        ValueError: the model was not prepared with :func:`use_hidden_state_output`.
     """
-    gpt = unwrap_model(model)
-    if not isinstance(gpt.output_layer, HiddenStateOutputLayer):
-        raise ValueError("fused loss needs packsft.model.output_head.use_hidden_state_output(model) first")
-    with _hidden_states_mode(gpt.output_layer):
+    with _hidden_states_mode(unwrap_model(model).output_layer):
         return model(tokens, position_ids, None, packed_seq_params=packed_seq_params)

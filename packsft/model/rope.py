@@ -76,15 +76,11 @@ def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotar
         t: ``[t, h, d]`` (this CP rank's tokens).
         cu_seqlens: int32 ``[n + 1]``, global segment offsets (Megatron passes ``cu_seqlens_q_padded``).
         freqs: fp32 ``[max_s, 1, 1, d_rot]`` angles.
+        cp_group: the context-parallel group (Megatron's ``apply_rotary_pos_emb`` always passes one).
 
     Returns:
         ``[t, h, d]``, the rotated ``t``.
-
-    Raises:
-        ValueError: ``cp_group`` is None (as Megatron's).
     """
-    if cp_group is None:
-        raise ValueError("cp_group must be provided for THD format RoPE")
     packed = _packed_freqs(t, cu_seqlens, freqs, cp_group.size(), cp_group.rank())
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,

@@ -136,14 +136,13 @@ def plan(model: ModelConfig, layout: Layout, seq_len: int, gpu_bytes: float) -> 
     up to ``PP`` micro-batches in flight, so its activations are about those of ``num_layers / PP`` layers x
     ``PP`` micro-batches, i.e. the same as without pipelining (Megatron-LM's observation).
 
-    ``seq_len`` is a multiple of ``2 CP`` (the training config's rule; :func:`max_seq_len` steps by it).
+    ``seq_len`` is a multiple of ``2 CP`` (the training config's rule; :func:`max_seq_len` steps by it), and
+    ``model.num_layers`` one of ``PP`` (the training config's rule too).
 
     Raises:
-        ValueError: a layout that does not divide the model (layers by PP, heads and vocabulary by TP).
+        ValueError: a TP size that does not divide the model's key/value heads or vocabulary (the trainer refuses
+            both when it builds the model).
     """
-    if model.num_layers % layout.pp:
-        raise ValueError(f"num_layers ({model.num_layers}) is not a multiple of pipeline_model_parallel_size "
-                         f"({layout.pp})")
     if model.num_query_groups % layout.tp:
         raise ValueError(f"num_query_groups ({model.num_query_groups}) is not a multiple of "
                          f"tensor_model_parallel_size ({layout.tp})")

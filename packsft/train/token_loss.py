@@ -36,14 +36,8 @@ def gpt_token_loss(model, batch: dict, *, fused: bool, chunk_size: int) -> tuple
         where ``labels == IGNORE_INDEX``; ``per_token_loss`` (nats) is already multiplied by it, so
         untrained tokens are exactly 0. The training loss is ``per_token_loss.sum()`` divided by the
         global number of trained tokens (``packsft.loss.normalize_loss``).
-
-    Raises:
-        ValueError: ``fused=True`` on a model without the hidden-state seam, or a batch that is not one row.
     """
     tokens, labels = batch["tokens"], batch["labels"]
-    if tokens.dim() != 2 or tokens.shape[0] != 1 or labels.shape != tokens.shape:
-        raise ValueError(f"expected tokens and labels of shape [1, t] (one THD row), got "
-                         f"{tuple(tokens.shape)} and {tuple(labels.shape)}")
     loss_mask = (batch["loss_mask"].float() * (labels != IGNORE_INDEX)).reshape(-1)
     psp = batch["packed_seq_params"]
     if not fused:

@@ -86,11 +86,6 @@ def test_fused_and_stock_paths_agree(parallel_state_1proc, tied):  # noqa: F811
     assert results[0][1][weight_name].abs().sum() > 0
 
 
-def test_fused_needs_the_swap(parallel_state_1proc):  # noqa: F811
-    with pytest.raises(ValueError, match="use_hidden_state_output"):
-        gpt_token_loss(build(), packed_row(), fused=True, chunk_size=8)
-
-
 def test_swap_keeps_checkpoint_keys_weights_and_stock_outputs(parallel_state_1proc):  # noqa: F811
     stock, swapped = build(seed=3), build(seed=3)
     use_hidden_state_output(swapped)

@@ -2,12 +2,12 @@
 ``PackConfig``) and the one loader that builds them from YAML, JSON and dotted overrides.
 
 A field declares its rules in its metadata, ``lr: float = field(default=3e-4, metadata=rules(*POSITIVE))``, and a
-class the rules between its fields in a ``relations`` class attribute (:class:`Exclusive`, :func:`at_most`,
-:func:`multiple_of`, :class:`Needs`). :func:`check_fields`, called by ``__post_init__`` (``PackConfig.validate``),
-raises one ``ValueError`` for the first rule that fails: ``"<section>.<field> must be <rule>, got <value>"``, the
-field named by its ``name`` metadata where it has one (``PackConfig``'s command-line flags). A field whose default is
-None may be None (its rules then read "... or None"); OmegaConf's ``???`` (a value a later layer fills) is not
-checked.
+class the rules between its fields in a ``relations`` class attribute (:class:`Exclusive`, :class:`AnyOf`,
+:func:`at_most`, :func:`multiple_of`, :class:`Needs`). :func:`check_fields`, called by ``__post_init__``
+(``PackConfig.validate``), raises one ``ValueError`` for the first rule that fails:
+``"<section>.<field> must be <rule>, got <value>"``, the field named by its ``name`` metadata where it has one
+(``PackConfig``'s command-line flags). A field whose default is None may be None (its rules then read "... or
+None"); OmegaConf's ``???`` (a value a later layer fills) is not checked.
 
 :func:`build_config` merges OmegaConf layers over a dataclass schema and builds it; :func:`config_errors` turns
 what goes wrong there (an unknown key, a value of the wrong type, invalid YAML, a failed check) into one
@@ -114,6 +114,19 @@ class Exclusive(NamedTuple):
         messages name the field)."""
         if get(self.a) and get(self.b):
             return _why(f"set either {name(self.a)} or {name(self.b)}, not both", self.why)
+        return None
+
+
+class AnyOf(NamedTuple):
+    """At least one of the fields ``keys`` is set (truthy)."""
+
+    keys: tuple[str, ...]
+    why: str = ""
+
+    def failure(self, get, name) -> str | None:
+        """The message when broken, else None (as :meth:`Exclusive.failure`)."""
+        if not any(get(key) for key in self.keys):
+            return _why(f"{' or '.join(name(key) for key in self.keys)} is required", self.why)
         return None
 
 

@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from packsft.config_rules import (
     NON_NEGATIVE,
     POSITIVE,
+    AnyOf,
     Needs,
     Rule,
     at_most,
@@ -109,6 +110,12 @@ class Config:
         at_most("scheduler.min_lr", "optimizer.lr", "the decay would raise the learning rate"),
         at_most("scheduler.warmup_steps", "train.train_steps"),
         Needs("lora.enabled", ("model.attention_backend", "torch"), "LoRA wraps Megatron's parallel linears"),
+        AnyOf(("data.train_path", "data.train"), "one file, or a list of {name, path, weight}"),
+        Needs("validation.enabled", "data.has_validation",
+              "validation.val_period, val_at_start or val_at_end asks for validation passes, but there is no "
+              "validation data: set data.validation, data.validation_path or a split_validation_size"),
+        Needs(("data.train", Rule(lambda train: len(train) > 1, "of several sources")), ("loader.sampler", "random"),
+              "a mixture is sampled by its sources' weights (packsft.data.mixing.WeightedMixingSampler)"),
     )
 
     def __post_init__(self) -> None:
@@ -118,7 +125,8 @@ class Config:
             ValueError: naming both dotted keys and values: ``data.max_seq_len`` not a multiple of
                 :func:`~packsft.layout.row_granularity` or above ``model.max_position_embeddings``, warmup longer
                 than the run, ``model.num_layers`` not a multiple of the pipeline stages, no training data,
-                validation without data, ``scheduler.min_lr`` above ``optimizer.lr``.
+                validation without data, ``scheduler.min_lr`` above ``optimizer.lr``, a mixture of several
+                ``data.train`` sources with a ``loader.sampler`` other than ``random``.
         """
         if self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size == 1:
             warnings.warn("parallel.sequence_parallel needs tensor_model_parallel_size > 1; it is ignored",
@@ -138,11 +146,6 @@ class Config:
             raise ValueError(f"model.num_layers ({self.model.num_layers}) must be a multiple of "
                              f"parallel.pipeline_model_parallel_size ({pp})"
                              + (f" x parallel.virtual_pipeline_model_parallel_size ({vp})" if vp else ""))
-        if not self.data.train and not self.data.train_path:
-            raise ValueError("data.train_path (one file) or data.train (a list of {name, path, weight}) is required")
-        if self.validation.enabled and not self.data.has_validation:
-            raise ValueError("validation is enabled (validation.val_period / val_at_start / val_at_end) but there is "
-                             "no validation data: set data.validation, data.validation_path or a split_validation_size")
 
     @property
     def checkpoint_dir(self) -> Path:

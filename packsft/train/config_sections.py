@@ -117,11 +117,14 @@ class DataConfig:
         if self.mixture_unit != "rows" and (self.train_path or len(self.train) == 1):
             raise ValueError(f"data.mixture_unit ({self.mixture_unit}) sets what the weights of a mixture of several "
                              "data.train sources share out; with one source there is nothing to share")
-        for kind, names in (("data.train", [n for n, *_ in self.train_sources()]),   # not validation_sources(),
-                            ("data.validation", [_source_name(v.name, v.path) for v in self.validation])):  # a dict
+        held_out = [("validation" if self.train_path else n) for n, _, _, split in self.train_sources() if split > 0]
+        given = [_source_name(v.name, v.path) for v in self.validation] + ["validation"] * bool(self.validation_path)
+        for kind, names, hint in (                              # lists, not validation_sources() (a dict)
+                ("data.train", [n for n, *_ in self.train_sources()], ""),
+                ("data.validation", held_out + given, "; a source's held-out split is named after the source")):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
-                raise ValueError(f"{kind}: names must be unique, {dupes} appear twice (set name: per entry)")
+                raise ValueError(f"{kind}: names must be unique, {dupes} appear twice (set name: per entry{hint})")
 
     def train_sources(self) -> list[tuple[str, str, float, float]]:
         """``(name, path, weight, split_validation_size)`` of every training source."""

@@ -114,10 +114,8 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
             validation["validation" if data.train_path else name] = RowSubset(dataset, val_rows, "validation")
         else:
             train[name] = dataset
-    for name, path in data.validation_sources().items():
-        if name in validation:
-            raise ValueError(f"data.validation: the name {name!r} is also a training source's held-out split")
-        validation[name] = packed(path)
+    for name, path in data.validation_sources().items():       # their names differ from the held-out splits'
+        validation[name] = packed(path)                          # (the config's rule)
         if (key := _file_key(validation[name].path)) in trained and warn is not None:
             warn(f"warning: data.validation {name!r} is the file {path}, which the training source "
                  f"{trained[key][0]!r} trains on: its loss is measured on trained rows (to hold rows out, give "

@@ -170,17 +170,10 @@ class Trainer:
                                sources=self.train_set.names if isinstance(self.train_set, MixedDataset) else None)
 
     def _train_loader_config(self) -> DataLoaderConfig:
-        """``loader`` as configured; for a mixture of several sources, the weighted mixing sampler.
-
-        Raises:
-            ValueError: a mixture with ``loader.sampler`` other than ``random`` (a mixture is sampled by weight).
-        """
+        """``loader`` as configured; for a mixture of several sources (whose ``loader.sampler`` is ``random``: the
+        config's rule), the weighted mixing sampler."""
         if not isinstance(self.train_set, MixedDataset):
             return self.cfg.loader
-        if self.cfg.loader.sampler != "random":
-            raise ValueError(f"loader.sampler={self.cfg.loader.sampler!r}: a mixture of data.train sources is "
-                             "sampled by their weights (packsft.data.mixing.WeightedMixingSampler); leave "
-                             "loader.sampler random")
         sources = self.cfg.data.train_sources()
         weights = normalize_weights([w for _, _, w, _ in sources], self.train_set.names, [p for _, p, _, _ in sources])
         kwargs = {"weights": weights, "samples_per_epoch": self.cfg.data.samples_per_epoch}

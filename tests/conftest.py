@@ -52,11 +52,10 @@ LONGEST_FIRST = (
     "test_hf_io_pp.py",             # 219
     "test_preemption.py",          # 216
     "test_loop.py",                # 160
-    "test_convert_checkpoint_errors.py",  # ~150
-    "test_tools_errors.py",        # ~130
     "test_lora_run.py",                  # 152
     "test_distributed_optimizer.py",     # 142
     "test_pipeline.py",             # 90
+    "test_tools_errors.py",        # ~60 (the light tools' errors in process)
     "test_parallel_checkpoint.py",       # 80
     "test_parallel_parity.py",           # 78
     "test_dataset.py",              # 74

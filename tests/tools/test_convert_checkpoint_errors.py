@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_tools_errors import TOOLS, assert_user_error, run_tool
+from test_tools_errors import TOOLS, assert_user_error, call_tool
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from packsft.model.hf_config import model_config_from_hf
@@ -47,7 +47,7 @@ def edit_tensors(path, edit):
 def test_import_of_a_missing_or_misshapen_tensor_is_a_user_error(tmp_path, edit, message):
     hf = tiny_llama(tmp_path / "hf")
     edit_tensors(hf, edit)
-    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"), message)
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"), message)
     assert not (tmp_path / "out").exists()
 
 
@@ -118,12 +118,12 @@ def test_out_holding_other_files_is_refused_and_a_previous_import_is_replaced(tm
     hf = tiny_llama(tmp_path / "hf")
     out = tmp_path / "mg"
     for _ in range(2):                                       # the second replaces the first: a previous import
-        rc, stderr = run_tool(CONVERT, "import", "--hf", hf, "--out", out)
+        rc, stderr = call_tool(CONVERT, "import", "--hf", hf, "--out", out)
         assert rc == 0, stderr[-3000:]
     imported = sorted(p.name for p in out.iterdir())
     (out / "notes.txt").write_text("mine")
     (out / "sub").mkdir()
-    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", out),
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", hf, "--out", out),
                       f"--out {out} holds files that are not a previous import: notes.txt, sub/; the folder is "
                       "replaced as a whole")
     assert (out / "notes.txt").read_text() == "mine" and (out / "sub").is_dir()
@@ -132,7 +132,7 @@ def test_out_holding_other_files_is_refused_and_a_previous_import_is_replaced(tm
     assert sorted(p.name for p in out.iterdir()) == imported
     other = tmp_path / "other"                               # an import is not an export
     shutil.copytree(out, other)
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", out, "--out", other),
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", out, "--out", other),
                       f"--out {other} holds files that are not a previous export: .metadata, __0_0.distcp, ")
     assert sorted(p.name for p in other.iterdir()) == imported
 
@@ -157,33 +157,33 @@ def test_import_of_a_truncated_safetensors_file_is_a_user_error(tmp_path):
     hf = tiny_llama(tmp_path / "hf")
     with open(hf / "model.safetensors", "r+b") as f:
         f.truncate(5000)
-    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
                       f"{hf / 'model.safetensors'}: not a readable safetensors file")
 
 
 def test_export_of_an_unloadable_checkpoint_is_a_user_error(tmp_path):
     hf = tiny_llama(tmp_path / "hf")
-    rc, stderr = run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "mg")
+    rc, stderr = call_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "mg")
     assert rc == 0, stderr[-3000:]
     other = tiny_llama(tmp_path / "other", head_dim=16)                      # its attention is half as wide
-    rc, stderr = run_tool(CONVERT, "import", "--hf", other, "--out", tmp_path / "mg_other")
+    rc, stderr = call_tool(CONVERT, "import", "--hf", other, "--out", tmp_path / "mg_other")
     assert rc == 0, stderr[-3000:]
     # another model's config: refused against the folder's own model_config.json before any weight is read
     # (before: torch's reader raised a CheckpointException wrapping the shape mismatch; a config whose shapes
     # matched exported another model silently)
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
                                 "--config", tmp_path / "mg_other" / "model_config.json"),
                       f"differs from {tmp_path / 'mg' / 'model_config.json'}")
     # torch's checkpoint reader raises a CheckpointException (a BaseException) wrapping the shape mismatch
     wrong = tmp_path / "mg_wrong"
     shutil.copytree(tmp_path / "mg", wrong)
     shutil.copy(tmp_path / "mg_other" / "model_config.json", wrong / "model_config.json")
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", wrong, "--out", tmp_path / "out"),
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", wrong, "--out", tmp_path / "out"),
                       f"{wrong}: cannot load the checkpoint: CheckpointingException: Global shape mismatch")
     distcp = sorted((tmp_path / "mg").glob("*.distcp"))[-1]
     with open(distcp, "r+b") as f:
         f.truncate(1000)
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out"),
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out"),
                       f"{tmp_path / 'mg'}: cannot load the checkpoint: EOFError")
     assert not (tmp_path / "out").exists()
 
@@ -198,14 +198,14 @@ def test_export_hf_config_that_is_missing_is_refused_and_a_folder_is_read(tmp_pa
                   bos_token_id=5, eos_token_id=6).save_pretrained(hf)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(MistralConfig.from_pretrained(hf)).save_pretrained(hf)
-    rc, stderr = run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "mg")
+    rc, stderr = call_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "mg")
     assert rc == 0, stderr[-3000:]
     (tmp_path / "mg" / "hf_config.json").unlink()          # e.g. a trainer checkpoint: the config must be given
     missing = tmp_path / "typo" / "config.json"
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
                                 "--hf-config", missing), f"--hf-config {missing}: {missing} not found")
     assert not (tmp_path / "out").exists()                  # was: a fresh LlamaConfig, bos 1 / eos 2, no window
-    rc, stderr = run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+    rc, stderr = call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
                           "--hf-config", hf)                # the original model's folder
     assert rc == 0, stderr[-3000:]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -216,22 +216,22 @@ def test_export_hf_config_that_is_missing_is_refused_and_a_folder_is_read(tmp_pa
 def test_out_that_would_replace_an_input_is_refused(tmp_path, tokenizer_dir):
     hf = tiny_llama(tmp_path / "hf")
     before = sorted(p.name for p in hf.iterdir())
-    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", hf),       # was: the model replaced
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", hf, "--out", hf),       # was: the model replaced
                       f"--out {hf} would replace --hf {hf}")
-    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path),  # a folder holding it
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path),  # a folder holding it
                       f"--out {tmp_path} would replace --hf {hf}")
     assert sorted(p.name for p in hf.iterdir()) == before
     tok = tmp_path / "tok"                                  # e.g. the original model's folder
     shutil.copytree(tokenizer_dir("smollm2-135m-instruct"), tok)
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", hf, "--out", tok, "--tokenizer", tok),
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", hf, "--out", tok, "--tokenizer", tok),
                       f"--out {tok} would replace --tokenizer {tok}")
     assert (tok / "tokenizer.json").is_file()
     run = tmp_path / "run"                                  # a LoRA adapter written over its own training run
     (run / "checkpoints" / "iter_0000006").mkdir(parents=True)
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", run / "checkpoints" / "iter_0000006",
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", run / "checkpoints" / "iter_0000006",
                                 "--out", tmp_path / "hf_out", "--lora-adapter", run),
                       f"--lora-adapter {run} would replace --megatron {run / 'checkpoints' / 'iter_0000006'}")
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", hf, "--out", tmp_path / "o", "--lora-adapter",
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", hf, "--out", tmp_path / "o", "--lora-adapter",
                                 tmp_path / "o" / "adapter"), f"--out {tmp_path / 'o'} would replace --lora-adapter")
     assert (run / "checkpoints" / "iter_0000006").is_dir()
 
@@ -240,10 +240,10 @@ def test_tied_config_with_a_different_lm_head_is_refused(tmp_path):
     hf = tiny_llama(tmp_path / "hf", tie_word_embeddings=True)
     edit_tensors(hf, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"] + 1}))
     # transformers keeps such an lm_head apart from the embedding; the import tied them (logits off by ~34)
-    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
                       "the checkpoint's lm_head.weight differs from model.embed_tokens.weight")
     edit_tensors(hf, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()}))
-    rc, stderr = run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out")     # an equal copy is fine
+    rc, stderr = call_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out")     # an equal copy is fine
     assert rc == 0, stderr[-3000:]
 
 
@@ -252,7 +252,7 @@ def test_import_of_a_non_floating_tensor_is_refused(tmp_path):
     hf = tiny_llama(tmp_path / "hf")
     q = "model.layers.0.self_attn.q_proj.weight"
     edit_tensors(hf, lambda s: s.update({q: (s[q] * 100).to(torch.int8)}))
-    assert_user_error(*run_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", hf, "--out", tmp_path / "out"),
                       f"{hf / 'model.safetensors'}: tensor '{q}' has dtype I8, not floating point; packsft imports "
                       "unquantized weights (a quantized checkpoint must be dequantized first")
     assert not (tmp_path / "out").exists()
@@ -373,7 +373,7 @@ def test_export_hf_config_of_another_layer_count_is_a_user_error(tmp_path):
     (tmp_path / "mg").mkdir()
     (tmp_path / "mg" / "model_config.json").write_text(json.dumps(asdict(cfg)))    # refused before any weight is read
     hf_config = tmp_path / "other" / "config.json"
-    assert_user_error(*run_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
                                 "--hf-config", hf_config), f"--hf-config {hf_config}: {message}")
     assert not (tmp_path / "out").exists()
 
@@ -384,7 +384,7 @@ def test_qwen3_gguf_of_another_head_dim_is_a_user_error(tmp_path, monkeypatch):
 
     gguf = tmp_path / "qwen3.gguf"
     write_tiny_gguf(hf_model("qwen3", seed=15, head_dim=16), gguf, arch="qwen3")
-    assert_user_error(*run_tool(CONVERT, "import", "--hf", gguf, "--out", tmp_path / "out"),
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", gguf, "--out", tmp_path / "out"),
                       f"{gguf}: its attention heads are 16 wide (qwen3.attention.key_length), but transformers' GGUF "
                       "loader builds head_dim 128")
     assert not (tmp_path / "out").exists()

@@ -1,5 +1,8 @@
 """Every tool in tools/ answers a user error with one ``error: ...`` line and exit status 2, not a traceback."""
 
+import contextlib
+import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -12,6 +15,21 @@ def run_tool(*args, cwd=None):
     proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd,
                           env={"OMP_NUM_THREADS": "1", "PATH": ""})
     return proc.returncode, proc.stderr
+
+
+def call_tool(path, *args):
+    """The tool's ``main(argv)`` in this process (its heavy imports are paid once per test process): ``(exit status,
+    stderr)``, as :func:`run_tool` returns them. An exception the tool lets escape fails the test."""
+    spec = importlib.util.spec_from_file_location(f"tool_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = module.main([str(a) for a in args])
+        except SystemExit as exit_:      # argparse
+            rc = exit_.code
+    return rc, err.getvalue()
 
 
 def assert_user_error(rc, stderr, message):
@@ -44,16 +62,16 @@ def test_convert_checkpoint(tmp_path, args, message):
     save_file({"w": torch.zeros(2)}, tmp_path / "gpt2" / "model.safetensors")
     (tmp_path / "c.yaml").write_text("model: {num_layer: 2}\n")         # a typo of num_layers
     fill = [a.format(tmp=tmp_path) for a in args]
-    assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", *fill), message.format(tmp=tmp_path))
+    assert_user_error(*call_tool(TOOLS / "convert_checkpoint.py", *fill), message.format(tmp=tmp_path))
     assert (tmp_path / "c.yaml").read_text() == "model: {num_layer: 2}\n"  # never replaced
 
 
 def test_convert_checkpoint_parallel_sizes_must_be_positive(tmp_path):
     for flag, value in (("--tensor-model-parallel-size", "0"), ("--pipeline-model-parallel-size", "-1")):
-        rc, err = run_tool(TOOLS / "convert_checkpoint.py", flag, value, "import", "--hf", tmp_path, "--out",
+        rc, err = call_tool(TOOLS / "convert_checkpoint.py", flag, value, "import", "--hf", tmp_path, "--out",
                            tmp_path / "out")
         assert rc == 2 and f"argument {flag}: must be >= 1, got {value}" in err, err
-    rc, err = run_tool(TOOLS / "convert_checkpoint.py", "import", "--hf", tmp_path, "--out", tmp_path / "out",
+    rc, err = call_tool(TOOLS / "convert_checkpoint.py", "import", "--hf", tmp_path, "--out", tmp_path / "out",
                        "--max-seq-len", "-5")      # was accepted
     assert rc == 2 and "argument --max-seq-len: must be >= 1, got -5" in err, err
 
@@ -65,7 +83,7 @@ def test_convert_checkpoint_export_refuses_a_tokenizer_larger_than_the_model(tmp
     cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                       vocab_size=49152, max_position_embeddings=128)
     (tmp_path / "model_config.json").write_text(json.dumps(asdict(cfg)))     # refused before any weight is read
-    assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", "export", "--megatron", tmp_path, "--out",
+    assert_user_error(*call_tool(TOOLS / "convert_checkpoint.py", "export", "--megatron", tmp_path, "--out",
                                 tmp_path / "out", "--tokenizer", tokenizer_dir("qwen2.5")),
                       f"model.vocab_size (49152) is smaller than the tokenizer {tokenizer_dir('qwen2.5')} "
                       "(151665 tokens)")
@@ -75,15 +93,15 @@ def test_convert_checkpoint_export_refuses_a_tokenizer_larger_than_the_model(tmp
 @pytest.mark.parametrize("length", [["--max-seq-len", "256"], ["--max-seq-length", "256"], []],
                          ids=["length", "packer_spelling", "no_length"])
 def test_inspect_packed(tmp_path, length):
-    assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.packed", "--tokenizer",
+    assert_user_error(*call_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.packed", "--tokenizer",
                                 tmp_path, "--prompt-format", "chat-template", *length),
                       "packed file not found")
-    assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path, "--tokenizer", tmp_path,
+    assert_user_error(*call_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path, "--tokenizer", tmp_path,
                                 "--prompt-format", "chat-template", *length),
                       f"packed file {tmp_path} is a folder, not a file")
     sidecar = tmp_path / "x.jsonl.packed.meta.json"
     sidecar.write_text('{"max_seq_len": 256}')
-    assert_user_error(*run_tool(TOOLS / "inspect_packed.py", "--packed", sidecar, "--tokenizer", tmp_path,
+    assert_user_error(*call_tool(TOOLS / "inspect_packed.py", "--packed", sidecar, "--tokenizer", tmp_path,
                                 "--prompt-format", "chat-template", *length),  # it said: does not match its sidecar
                       f"{sidecar} is a sidecar: give its packed rows file, {tmp_path / 'x.jsonl.packed'}")
 
@@ -92,21 +110,21 @@ def test_plan_memory(tmp_path):
     assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", tmp_path / "missing.yaml"),
                       "config file not found")
     (tmp_path / "bad.yaml").write_text("a: [\n")  # before: a yaml ParserError traceback
-    assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", tmp_path / "bad.yaml"),
+    assert_user_error(*call_tool(TOOLS / "plan_memory.py", "--config", tmp_path / "bad.yaml"),
                       f"invalid config {tmp_path / 'bad.yaml'}: not valid YAML: while parsing a flow node")
-    assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", REPO / "configs" / "llama3_8b_multigpu.yaml",
+    assert_user_error(*call_tool(TOOLS / "plan_memory.py", "--config", REPO / "configs" / "llama3_8b_multigpu.yaml",
                                 "--sweep", "--world-size", "16", "--seq-lens", "8192", "999999999999999"),
                       "--seq-lens must be token counts from 1 to 16,777,216")
-    assert_user_error(*run_tool(TOOLS / "plan_memory.py", "--config", tmp_path),  # was "not found"
+    assert_user_error(*call_tool(TOOLS / "plan_memory.py", "--config", tmp_path),  # was "not found"
                       f"config file {tmp_path} is a folder, not a file")
-    rc, err = run_tool(TOOLS / "plan_memory.py", "--config", REPO / "configs" / "llama3_8b_multigpu.yaml",
+    rc, err = call_tool(TOOLS / "plan_memory.py", "--config", REPO / "configs" / "llama3_8b_multigpu.yaml",
                        "--seq-lens", "8192")  # without --sweep it was ignored
     assert rc == 2 and "error: --seq-lens is for --sweep" in err, err[-2000:]
 
 
 def test_make_megatron_sft_fixtures_needs_a_megatron_lm_folder(tmp_path, tokenizer_dir):
     for folder in (tmp_path / "nope", tmp_path):  # before: FileNotFoundError tracebacks
-        assert_user_error(*run_tool(TOOLS / "make_megatron_sft_fixtures.py", "--megatron-lm", folder, "--tokenizer",
+        assert_user_error(*call_tool(TOOLS / "make_megatron_sft_fixtures.py", "--megatron-lm", folder, "--tokenizer",
                                     tokenizer_dir("nemotron-h-layout-tekken"), "--out", tmp_path / "f.json"),
                           f"--megatron-lm {folder} is not a Megatron-LM source folder: it has no ")
 
@@ -114,7 +132,7 @@ def test_make_megatron_sft_fixtures_needs_a_megatron_lm_folder(tmp_path, tokeniz
 def test_inspect_packed_sizes_must_be_positive(tmp_path):
     for flag, name in (("--max-seq-len", "--max-seq-len/--max-seq-length"),  # 0 was taken as "not given"
                        ("--context-parallel-size", "--context-parallel-size")):
-        rc, err = run_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.jsonl.packed", "--tokenizer",
+        rc, err = call_tool(TOOLS / "inspect_packed.py", "--packed", tmp_path / "x.jsonl.packed", "--tokenizer",
                            tmp_path, "--prompt-format", "chat-template", flag, "0")
         assert rc == 2 and f"argument {name}: must be >= 1, got 0" in err, err
 
@@ -207,7 +225,7 @@ def test_convert_checkpoint_lora_base_on_a_whole_model_is_refused(tmp_path):
     cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                       vocab_size=256, max_position_embeddings=128)
     (tmp_path / "model_config.json").write_text(json.dumps(asdict(cfg)))
-    assert_user_error(*run_tool(TOOLS / "convert_checkpoint.py", "export", "--megatron", tmp_path, "--out",
+    assert_user_error(*call_tool(TOOLS / "convert_checkpoint.py", "export", "--megatron", tmp_path, "--out",
                                 tmp_path / "out", "--lora-base", tmp_path / "base"),
                       f"--lora-base is for the checkpoint of a LoRA run started from an imported base (it holds only "
                       f"the adapters), and {tmp_path} is none (its train_state.json records no LoRA base)")

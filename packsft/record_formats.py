@@ -10,7 +10,6 @@ that raises rejects that line into the report, like any validation error. Exampl
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import inspect
@@ -20,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packsft.jsonl import NON_FINITE, NonFiniteNumber, json_type, loads_strict
+from packsft.conversation import Each, check_value
+from packsft.jsonl import NON_FINITE, ConversationError, NonFiniteNumber, json_type, loads_strict
 
 RECORD_FORMATS = ("messages", "input-output", "sharegpt", "alpaca")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -34,19 +34,74 @@ class RecordFormatError(ValueError):
     """A record that does not have the shape of its format (the message names the field)."""
 
 
-def _optional_text(record: dict[str, Any], key: str, fmt: str) -> str | None:
-    """``record[key]``: a string, or ``None`` when absent or null.
-
-    Raises:
-        RecordFormatError: any other value (it would otherwise be left out of the conversation unseen).
-    """
-    value = record.get(key)
-    if value is not None and not isinstance(value, str):
-        raise RecordFormatError(f"{key}: must be a string, got {json_type(value)} ({fmt} records)")
-    return value
+def _check(value: Any, rules: tuple, where: str = "") -> None:
+    """Raise :class:`RecordFormatError` ``field: reason`` for the first of ``rules`` (rows of
+    :data:`packsft.conversation.Rule` or :class:`~packsft.conversation.Each`, read by its
+    :func:`~packsft.conversation.check_value`) that ``value`` fails; ``where`` prefixes the field."""
+    try:
+        check_value(value, rules, "", 0, where)
+    except ConversationError as e:
+        raise RecordFormatError(f"{e.field}: {e.reason}" if e.field else e.reason) from None
 
 
-def sharegpt_to_messages(record: dict[str, Any]) -> dict[str, Any]:
+def _text_or_none(key: str, fmt: str) -> tuple:
+    """The rule: ``record[key]`` is a string, absent or null (any other value would be left out unseen)."""
+    return (key, lambda r: isinstance(r.get(key), (str, type(None))),
+            lambda r: f"must be a string, got {json_type(r[key])} ({fmt} records)")
+
+
+def _text(key: str, fmt: str) -> tuple:
+    """The rule: ``record[key]`` is a string."""
+    return key, lambda r: isinstance(r.get(key), str), f"missing or not a string ({fmt} records)"
+
+
+_OBJECT = ("", lambda r: isinstance(r, dict), lambda r: f"a record must be a JSON object, got {json_type(r)}")
+"""The first rule of every format: a line holding ``[1, 2]`` is not a record."""
+
+_SHAREGPT_RULES = (
+    _OBJECT,
+    ("conversations", lambda r: isinstance(r.get("conversations"), list), "missing or not a list (ShareGPT records)"),
+    _text_or_none("system", "ShareGPT"),
+)
+"""What a ShareGPT record must be (its turns: :data:`_TURNS_RULES`)."""
+
+_TURNS_RULES = (Each((
+    ("", lambda t: isinstance(t, dict) and "from" in t and "value" in t, "needs 'from' and 'value'"),
+    (".from", lambda t: str(t["from"]).lower() in SHAREGPT_ROLES,
+     lambda t: f"{t['from']!r} is not one of {sorted(SHAREGPT_ROLES)}"),
+)),)
+"""What each of a ShareGPT record's ``conversations`` must be."""
+
+
+def _call_ok(call: Any) -> bool:
+    return isinstance(call, dict) and isinstance(call.get("name"), str)
+
+
+_FUNCTION_CALLS_RULES = (
+    ("", lambda calls: all(map(_call_ok, calls)),
+     lambda calls: 'a function_call needs {"name": str, "arguments": ...}, '
+                   f"got {next(c for c in calls if not _call_ok(c))!r:.80}"),
+)
+"""What the calls of a ShareGPT ``function_call`` turn (one, or a list of them) must be."""
+
+_ALPACA_RULES = (
+    _OBJECT,
+    _text("instruction", "Alpaca"),
+    _text("output", "Alpaca"),
+    _text_or_none("input", "Alpaca"),
+    _text_or_none("system", "Alpaca"),
+    ("history", lambda r: isinstance(r.get("history"), (list, type(None))),
+     lambda r: f"must be a list of [prompt, response] pairs, got {json_type(r['history'])}"),
+)
+"""What an Alpaca record must be (its ``history`` pairs: :data:`_HISTORY_RULES`)."""
+
+_HISTORY_RULES = (Each((
+    ("", lambda p: isinstance(p, list) and len(p) == 2 and all(isinstance(t, str) for t in p),
+     lambda p: f"must be a [prompt, response] pair of strings, got {p!r:.80}"),
+)),)
+
+
+def sharegpt_to_messages(record: Any) -> dict[str, Any]:
     """``{"conversations": [{"from", "value", "weight"?}], "system"?, "tools"?}`` -> ``{"messages", "tools"?}``.
 
     A turn's ``weight`` is kept on its message (validated as any message's). ``tools`` may be given as JSON
@@ -54,20 +109,15 @@ def sharegpt_to_messages(record: dict[str, Any]) -> dict[str, Any]:
     becomes an OpenAI ``{"type": "function", "function": {...}}`` entry.
 
     Raises:
-        RecordFormatError: no ``conversations`` list, a turn without ``from``/``value``, an unknown ``from``, a
-            ``system`` that is not a string, or ``tools`` text that is not JSON.
+        RecordFormatError: not an object, no ``conversations`` list, a turn without ``from``/``value``, an unknown
+            ``from``, a ``system`` that is not a string, or ``tools`` text that is not JSON.
     """
-    turns = record.get("conversations")
-    if not isinstance(turns, list):
-        raise RecordFormatError("conversations: missing or not a list (ShareGPT records)")
-    system = _optional_text(record, "system", "ShareGPT")
+    _check(record, _SHAREGPT_RULES)
+    _check(record["conversations"], _TURNS_RULES, "conversations")
+    system = record.get("system")
     messages = [{"role": "system", "content": system}] if system is not None else []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
-            raise RecordFormatError(f"conversations[{i}]: needs 'from' and 'value'")
-        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
-        if role is None:
-            raise RecordFormatError(f"conversations[{i}].from: {turn['from']!r} is not one of {sorted(SHAREGPT_ROLES)}")
+    for i, turn in enumerate(record["conversations"]):
+        role = SHAREGPT_ROLES[str(turn["from"]).lower()]
         if str(turn["from"]).lower() == "function_call":
             message = {"role": "assistant", "content": "", "tool_calls": _sharegpt_tool_calls(turn["value"], i)}
         else:
@@ -104,13 +154,8 @@ def _sharegpt_tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
     if isinstance(value, str):
         value = _decoded(value, where, 'a function_call value must be JSON {"name": ..., "arguments": {...}}')
     calls = value if isinstance(value, list) else [value]
-    out = []
-    for call in calls:
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise RecordFormatError(f'{where}: a function_call needs {{"name": str, "arguments": ...}}, '
-                                    f"got {call!r:.80}")
-        out.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
-    return out
+    _check(calls, _FUNCTION_CALLS_RULES, where)
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]
 
 
 def _decoded(text: str, where: str, expected: str) -> Any:
@@ -167,31 +212,23 @@ def source_field(record_format: str, record: Any, field: str) -> str:
     return field
 
 
-def alpaca_to_messages(record: dict[str, Any]) -> dict[str, Any]:
+def alpaca_to_messages(record: Any) -> dict[str, Any]:
     """``{"instruction", "input"?, "output", "system"?, "history"?, "tools"?}`` -> the earlier turns of
     ``history`` (a list of ``[prompt, response]`` pairs, LLaMA-Factory's multi-turn Alpaca), then one user turn
     (instruction, a blank line, input) and the assistant's output (Stanford Alpaca's fields); ``tools`` as in
     :func:`sharegpt_to_messages`.
 
     Raises:
-        RecordFormatError: ``instruction`` or ``output`` missing or not a string; ``input`` or ``system`` given
-            and not a string; ``history`` not a list of pairs of strings.
+        RecordFormatError: not an object; ``instruction`` or ``output`` missing or not a string; ``input`` or
+            ``system`` given and not a string; ``history`` not a list of pairs of strings.
     """
-    for key in ("instruction", "output"):
-        if not isinstance(record.get(key), str):
-            raise RecordFormatError(f"{key}: missing or not a string (Alpaca records)")
-    extra = _optional_text(record, "input", "Alpaca")
-    system = _optional_text(record, "system", "Alpaca")
-    history = record.get("history")
-    if history is None:
-        history = []
-    if not isinstance(history, list):
-        raise RecordFormatError(f"history: must be a list of [prompt, response] pairs, got {json_type(history)}")
+    _check(record, _ALPACA_RULES)
+    history = record.get("history") or []
+    _check(history, _HISTORY_RULES, "history")
+    system, extra = record.get("system"), record.get("input")
     messages = [{"role": "system", "content": system}] if system is not None else []
-    for k, pair in enumerate(history):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-            raise RecordFormatError(f"history[{k}]: must be a [prompt, response] pair of strings, got {pair!r:.80}")
-        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    for prompt, response in history:
+        messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     prompt = record["instruction"] + (f"\n\n{extra}" if extra else "")
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
     return _with_tools({"messages": messages}, record)
@@ -253,15 +290,7 @@ def record_converter(record_format: str, adapter: str | None) -> Callable[[Any],
         if record_format != "messages":
             raise ValueError("--adapter replaces --format: give one of them")
         return _checked(import_adapter(adapter), adapter)
-    fn = {"sharegpt": sharegpt_to_messages, "alpaca": alpaca_to_messages}.get(record_format)
-    return None if fn is None else functools.partial(_from_object, fn)
-
-
-def _from_object(fn: Callable[[dict[str, Any]], dict[str, Any]], record: Any) -> dict[str, Any]:
-    """``fn(record)`` for a JSON object; any other JSON value (a line holding ``[1, 2]``) is rejected."""
-    if not isinstance(record, dict):
-        raise RecordFormatError(f"a record must be a JSON object, got {json_type(record)}")
-    return fn(record)
+    return {"sharegpt": sharegpt_to_messages, "alpaca": alpaca_to_messages}.get(record_format)
 
 
 def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:

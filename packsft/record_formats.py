@@ -293,16 +293,24 @@ def record_converter(record_format: str, adapter: str | None) -> Callable[[Any],
     return {"sharegpt": sharegpt_to_messages, "alpaca": alpaca_to_messages}.get(record_format)
 
 
+def _returned(out: Any) -> str:
+    """What an adapter returned in place of a dict with a ``messages`` list, for the message."""
+    return (type(out).__name__ if not isinstance(out, dict) else "no 'messages' key" if "messages" not in out
+            else f"'messages' {type(out['messages']).__name__}")
+
+
 def _checked(fn: Callable, name: str) -> Callable[[Any], Any]:
+    """The adapter ``fn`` (import path ``name``) as a converter: its failure, a result without a ``messages``
+    list or one that is not JSON raises :class:`RecordFormatError`."""
+    returns = (("", lambda out: isinstance(out, dict) and isinstance(out.get("messages"), list),
+                lambda out: f"adapter {name} must return a dict with a 'messages' list, got {_returned(out)}"),)
+
     def convert(record: Any) -> Any:
         try:
             out = fn(record)
         except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's adapter: any failure rejects the line
             raise RecordFormatError(f"adapter {name} failed: {type(err).__name__}: {err}") from err
-        if not isinstance(out, dict) or not isinstance(out.get("messages"), list):
-            got = (type(out).__name__ if not isinstance(out, dict) else "no 'messages' key" if "messages" not in out
-                   else f"'messages' {type(out['messages']).__name__}")
-            raise RecordFormatError(f"adapter {name} must return a dict with a 'messages' list, got {got}")
+        _check(out, returns)
         try:  # the row is written as JSON and read back from it: pack what the loader will read
             return json.loads(_STRICT_ROW_JSON(out))
         except (TypeError, ValueError, RecursionError) as err:  # e.g. a numpy int64, a set, a datetime, a NaN

@@ -141,8 +141,8 @@ class PromptFormat:
         raise NotImplementedError(f"{type(self).__name__} does not render; get_prompt_format({self.name!r}, ...) does")
 
     def texts(self, segments: list[Segment]) -> tuple[list[Segment], list[str]]:
-        """The segments :meth:`assemble` takes and the texts to encode for them (:attr:`whole_texts` first)."""
-        raise NotImplementedError
+        """The segments :meth:`assemble` takes and the texts to encode for them (:attr:`whole_texts` first); called
+        only after :meth:`segments`, so every rendering subclass defines it."""
 
     def assemble(self, segments: list[Segment], encoded: list[list[int]], tokenizer: PreTrainedTokenizerBase
                  ) -> list[tuple[Segment, list[int]]]:
@@ -151,7 +151,6 @@ class PromptFormat:
         Raises:
             PromptFormatError: the ids do not make the conversation (see the format).
         """
-        raise NotImplementedError
 
 
 class PerTurnFormat(PromptFormat, ABC):

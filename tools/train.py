@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_train_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as err:
-        error(str(err))
+        if os.environ.get("LOCAL_RANK", "0") == "0":   # every rank of a machine reads the same files: one line
+            error(str(err))
         return 2
     # from here on the run stops after a step and saves; without save_on_sigterm, once the trainer is built
     stop.action = stop.ACTION if cfg.train.save_on_sigterm else "stopping once the trainer is built"

@@ -287,7 +287,7 @@ def check_loader_state(expected: dict[str, Any], state: dict[str, Any]) -> None:
             "micro_batch_size, global_batch_size and balance at a global batch boundary, except for a custom "
             "sampler that yields each rank's rows itself): " + "; ".join(diffs) + where + ". To keep the weights "
             "and optimizer but restart the data order, resume with checkpoint.restore_data_order=false; to start "
-            "over, checkpoint.resume=none"
+            "over, train in a new logging.output_dir"
         )
 
 

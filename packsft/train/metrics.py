@@ -10,7 +10,7 @@
   bf16 peak (``6 P`` per row token + causal attention ``6 h l sum(s_i^2)`` over the real conversation lengths; null
   on a CPU or an unknown GPU), each over the steps since the previous logging step; ``trained_tokens`` the global
   trained-token count of the step; ``mem_gib`` the peak CUDA memory allocated (GPU) or the process's peak RSS (CPU),
-  GiB. A mixture of training sources adds ``"trained_tokens/<name>"`` (each source's trained tokens since step 0,
+  GiB. A mixture of training sources adds ``"total_trained_tokens/<name>"`` (each source's trained tokens since step 0,
   counted from the rows trained, resumes included) and ``"trained_token_share/<name>"`` (its share of them).
 * ``{"kind": "validation", "step", "val_loss", "val_trained_tokens", "val_loss/<name>", "val_trained_tokens/<name>"}``:
   all validation sets together (token-weighted), then each named set.
@@ -207,13 +207,13 @@ class StepMeter:
 
 
 def source_shares(state) -> dict[str, Any]:
-    """``trained_tokens/<name>`` and ``trained_token_share/<name>`` of each mixture source in ``state`` (none for
+    """``total_trained_tokens/<name>`` and ``trained_token_share/<name>`` of each mixture source in ``state`` (none for
     one source or before any trained token)."""
     counts = state.source_trained_tokens
     total = sum(counts.values())
     if not total:
         return {}
-    return {**{f"trained_tokens/{n}": c for n, c in counts.items()},
+    return {**{f"total_trained_tokens/{n}": c for n, c in counts.items()},
             **{f"trained_token_share/{n}": c / total for n, c in counts.items()}}
 
 

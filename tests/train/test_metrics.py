@@ -122,7 +122,7 @@ def test_step_meter_counts_each_sources_trained_tokens_across_reads_and_resumes(
     meter.read(state)
     record = meter.record(state, {"trained_tokens": torch.tensor(2)}, rows=3, seq=4)
     assert state.source_trained_tokens == {"chat": 5, "tools": 3}
-    assert (record["trained_tokens/chat"], record["trained_token_share/tools"]) == (5, 3 / 8)
+    assert (record["total_trained_tokens/chat"], record["trained_token_share/tools"]) == (5, 3 / 8)
 
 
 def _dp_worker(rank, world_size):

@@ -126,7 +126,7 @@ def test_mixture_trains_logs_every_set_and_refuses_a_changed_source_by_name(tmp_
     assert sorted(records) == [1, 2]
     # each source's trained tokens, counted from the rows' sources, add up to the loss's own count
     last = records[2]
-    assert last["trained_tokens/few"] + last["trained_tokens/many"] == sum(r["trained_tokens"] for r in
+    assert last["total_trained_tokens/few"] + last["total_trained_tokens/many"] == sum(r["trained_tokens"] for r in
                                                                             records.values())
     assert last["trained_token_share/few"] + last["trained_token_share/many"] == pytest.approx(1)
     # the 'many' source changes on disk: resuming the data order is refused, naming it

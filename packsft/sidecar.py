@@ -116,15 +116,19 @@ def efficiency(real_tokens: int, padding_tokens: int) -> float:
     return real_tokens / (real_tokens + padding_tokens) if real_tokens + padding_tokens else 0.0
 
 
-def packing_efficiency(meta: dict[str, Any] | None) -> float | None:
-    """The efficiency of a packed file from its sidecar's ``counts``: ``None`` without a sidecar, or when its
-    counts are not two non-negative integers (they are informational: nothing checks them against the rows)."""
-    counts = (meta or {}).get("counts")
-    if not isinstance(counts, dict):
-        return None
-    real, padding = counts.get("real_tokens"), counts.get("padding_tokens")
-    if not all(type(n) is int and n >= 0 for n in (real, padding)):
-        return None
+def packing_efficiency(*metas: dict[str, Any] | None) -> float | None:
+    """The efficiency of packed files together (a mixture's sources) from their sidecars' ``counts``: ``None``
+    without a sidecar, or when one's counts are not two non-negative integers (they are informational: nothing
+    checks them against the rows)."""
+    real = padding = 0
+    for meta in metas:
+        counts = (meta or {}).get("counts")
+        if not isinstance(counts, dict):
+            return None
+        pair = counts.get("real_tokens"), counts.get("padding_tokens")
+        if not all(type(n) is int and n >= 0 for n in pair):
+            return None
+        real, padding = real + pair[0], padding + pair[1]
     return efficiency(real, padding)
 
 

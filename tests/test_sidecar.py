@@ -36,6 +36,8 @@ def test_packing_efficiency_of_edited_counts_is_unknown(counts):
     """A sidecar's counts edited by hand: the trainer's summary raised KeyError/TypeError (exit 1)."""
     assert packing_efficiency({"counts": counts}) is None
     assert packing_efficiency({"counts": {"real_tokens": 3, "padding_tokens": 1}}) == 0.75
+    assert packing_efficiency({"counts": {"real_tokens": 3, "padding_tokens": 1}},      # a mixture's files together
+                              {"counts": {"real_tokens": 5, "padding_tokens": 3}}) == 8 / 12
 
 
 def test_sidecar_path():

@@ -317,10 +317,9 @@ class Trainer:
         return {"loss": loss_sum / divisor.clamp(min=1), "grad_norm": norm, "lr": lr, "trained_tokens": count,
                 "skipped": skipped}
 
-    # -- the schedule -----------------------------------------------------------------------------------------------
     # -- the loop ---------------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        """Parameters, parallel layout, batch geometry, data rows, packing efficiency (from the sidecar), and the
+        """Parameters, parallel layout, batch geometry, data rows, packing efficiency (from the sidecars), and the
         attention kernel and optimizer implementation in use."""
         params = [p for gpt in self.gpts for p in gpt.parameters()
                   if not getattr(p, "shared", False)]            # the last stage's copy of a tied embedding
@@ -331,13 +330,13 @@ class Trainer:
         dist.all_reduce(sharded, group=self.ctx.tp_group)
         if self.pipeline:
             dist.all_reduce(sharded, group=self.ctx.pp_group)
-        sidecar = getattr(self.train_set, "sidecar", None) or {}
+        sidecars = [getattr(d, "sidecar", None) for d in getattr(self.train_set, "datasets", [self.train_set])]
         return {"kind": "summary", "step": self.state.step, "parameters": int(sharded), **self.layout(),
                 "micro_batches_per_step": self.micro_batches, "global_batch_size": self.cfg.train.global_batch_size,
                 "max_seq_len": self.cfg.data.max_seq_len, "train_rows": len(self.train_set),
                 "validation_rows": {name: len(ds) for name, ds in self.val_sets.items()},
                 "train_sources": getattr(self.train_set, "names", None),
-                "packing_efficiency": packing_efficiency(sidecar), "device": str(self.ctx.device),
+                "packing_efficiency": packing_efficiency(*sidecars), "device": str(self.ctx.device),
                 "attention": describe_attention(self.cfg.model.attention_backend, self.ctx.device.type,
                                                 getattr(torch, self._compute_dtype())),
                 "optimizer": optimizer_implementation(self.optimizer),

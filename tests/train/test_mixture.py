@@ -33,6 +33,9 @@ def test_mixture_draws_by_weight_and_validates_each_set(tmp_path, packed, parall
     order = [i for _, i in zip(range(len(mixed)), iter(sampler))]
     shares = Counter(mixed.locate(i)[0] for i in order)
     assert abs(shares[0] / len(order) - 0.75) <= 0.1, shares
+    efficiency = [d.sidecar["counts"] for d in mixed.datasets]   # the summary's: both files' rows together
+    assert trainer.summary()["packing_efficiency"] == pytest.approx(
+        sum(c["real_tokens"] for c in efficiency) / sum(c["real_tokens"] + c["padding_tokens"] for c in efficiency))
     result = trainer.validate()
     assert {"val_loss", "val_loss/many", "val_loss/heldout", "val_trained_tokens/many"} <= result.keys()
     total = result["val_trained_tokens/many"] + result["val_trained_tokens/heldout"]

@@ -174,7 +174,7 @@ class StepMeter:
             dist.all_reduce(counts, group=self._dp_group)
         if counts.device.type == "cuda":
             torch.cuda.synchronize()
-        (trained, skipped, longest_run, real, squares), by_source = counts[:5].tolist(), counts[5:].tolist()
+        trained, skipped, longest_run, real, squares, *by_source = counts.tolist()
         self._counts, self._by_source = torch.zeros_like(self._counts), [0] * len(self.sources)
         for name, tokens in zip(self.sources, by_source):
             state.source_trained_tokens[name] = state.source_trained_tokens.get(name, 0) + tokens

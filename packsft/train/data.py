@@ -20,6 +20,7 @@ from packsft.data.mixing import MixedDataset
 from packsft.layout import IGNORE_INDEX, TOKEN_KEYS, cp_partition_indices
 from packsft.loss import conversation_weights
 from packsft.prompt_formats import TokenizationSpec
+from packsft.sidecar import SidecarError
 from packsft.train.config import Config
 
 
@@ -80,7 +81,8 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
     no warning), once. The tokenizer is loaded once, for the first file, and shared by the others.
 
     Raises:
-        FileNotFoundError, SidecarError: from ``PackedSFTDataset``.
+        FileNotFoundError, SidecarError: from ``PackedSFTDataset``, after the config field of the file
+            (``data.train[1] ('math'): ...``).
         ValueError: from :func:`split_rows` or ``MixedDataset``; or two training sources read the same file and
             one of them holds rows out for validation (the other would train on them).
     """
@@ -88,19 +90,23 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
     spec = TokenizationSpec(data.tokenizer, data.prompt_format, data.pad_token, data.chat_template)
     tokenizer: Any = data.tokenizer  # its path, loaded by the first dataset and shared by the others
 
-    def packed(path: str) -> PackedSFTDataset:
+    def packed(path: str, field: str) -> PackedSFTDataset:
+        """The file of config ``field``; a missing file or a refused sidecar is named by the field too."""
         nonlocal tokenizer
-        dataset = PackedSFTDataset(path, tokenizer, spec, data.max_seq_len, cfg.parallel.context_parallel_size,
-                                   require_sidecar=data.require_sidecar,
-                                   sequence_parallel_size=cfg.parallel.sequence_parallel_size,
-                                   verify_rows_hash=True if data.verify_hash == "full" else None)
+        try:
+            dataset = PackedSFTDataset(path, tokenizer, spec, data.max_seq_len, cfg.parallel.context_parallel_size,
+                                       require_sidecar=data.require_sidecar,
+                                       sequence_parallel_size=cfg.parallel.sequence_parallel_size,
+                                       verify_rows_hash=True if data.verify_hash == "full" else None)
+        except (FileNotFoundError, SidecarError) as err:
+            raise type(err)(f"{field}: {err}") from None
         tokenizer = dataset.tokenizer
         return dataset
 
     train, validation = {}, {}
     trained: dict[tuple[int, int], tuple[str, float]] = {}  # file identity -> (a source reading it, its split)
     for k, (name, path, _, split) in enumerate(data.train_sources()):
-        dataset = packed(path)
+        dataset = packed(path, "data.train_path" if data.train_path else f"data.train[{k}] ({name!r})")
         key = _file_key(dataset.path)
         if key in trained and max(split, trained[key][1]) > 0:
             raise ValueError(f"data.train: sources {trained[key][0]!r} and {name!r} read the same file {path}, and "
@@ -115,7 +121,8 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
         else:
             train[name] = dataset
     for name, path in data.validation_sources().items():       # their names differ from the held-out splits'
-        validation[name] = packed(path)                          # (the config's rule)
+        validation[name] = packed(path, "data.validation_path" if data.validation_path  # (the config's rule)
+                                  else f"data.validation {name!r}")
         if (key := _file_key(validation[name].path)) in trained and warn is not None:
             warn(f"warning: data.validation {name!r} is the file {path}, which the training source "
                  f"{trained[key][0]!r} trains on: its loss is measured on trained rows (to hold rows out, give "

@@ -87,6 +87,19 @@ def test_config_errors_name_the_source(tmp_path, packed):  # noqa: F811
             load_config(path, [item])
 
 
+def test_a_missing_or_refused_file_is_named_by_its_source(tmp_path, packed):  # noqa: F811
+    from packsft.sidecar import SidecarError
+    from packsft.train.data import build_datasets
+
+    missing = [{"name": "few", "path": str(packed["few"])}, {"name": "gone", "path": str(tmp_path / "no.packed")}]
+    cfg = load_config(mixture_config(tmp_path, packed, "missing"), [f"data.train={json.dumps(missing)}"])
+    with pytest.raises(FileNotFoundError, match=r"^data.train\[1\] \('gone'\): packed file not found: "):
+        build_datasets(cfg)
+    cfg = load_config(mixture_config(tmp_path, packed, "cp"), ["parallel.context_parallel_size=2"])
+    with pytest.raises(SidecarError, match=r"^data.train\[0\] \('few'\): .* was packed for another configuration"):
+        build_datasets(cfg)
+
+
 def test_one_file_read_twice_is_refused_where_held_out_rows_would_be_trained(tmp_path, packed):  # noqa: F811
     """Two sources of one file where one holds rows out: the other trained on them (nothing refused it). A
     validation file that a source trains on is a warning; the same file twice without a split is upsampling."""

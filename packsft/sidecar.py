@@ -287,21 +287,42 @@ def check_rows_file(meta: dict[str, Any], packed_path: str | Path, verify_hash: 
     expected = meta.get("rows_file")
     if not isinstance(expected, dict):
         return False
-    path = Path(packed_path)
-    side = sidecar_path(path)
-    size = path.stat().st_size
     advice = (f"the two files come from different packing runs (a re-pack killed before it finished, or one "
               f"file copied or edited alone); re-pack with {PACK_TOOL} (its re-run replaces both)")
-    if size != expected.get("size"):
-        raise SidecarError(f"{path} does not match its sidecar {side}: the rows file has {size} bytes, the sidecar "
-                           f"records {expected.get('size')}; {advice}")
-    if verify_hash is False or (verify_hash is None and size > HASH_AUTO_LIMIT):
-        return False
-    digest = file_blake2b(path)
-    if digest != expected.get("blake2b"):
-        raise SidecarError(f"{path} does not match its sidecar {side}: the rows file's BLAKE2b is {digest}, the "
-                           f"sidecar records {expected.get('blake2b')}; {advice}")
-    return True
+    return _match_recorded(Path(packed_path), expected, _ROWS_FILE_FIELDS, packed_path, verify_hash, advice)
+
+
+_MEASURES: dict[str, Callable[[Path], Any]] = {"size": lambda p: p.stat().st_size, "ends_blake2b": ends_blake2b,
+                                               "blake2b": file_blake2b}
+"""How each recorded fingerprint field of a file is measured: bytes, BLAKE2b-160 of its ends, of all of it."""
+_ROWS_FILE_FIELDS = (("size", "the rows file has {} bytes"), ("blake2b", "the rows file's BLAKE2b is {}"))
+_CACHE_FILE_FIELDS = (("size", "the file has {} bytes"),
+                      ("ends_blake2b", "the BLAKE2b of its first and last MiB is {}"), ("blake2b", "its BLAKE2b is {}"))
+"""``(field, what the file's measured value is)`` in the order they are compared (cheapest first)."""
+
+
+def _match_recorded(path: Path, recorded: dict[str, Any], fields: tuple[tuple[str, str], ...],
+                    packed_path: str | Path, verify_hash: bool | None, advice: str) -> bool:
+    """Compare file ``path`` with the fingerprint its sidecar records (``recorded``), field by field.
+
+    ``blake2b`` (the whole file's hash) is compared only under ``verify_hash``'s policy (:func:`check_rows_file`).
+
+    Returns:
+        Whether the whole hash was compared.
+
+    Raises:
+        SidecarError: the first field that differs, naming ``path``, the sidecar of ``packed_path``, both values
+            and ``advice``.
+    """
+    hashed = not (verify_hash is False or (verify_hash is None and path.stat().st_size > HASH_AUTO_LIMIT))
+    for key, found in fields:
+        if key == "blake2b" and not hashed:
+            continue
+        value = _MEASURES[key](path)
+        if value != recorded.get(key):
+            raise SidecarError(f"{path} does not match its sidecar {sidecar_path(packed_path)}: {found.format(value)}, "
+                               f"the sidecar records {recorded.get(key)}; {advice}")
+    return hashed
 
 
 CACHE_SETTINGS = ("tokenizer_fingerprint", "special_tokens", "prompt_format")
@@ -339,31 +360,16 @@ def check_token_cache(meta: dict[str, Any], packed_path: str | Path, verify_hash
         Whether both files' whole hashes were checked.
 
     Raises:
-        SidecarError: a size or hash differs, naming the cache file, the sidecar and both values.
+        SidecarError: a size or hash differs, naming the cache file, the sidecar and both values (an entry the
+            sidecar lacks records ``None``).
     """
     entry = meta["token_cache"]
-    side = sidecar_path(packed_path)
     advice = (f"the token cache and the sidecar come from different packing runs (a re-pack killed before it "
               f"finished, or a file copied or edited alone); delete the cache files to re-tokenize, or re-pack "
               f"with {PACK_TOOL}")
     hashed = True
     for key, path in zip(("tokens", "index"), cache_paths(packed_path)):
-        expected = entry.get(key) if isinstance(entry, dict) else None
-        if not isinstance(expected, dict):
-            raise SidecarError(f"{side}: token_cache.{key} is missing or not an object; re-pack with {PACK_TOOL}")
-        size = path.stat().st_size
-        if size != expected.get("size"):
-            raise SidecarError(f"{path} does not match its sidecar {side}: the file has {size} bytes, the sidecar "
-                               f"records {expected.get('size')}; {advice}")
-        ends = ends_blake2b(path)
-        if ends != expected.get("ends_blake2b"):
-            raise SidecarError(f"{path} does not match its sidecar {side}: the BLAKE2b of its first and last MiB "
-                               f"is {ends}, the sidecar records {expected.get('ends_blake2b')}; {advice}")
-        if verify_hash is False or (verify_hash is None and size > HASH_AUTO_LIMIT):
-            hashed = False
-            continue
-        digest = file_blake2b(path)
-        if digest != expected.get("blake2b"):
-            raise SidecarError(f"{path} does not match its sidecar {side}: its BLAKE2b is {digest}, the sidecar "
-                               f"records {expected.get('blake2b')}; {advice}")
+        recorded = entry.get(key) if isinstance(entry, dict) else None
+        hashed &= _match_recorded(path, recorded if isinstance(recorded, dict) else {}, _CACHE_FILE_FIELDS,
+                                  packed_path, verify_hash, advice)
     return hashed

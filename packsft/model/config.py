@@ -216,6 +216,18 @@ class ModelConfig:
         )
 
 
+def check_vocab_size(vocab_size: int, tokenizer, name: str | Path) -> None:
+    """Refuse a tokenizer (``len()``: its tokens) with ids past the model's ``vocab_size`` embedding rows, before any
+    weight is read (training, export); ``name``: the tokenizer's folder, as messages name it.
+
+    Raises:
+        ValueError: naming both sizes.
+    """
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer {name} ({len(tokenizer)} "
+                         "tokens): its top ids have no embedding row")
+
+
 def read_model_config(path: str | Path) -> ModelConfig:
     """``ModelConfig`` from a ``model_config.json``, a checkpoint folder holding one, or a YAML's ``model:`` section.
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from packsft.io import atomic_dir, read_json_object
-from packsft.model.config import ModelConfig
+from packsft.model.config import ModelConfig, check_vocab_size
 from packsft.model.hf_config import TOKEN_ID_FIELDS
 from packsft.model.state_dict_adapter import hf_tensor_names, hf_tensor_shape
 
@@ -122,17 +122,18 @@ def _auto_config(folder: Path, **kwargs):
         StrictDataclassError = ()  # noqa: N806 - catches nothing
     try:
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=False, **kwargs)
-    except StrictDataclassError as e:  # e.g. "rms_norm_eps": "abc"
-        detail = e.__cause__ or e
-        raise ValueError(f"{folder}: config.json has an invalid field: {' '.join(str(detail).split())}") from None
-    except ArithmeticError as e:  # transformers' own checks, e.g. hidden_size % num_attention_heads with 0 heads
-        raise ValueError(f"{folder}: config.json has an invalid field: transformers' validation failed with "
-                         f"{type(e).__name__} ({e}): a size of 0?") from None
-    except ValueError as e:
-        if "trust_remote_code" not in str(e):
+    except (StrictDataclassError, ArithmeticError, ValueError) as e:
+        if isinstance(e, StrictDataclassError):  # e.g. "rms_norm_eps": "abc"
+            why = f"config.json has an invalid field: {' '.join(str(e.__cause__ or e).split())}"
+        elif isinstance(e, ArithmeticError):  # transformers' own checks: 0 heads divides by 0
+            why = (f"config.json has an invalid field: transformers' validation failed with {type(e).__name__} "
+                   f"({e}): a size of 0?")
+        elif "trust_remote_code" in str(e):
+            why = ("its config.json needs the checkpoint's own code (auto_map), which packsft never runs; convert a "
+                   "model type transformers itself supports")
+        else:
             raise
-        raise ValueError(f"{folder}: its config.json needs the checkpoint's own code (auto_map), which packsft never "
-                         "runs; convert a model type transformers itself supports") from e
+        raise ValueError(f"{folder}: {why}") from None
 
 
 def load_hf_config(path: str | Path):
@@ -180,14 +181,23 @@ def _weight_files(path: Path) -> list[Path]:
 
 @contextmanager
 def _open_safetensors(f: Path):
-    """``safetensors.safe_open(f)``, its errors (junk, truncated, a corrupt header) as a ``ValueError`` naming ``f``."""
+    """``safetensors.safe_open(f)``, its errors (junk, truncated, a corrupt header) as a ``ValueError`` naming ``f``;
+    a Git LFS pointer in place of the weights is named as one.
+
+    Raises:
+        ValueError: naming ``f``. FileNotFoundError: ``f`` does not exist (an index names a missing shard).
+    """
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(f), framework="pt") as handle:
             yield handle
     except SafetensorError as err:
-        raise ValueError(f"{f}: not a readable safetensors file ({err})") from None
+        with open(f, "rb") as head:
+            lfs = head.read(len(LFS_POINTER)) == LFS_POINTER
+        raise ValueError(f"{f}: a Git LFS pointer, not the weights (the model was cloned without git-lfs): run "
+                         "`git lfs pull` in its repository, or download the file itself" if lfs
+                         else f"{f}: not a readable safetensors file ({err})") from None
 
 
 def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:
@@ -210,10 +220,6 @@ def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:
         return
     used, found, unused = model_hf_names(cfg), set(), []
     for f in _weight_files(path):
-        with open(f, "rb") as handle:   # a missing file (named by the index) raises FileNotFoundError naming it
-            if handle.read(len(LFS_POINTER)) == LFS_POINTER:
-                raise ValueError(f"{f}: a Git LFS pointer, not the weights (the model was cloned without git-lfs): "
-                                 f"run `git lfs pull` in its repository, or download the file itself")
         with _open_safetensors(f) as st:
             header = {k: (st.get_slice(k).get_dtype(), tuple(st.get_slice(k).get_shape())) for k in st.keys()}
         for name, (dtype, shape) in header.items():
@@ -226,14 +232,13 @@ def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:
             elif (expected := hf_tensor_shape(name, cfg)) is not None and shape != expected:
                 raise ValueError(f"{f}: HF tensor {name!r} has shape {shape}, but the config implies {expected}")
         found.update(header)
-    if unused:
+    missing = [n for n in hf_tensor_names(cfg) if n not in found]
+    if unused or missing:       # the tensor names are not those of a model of cfg, one way or the other
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
                          "a checkpoint of another architecture than the config describes (num_hidden_layers, "
-                         "attention_bias, ...); packsft refuses rather than drop weights")
-    missing = [n for n in hf_tensor_names(cfg) if n not in found]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{path}: HF checkpoint has no tensor {missing[0]!r}{more}, which its config needs")
+                         "attention_bias, ...); packsft refuses rather than drop weights" if unused else
+                         f"{path}: HF checkpoint has no tensor {missing[0]!r}{more}, which its config needs")
 
 
 def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, Tensor]]:
@@ -326,9 +331,7 @@ def tokenizer_token_ids(tokenizer_dir: str | Path, vocab_size: int) -> dict[str,
 
     _tokenizer_files(tokenizer_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer {tokenizer_dir} "
-                         f"({len(tokenizer)} tokens): its top ids have no embedding row")
+    check_vocab_size(vocab_size, tokenizer, tokenizer_dir)
     return {field: getattr(tokenizer, field) for field in TOKEN_ID_FIELDS}
 
 

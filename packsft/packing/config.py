@@ -237,18 +237,16 @@ class PackConfig:
             except (UnicodeEncodeError, TypeError) as e:
                 raise ValueError(f"{name}: not valid text ({e})") from None
         written = {_OUTPUT_NAMES[key]: path for key, path in output_paths(self).items()}
-        for i, p in enumerate(self.inputs):
-            for q in self.inputs[:i]:
-                if _same_file(q, p):
-                    raise ValueError(f"--input {p} is given twice (also as {q}): its conversations would be packed "
-                                     "twice; to train on a source more often, weight it in the training mixture")
-            for what, out in written.items():
-                if _same_file(p, out):
-                    raise ValueError(f"--input {p} is also the {what} path {out}: packing would overwrite its "
-                                     "own input; write the output elsewhere")
-            if _same_file(p, row_index_path(self.output)):
-                raise ValueError(f"--input {p} is the path of the loader's row index of {self.output}: loading the "
-                                 "rows would overwrite it; rename the input or write the output elsewhere")
+        clashes = [(out, f"also the {what} path {out}: packing would overwrite its own input; write the output "
+                         "elsewhere") for what, out in written.items()]
+        clashes.append((row_index_path(self.output), f"the path of the loader's row index of {self.output}: loading "
+                        "the rows would overwrite it; rename the input or write the output elsewhere"))
+        for i, p in enumerate(self.inputs):   # an input that is an earlier input, an output or the row index
+            earlier = [(q, f"given twice (also as {q}): its conversations would be packed twice; to train on a "
+                           "source more often, weight it in the training mixture") for q in self.inputs[:i]]
+            for other, why in earlier + clashes:
+                if _same_file(p, other):
+                    raise ValueError(f"--input {p} is {why}")
         targets: dict[tuple[Path, str], str] = {}
         for what, out in written.items():
             _check_output_target(what, out)     # refuses an --output that is a folder

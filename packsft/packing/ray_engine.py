@@ -212,11 +212,24 @@ def _task_error(e: Exception, cfg=None, shards=None, spool_dir: str | None = Non
                      "could not start is explained in Ray's log lines above")
 
 
-def _raised(error: str) -> None:
-    """Raise again on the driver what a task caught and sent back (``"ValueError: ..."`` / ``"PackError: ..."``)."""
-    if error:
-        kind, _, message = error.partition(": ")
-        raise ValueError(message) if kind == "ValueError" else PackError(message)
+def _task_rows(ds, cfg=None, shards=None, spool_dir: str | None = None):
+    """The rows of the Ray dataset ``ds``, with what a task caught and sent back raised again on the driver
+    (``"ValueError: ..."`` / ``"PackError: ..."``) and a failed task as :func:`_task_error` (``cfg``, ``shards``,
+    ``spool_dir``: a counting task's, to name the shard its dead worker was reading).
+
+    Raises:
+        ValueError, PackError: a task's own error; PackError: a failed task.
+    """
+    import ray
+
+    try:
+        for row in ds.iter_rows():
+            if row["error"]:
+                kind, _, message = row["error"].partition(": ")
+                raise ValueError(message) if kind == "ValueError" else PackError(message)
+            yield row
+    except ray.exceptions.RayError as e:  # e.g. a worker killed (the OOM killer), a node lost
+        raise _task_error(e, cfg, shards, spool_dir) from e
 
 
 def shard_results(cfg, shards, spool_dir: str):
@@ -233,12 +246,8 @@ def shard_results(cfg, shards, spool_dir: str):
     hook = {"runtime_env": {"env_vars": {WORKER_HOOK_ENV: os.environ[WORKER_HOOK_ENV]}}} \
         if os.environ.get(WORKER_HOOK_ENV) else {}
     ds = _map_actors(ray, items, _ShardCounter, (cfg, spool_dir), _pool_size(ray, cfg.num_workers), **hook)
-    try:
-        for row in ds.iter_rows():
-            _raised(row["error"])
-            yield _decode(row)
-    except ray.exceptions.RayError as e:  # e.g. a worker killed (the OOM killer), a node lost
-        raise _task_error(e, cfg, shards, spool_dir) from e
+    for row in _task_rows(ds, cfg, shards, spool_dir):
+        yield _decode(row)
 
 
 class _RowWriter:
@@ -313,26 +322,22 @@ def write_rows(cfg, order, starts, counted, tmp: Path, spool_dir: str, cache=Non
                                               else None, spool_dir, cfg.max_seq_len), pool)
     with open(tmp, "wb") as f:
         out = HashingWriter(f)
-        try:
-            for row in ds.iter_rows():
-                _raised(row["error"])
-                part = int(row["part"])
-                r0, r1 = parts[part]
-                rows_path, tokens_path = _part_paths(spool_dir, part)
-                with open(rows_path, "rb") as src:
-                    while chunk := src.read(1 << 22):
-                        out.write(chunk)
-                os.unlink(rows_path)
-                if cache is not None:
-                    with open(tokens_path, "rb") as src:  # read by row groups: a part can be GBs
-                        for ra, rb in row_groups(starts, r0, r1, len(order), 1 << 16, np):
-                            lo, hi = int(starts[ra]), int(ends[rb - 1])
-                            ntok = counted.num_tokens[order[lo:hi]]
-                            data = src.read(8 * int(np.minimum(ntok, cfg.max_seq_len).sum()))
-                            cache.add_rows(data, ntok, np.diff(np.append(starts[ra:rb], hi)))
-                    os.unlink(tokens_path)
-        except ray.exceptions.RayError as e:
-            raise _task_error(e) from e
+        for row in _task_rows(ds):
+            part = int(row["part"])
+            r0, r1 = parts[part]
+            rows_path, tokens_path = _part_paths(spool_dir, part)
+            with open(rows_path, "rb") as src:
+                while chunk := src.read(1 << 22):
+                    out.write(chunk)
+            os.unlink(rows_path)
+            if cache is not None:
+                with open(tokens_path, "rb") as src:  # read by row groups: a part can be GBs
+                    for ra, rb in row_groups(starts, r0, r1, len(order), 1 << 16, np):
+                        lo, hi = int(starts[ra]), int(ends[rb - 1])
+                        ntok = counted.num_tokens[order[lo:hi]]
+                        data = src.read(8 * int(np.minimum(ntok, cfg.max_seq_len).sum()))
+                        cache.add_rows(data, ntok, np.diff(np.append(starts[ra:rb], hi)))
+                os.unlink(tokens_path)
         f.flush()
         os.fsync(f.fileno())
     return out.size, out.hexdigest()

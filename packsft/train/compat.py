@@ -276,19 +276,15 @@ def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dic
     """
     new_run = ("start a new run from its weights (tools/convert_checkpoint.py export, import, then "
                "checkpoint.init_from)")
-    for key in MAY_CHANGE["resume"]["optimizer"].keys:
-        if key in recorded["optimizer"] and recorded["optimizer"][key] != getattr(optimizer, key):
-            was = recorded["optimizer"][key]
-            fix = (f"resume with optimizer.{key}={str(was).lower() if isinstance(was, bool) else was}, or "
-                   if key != "backend" else "packsft no longer has that backend: ")
-            raise CheckpointError(f"optimizer.{key} is {getattr(optimizer, key)!r} but checkpoint {checkpoint} was "
-                                  f"trained with {was!r}, and its optimizer state has that format; {fix}{new_run}")
-    if parallel is None or not optimizer.use_distributed_optimizer:
-        return
-    for key in MAY_CHANGE["resume"]["parallel"].keys:
-        was = recorded.get("parallel", {}).get(key, 1)
-        if was != getattr(parallel, key):
-            raise CheckpointError(f"parallel.{key} is {getattr(parallel, key)} but checkpoint {checkpoint} was "
-                                  f"trained with {was}, and the distributed optimizer's state is sharded for it "
-                                  f"(only the data-parallel size may change); resume with parallel.{key}={was}, or "
-                                  f"{new_run}")
+    rows = [("optimizer", key, getattr(optimizer, key), recorded["optimizer"][key], "its optimizer state has that "
+             "format") for key in MAY_CHANGE["resume"]["optimizer"].keys if key in recorded["optimizer"]]
+    if parallel is not None and optimizer.use_distributed_optimizer:
+        rows += [("parallel", key, getattr(parallel, key), recorded.get("parallel", {}).get(key, 1),
+                  "the distributed optimizer's state is sharded for it (only the data-parallel size may change)")
+                 for key in MAY_CHANGE["resume"]["parallel"].keys]
+    for section, key, now, was, why in rows:
+        if now != was:
+            fix = ("packsft no longer has that backend: " if key == "backend" else
+                   f"resume with {section}.{key}={str(was).lower() if isinstance(was, bool) else was}, or ")
+            raise CheckpointError(f"{section}.{key} is {now!r} but checkpoint {checkpoint} was trained with {was!r}, "
+                                  f"and {why}; {fix}{new_run}")

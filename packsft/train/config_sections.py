@@ -62,6 +62,16 @@ def _source_name(name: str | None, path: str) -> str:
     return name or Path(path).name.removesuffix(".packed").removesuffix(".jsonl")
 
 
+_MIXTURE_ONLY = (
+    ("samples_per_epoch", None, "sets the epoch of a mixture of several data.train sources; with one source an epoch "
+                                "is all its rows"),
+    ("mixture_unit", "rows", "sets what the weights of a mixture of several data.train sources share out; with one "
+                             "source there is nothing to share"),
+)
+"""``DataConfig`` fields that only a mixture of several ``data.train`` sources reads: ``(field, default, what it
+sets)``."""
+
+
 @dataclass
 class DataConfig:
     """Packed input files and how to tokenize them (must match the packer's settings, checked via the sidecar)."""
@@ -111,12 +121,9 @@ class DataConfig:
         check_fields("data", self)
         for i, source in enumerate(self.train):
             check_fields(f"data.train[{i}]", source)
-        if self.samples_per_epoch is not None and (self.train_path or len(self.train) == 1):  # it was ignored
-            raise ValueError(f"data.samples_per_epoch ({self.samples_per_epoch}) sets the epoch of a mixture of "
-                             "several data.train sources; with one source an epoch is all its rows")
-        if self.mixture_unit != "rows" and (self.train_path or len(self.train) == 1):
-            raise ValueError(f"data.mixture_unit ({self.mixture_unit}) sets what the weights of a mixture of several "
-                             "data.train sources share out; with one source there is nothing to share")
+        for key, default, what in _MIXTURE_ONLY:   # set with one source, it was ignored
+            if getattr(self, key) != default and (self.train_path or len(self.train) == 1):
+                raise ValueError(f"data.{key} ({getattr(self, key)}) {what}")
         held_out = [("validation" if self.train_path else n) for n, _, _, split in self.train_sources() if split > 0]
         given = [_source_name(v.name, v.path) for v in self.validation] + ["validation"] * bool(self.validation_path)
         for kind, names, hint in (                              # lists, not validation_sources() (a dict)

@@ -66,6 +66,7 @@ from packsft.io import unwritable_dir_reason
 from packsft.loss import global_num_trained_conversations, global_num_trained_tokens
 from packsft.model.attention import describe_attention
 from packsft.model.compile import compile_transformer_layers
+from packsft.model.config import check_vocab_size
 from packsft.model.gpt import build_gpt_stages, unwrap_model
 from packsft.model.lora import apply_lora, enable_input_gradients
 from packsft.model.output_head import use_hidden_state_output
@@ -143,7 +144,7 @@ class Trainer:
                              "Megatron's backward); use null on CPU")
         warn = partial(print, flush=True) if self.ctx.rank == 0 else None
         self.train_set, self.val_sets = build_datasets(cfg, warn=warn)
-        self._check_vocab()
+        check_vocab_size(cfg.model.vocab_size, self.train_set.tokenizer, cfg.data.tokenizer)
         self.pipeline = self.ctx.pipeline_model_parallel_size > 1
         self.chunks = self._build_model()
         self.model = self.chunks[0] if len(self.chunks) == 1 else self.chunks
@@ -182,12 +183,6 @@ class Trainer:
                                                 zip(self.train_set.names, self.train_set.datasets)]
         return replace(self.cfg.loader, sampler="custom", sampler_class_path=class_path(WeightedMixingSampler),
                        sampler_kwargs=kwargs)
-
-    def _check_vocab(self) -> None:
-        tokenizer = self.train_set.tokenizer
-        if len(tokenizer) > self.cfg.model.vocab_size:
-            raise ValueError(f"model.vocab_size ({self.cfg.model.vocab_size}) is smaller than the tokenizer "
-                             f"{self.cfg.data.tokenizer} ({len(tokenizer)} tokens)")
 
     def _build_model(self) -> list[torch.nn.Module]:
         """This rank's model chunks (one, or one per virtual pipeline stage), each in Megatron's DDP."""

@@ -223,20 +223,17 @@ class TokenCache:
         if index.size < HEADER or int(index[0]) != MAGIC or int(index[1]) != VERSION:
             raise TokenCacheError(f"{self.index_path}: not a version-{VERSION} packsft token cache index")
         rows, convs, tokens, length = (int(x) for x in index[2:6])
-        if index.size != HEADER + 2 * (rows + 1) + convs:
-            raise TokenCacheError(f"{self.index_path}: {index.size} entries, its header describes "
-                                  f"{HEADER + 2 * (rows + 1) + convs}")
-        if rows != self._rows:
-            raise TokenCacheError(f"{self.index_path}: {rows} rows, the rows file has {self._rows}")
-        if length != self._max_seq_len:
-            raise TokenCacheError(f"{self.index_path}: written for max_seq_len {length}, the loader has "
-                                  f"{self._max_seq_len}")
-        if self._rows_blake2b is not None and index[6:HEADER].tolist() != _digest_words(self._rows_blake2b):
-            raise TokenCacheError(f"{self.index_path}: written with another rows file (its BLAKE2b differs from "
-                                  "the sidecar's rows_file)")
+        digest = None if self._rows_blake2b is None else _digest_words(self._rows_blake2b)
         pairs = self._load(self.tokens_path, np.int32, 2)
-        if pairs.shape != (tokens, 2):
-            raise TokenCacheError(f"{self.tokens_path}: shape {pairs.shape}, its index describes ({tokens}, 2)")
+        for path, found, wanted, says in (  # the index header against the files, then against the caller's values
+                (self.index_path, index.size, HEADER + 2 * (rows + 1) + convs, "{} entries, its header describes {}"),
+                (self.tokens_path, pairs.shape, (tokens, 2), "shape {}, its index describes {}"),
+                (self.index_path, rows, self._rows, "{} rows, the rows file has {}"),
+                (self.index_path, length, self._max_seq_len, "written for max_seq_len {}, the loader has {}"),
+                (self.index_path, index[6:HEADER].tolist(), digest,
+                 "written with another rows file (its BLAKE2b differs from the sidecar's rows_file)")):
+            if wanted is not None and found != wanted:
+                raise TokenCacheError(f"{path}: " + says.format(found, wanted))
         index, pairs = np.asarray(index), np.asarray(pairs)  # plain views of the maps: slicing a memmap is slow
         self._row_conv = index[HEADER:HEADER + rows + 1]
         self._row_token = index[HEADER + rows + 1:HEADER + 2 * (rows + 1)]

@@ -19,6 +19,7 @@ Reading the lines and their strict JSON: :mod:`packsft.jsonl`.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,6 +95,43 @@ def check_value(value: Any, rules: tuple, path: str | Path, line: int, where: st
     failed = _first_failed(value, rules)
     if failed:
         raise ConversationError(path, line, where + failed[0], failed[1])
+
+
+RECORD_OBJECT: Rule = ("", lambda r: isinstance(r, dict),
+                      lambda r: f"a record must be a JSON object, got {json_type(r)}")
+"""The first rule of every record format: a line holding ``[1, 2]`` is not a record."""
+
+
+def text_rule(key: str, note: str = "") -> Rule:
+    """The rule: ``record[key]`` is a string (``note`` ends the reason, e.g. ``" (Alpaca records)"``)."""
+    return key, lambda r: isinstance(r.get(key), str), f"missing or not a string{note}"
+
+
+def optional_text_rule(key: str, note: str = "") -> Rule:
+    """The rule: ``record[key]`` is a string, absent or null (any other value would be left out unseen)."""
+    return (key, lambda r: isinstance(r.get(key), (str, type(None))),
+            lambda r: f"must be a string, got {json_type(r[key])}{note}")
+
+
+_MESSAGES_RECORD_RULES = (
+    RECORD_OBJECT,
+    ("messages", lambda r: "messages" in r, "missing (or pass input/output keys for prompt/response records)"),
+)
+"""What a ``messages`` record must be before its messages are checked (:func:`validate_messages`)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _pair_record_rules(input_key: str, output_key: str) -> tuple[Rule, ...]:
+    """What a prompt/response record must be: both keys strings, an optional ``system`` string."""
+    return RECORD_OBJECT, text_rule(input_key), text_rule(output_key), optional_text_rule("system")
+
+
+_ROW_RULES = (
+    ("", lambda v: isinstance(v, list) and bool(v), "a packed row needs a non-empty messages list"),
+    ("[0].role", lambda v: isinstance(v[0], dict) and v[0].get("role") == "system",
+     "a packed row must start with a system message"),
+)
+"""What a packed row's ``messages`` must be before :func:`split_row` cuts it at its system messages."""
 
 
 def _name_ok(fn: dict) -> bool:
@@ -263,22 +301,14 @@ def parse_record(
     Raises:
         ConversationError: on any invalid field, naming ``path``, ``line`` and the field.
     """
-    if not isinstance(record, dict):
-        raise ConversationError(path, line, "", f"a record must be a JSON object, got {json_type(record)}")
+    check_value(record, _pair_record_rules(input_key, output_key) if input_key else _MESSAGES_RECORD_RULES,
+                path, line, "")
     if input_key:
-        missing = next((key for key in (input_key, output_key) if not isinstance(record.get(key), str)), None)
-        if missing is not None:
-            raise ConversationError(path, line, missing, "missing or not a string")
         messages = [{"role": "user", "content": record[input_key]},
                     {"role": "assistant", "content": record[output_key]}]
         if record.get("system") is not None:
-            if not isinstance(record["system"], str):
-                raise ConversationError(path, line, "system", f"must be a string, got {json_type(record['system'])}")
             messages.insert(0, {"role": "system", "content": record["system"]})
     else:
-        if "messages" not in record:
-            raise ConversationError(path, line, "messages",
-                                    "missing (or pass input/output keys for prompt/response records)")
         messages = record["messages"]
     validate_messages(messages, path, line)
     tools = record.get("tools")
@@ -321,10 +351,7 @@ def split_row(messages: list[dict[str, Any]], path: str | Path = "<row>", line: 
     Raises:
         ConversationError: when the row does not start with a system message or a conversation is invalid.
     """
-    if not isinstance(messages, list) or not messages:
-        raise ConversationError(path, line, "messages", "a packed row needs a non-empty messages list")
-    if not isinstance(messages[0], dict) or messages[0].get("role") != "system":
-        raise ConversationError(path, line, "messages[0].role", "a packed row must start with a system message")
+    check_value(messages, _ROW_RULES, path, line, "messages")
     starts = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "system"]
     conversations = []
     for k, (s, e) in enumerate(zip(starts, starts[1:] + [len(messages)])):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packsft.conversation import Each, check_value
+from packsft.conversation import RECORD_OBJECT, Each, check_value, optional_text_rule, text_rule
 from packsft.jsonl import NON_FINITE, ConversationError, NonFiniteNumber, json_type, loads_strict
 
 RECORD_FORMATS = ("messages", "input-output", "sharegpt", "alpaca")
@@ -44,24 +44,10 @@ def _check(value: Any, rules: tuple, where: str = "") -> None:
         raise RecordFormatError(f"{e.field}: {e.reason}" if e.field else e.reason) from None
 
 
-def _text_or_none(key: str, fmt: str) -> tuple:
-    """The rule: ``record[key]`` is a string, absent or null (any other value would be left out unseen)."""
-    return (key, lambda r: isinstance(r.get(key), (str, type(None))),
-            lambda r: f"must be a string, got {json_type(r[key])} ({fmt} records)")
-
-
-def _text(key: str, fmt: str) -> tuple:
-    """The rule: ``record[key]`` is a string."""
-    return key, lambda r: isinstance(r.get(key), str), f"missing or not a string ({fmt} records)"
-
-
-_OBJECT = ("", lambda r: isinstance(r, dict), lambda r: f"a record must be a JSON object, got {json_type(r)}")
-"""The first rule of every format: a line holding ``[1, 2]`` is not a record."""
-
 _SHAREGPT_RULES = (
-    _OBJECT,
+    RECORD_OBJECT,
     ("conversations", lambda r: isinstance(r.get("conversations"), list), "missing or not a list (ShareGPT records)"),
-    _text_or_none("system", "ShareGPT"),
+    optional_text_rule("system", " (ShareGPT records)"),
 )
 """What a ShareGPT record must be (its turns: :data:`_TURNS_RULES`)."""
 
@@ -85,11 +71,11 @@ _FUNCTION_CALLS_RULES = (
 """What the calls of a ShareGPT ``function_call`` turn (one, or a list of them) must be."""
 
 _ALPACA_RULES = (
-    _OBJECT,
-    _text("instruction", "Alpaca"),
-    _text("output", "Alpaca"),
-    _text_or_none("input", "Alpaca"),
-    _text_or_none("system", "Alpaca"),
+    RECORD_OBJECT,
+    text_rule("instruction", " (Alpaca records)"),
+    text_rule("output", " (Alpaca records)"),
+    optional_text_rule("input", " (Alpaca records)"),
+    optional_text_rule("system", " (Alpaca records)"),
     ("history", lambda r: isinstance(r.get("history"), (list, type(None))),
      lambda r: f"must be a list of [prompt, response] pairs, got {json_type(r['history'])}"),
 )

@@ -210,17 +210,15 @@ NON_FINITE = ("NaN / Infinity, or a number beyond float range, is not JSON (Pyth
 
 
 def _finite_float(text: str) -> float:
+    """A JSON number's value (``parse_float``), or ``NaN`` / ``Infinity`` / ``-Infinity`` (``parse_constant``):
+    :class:`NonFiniteNumber` unless finite."""
     value = float(text)
-    if math.isinf(value):
+    if not math.isfinite(value):
         raise NonFiniteNumber(text)
     return value
 
 
-def _refuse_constant(text: str):
-    raise NonFiniteNumber(text)
-
-
-_STRICT_JSON = json.JSONDecoder(parse_float=_finite_float, parse_constant=_refuse_constant,
+_STRICT_JSON = json.JSONDecoder(parse_float=_finite_float, parse_constant=_finite_float,
                                 object_pairs_hook=_unique_keys)
 
 

@@ -49,9 +49,9 @@ def render_many(tokenizer, fmt: PromptFormat, conversations: list[list[dict]], t
     """Render several conversations with the chat template in one ``apply_chat_template`` call.
 
     Raises:
-        PromptFormatError: the template failed (its own error quoted) or rendered something other than text.
+        PromptFormatError: the template failed (its own error quoted).
     """
-    try:
+    try:  # tokenize=False on a batch: a list of str (the keyword arguments that change that are refused)
         texts = tokenizer.apply_chat_template(conversations, tools=tools, chat_template=fmt.chat_template,
                                               tokenize=False, add_generation_prompt=generation_prompt,
                                               **(kwargs or {}))
@@ -59,8 +59,6 @@ def render_many(tokenizer, fmt: PromptFormat, conversations: list[list[dict]], t
         calls = any(m.get("tool_calls") or m.get("role") == "tool" for conv in conversations for m in conv)
         hint = " (the conversation has tool calls: this template may not support them)" if calls else ""
         raise PromptFormatError(f"chat template failed: {type(e).__name__}: {e}{hint}") from e
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise PromptFormatError(f"chat template rendered {type(texts).__name__}, expected text")
     return texts
 
 

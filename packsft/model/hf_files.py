@@ -232,13 +232,14 @@ def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:
             elif (expected := hf_tensor_shape(name, cfg)) is not None and shape != expected:
                 raise ValueError(f"{f}: HF tensor {name!r} has shape {shape}, but the config implies {expected}")
         found.update(header)
-    missing = [n for n in hf_tensor_names(cfg) if n not in found]
-    if unused or missing:       # the tensor names are not those of a model of cfg, one way or the other
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    if unused:
         raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
                          "a checkpoint of another architecture than the config describes (num_hidden_layers, "
-                         "attention_bias, ...); packsft refuses rather than drop weights" if unused else
-                         f"{path}: HF checkpoint has no tensor {missing[0]!r}{more}, which its config needs")
+                         "attention_bias, ...); packsft refuses rather than drop weights")
+    missing = [n for n in hf_tensor_names(cfg) if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{path}: HF checkpoint has no tensor {missing[0]!r}{more}, which its config needs")
 
 
 def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, Tensor]]:

@@ -75,16 +75,17 @@ def _load_plain(file: Path) -> Any:
         CheckpointError: the file holds other objects (a pickled class, function or ``__reduce__`` payload), is not a
             file, or is unreadable (truncated, damaged, no pickle at all).
     """
+    if not file.is_file():
+        raise CheckpointError(f"{file}: not a file; the checkpoint is damaged: resume another one "
+                              "(checkpoint.resume=<its iter_* folder>)")
     try:
         with refusing_code(file):
             return torch.load(file, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, UnicodeDecodeError, pickle.UnpicklingError) as err:  # a truncated zip
-        # ("PytorchStreamReader failed ..."), an empty file, flipped bytes, bytes that are no pickle, a folder
-        raise CheckpointError(
-            f"{file}: not a file; the checkpoint is damaged: resume another one (checkpoint.resume=<its iter_* "
-            "folder>)" if not file.is_file() else
-            f"{file}: unreadable (not a file torch.load reads: {refusal_reason(err)}): the file is truncated or "
-            "damaged; resume from another checkpoint (checkpoint.resume=<its iter_* folder>)") from None
+        # ("PytorchStreamReader failed ..."), an empty file, flipped bytes, bytes that are no pickle
+        raise CheckpointError(f"{file}: unreadable (not a file torch.load reads: {refusal_reason(err)}): the file is "
+                              "truncated or damaged; resume from another checkpoint (checkpoint.resume=<its iter_* "
+                              "folder>)") from None
 
 
 def checkpoint_bytes_estimate(params, *, tp_size: int = 1) -> int:

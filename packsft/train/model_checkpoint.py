@@ -117,11 +117,13 @@ def check_lora_base(recorded: dict, base_dir: str | Path | None, checkpoint: str
             recorded one (both named).
     """
     base_dir = Path(base_dir if base_dir is not None else recorded["path"])
-    if not (base_dir / MODEL_CONFIG_FILE).is_file():   # no folder, or e.g. the HF folder the base was imported from
+    if not base_dir.is_dir():
         raise BaseMismatchError(
             f"checkpoint {checkpoint} holds LoRA adapters of the base {recorded['path']} (fingerprint "
             f"{recorded['fingerprint']}), but {base_dir} does not exist; point checkpoint.init_from (export: "
-            "--lora-base) at that base folder" if not base_dir.is_dir() else
+            "--lora-base) at that base folder")
+    if not (base_dir / MODEL_CONFIG_FILE).is_file():   # e.g. the HF folder the base was imported from
+        raise BaseMismatchError(
             f"checkpoint {checkpoint} holds LoRA adapters of the base {recorded['path']}, but {base_dir} is not an "
             f"imported checkpoint (no {MODEL_CONFIG_FILE}); point checkpoint.init_from (export: --lora-base) at "
             "the folder `tools/convert_checkpoint.py import` wrote")

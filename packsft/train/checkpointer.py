@@ -107,7 +107,8 @@ class Checkpointer:
                 self.initialized_from = init_from
             return TrainState()
         saved = ckpt_files.load_train_state(path)
-        ckpt_files.check_resume_state(saved, path, tuple(f.name for f in fields(TrainState) if f.type == "int"))
+        ckpt_files.check_resume_state(saved, path, tuple(f.name for f in fields(TrainState)
+                                                             if f.name != "source_trained_tokens"))
         latest = path.parent / ckpt_files.LATEST
         if cfg.checkpoint.resume == "auto" and not latest.is_file() and ctx.rank == 0:
             print(f"note: {path.parent} has no {latest.name} (a save was stopped before writing it); resuming its "

@@ -76,12 +76,12 @@ class Each(NamedTuple):
     rules: tuple
 
 
-def _first_failed(value: Any, rules: tuple) -> tuple[str, str] | None:
+def first_failed(value: Any, rules: tuple) -> tuple[str, str] | None:
     """``(field, reason)`` of the first of ``rules`` (in order: a later one may assume the earlier) ``value`` fails."""
     for rule in rules:
         if isinstance(rule, Each):
             for i, item in enumerate(value):
-                failed = _first_failed(item, rule.rules)
+                failed = first_failed(item, rule.rules)
                 if failed:
                     return f"[{i}]{failed[0]}", failed[1]
         elif not rule[1](value):
@@ -92,7 +92,7 @@ def _first_failed(value: Any, rules: tuple) -> tuple[str, str] | None:
 def check_value(value: Any, rules: tuple, path: str | Path, line: int, where: str) -> None:
     """Raise :class:`~packsft.jsonl.ConversationError` naming ``where`` and the field of the first of ``rules``
     (:data:`Rule` or :class:`Each`) that ``value`` fails."""
-    failed = _first_failed(value, rules)
+    failed = first_failed(value, rules)
     if failed:
         raise ConversationError(path, line, where + failed[0], failed[1])
 

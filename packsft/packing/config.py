@@ -18,7 +18,7 @@ from packsft.config_rules import Exclusive, Needs, Rule, check_fields, ge, one_o
 from packsft.jsonl import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.layout import check_max_seq_len
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from packsft.packing.sources import check_source, is_dataset_dict
+from packsft.packing.sources import check_source, takes_split
 from packsft.prompt_formats import PRESETS, TRAIN_ON, TokenizationSpec
 from packsft.record_formats import RECORD_FORMATS, record_converter
 from packsft.sidecar import REPORT_SUFFIX, row_index_path, sidecar_path
@@ -71,7 +71,7 @@ class PackConfig:
     Attributes:
         inputs: input JSONL files, read in order; also ``datasets`` ``save_to_disk`` folders and ``.parquet`` /
             ``.arrow`` files (:mod:`packsft.packing.sources`, located by row index instead of line).
-        split: the split to read of a ``DatasetDict`` folder input.
+        split: the split to read of a ``DatasetDict`` folder or an Energon dataset input (Energon: ``train`` if None).
         output: the ``.jsonl.packed`` file to write.
         tokenizer: local tokenizer folder or ``tokenizer.json``.
         max_seq_len: row length in tokens; a multiple of ``2 * context_parallel_size``.
@@ -118,9 +118,11 @@ class PackConfig:
 
     inputs: list[str] = field(metadata=cli(
         "--input", "input JSONL file(s), read in order; also .parquet / .arrow files and datasets save_to_disk "
-        "folders (rows; needs the packsft[datasets] extra)", nargs="+", checks=(Rule(bool, "at least one file"),)))
+        "folders (rows; needs the packsft[datasets] extra) and Energon datasets (samples; packsft[energon])",
+        nargs="+", checks=(Rule(bool, "at least one file"),)))
     split: str | None = field(default=None, metadata=cli(
-        "--split", "the split to read of a DatasetDict save_to_disk folder"))
+        "--split", "the split to read of a DatasetDict save_to_disk folder or an Energon dataset (train if not "
+        "given)"))
     output: str = field(metadata=cli("--output", "output .jsonl.packed file"))
     tokenizer: str = field(metadata=cli("--tokenizer", "local tokenizer folder or tokenizer.json"))
     max_seq_len: int = field(metadata=cli("--max-seq-length", "row length in tokens", type=int))
@@ -226,8 +228,9 @@ class PackConfig:
         check_fields("", self)
         for p in self.inputs:
             check_source(p, self.split)
-        if self.split is not None and not any(is_dataset_dict(p) for p in self.inputs):
-            raise ValueError(f"--split {self.split}: no --input is a DatasetDict folder (dataset_dict.json)")
+        if self.split is not None and not any(takes_split(p) for p in self.inputs):
+            raise ValueError(f"--split {self.split}: no --input is a DatasetDict folder (dataset_dict.json) or an "
+                             "Energon dataset (.nv-meta)")
         check_max_seq_len(self.max_seq_len, self.context_parallel_size, self.sequence_parallel_size)
         record_converter(self.record_format, self.adapter)          # an unknown adapter fails here
         for name, value in (("--default-system-prompt", self.default_system_prompt),

@@ -1,4 +1,5 @@
-"""Pack inputs other than JSONL: Hugging Face datasets saved on disk, Parquet and Arrow files, read row by row.
+"""Pack inputs other than JSONL: Hugging Face datasets saved on disk, Parquet and Arrow files, read row by row;
+Energon datasets, read sample by sample.
 
 An ``--input`` is one of:
 
@@ -6,14 +7,18 @@ An ``--input`` is one of:
   1-based line (``data.jsonl:17``);
 * a folder written by ``datasets.Dataset.save_to_disk`` (``state.json`` + ``data-*.arrow``), or by
   ``DatasetDict.save_to_disk`` (``dataset_dict.json``: ``split`` picks one, e.g. ``train``);
-* a ``.parquet`` file, or an ``.arrow`` file (Arrow IPC stream, as ``datasets`` writes, or IPC file/Feather v2).
+* a ``.parquet`` file, or an ``.arrow`` file (Arrow IPC stream, as ``datasets`` writes, or IPC file/Feather v2);
+* a folder prepared by ``energon prepare`` (``.nv-meta/``): ``split`` picks one of its ``split.yaml`` splits
+  (``train`` when not given), read by :mod:`packsft.packing.energon` with the ``packsft[energon]`` extra, each
+  sample's ``json`` record located by shard and sample key (``shard-000001.tar: sample 000017``; report entries
+  carry ``shard`` and ``sample``). A sample with media or a non-text content part is rejected with its reason.
 
-The last three are *row sources*: they need the ``packsft[datasets]`` extra (``datasets`` and ``pyarrow``,
-imported only when such an input is given), are read one Arrow record batch at a time (a folder through
-``datasets.load_from_disk``, memory-mapped; Parquet through ``pyarrow.parquet.ParquetFile.iter_batches`` without
-pre-buffering, so at most about one row group's columns are in memory), and
-are located by 0-based row index (``train.parquet: row 17``, what ``dataset[17]`` returns) in every message and
-report entry (key ``row`` instead of ``line``).
+The last four are *row sources*. The three others need the ``packsft[datasets]`` extra (``datasets`` and
+``pyarrow``, imported only when such an input is given), are read one Arrow record batch at a time (a folder
+through ``datasets.load_from_disk``, memory-mapped; Parquet through ``pyarrow.parquet.ParquetFile.iter_batches``
+without pre-buffering, so at most about one row group's columns are in memory), and are located by 0-based row
+index (``train.parquet: row 17``, what ``dataset[17]`` returns) in every message and report entry (key ``row``
+instead of ``line``).
 
 Each row becomes the JSON text of its record dict, so the rest of the packer (``--format``, ``--adapter``,
 validation, ``--max-conversation-bytes`` on the record's UTF-8 JSON size) treats it exactly like a JSONL line.
@@ -37,9 +42,12 @@ from typing import Any
 
 from packsft.io import file_blake2b
 from packsft.jsonl import iter_jsonl_lines_sized
+from packsft.packing import energon
+from packsft.packing.energon import is_energon
 
 ROW_SUFFIXES = (".parquet", ".arrow")
 EXTRA = "packsft[datasets]"
+ENERGON_EXTRA = "packsft[energon]"
 _ROWS_PER_BATCH = 64
 
 
@@ -53,34 +61,43 @@ def is_row_source(path: str | Path) -> bool:
     return p.is_dir() or p.suffix.lower() in ROW_SUFFIXES
 
 
-def position(path: str | Path, number: int) -> dict[str, int]:
-    """``{"row": number}`` for a row source, ``{"line": number}`` for JSONL: the location keys of report entries."""
+def position(path: str | Path, number: int) -> dict[str, int | str]:
+    """``{"row": number}`` for a row source, ``{"line": number}`` for JSONL, ``{"shard", "sample"}`` (the key) for
+    an Energon dataset's sample ``number``: the location keys of report entries."""
+    if is_energon(path):
+        shard, key = energon.locate(path, number)
+        return {"shard": shard, "sample": key}
     return {"row": number} if is_row_source(path) else {"line": number}
 
 
 def where(path: str | Path, number: int) -> str:
-    """``path: row N`` for a row source, ``path:N`` for JSONL (the prefix of errors and warnings)."""
-    return f"{path}: row {number}" if is_row_source(path) else f"{path}:{number}"
+    """``path: row N`` for a row source, ``path: SHARD: sample KEY`` for an Energon dataset, ``path:N`` for JSONL
+    (the prefix of errors and warnings)."""
+    return entry_where({"input": path, **position(path, number)})
 
 
 def entry_where(entry: dict[str, Any]) -> str:
-    """:func:`where` for a report entry ``{"input", "line" | "row", ...}``."""
+    """:func:`where` for a report entry ``{"input", "line" | "row" | "shard" and "sample", ...}``."""
+    if "sample" in entry:
+        return f"{entry['input']}: {entry['shard']}: sample {entry['sample']}"
     return f"{entry['input']}: row {entry['row']}" if "row" in entry else f"{entry['input']}:{entry['line']}"
 
 
 def count_word(paths: list[str]) -> str:
-    """``line``, ``row`` or ``line/row``: what the inputs' records are called in a count."""
-    kinds = {is_row_source(p) for p in paths}
-    return "line/row" if len(kinds) > 1 else ("row" if kinds == {True} else "line")
+    """``line``, ``row``, ``sample`` or several joined by ``/``: what the inputs' records are called in a count."""
+    kinds = {"sample" if is_energon(p) else "row" if is_row_source(p) else "line" for p in paths}
+    return "/".join(k for k in ("line", "row", "sample") if k in kinds)
 
 
 def _import(module: str):
+    for_energon = module.startswith("megatron.energon")
     try:
         return __import__(module, fromlist=["_"])
     except ImportError as err:
-        raise SourceError(f"reading Parquet/Arrow files and datasets.save_to_disk folders needs the {EXTRA} "
-                          f"extra: pip install '{EXTRA}' (or pip install datasets pyarrow); import {module} "
-                          f"failed: {err}") from err
+        what, extra, pkgs = (("Energon datasets", ENERGON_EXTRA, "megatron-energon") if for_energon else
+                             ("Parquet/Arrow files and datasets.save_to_disk folders", EXTRA, "datasets pyarrow"))
+        raise SourceError(f"reading {what} needs the {extra} extra: pip install '{extra}' (or pip install {pkgs}); "
+                          f"import {module} failed: {err}") from err
 
 
 def _dataset_dir(path: Path, split: str | None) -> Path:
@@ -116,16 +133,51 @@ def is_dataset_dict(path: str | Path) -> bool:
     return (Path(path) / "dataset_dict.json").is_file()
 
 
+def takes_split(path: str | Path) -> bool:
+    """True for an input ``--split`` applies to: a ``DatasetDict`` folder or an Energon dataset."""
+    return is_dataset_dict(path) or is_energon(path)
+
+
+def energon_split(path: str | Path, split: str | None) -> str:
+    """The split to read of an Energon dataset: ``split``, or ``train`` when not given.
+
+    Raises:
+        SourceError: the extra is missing, ``split.yaml`` cannot be read, the split is unknown or has no shards
+            (the message names the splits that have), or energon cannot read the split's metadata.
+    """
+    _import("megatron.energon")
+    try:
+        splits = energon.split_names(path)
+    except Exception as err:  # noqa: BLE001 - missing or malformed split file, in energon's words
+        raise SourceError(f"--input {path}: an Energon dataset folder (.nv-meta) whose split.yaml cannot be read "
+                          f"({type(err).__name__}: {err}); prepare it with energon prepare {path}") from err
+    name = "train" if split is None else split
+    if not splits.get(name):
+        have = ", ".join(s for s, n in splits.items() if n) or "none"
+        if split is None:
+            raise SourceError(f"--input {path} is an Energon dataset without a train split (splits with shards: "
+                              f"{have}): pick one with --split NAME")
+        raise SourceError(f"--split {split!r}: {path} has splits with shards {have}")
+    try:
+        energon.split_meta(path, name)
+    except Exception as err:  # noqa: BLE001 - a missing .info.json or shard count, an emptied split
+        raise SourceError(f"--input {path}: split {name!r} cannot be read as an Energon dataset "
+                          f"({type(err).__name__}: {err})") from err
+    return name
+
+
 def check_source(path: str | Path, split: str | None = None) -> None:
     """Check that ``path`` exists and can be read (the libraries a row source needs are importable).
 
     Raises:
         SourceError: no such file (or a broken link), not a regular file (a pipe), a folder that is not a
-            ``save_to_disk`` folder, a ``DatasetDict`` folder without ``split`` (the message names its splits), or
-            the ``packsft[datasets]`` extra missing.
+            ``save_to_disk`` folder, a ``DatasetDict`` folder without ``split`` (the message names its splits), the
+            ``packsft[datasets]`` extra missing, or an Energon dataset :func:`energon_split` refuses.
     """
     p = Path(path)
-    if p.is_dir():
+    if is_energon(p):
+        energon_split(p, split)
+    elif p.is_dir():
         _dataset_dir(p, split)
         _import("datasets")
     elif p.is_file():
@@ -194,6 +246,9 @@ def iter_source(path: str | Path, max_bytes: int | None = None, split: str | Non
     if not is_row_source(p):
         yield from iter_jsonl_lines_sized(p, max_bytes)
         return
+    if is_energon(p):
+        yield from _iter_energon(p, max_bytes, split)
+        return
     index = 0
     try:
         for batch in _record_batches(p, split):
@@ -206,7 +261,37 @@ def iter_source(path: str | Path, max_bytes: int | None = None, split: str | Non
         raise SourceError(f"{path}: {at}: cannot be read as {_kind(p)} ({type(err).__name__}: {err})") from err
 
 
+def _iter_energon(path: Path, max_bytes: int | None, split: str | None
+                  ) -> Iterator[tuple[int, int, str | None, str | None]]:
+    """:func:`iter_source` of an Energon dataset: ``number`` is :func:`packsft.packing.energon.iter_samples`'s."""
+    at = "before its first sample"
+    try:
+        for number, shard, key, payload in energon.iter_samples(path, "train" if split is None else split):
+            at = f"after {shard}: sample {key}"
+            yield (number, *_payload_text(payload, max_bytes))
+    except Exception as err:  # noqa: BLE001 - energon and tarfile raise many types for a corrupt shard
+        raise SourceError(f"{path}: {at}: cannot be read as {_kind(path)} ({type(err).__name__}: {err})") from err
+
+
+def _payload_text(payload: bytes | None, max_bytes: int | None) -> tuple[int, str | None, str | None]:
+    """``(nbytes, text, error)`` of an Energon sample's ``json`` member (None: it has none)."""
+    if payload is None:
+        return 0, None, "the sample has no .json member (its JSON record); not tokenized"
+    nbytes = len(payload)
+    if max_bytes is not None and nbytes > max_bytes:
+        return nbytes, None, (f"sample's .json member has {nbytes} bytes, more than --max-conversation-bytes "
+                              f"{max_bytes}; not tokenized")
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return nbytes, None, "the sample's .json member is not UTF-8 text; not tokenized"
+    problem = energon.text_only_problem(text)
+    return (nbytes, None, f"{problem}; not tokenized") if problem else (nbytes, text, None)
+
+
 def _kind(path: Path) -> str:
+    if is_energon(path):
+        return "an Energon dataset"
     return "a datasets save_to_disk folder" if path.is_dir() else f"a {path.suffix.lower()[1:].capitalize()} file"
 
 
@@ -279,10 +364,16 @@ def source_identity(path: str | Path, split: str | None = None) -> dict[str, Any
         ``{"kind": "dataset" | "parquet" | "arrow", "num_rows": int, "files": [{"name", "size", "blake2b"}],
         "split"?, "fingerprint"?}``: a folder lists its ``state.json``, ``dataset_info.json`` and data files
         (names relative to ``path``) and the ``_fingerprint`` of its ``state.json``; sizes in bytes, BLAKE2b-160.
+        An Energon dataset: ``{"kind": "energon", "split", "num_samples", "files"}``, its ``.nv-meta/.info.json``,
+        split file, ``dataset.yaml`` and the split's shards.
     """
     p = Path(path)
     out: dict[str, Any] = {}
-    if p.is_dir():
+    if is_energon(p):
+        name = "train" if split is None else split
+        files, count = energon.identity_files(p, name)
+        out.update(kind="energon", split=name, num_samples=count)
+    elif p.is_dir():
         folder = _split_folder(p, split)
         state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
         names = ["state.json", "dataset_info.json"] + [f["filename"] for f in state.get("_data_files", [])]

@@ -1,0 +1,157 @@
+"""Energon datasets as pack inputs: folders prepared by ``energon prepare`` (WebDataset ``.tar`` shards plus
+``.nv-meta/`` with ``.info.json``, ``split.yaml`` and ``index.sqlite``), read sample by sample with
+megatron-energon's own reader (``packsft[energon]`` extra, imported only here and only when such an input is given).
+
+A split is read the way Energon reads it without shuffling: its shards in ``split.yaml`` order, each shard's
+samples in tar order, the samples ``split.yaml`` excludes left out. A sample's payload is its ``json`` member
+(``000017.json``), the record ``{"messages": [...], "media": [...], "tools": ...}``; its other members are not
+read. The packer packs text: a sample whose payload lists media or holds a non-text content part is refused with
+a reason (:func:`text_only_problem`).
+
+A sample is numbered by its place in the whole dataset (the shards in ``.info.json`` order, then its index in its
+shard), whatever the split, so that its shard and key can be found again from that number (:func:`locate`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from bisect import bisect_right
+from collections.abc import Iterator
+from pathlib import Path
+
+META = ".nv-meta"
+PAYLOAD = "json"
+"""The member extension that holds a sample's JSON record."""
+
+
+def is_energon(path: str | Path) -> bool:
+    """True for a folder prepared by ``energon prepare`` (it has ``.nv-meta/``)."""
+    return (Path(path) / META).is_dir()
+
+
+def _epath(path: str | Path):
+    from megatron.energon.epathlib import EPath
+
+    return EPath(str(Path(path).resolve()))
+
+
+def split_names(path: str | Path) -> dict[str, int]:
+    """``{split: number of shards}`` of the dataset's ``split.yaml`` (or ``split.json``), in file order.
+
+    Raises:
+        OSError, ValueError: the split file is missing or not a split config.
+    """
+    from megatron.energon.eyaml import load_yaml_json
+
+    meta = _epath(path) / META
+    name = "split.yaml" if (meta / "split.yaml").is_file() else "split.json"
+    parts = load_yaml_json(meta / name)["split_parts"]
+    return {str(k): len(v or []) for k, v in parts.items()}
+
+
+def split_meta(path: str | Path, split: str):
+    """Energon's ``WebdatasetMeta`` of ``split``: its ``shards`` (``name``, ``path``, ``count``) and
+    ``sample_excludes`` (``shard/key`` names).
+
+    Raises:
+        megatron.energon.flavors.webdataset.empty_dataset_error.EmptyDatasetError: the split has no shards.
+    """
+    from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
+
+    return WebdatasetMeta.from_config(_epath(path), split_part=split)
+
+
+def _shard_offsets(path: str | Path) -> tuple[list[str], list[int]]:
+    """The dataset's shard names in ``.info.json`` order and the number of samples before each (plus the total)."""
+    from megatron.energon.flavors.webdataset.metadata import get_dataset_info
+
+    counts = get_dataset_info(_epath(path))["shard_counts"]
+    offsets = [0]
+    for n in counts.values():
+        offsets.append(offsets[-1] + n)
+    return list(counts), offsets
+
+
+def iter_samples(path: str | Path, split: str) -> Iterator[tuple[int, str, str, bytes | None]]:
+    """The samples of ``split`` in Energon's order: ``(number, shard, key, payload)``.
+
+    ``number`` is the sample's place in the whole dataset (:func:`locate` maps it back), ``payload`` its ``json``
+    member's bytes, or None when it has none.
+    """
+    from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
+
+    meta = split_meta(path, split)
+    names, offsets = _shard_offsets(path)
+    first = dict(zip(names, offsets))
+    excluded = meta.sample_excludes
+    reader = ShardInfosITarReader(_epath(path), meta.shards, part_filter=lambda ext: ext == PAYLOAD,
+                                  sample_filter=lambda name: name not in excluded, itar_cache_size=1)
+    try:
+        for i, shard in enumerate(meta.shards):
+            start = reader.shard_count_cumsum[i]
+            for j in range(shard.count):
+                sample = reader[start + j]
+                if sample is not None:  # None: excluded by split.yaml
+                    yield first[shard.name] + j, shard.name, sample["__key__"], sample.get(PAYLOAD)
+    finally:
+        reader.close()
+
+
+@functools.lru_cache(maxsize=8)
+def _index(path: str, stamp: int):
+    """The shard names, offsets and Energon's sqlite index of a dataset (``stamp``: its ``.info.json``'s mtime)."""
+    from megatron.energon.flavors.webdataset.indexing import SqliteIndexReader
+
+    names, offsets = _shard_offsets(path)
+    sqlite = _epath(path) / META / "index.sqlite"
+    return names, offsets, SqliteIndexReader(sqlite) if sqlite.is_file() else None
+
+
+def locate(path: str | Path, number: int) -> tuple[str, str]:
+    """``(shard, key)`` of the sample numbered ``number`` by :func:`iter_samples`; the key is ``#i`` (its index in
+    the shard) for a dataset prepared without ``index.sqlite``."""
+    info = Path(path) / META / ".info.json"
+    names, offsets, index = _index(str(path), info.stat().st_mtime_ns if info.is_file() else 0)
+    shard = bisect_right(offsets, number) - 1
+    within = number - offsets[shard]
+    row = index.db.select_one("SELECT sample_key FROM samples WHERE tar_file_id = ? AND sample_index = ?",
+                              (shard, within)) if index is not None else None
+    return names[shard], row[0] if row else f"#{within}"
+
+
+def text_only_problem(text: str) -> str | None:
+    """Why a sample's record cannot be packed as text (it lists media, or a message holds a non-text content
+    part), or None. A record that is not a JSON object with messages is left to the record parser."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    media = record.get("media")
+    if media:
+        count = f"{len(media)} item(s)" if isinstance(media, list) else repr(media)
+        return f"media: the sample has media ({count}); the packer packs text only"
+    messages = record.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", None):
+                return f"messages[{i}].content[{j}]: a {kind!r} part; the packer packs text only"
+    return None
+
+
+def identity_files(path: str | Path, split: str) -> tuple[list[Path], int]:
+    """The files that identify ``split`` of a dataset (``.info.json``, the split file, ``dataset.yaml``, the
+    split's shards in order) and its number of samples (the excluded ones left out)."""
+    p, meta_dir = Path(path), Path(path) / META
+    meta = split_meta(path, split)
+    files = [meta_dir / n for n in (".info.json", ".info.yaml", "split.yaml", "split.json", "dataset.yaml")
+             if (meta_dir / n).is_file()]
+    files += [p / shard.name for shard in meta.shards]
+    shards = {shard.name for shard in meta.shards}
+    excluded = sum(1 for name in meta.sample_excludes if name.rsplit("/", 1)[0] in shards)
+    return files, sum(shard.count for shard in meta.shards) - excluded
+

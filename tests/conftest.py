@@ -16,6 +16,11 @@ TESTS = Path(__file__).resolve().parent
 for folder in (REPO_ROOT, *sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+# Each xdist process runs torch on one thread (and so do the processes tests start without their own setting): two
+# processes of two OpenMP threads each on the 2-core CI machine spend most of their time waiting for each other
+# (tests/model/test_gpt.py and the loss tests, two at once: 31 s, 7 s on one thread each).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 SHARED_DATA = Path(os.environ.get("PACKSFT_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 # A shell starts a background job (`cmd &` without job control) with SIGINT ignored, and an ignored signal stays
 # ignored across exec: the Ctrl-C tests (KeyboardInterrupt here, exit 130 in the CLIs they start) would then see

@@ -139,7 +139,7 @@ def text_only_problem(text: str) -> str | None:
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("text", None):
-                return f"messages[{i}].content[{j}]: a {kind!r} part; the packer packs text only"
+                return f"messages[{i}].content[{j}]: a non-text part ({kind!r}); the packer packs text only"
     return None
 
 

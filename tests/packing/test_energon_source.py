@@ -100,8 +100,8 @@ def test_energon_train_split_packs_the_rows_jsonl_gives(tmp_path, tokenizer_dir,
         (str(ds), "shard-000001.tar", "000004", ref_report.rejected[0]["reason"]),      # the JSONL parser's reason
         (str(ds), "shard-000001.tar", "000005", "media: the sample has media (1 item(s)); the packer packs text "
                                                 "only; not tokenized"),
-        (str(ds), "shard-000001.tar", "000007", "messages[0].content[0]: a 'image_url' part; the packer packs "
-                                                "text only; not tokenized")]
+        (str(ds), "shard-000001.tar", "000007", "messages[0].content[0]: a non-text part ('image_url'); the "
+                                                "packer packs text only; not tokenized")]
     assert ref_report.rejected[0]["reason"].startswith("messages[1].role: unknown role 'bot'")
     assert f"rejected {ds}: shard-000001.tar: sample 000005: media: the sample has media" in report.summary()
     ident = read_sidecar(out)["input_identity"][str(ds)]

@@ -235,7 +235,9 @@ def iter_source(path: str | Path, max_bytes: int | None = None, split: str | Non
 
     For a row source ``number`` is the 0-based row index, ``text`` the record's JSON (UTF-8, null fields
     dropped as described above), ``nbytes`` its size in bytes; a record over ``max_bytes`` bytes, or one that
-    does not convert to JSON, comes with ``text=None`` and an ``error``.
+    does not convert to JSON, comes with ``text=None`` and an ``error``. For an Energon dataset ``number`` is the
+    sample's place in the dataset (:func:`position` gives its shard and key), ``text`` its ``json`` member as is;
+    a sample with media or a non-text part comes with an ``error``.
 
     ``path`` and ``split`` passed :func:`check_source`.
 

@@ -130,6 +130,12 @@ def test_samples_are_numbered_in_the_dataset_and_split_excludes_are_left_out(tmp
     after = source_identity(ds, "val")
     assert (before["num_samples"], after["num_samples"]) == (2, 1)
     assert before["files"][1]["name"] == ".nv-meta/split.yaml" and before["files"][1] != after["files"][1]
+    shard = ds / "b.tar"
+    with tarfile.open(shard) as tar:
+        cut = tar.getmembers()[1].offset_data + 10
+    shard.write_bytes(shard.read_bytes()[:cut])                    # cut inside its second sample
+    with pytest.raises(SourceError, match=r"ds: after b.tar: sample k2: cannot be read as an Energon dataset"):
+        list(iter_source(ds))
 
 
 def test_split_is_chosen_by_name_and_unknown_or_missing_ones_are_refused(tmp_path, tokenizer_dir, data, capsys):

@@ -54,8 +54,11 @@ def sweep(model, base: Layout, world_size: int, seq_lens: list[int], gpu_bytes: 
              "|" + "---|" * (9 + len(seq_lens))]
     powers = [2**i for i in range(8) if 2**i <= world_size]
     for tp, cp, pp in itertools.product([t for t in powers if t <= 8], powers, powers):
-        if world_size % (tp * cp * pp) or model.num_layers % pp or model.num_query_groups % tp or \
-                model.vocab_size % tp:
+        if world_size % (tp * cp * pp):
+            continue
+        try:
+            model.check_parallel_fit(tp, pp)
+        except ValueError:      # a size the model does not split over
             continue
         for dist_opt, recompute in ((False, None), (True, None), (True, "full")):
             layout = replace(base, tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp),

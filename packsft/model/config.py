@@ -145,6 +145,24 @@ class ModelConfig:
             return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
+    def check_parallel_fit(self, tp: int = 1, pp: int = 1, vp: int | None = None, prefix: str = "") -> None:
+        """Refuse a model that does not split over ``tp`` tensor-parallel ranks (its key/value heads and vocabulary:
+        packsft's TP shards have neither Megatron's replicated key/value heads nor a padded vocabulary) and ``pp``
+        pipeline stages of ``vp`` virtual stages each (its layers). ``prefix`` names the sizes (``"parallel."``: a
+        training config's). Megatron's ``TransformerConfig`` refuses ``num_attention_heads`` not divisible by ``tp``.
+
+        Raises:
+            ValueError: naming the model field, its value and the size it must be a multiple of.
+        """
+        layers = f"{prefix}pipeline_model_parallel_size ({pp})" + (
+            f" x {prefix}virtual_pipeline_model_parallel_size ({vp})" if vp else "")
+        for field_name, divisor, sizes in (
+                ("num_query_groups", tp, f"{prefix}tensor_model_parallel_size ({tp})"),
+                ("vocab_size", tp, f"{prefix}tensor_model_parallel_size ({tp}); pad the vocabulary"),
+                ("num_layers", pp * (vp or 1), layers)):
+            if getattr(self, field_name) % divisor:
+                raise ValueError(f"model.{field_name} ({getattr(self, field_name)}) must be a multiple of {sizes}")
+
     def to_transformer_config(self, tp: int = 1, cp: int = 1, sequence_parallel: bool = False, pp: int = 1,
                               vp: int | None = None):
         """Build Megatron-Core's ``TransformerConfig`` for tensor-parallel ``tp``, context-parallel ``cp`` and
@@ -157,20 +175,10 @@ class ModelConfig:
         without CUDA the weights are created on CPU (``use_cpu_initialization``), which also makes TP
         shards exact slices of the TP=1 weights for the same seed.
 
-        Raises:
-            ValueError: if ``num_query_groups`` is not divisible by ``tp`` (Megatron also takes a divisor, whose
-                replicated key/value heads packsft's TP shards lack), or ``num_layers`` not by ``pp * vp`` (the
-                sizes are positive: the CLI and the training config check); Megatron's ``TransformerConfig``
-                refuses ``num_attention_heads`` not divisible by ``tp``.
+        The model fits the sizes (:meth:`check_parallel_fit`: the training config and the converter check).
         """
         from megatron.core.transformer import TransformerConfig
 
-        if self.num_query_groups % tp:
-            raise ValueError(f"model.num_query_groups ({self.num_query_groups}) must be a multiple of "
-                             f"tensor_model_parallel_size ({tp})")
-        if self.num_layers % (pp * (vp or 1)):
-            raise ValueError(f"model.num_layers ({self.num_layers}) must be a multiple of "
-                             f"pipeline_model_parallel_size ({pp}) x virtual_pipeline_model_parallel_size ({vp})")
         dtype = PARAMS_DTYPES[self.params_dtype]
         return TransformerConfig(
             num_layers=self.num_layers,

@@ -109,8 +109,7 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_p
         None, labels=[1, t], packed_seq_params=...)`` returns per-token loss fp32 ``[1, t]``; see
         ``packsft.model.output_head`` for the hidden-state seam.
 
-    Raises:
-        ValueError: if ``cfg.vocab_size`` is not a multiple of the TP size.
+    ``cfg`` fits the parallel sizes (``ModelConfig.check_parallel_fit``: the training config and the converter check).
     """
     apply_cpu_workarounds()
     install_sync_free_rope()
@@ -118,9 +117,6 @@ def build_gpt_model(cfg: ModelConfig, *, pre_process: bool | None = None, post_p
     cp = parallel_state.get_context_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if cfg.vocab_size % tp:
-        raise ValueError(f"model.vocab_size ({cfg.vocab_size}) must be a multiple of "
-                         f"tensor_model_parallel_size ({tp}); pad the vocabulary")
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:

@@ -141,11 +141,9 @@ class Config:
                    else f"{granularity} with parallel.sequence_parallel: lcm(CP padding, CP x TP) = "
                    f"lcm({cp_granularity(cp)}, {cp} x {tp}), the CP padding being 2 x CP when CP > 1, else 1")
             raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of {why}")
-        pp, vp = self.parallel.pipeline_model_parallel_size, self.parallel.virtual_pipeline_model_parallel_size
-        if self.model.num_layers % (pp * (vp or 1)):
-            raise ValueError(f"model.num_layers ({self.model.num_layers}) must be a multiple of "
-                             f"parallel.pipeline_model_parallel_size ({pp})"
-                             + (f" x parallel.virtual_pipeline_model_parallel_size ({vp})" if vp else ""))
+        self.model.check_parallel_fit(self.parallel.tensor_model_parallel_size,
+                                      self.parallel.pipeline_model_parallel_size,
+                                      self.parallel.virtual_pipeline_model_parallel_size, prefix="parallel.")
 
     @property
     def checkpoint_dir(self) -> Path:

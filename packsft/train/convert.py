@@ -208,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "import":
         cfg = model_config_from_hf(load_hf_config(args.hf), max_seq_len=args.max_seq_len,
                                    attention_backend=args.attention_backend, params_dtype=args.params_dtype)
+        cfg.check_parallel_fit(tp, pp)
         check_hf_weight_files(args.hf, cfg)      # headers only: a bad file is named before the model is built
         model = build_gpt_model(cfg)             # this rank's stage: its layers, embedding / head
         hf_config, hf_state = load_hf_checkpoint(args.hf, keep=stage_hf_names(model, cfg))
@@ -219,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         saved = load_train_state(megatron) if (megatron / TRAIN_STATE).is_file() else None
         recorded = saved.get(LORA_BASE) if saved is not None else None
         cfg, lora = export_sections(megatron, args.config, saved)
+        cfg.check_parallel_fit(tp, pp)
         # before the model is read: a tokenizer the model cannot embed is refused, its ids fill config.json
         token_ids = tokenizer_token_ids(args.tokenizer, cfg.vocab_size) if args.tokenizer else None
         if (args.merge_lora or args.lora_adapter) and lora is None:

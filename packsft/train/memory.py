@@ -137,18 +137,8 @@ def plan(model: ModelConfig, layout: Layout, seq_len: int, gpu_bytes: float) -> 
     ``PP`` micro-batches, i.e. the same as without pipelining (Megatron-LM's observation).
 
     ``seq_len`` is a multiple of ``2 CP`` (the training config's rule; :func:`max_seq_len` steps by it), and
-    ``model.num_layers`` one of ``PP`` (the training config's rule too).
-
-    Raises:
-        ValueError: a TP size that does not divide the model's key/value heads or vocabulary (the trainer refuses
-            both when it builds the model).
+    ``model`` fits ``TP`` and ``PP`` (``ModelConfig.check_parallel_fit``, the training config's rule too).
     """
-    if model.num_query_groups % layout.tp:
-        raise ValueError(f"num_query_groups ({model.num_query_groups}) is not a multiple of "
-                         f"tensor_model_parallel_size ({layout.tp})")
-    if model.vocab_size % layout.tp:   # refused by the trainer (build_gpt_model)
-        raise ValueError(f"vocab_size ({model.vocab_size}) is not a multiple of tensor_model_parallel_size "
-                         f"({layout.tp}); pad the vocabulary")
     params = num_parameters(model)
     static = params * static_bytes_per_parameter(layout) / (layout.tp * layout.pp)
     tokens = layout.micro_batch_size * seq_len // layout.cp                    # this rank's tokens

@@ -147,7 +147,11 @@ def test_config_validation_names_the_field(overrides, field):
 
 def test_config_tp_divisibility():
     with pytest.raises(ValueError, match="num_query_groups.*tensor_model_parallel_size"):
-        tiny_config(num_attention_heads=4, num_query_groups=1).to_transformer_config(tp=2)
+        tiny_config(num_attention_heads=4, num_query_groups=1).check_parallel_fit(tp=2)
+    with pytest.raises(ValueError, match=r"model.num_layers \(2\) must be a multiple of "
+                                         r"parallel.pipeline_model_parallel_size \(2\) x "
+                                         r"parallel.virtual_pipeline_model_parallel_size \(2\)"):
+        tiny_config().check_parallel_fit(pp=2, vp=2, prefix="parallel.")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU workarounds are off with CUDA")

@@ -49,8 +49,8 @@ def test_levers_reduce_memory_and_the_longest_row_is_the_edge():
     longest = max_seq_len(LLAMA_8B, base, GB80)
     assert 16384 < longest < 32768                           # configs/llama3_8b_multigpu.yaml's 16k rows fit
     assert plan(LLAMA_8B, base, longest, GB80).fits and not plan(LLAMA_8B, base, longest + 4, GB80).fits
-    with pytest.raises(ValueError, match=r"vocab_size \(128257\) is not a multiple of tensor_model_parallel_size"):
-        plan(replace(LLAMA_8B, vocab_size=128257), replace(base, tp=4), 8192, GB80)   # the trainer refuses it
+    with pytest.raises(ValueError, match=r"vocab_size \(128257\) must be a multiple of tensor_model_parallel_size"):
+        replace(LLAMA_8B, vocab_size=128257).check_parallel_fit(tp=4)   # the training config and converter refuse it
     sp = replace(base, tp=8, cp=3, sequence_parallel=True)   # rows of a multiple of lcm(6, 24) under SP
     assert max_seq_len(LLAMA_8B, sp, GB80) % 24 == 0 and plan(LLAMA_8B, sp, max_seq_len(LLAMA_8B, sp, GB80), GB80).fits
 

@@ -111,16 +111,27 @@ def _dataset_dir(path: Path, split: str | None) -> Path:
             splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
         except (ValueError, KeyError, TypeError) as err:
             raise SourceError(f"{path}/dataset_dict.json: not a datasets DatasetDict index ({err})") from err
-        if split is None:
-            raise SourceError(f"--input {path} is a DatasetDict with splits {', '.join(map(str, splits))}: pick one "
-                              f"with --split NAME (or pass --input {path}/{splits[0] if splits else 'SPLIT'})")
-        if split not in splits:
-            raise SourceError(f"--split {split!r}: {path} has splits {', '.join(map(str, splits))}")
-        path = path / split
+        path = path / _choose_split(path, "a DatasetDict", list(map(str, splits)), split)
     if not (path / "state.json").is_file():
         raise SourceError(f"--input {path} is a folder without state.json or dataset_dict.json: not written by "
                           "datasets' save_to_disk; pass JSONL, .parquet or .arrow files, or a save_to_disk folder")
     return path
+
+
+def _choose_split(path: Path | str, what: str, splits: list[str], split: str | None, default: str | None = None
+                  ) -> str:
+    """``split``, or ``default`` when not given, of a ``path`` with ``splits`` (``what`` it is, for the message).
+
+    Raises:
+        SourceError: no ``split`` given and no ``default`` among ``splits``, or ``split`` not among them (named).
+    """
+    listed = ", ".join(splits) or "none"
+    if split is None and default not in splits:
+        raise SourceError(f"--input {path} is {what} (splits: {listed}): pick one with --split NAME")
+    name = default if split is None else split
+    if name not in splits:
+        raise SourceError(f"--split {split!r}: {path} has splits {listed}")
+    return name
 
 
 def _split_folder(path: Path, split: str | None) -> Path:
@@ -151,13 +162,8 @@ def energon_split(path: str | Path, split: str | None) -> str:
     except Exception as err:  # noqa: BLE001 - missing or malformed split file, in energon's words
         raise SourceError(f"--input {path}: an Energon dataset folder (.nv-meta) whose split.yaml cannot be read "
                           f"({type(err).__name__}: {err}); prepare it with energon prepare {path}") from err
-    name = "train" if split is None else split
-    if not splits.get(name):
-        have = ", ".join(s for s, n in splits.items() if n) or "none"
-        if split is None:
-            raise SourceError(f"--input {path} is an Energon dataset without a train split (splits with shards: "
-                              f"{have}): pick one with --split NAME")
-        raise SourceError(f"--split {split!r}: {path} has splits with shards {have}")
+    name = _choose_split(path, "an Energon dataset without a train split", [s for s, n in splits.items() if n],
+                         split, default="train")
     try:
         energon.split_meta(path, name)
     except Exception as err:  # noqa: BLE001 - a missing .info.json or shard count, an emptied split

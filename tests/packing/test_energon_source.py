@@ -143,7 +143,7 @@ def test_split_is_chosen_by_name_and_unknown_or_missing_ones_are_refused(tmp_pat
     args = ["--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer", str(tokenizer_dir("qwen2.5")),
             "--max-seq-length", "2048", "--no-progress", "--histogram", ""]
     assert cli.main(["--input", str(ds), "--split", "test", *args]) == 2
-    assert f"--split 'test': {ds} has splits with shards train, val" in capsys.readouterr().err
+    assert f"--split 'test': {ds} has splits train, val" in capsys.readouterr().err
     assert cli.main(["--input", str(ds), "--split", "val", *args]) == 0
     meta = read_sidecar(tmp_path / "o.jsonl.packed")
     assert meta["split"] == "val" and meta["input_identity"][str(ds)]["split"] == "val"
@@ -152,7 +152,7 @@ def test_split_is_chosen_by_name_and_unknown_or_missing_ones_are_refused(tmp_pat
     chats = _lines(tokenizer_dir("qwen2.5").parents[1] / "chat" / "chitchat.messages.jsonl", 1)
     no_train = _prepare(tmp_path / "nt", {"s.tar": [("k0", chats[0])]}, ["val:s.tar"])
     assert cli.main(["--input", str(no_train), *args]) == 2
-    assert "is an Energon dataset without a train split (splits with shards: val): pick one with --split NAME" \
+    assert "is an Energon dataset without a train split (splits: val): pick one with --split NAME" \
         in capsys.readouterr().err
 
 

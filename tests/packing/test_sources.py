@@ -166,7 +166,7 @@ def test_dataset_dict_needs_a_split_and_folders_must_be_datasets(tmp_path, token
     args = ["--output", str(tmp_path / "o.jsonl.packed"), "--tokenizer", str(tokenizer_dir("smollm2-135m-instruct")),
             "--max-seq-length", "256", "--no-progress", "--histogram", ""]
     assert cli.main(["--input", str(tmp_path / "dd"), *args]) == 2
-    assert "is a DatasetDict with splits train, validation: pick one with --split NAME" in capsys.readouterr().err
+    assert "is a DatasetDict (splits: train, validation): pick one with --split NAME" in capsys.readouterr().err
     assert cli.main(["--input", str(tmp_path / "dd"), "--split", "test", *args]) == 2
     assert "--split 'test': " in capsys.readouterr().err
     assert cli.main(["--input", str(tmp_path / "dd"), "--split", "validation", *args]) == 0

@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from packsft.data.loader import load_loader_state_dict, loader_state_dict
 from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
-from packsft.train import process_guard
 from packsft.train.compat import check_recorded_architecture, check_recorded_optimizer, recorded_architecture
 from packsft.train.config import Config, config_to_yaml
 from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
@@ -174,7 +173,6 @@ class Checkpointer:
         saved = [p for n, p in self.gpts[0].named_parameters() if self.lora_base is None or ".lora_" in n]
         need = ckpt.checkpoint_bytes_estimate(saved, tp_size=self.ctx.tensor_model_parallel_size)
         ckpt_files.check_checkpoint_dir(self.cfg.checkpoint_dir, need)
-        process_guard.start_checkpoint_writer()     # its process gets ready during the steps before the first save
         return need
 
     def save(self, state: TrainState, layout: dict[str, int | None]) -> Path:

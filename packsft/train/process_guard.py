@@ -143,19 +143,12 @@ def _after_fork_in_child() -> None:
 _writer_manager = None
 
 
-WRITER_RESULT_MODULE = "torch.distributed.checkpoint"
-"""What the writer Manager must import to unpickle a save's results (``WriteResult``): seconds of a first save when
-imported only then."""
-
-
 def _writer_init(parent: int) -> None:
     """Initializer of the writer Manager: outlive SIGTERM/SIGINT sent to the whole job (the trainer still saves
-    through it), die with the trainer, and import :data:`WRITER_RESULT_MODULE` in the background while the trainer
-    trains (the Manager starts without waiting for it; a save's results wait on the import lock if it is not done)."""
+    through it), die with the trainer."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL, parent)
-    threading.Thread(target=__import__, args=(WRITER_RESULT_MODULE,), daemon=True).start()
 
 
 def start_checkpoint_writer() -> None:

@@ -131,11 +131,14 @@ class Checkpointer:
         with naming(path):
             ckpt.load_model_and_optimizer(path, self.model, self.optimizer, adapters_only=recorded is not None)
         state = TrainState.from_dict(saved["state"])
-        was = recorded_sections["train"].get("global_batch_size")
-        if was is not None and was != cfg.train.global_batch_size and ctx.rank == 0:
-            print(f"note: train.global_batch_size is {cfg.train.global_batch_size}, checkpoint {path} was "
-                  f"trained with {was}: the data continues after the {state.consumed_samples} rows consumed, "
-                  f"{cfg.train.global_batch_size} a step from now on", flush=True)
+        for section, key, then in (   # settings a resume may change, and what changes with them
+                ("train", "global_batch_size", f"the data continues after the {state.consumed_samples} rows consumed, "
+                 f"{cfg.train.global_batch_size} a step from now on"),
+                ("loss", "normalization", f"the logged loss and the weight of each token in the gradients change "
+                 f"from step {state.step + 1} on")):
+            was, now = recorded_sections[section].get(key), getattr(getattr(cfg, section), key)
+            if was is not None and was != now and ctx.rank == 0:
+                print(f"note: {section}.{key} is {now}, checkpoint {path} was trained with {was}: {then}", flush=True)
         set_schedule_step(self.scheduler, saved["scheduler"]["last_epoch"])
         apply_optimizer_settings(self.optimizer, cfg.optimizer)    # the config's, as lr: not the saved
         def own_files() -> None:    # this rank's files: its loader state and RNG states

@@ -207,12 +207,12 @@ def read_yaml_model(path: str | Path, base: dict | None, source: str | None = No
 
 
 def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str, dict]:
-    """The ``model``, ``lora``, ``optimizer`` and ``train`` sections of the config a checkpoint was trained with
-    (its ``train_state.json``).
+    """The ``model``, ``lora``, ``optimizer``, ``train``, ``parallel`` and ``loss`` sections of the config a
+    checkpoint was trained with (its ``train_state.json``).
 
     Returns:
-        ``{"model": {...}, "lora": {...}, "optimizer": {...}, "train": {...}, "parallel": {...}}`` (``lora``
-        empty when the run predates it), plain YAML values.
+        ``{"model": {...}, "lora": {...}, "optimizer": {...}, "train": {...}, "parallel": {...}, "loss": {...}}``
+        (a section the run's config lacks: empty), plain YAML values.
 
     Raises:
         CheckpointError: ``train_state.json`` has no ``config`` with a ``model`` section.
@@ -227,7 +227,7 @@ def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str
                               "'config' is the run's YAML config as a string)")
     return {"model": recorded["model"], "lora": recorded.get("lora") or {},
             "optimizer": recorded.get("optimizer") or {}, "train": recorded.get("train") or {},
-            "parallel": recorded.get("parallel") or {}}
+            "parallel": recorded.get("parallel") or {}, "loss": recorded.get("loss") or {}}
 
 
 def _lora_fields(lora: dict) -> dict:

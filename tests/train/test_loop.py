@@ -162,11 +162,13 @@ def test_resume_without_latest_and_with_another_global_batch_size_continues_the_
                        data={"train_path": str(packed["many"])})
     train(cfg, "train.stop_at_step=2")
     (out / "checkpoints" / "latest").unlink()    # as a save killed between publishing its folder and `latest` leaves
-    proc = train(cfg, "train.global_batch_size=4")
+    proc = train(cfg, "train.global_batch_size=4", "loss.normalization=conversation")
     assert f"note: {out / 'checkpoints'} has no latest (a save was stopped before writing it); resuming its newest " \
            "complete checkpoint, iter_0000002" in proc.stdout, proc.stdout
     assert f"note: train.global_batch_size is 4, checkpoint {out / 'checkpoints' / 'iter_0000002'} was trained " \
            "with 2: the data continues after the 4 rows consumed, 4 a step from now on" in proc.stdout, proc.stdout
+    assert "note: loss.normalization is conversation, checkpoint " in proc.stdout and "trained with token: the " \
+           "logged loss and the weight of each token in the gradients change from step 3 on" in proc.stdout, proc.stdout
     assert [r["consumed_samples"] for _, r in sorted(train_records(out).items())] == [2, 4, 8, 12]
 
 

@@ -227,17 +227,17 @@ def config_errors(where: str, cls: type | None = None) -> Iterator[None]:
     ``unknown <cls> fields ['key']``), invalid YAML, and the ``ValueError`` of a check."""
     try:
         yield
-    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as err:
+    except OmegaConfBaseException as err:
         if isinstance(err, ConfigKeyError) and cls is not None and getattr(err, "object_type", None) is cls:
             what = f"unknown {cls.__name__} fields {[err.key]}"
-        elif isinstance(err, OmegaConfBaseException):
+        else:
             key, first = getattr(err, "full_key", None), (str(err).splitlines() or [type(err).__name__])[0]
             what = f"{key}: {first}" if key else first
-        elif isinstance(err, yaml.YAMLError):        # its own message spans lines: one is kept
-            what = f"not valid YAML: {' '.join(str(err).split())}"
-        else:
-            what = str(err)
         raise ValueError(f"{where}: {what}") from err
+    except yaml.YAMLError as err:        # its own message spans lines: one is kept
+        raise ValueError(f"{where}: not valid YAML: {' '.join(str(err).split())}") from err
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
 
 
 def build_config(cls, *layers, where: str, missing_hint: str | None = None):

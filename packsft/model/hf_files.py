@@ -122,18 +122,17 @@ def _auto_config(folder: Path, **kwargs):
         StrictDataclassError = ()  # noqa: N806 - catches nothing
     try:
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=False, **kwargs)
-    except (StrictDataclassError, ArithmeticError, ValueError) as e:
-        if isinstance(e, StrictDataclassError):  # e.g. "rms_norm_eps": "abc"
-            why = f"config.json has an invalid field: {' '.join(str(e.__cause__ or e).split())}"
-        elif isinstance(e, ArithmeticError):  # transformers' own checks: 0 heads divides by 0
-            why = (f"config.json has an invalid field: transformers' validation failed with {type(e).__name__} "
-                   f"({e}): a size of 0?")
-        elif "trust_remote_code" in str(e):
-            why = ("its config.json needs the checkpoint's own code (auto_map), which packsft never runs; convert a "
-                   "model type transformers itself supports")
-        else:
+    except StrictDataclassError as e:  # e.g. "rms_norm_eps": "abc"
+        detail = e.__cause__ or e
+        raise ValueError(f"{folder}: config.json has an invalid field: {' '.join(str(detail).split())}") from None
+    except ArithmeticError as e:  # transformers' own checks, e.g. hidden_size % num_attention_heads with 0 heads
+        raise ValueError(f"{folder}: config.json has an invalid field: transformers' validation failed with "
+                         f"{type(e).__name__} ({e}): a size of 0?") from None
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
             raise
-        raise ValueError(f"{folder}: {why}") from None
+        raise ValueError(f"{folder}: its config.json needs the checkpoint's own code (auto_map), which packsft never "
+                         "runs; convert a model type transformers itself supports") from e
 
 
 def load_hf_config(path: str | Path):
@@ -194,10 +193,10 @@ def _open_safetensors(f: Path):
             yield handle
     except SafetensorError as err:
         with open(f, "rb") as head:
-            lfs = head.read(len(LFS_POINTER)) == LFS_POINTER
-        raise ValueError(f"{f}: a Git LFS pointer, not the weights (the model was cloned without git-lfs): run "
-                         "`git lfs pull` in its repository, or download the file itself" if lfs
-                         else f"{f}: not a readable safetensors file ({err})") from None
+            if head.read(len(LFS_POINTER)) == LFS_POINTER:
+                raise ValueError(f"{f}: a Git LFS pointer, not the weights (the model was cloned without git-lfs): "
+                                 "run `git lfs pull` in its repository, or download the file itself") from None
+        raise ValueError(f"{f}: not a readable safetensors file ({err})") from None
 
 
 def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:

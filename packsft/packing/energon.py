@@ -15,7 +15,7 @@ shard), whatever the split, so that its shard and key can be found again from th
 from __future__ import annotations
 
 import functools
-import json
+import struct
 from bisect import bisect_right
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,12 +40,12 @@ def split_names(path: str | Path) -> dict[str, int]:
     """``{split: number of shards}`` of the dataset's ``split.yaml`` (or ``split.json``), in file order.
 
     Raises:
-        OSError, ValueError: the split file is missing or not a split config.
+        OSError, ValueError: the split file is missing (named as ``split.yaml``) or not a split config.
     """
     from megatron.energon.eyaml import load_yaml_json
 
     meta = _epath(path) / META
-    name = "split.yaml" if (meta / "split.yaml").is_file() else "split.json"
+    name = "split.json" if (meta / "split.json").is_file() else "split.yaml"
     parts = load_yaml_json(meta / name)["split_parts"]
     return {str(k): len(v or []) for k, v in parts.items()}
 
@@ -120,26 +120,49 @@ def locate(path: str | Path, number: int) -> tuple[str, str]:
     return names[shard], row[0] if row else f"#{within}"
 
 
-def text_only_problem(text: str) -> str | None:
-    """Why a sample's record cannot be packed as text (it lists media, or a message holds a non-text content
-    part), or None. A record that is not a JSON object with messages is left to the record parser."""
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return None
+def changed_shard(path: str | Path, split: str) -> str | None:
+    """What differs in the first of ``split``'s shards that is not the file ``energon prepare`` indexed, or None.
+
+    Energon reads a shard by the sample offsets in its ``.tar.idx``, so samples appended to a shard after
+    ``energon prepare`` would never be read, and a shard replaced by one of other samples reads wrongly. A shard
+    is taken as indexed when the index is there, the file is as long as the index's end, and only zero bytes (the
+    tar's end blocks) follow that end.
+    """
+    for shard in split_meta(path, split).shards:
+        tar = Path(path) / shard.name
+        idx = tar.with_name(tar.name + ".idx")
+        if not idx.is_file():
+            return f"{shard.name}: has no index ({idx.name})"
+        with open(idx, "rb") as f:
+            f.seek(-8, 2)
+            (end,) = struct.unpack("Q", f.read(8))
+        with open(tar, "rb") as f:
+            f.seek(end)
+            tail = f.read(1024)
+        size = tar.stat().st_size
+        if size < end or tail.strip(b"\0"):  # only the tar's end blocks (zeros) may follow the last sample
+            return (f"{shard.name}: its {size} bytes do not end where its {shard.count} indexed samples end (byte "
+                    f"{end}): samples added, or the shard replaced, since energon prepare")
+    return None
+
+
+def text_only_problem(record: object) -> tuple[str, str] | None:
+    """``(field, reason)`` when a sample's decoded record cannot be packed as text (it lists media, or a message
+    holds a non-text content part), or None. A record that is not an object with messages is left to the record
+    parser."""
     if not isinstance(record, dict):
         return None
     media = record.get("media")
     if media:
         count = f"{len(media)} item(s)" if isinstance(media, list) else repr(media)
-        return f"media: the sample has media ({count}); the packer packs text only"
+        return "media", f"the sample has media ({count}); the packer packs text only"
     messages = record.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("text", None):
-                return f"messages[{i}].content[{j}]: a non-text part ({kind!r}); the packer packs text only"
+                return f"messages[{i}].content[{j}]", f"a non-text part ({kind!r}); the packer packs text only"
     return None
 
 

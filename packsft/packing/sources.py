@@ -113,8 +113,11 @@ def _dataset_dir(path: Path, split: str | None) -> Path:
             raise SourceError(f"{path}/dataset_dict.json: not a datasets DatasetDict index ({err})") from err
         path = path / _choose_split(path, "a DatasetDict", list(map(str, splits)), split)
     if not (path / "state.json").is_file():
-        raise SourceError(f"--input {path} is a folder without state.json or dataset_dict.json: not written by "
-                          "datasets' save_to_disk; pass JSONL, .parquet or .arrow files, or a save_to_disk folder")
+        raise SourceError(f"--input {path}: the metadata folder of an Energon dataset; give the dataset's folder, "
+                          f"--input {path.parent}" if path.name == energon.META else
+                          f"--input {path} is a folder without state.json or dataset_dict.json: not written by "
+                          "datasets' save_to_disk; pass JSONL, .parquet or .arrow files, a save_to_disk folder or an "
+                          "Energon dataset folder")
     return path
 
 
@@ -154,7 +157,8 @@ def energon_split(path: str | Path, split: str | None) -> str:
 
     Raises:
         SourceError: the extra is missing, ``split.yaml`` cannot be read, the split is unknown or has no shards
-            (the message names the splits that have), or energon cannot read the split's metadata.
+            (the message names the splits that have), energon cannot read the split's metadata, or a shard is not
+            the file ``energon prepare`` indexed (:func:`packsft.packing.energon.changed_shard`).
     """
     _import("megatron.energon")
     try:
@@ -165,10 +169,12 @@ def energon_split(path: str | Path, split: str | None) -> str:
     name = _choose_split(path, "an Energon dataset without a train split", [s for s, n in splits.items() if n],
                          split, default="train")
     try:
-        energon.split_meta(path, name)
-    except Exception as err:  # noqa: BLE001 - a missing .info.json or shard count, an emptied split
+        changed = energon.changed_shard(path, name)
+    except Exception as err:  # noqa: BLE001 - a missing .info.json, shard count or shard, an emptied split
         raise SourceError(f"--input {path}: split {name!r} cannot be read as an Energon dataset "
                           f"({type(err).__name__}: {err})") from err
+    if changed:
+        raise SourceError(f"--input {path}: {changed}; run energon prepare {path} again")
     return name
 
 
@@ -210,16 +216,20 @@ _MAGIC = ((b"\x1f\x8b", "gzip-compressed", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "
 
 
 def _check_not_binary(path: Path) -> None:
-    """Refuse a JSONL input that starts as a compressed or columnar file (its bytes would be read as lines).
+    """Refuse a JSONL input that starts as a compressed, columnar or tar file (its bytes would be read as lines).
 
     Raises:
         SourceError: naming the kind and what to do.
     """
     try:
         with open(path, "rb") as f:
-            head = f.read(8)
+            head = f.read(512)
     except OSError:
         return  # reading it reports the error with its line
+    if head[257:262] == b"ustar":
+        fix = (f"a shard of the Energon dataset {path.parent}: give that folder" if is_energon(path.parent) else
+               f"to read WebDataset shards, prepare their folder with energon prepare {path.parent}, then give it")
+        raise SourceError(f"--input {path}: a tar archive, not JSONL text; {fix}")
     for magic, kind, command in _MAGIC:
         if head.startswith(magic) and (magic != b"BZh" or head[3:4].isdigit()):
             fix = (f"decompress it first ({command} {path})" if command else
@@ -242,8 +252,8 @@ def iter_source(path: str | Path, max_bytes: int | None = None, split: str | Non
     For a row source ``number`` is the 0-based row index, ``text`` the record's JSON (UTF-8, null fields
     dropped as described above), ``nbytes`` its size in bytes; a record over ``max_bytes`` bytes, or one that
     does not convert to JSON, comes with ``text=None`` and an ``error``. For an Energon dataset ``number`` is the
-    sample's place in the dataset (:func:`position` gives its shard and key), ``text`` its ``json`` member as is;
-    a sample with media or a non-text part comes with an ``error``.
+    sample's place in the dataset (:func:`position` gives its shard and key), ``text`` its ``json`` member as is
+    (the record parser refuses one with media: :func:`packsft.packing.energon.text_only_problem`).
 
     ``path`` and ``split`` passed :func:`check_source`.
 
@@ -278,7 +288,8 @@ def _iter_energon(path: Path, max_bytes: int | None, split: str | None
             at = f"after {shard}: sample {key}"
             yield (number, *_payload_text(payload, max_bytes))
     except Exception as err:  # noqa: BLE001 - energon and tarfile raise many types for a corrupt shard
-        raise SourceError(f"{path}: {at}: cannot be read as {_kind(path)} ({type(err).__name__}: {err})") from err
+        raise SourceError(f"{path}: {at}: cannot be read as {_kind(path)} ({type(err).__name__}: {err}); if a "
+                          f"shard changed since energon prepare, run energon prepare {path} again") from err
 
 
 def _payload_text(payload: bytes | None, max_bytes: int | None) -> tuple[int, str | None, str | None]:
@@ -290,11 +301,9 @@ def _payload_text(payload: bytes | None, max_bytes: int | None) -> tuple[int, st
         return nbytes, None, (f"sample's .json member has {nbytes} bytes, more than --max-conversation-bytes "
                               f"{max_bytes}; not tokenized")
     try:
-        text = payload.decode("utf-8")
+        return nbytes, payload.decode("utf-8"), None
     except UnicodeDecodeError:
         return nbytes, None, "the sample's .json member is not UTF-8 text; not tokenized"
-    problem = energon.text_only_problem(text)
-    return (nbytes, None, f"{problem}; not tokenized") if problem else (nbytes, text, None)
 
 
 def _kind(path: Path) -> str:

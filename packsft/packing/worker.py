@@ -15,6 +15,7 @@ from typing import Any
 from packsft.conversation import ConversationError, parse_record
 from packsft.jsonl import loads_line
 from packsft.layout import conversation_cost
+from packsft.packing import energon
 from packsft.packing.config import PackConfig
 from packsft.packing.shards import Shard, ShardResult, read_shard
 from packsft.packing.signals import STOP_SIGNALS
@@ -293,9 +294,10 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
     """
     cfg = state.cfg
     parsed: list = []  # per line: (conv, record, source), or its rejection
+    text_only = energon.text_only_problem if energon.is_energon(path) else None
     for line, _, text, decode_error in items:
         try:
-            parsed.append(_parse_line(state, path, line, text, decode_error))
+            parsed.append(_parse_line(state, path, line, text, decode_error, text_only))
         except ConversationError as e:
             parsed.append(_rejected(f"{e.field + ': ' if e.field else ''}{e.reason}"))
     whole = [i for i, p in enumerate(parsed) if p[0] is not None and tokenized_whole(p[0], cfg)]
@@ -312,15 +314,19 @@ def _rejected(reason: str) -> tuple:
     return None, None, reason, False, None, None, None
 
 
-def _parse_line(state: WorkerState, path: str, line: int, text: str | None, decode_error: str | None):
+def _parse_line(state: WorkerState, path: str, line: int, text: str | None, decode_error: str | None,
+                text_only=None):
     """``(conv, record, source)`` of one input line: its :class:`Conversation`, its record (converted) and the
-    record as read.
+    record as read. ``text_only``: a function giving ``(field, reason)`` for a decoded record the packer cannot
+    pack as text (an Energon sample with media), or None.
 
     Raises:
         ConversationError: the line is not a valid record (naming the input's own field).
     """
     cfg = state.cfg
     record = loads_line(text, path, line, decode_error)
+    if text_only is not None and (problem := text_only(record)):
+        raise ConversationError(path, line, *problem)
     source = record
     if state.convert is not None:
         try:

@@ -18,7 +18,7 @@ from packsft.io import file_blake2b  # noqa: E402
 from packsft.packing import cli  # noqa: E402
 from packsft.packing.config import PackConfig, PackError  # noqa: E402
 from packsft.packing.pipeline import run_pack  # noqa: E402
-from packsft.packing.sources import SourceError, iter_source, source_identity  # noqa: E402
+from packsft.packing.sources import SourceError, check_source, iter_source, source_identity  # noqa: E402
 from packsft.sidecar import read_sidecar  # noqa: E402
 from packsft.token_cache import cache_paths  # noqa: E402
 
@@ -99,9 +99,9 @@ def test_energon_train_split_packs_the_rows_jsonl_gives(tmp_path, tokenizer_dir,
     assert where == [
         (str(ds), "shard-000001.tar", "000004", ref_report.rejected[0]["reason"]),      # the JSONL parser's reason
         (str(ds), "shard-000001.tar", "000005", "media: the sample has media (1 item(s)); the packer packs text "
-                                                "only; not tokenized"),
+                                                "only"),
         (str(ds), "shard-000001.tar", "000007", "messages[0].content[0]: a non-text part ('image_url'); the "
-                                                "packer packs text only; not tokenized")]
+                                                "packer packs text only")]
     assert ref_report.rejected[0]["reason"].startswith("messages[1].role: unknown role 'bot'")
     assert f"rejected {ds}: shard-000001.tar: sample 000005: media: the sample has media" in report.summary()
     ident = read_sidecar(out)["input_identity"][str(ds)]
@@ -136,6 +136,31 @@ def test_samples_are_numbered_in_the_dataset_and_split_excludes_are_left_out(tmp
     shard.write_bytes(shard.read_bytes()[:cut])                    # cut inside its second sample
     with pytest.raises(SourceError, match=r"ds: after b.tar: sample k2: cannot be read as an Energon dataset"):
         list(iter_source(ds))
+
+
+def test_a_shard_changed_since_prepare_or_a_part_given_for_the_folder_is_refused_naming_the_fix(tmp_path,
+                                                                                                shared_data):
+    chats = _lines(shared_data / "chat" / "chitchat.messages.jsonl", 3)
+    ds = _prepare(tmp_path / "ds", {"a.tar": [("k0", chats[0]), ("k1", chats[1])]}, ["train:a.tar"])
+    check_source(ds)
+    for given, says in ((ds / "a.tar", f"a tar archive, not JSONL text; a shard of the Energon dataset {ds}: give "
+                                       "that folder"),
+                        (ds / ".nv-meta", f"the metadata folder of an Energon dataset; give the dataset's folder, "
+                                          f"--input {ds}")):
+        with pytest.raises(SourceError, match=f"--input {given}: {says}$"):
+            check_source(given)
+    data = json.dumps(chats[2]).encode()
+    with tarfile.open(ds / "a.tar", "a") as tar:                   # a sample appended: energon would never read it
+        info = tarfile.TarInfo("k2.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(SourceError, match=r"a.tar: its \d+ bytes do not end where its 2 indexed samples end \(byte "
+                                          rf"\d+\): samples added, or the shard replaced, since energon prepare; run "
+                                          rf"energon prepare {ds} again$"):
+        check_source(ds)
+    (ds / ".nv-meta" / "split.yaml").unlink()
+    with pytest.raises(SourceError, match=r"split.yaml cannot be read \(\w+: .*split\.yaml"):
+        check_source(ds)
 
 
 def test_split_is_chosen_by_name_and_unknown_or_missing_ones_are_refused(tmp_path, tokenizer_dir, data, capsys):

@@ -197,16 +197,13 @@ def check_source(path: str | Path, split: str | None = None) -> None:
             _import("pyarrow")
         else:
             _check_not_binary(p)
-    elif p.exists():  # a pipe, /dev/stdin, a device
-        raise SourceError(f"--input {path}: not a regular file (a pipe or a device); the packer reads its inputs "
-                          "at byte offsets, so write the stream to a file first")
-    elif p.is_symlink():
-        raise SourceError(f"--input {path}: a broken symbolic link (to {os.readlink(p)}: missing, or a loop)")
-    elif str(path) == "-":
-        raise SourceError("--input -: standard input is not read (the packer reads its inputs at byte offsets); "
-                          "write the stream to a file first")
-    else:
-        raise SourceError(f"--input {path}: no such file")
+    elif p.exists() or str(path) == "-":  # a pipe, /dev/stdin, a device; standard input
+        what = "not a regular file (a pipe or a device)" if p.exists() else "standard input is not read"
+        raise SourceError(f"--input {path}: {what}; the packer reads its inputs at byte offsets, so write the "
+                          "stream to a file first")
+    else:  # nothing there
+        raise SourceError(f"--input {path}: " + (f"a broken symbolic link (to {os.readlink(p)}: missing, or a loop)"
+                                                  if p.is_symlink() else "no such file"))
 
 
 _MAGIC = ((b"\x1f\x8b", "gzip-compressed", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd-compressed", "zstd -d"),

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from packsft.data.loader import load_loader_state_dict, loader_state_dict
 from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
 from packsft.train.compat import check_recorded_architecture, check_recorded_optimizer, recorded_architecture
 from packsft.train.config import Config, config_to_yaml
+from packsft.train.data import load_train_loader_state, train_loader_state
 from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
 from packsft.train.optim import apply_optimizer_settings, set_schedule_step
 
@@ -146,7 +146,7 @@ class Checkpointer:
                 # a rank the checkpoint had not (a larger DP size) reads rank 0's: a global order's state at a step
                 # boundary is the same on every rank (load_loader_state_dict refuses a per-rank one)
                 own = (path / f"dataloader_dp{ctx.dp_rank}.pt").exists()
-                load_loader_state_dict(self.loader, ckpt.load_loader_state(path, ctx.dp_rank if own else 0))
+                load_train_loader_state(self.loader, ckpt.load_loader_state(path, ctx.dp_rank if own else 0))
             same_ranks = (saved.get("layout") or {}).get("world_size") == ctx.world_size
             ckpt.load_rng_state(path, ctx.rank, required=same_ranks)
 
@@ -190,7 +190,7 @@ class Checkpointer:
         first_of_dp = dist.get_rank(ctx.tp_group) == 0 and ctx.cp_rank == 0 and ctx.pp_rank == 0
         self.last_checkpoint = ckpt.save_checkpoint(
             self.cfg.checkpoint_dir, state.step, self.model, self.optimizer, train_state=train_state,
-            loader_state=loader_state_dict(self.loader), dp_rank=ctx.dp_rank, write_loader_state=first_of_dp,
+            loader_state=train_loader_state(self.loader), dp_rank=ctx.dp_rank, write_loader_state=first_of_dp,
             keep_last=self.cfg.checkpoint.keep_last, need_bytes=self._need_bytes,
             adapters_only=self.lora_base is not None)
         return self.last_checkpoint

@@ -52,6 +52,7 @@ from packsft.train.config_sections import (
     SchedulerConfig,
     TrainConfig,
     ValidationConfig,
+    refuse_packed_loader_settings,
 )
 
 RENAMED_KEYS = {
@@ -133,6 +134,8 @@ class Config:
                           UserWarning, stacklevel=2)
             self.parallel.sequence_parallel = False
         check_fields("", self)
+        if self.data.backend == "energon":
+            refuse_packed_loader_settings(self.loader)
         cp, seq = self.parallel.context_parallel_size, self.data.max_seq_len
         granularity = row_granularity(cp, self.parallel.sequence_parallel_size)
         if seq % granularity:

@@ -32,6 +32,7 @@ VERIFY_HASH = ("auto", "full")
 AUTOCAST_DTYPES = ("bfloat16", "float16")
 LOSS_NORMALIZATIONS = ("token", "conversation")
 MIXTURE_UNITS = ("rows", "trained_tokens")
+DATA_BACKENDS = ("packed", "energon")
 
 
 @dataclass
@@ -73,9 +74,58 @@ sets)``."""
 
 
 @dataclass
+class EnergonConfig:
+    """How ``data.backend: energon`` reads and packs its dataset (:mod:`packsft.train.energon_loader`)."""
+
+    num_workers: int = field(default=0, metadata=rules(*NON_NEGATIVE))
+    """Energon loader worker processes per data-parallel rank (0: read in the trainer process)."""
+    shuffle_buffer_size: int = field(default=100, metadata=rules(*POSITIVE))
+    """Samples in Energon's shuffle buffer (1: the shards' sample order, no shuffle)."""
+    virtual_epoch_length: int = field(default=0, metadata=rules(*NON_NEGATIVE))
+    """Packed rows per Energon virtual epoch (0: none); the trainer draws on across epochs."""
+    buffer_size: int = field(default=100, metadata=rules(*POSITIVE))
+    """Conversations packed together: each buffer of this many is packed into rows at once."""
+    max_sequences_per_bin: int | None = field(default=None, metadata=rules(*POSITIVE))
+    """At most this many conversations in one row (null: no limit)."""
+    balanced_knapsack_delta: int = field(default=0, metadata=rules(*NON_NEGATIVE))
+    """Rows opened beyond ``ceil(tokens / max_seq_len)`` of a buffer before packing: more spreads its conversations
+    over more, emptier rows (balanced greedy knapsack)."""
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the field for invalid values."""
+        check_fields("data.energon", self)
+
+
+_PACKED_ONLY = ("train", "validation", "validation_path", "split_validation_size", "samples_per_epoch",
+                "require_sidecar")
+"""``DataConfig`` fields that ``data.backend: energon`` does not read (set, they are refused)."""
+
+
+def refuse_packed_loader_settings(loader) -> None:
+    """With ``data.backend: energon``: refuse a ``loader`` section (``DataLoaderConfig``) that sets what only the
+    packed rows' loader reads (its sampler, workers, balance); ``micro_batch_size`` and ``seed`` are read.
+
+    Raises:
+        ValueError: naming the first such key and where Energon's loader is set.
+    """
+    default = type(loader)()
+    for key in ("sampler", "sampler_class_path", "sampler_kwargs", "num_workers", "persistent_workers", "balance"):
+        if getattr(loader, key) != getattr(default, key):
+            raise ValueError(f"loader.{key} is not read with data.backend: energon (Energon's loader reads and "
+                             "shuffles the samples: set data.energon.num_workers, shuffle_buffer_size, ...)")
+
+
+@dataclass
 class DataConfig:
     """Packed input files and how to tokenize them (must match the packer's settings, checked via the sidecar)."""
 
+    backend: str = field(default="packed", metadata=rules(one_of(DATA_BACKENDS)))
+    """``packed``: ``.jsonl.packed`` files; ``energon``: ``train_path`` is a folder prepared by ``energon prepare``,
+    read and packed while training (``data.energon``)."""
+    split: str | None = None
+    """With ``backend: energon``: the dataset's split to train on (null: ``train``)."""
+    energon: EnergonConfig = field(default_factory=EnergonConfig)
+    """With ``backend: energon``: the loader and packing settings."""
     train: list[TrainSourceConfig] = field(default_factory=list)
     """Training sources ``[{name, path, weight, split_validation_size}]``; several make a weighted mixture."""
     train_path: str | None = None
@@ -119,6 +169,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
         check_fields("data", self)
+        self._check_backend()
         for i, source in enumerate(self.train):
             check_fields(f"data.train[{i}]", source)
         for key, default, what in _MIXTURE_ONLY:   # set with one source, it was ignored
@@ -132,6 +183,20 @@ class DataConfig:
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{kind}: names must be unique, {dupes} appear twice (set name: per entry{hint})")
+
+    def _check_backend(self) -> None:
+        """Refuse settings the chosen ``backend`` does not read."""
+        if self.backend == "packed":
+            if self.split is not None or self.energon != EnergonConfig():
+                key = "data.split" if self.split is not None else "data.energon"
+                raise ValueError(f"{key} is read only with data.backend: energon (data.backend is packed)")
+            return
+        for key in _PACKED_ONLY:
+            if getattr(self, key) not in (None, False, 0.0, []):
+                raise ValueError(f"data.{key} is not read with data.backend: energon (one Energon dataset in "
+                                 "data.train_path, no validation sets yet); remove it")
+        if not self.train_path:
+            raise ValueError("data.backend: energon needs data.train_path: the folder prepared by energon prepare")
 
     def train_sources(self) -> list[tuple[str, str, float, float]]:
         """``(name, path, weight, split_validation_size)`` of every training source."""

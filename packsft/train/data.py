@@ -16,6 +16,7 @@ import torch
 
 from packsft.data.context_parallel import make_packed_seq_params, slice_batch_for_cp
 from packsft.data.dataset import PackedSFTDataset
+from packsft.data.loader import load_loader_state_dict, loader_state_dict
 from packsft.data.mixing import MixedDataset
 from packsft.layout import IGNORE_INDEX, TOKEN_KEYS, cp_partition_indices
 from packsft.loss import conversation_weights
@@ -87,6 +88,8 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
             one of them holds rows out for validation (the other would train on them).
     """
     data = cfg.data
+    if data.backend == "energon":
+        return energon_loader_module().EnergonTrainSource(data, cfg.parallel), {}
     spec = TokenizationSpec(data.tokenizer, data.prompt_format, data.pad_token, data.chat_template)
     tokenizer: Any = data.tokenizer  # its path, loaded by the first dataset and shared by the others
 
@@ -128,6 +131,42 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
                  f"{trained[key][0]!r} trains on: its loss is measured on trained rows (to hold rows out, give "
                  "the source a split_validation_size)")
     return (next(iter(train.values())) if len(train) == 1 else MixedDataset(train)), validation
+
+
+def energon_loader_module():
+    """:mod:`packsft.train.energon_loader`, imported only for ``data.backend: energon``.
+
+    Raises:
+        ImportError: megatron-energon is not installed, naming the ``packsft[energon]`` extra.
+    """
+    try:
+        import megatron.energon  # noqa: F401
+    except ImportError as err:
+        raise ImportError("data.backend: energon needs the packsft[energon] extra: pip install 'packsft[energon]' "
+                          f"(or pip install megatron-energon); import megatron.energon failed: {err}") from err
+    from packsft.train import energon_loader
+
+    return energon_loader
+
+
+def train_loader_state(loader) -> dict[str, Any]:
+    """The checkpoint state of a training loader: an Energon loader's own, else ``loader_state_dict``'s."""
+    return loader.state_dict() if getattr(loader, "backend", None) == "energon" else loader_state_dict(loader)
+
+
+def load_train_loader_state(loader, state: dict[str, Any]) -> None:
+    """Restore :func:`train_loader_state` into the same kind of loader.
+
+    Raises:
+        ValueError: the state is another backend's, or the loader refuses it (named).
+    """
+    if getattr(loader, "backend", None) == "energon":
+        loader.load_state_dict(state)
+    elif isinstance(state, dict) and state.get("backend") == "energon":
+        raise ValueError("cannot resume the data loader: the checkpoint was trained with data.backend energon, now "
+                         "packed; resume with checkpoint.restore_data_order=false to restart the data order")
+    else:
+        load_loader_state_dict(loader, state)
 
 
 def _file_key(path) -> tuple[int, int]:

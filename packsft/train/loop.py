@@ -150,9 +150,11 @@ class Trainer:
         self.model = self.chunks[0] if len(self.chunks) == 1 else self.chunks
         self.optimizer = build_megatron_optimizer(self.model, cfg.optimizer, bf16=cfg.train.bf16)
         self.scheduler = ParamGroupSchedule(self.optimizer, cfg.scheduler, cfg.optimizer.lr, cfg.train.train_steps)
-        self.train_loader = build_train_dataloader(self.train_set, self._train_loader_config(),
-                                                   dp_rank=self.ctx.dp_rank, dp_size=dp,
-                                                   global_batch_size=cfg.train.global_batch_size)
+        self.train_loader = (self.train_set.train_loader(cfg.loader, self.ctx.dp_rank, dp)
+                             if cfg.data.backend == "energon" else
+                             build_train_dataloader(self.train_set, self._train_loader_config(),
+                                                    dp_rank=self.ctx.dp_rank, dp_size=dp,
+                                                    global_batch_size=cfg.train.global_batch_size))
         self.val_loaders = {name: build_eval_dataloader(ds, cfg.loader, dp_rank=self.ctx.dp_rank, dp_size=dp)
                             for name, ds in self.val_sets.items()}   # built once; each pass is a new iter()
         self.checkpointer = Checkpointer(cfg, self.ctx, self.model, self.gpts, self.optimizer, self.scheduler,

@@ -1,0 +1,345 @@
+"""``data.backend: energon``: conversations read from an Energon dataset (``energon prepare`` layout) by Energon's
+savable loader, packed into rows while training, each micro-batch exactly what ``collate_rows`` makes of
+``PackedSFTDataset`` rows (same keys, dtypes, shapes).
+
+Each sample's ``json`` member is checked and tokenized as the packer does it (:func:`packsft.jsonl.loads_line`,
+:func:`packsft.packing.energon.text_only_problem`, :func:`packsft.conversation.parse_record`,
+:func:`packsft.prompt_formats.tokenize_conversation`); an invalid sample stops the run with an
+:class:`EnergonSampleError` naming ``dataset: shard: sample KEY: field: reason``. Energon's ``PackingDataset``
+hands the task encoder buffers of ``data.energon.buffer_size`` conversations; :func:`balanced_greedy_knapsack`
+groups them into rows of ``max_seq_len`` tokens (each conversation padded to :func:`packsft.layout.conversation_cost`)
+and :func:`packsft.data.row.build_row` builds each row. A conversation longer than a row gets a row of its own and is
+cut there, as the packed loader cuts a row (one warning per sample).
+
+The loader's state (Energon's ``save_state_rank``, stored as plain values: :func:`plain_state`) goes into the
+trainer's checkpoints with a fingerprint (dataset files, split, tokenization, loader and packing settings,
+data-parallel layout); :meth:`EnergonTrainLoader.load_state_dict` refuses a changed one by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset, stateless
+from megatron.energon.errors import reraise_exception
+
+from packsft.conversation import parse_record
+from packsft.data.collate import collate_rows
+from packsft.data.row import build_row
+from packsft.jsonl import ConversationError, loads_line
+from packsft.layout import conversation_cost
+from packsft.packing.energon import PAYLOAD, text_only_problem
+from packsft.packing.sources import SourceError, energon_split, source_identity
+from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
+from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+STATE_KIND = "energon"
+MAX_SAMPLES_PER_SEQUENCE = 100
+"""Samples Energon reads in a row from one shard slice before switching (Megatron-LM's setting)."""
+
+
+class EnergonSampleError(ValueError):
+    """A sample that cannot be trained: ``dataset: shard: sample KEY: field: reason``."""
+
+
+def balanced_greedy_knapsack(costs: list[int], capacity: int, delta: int = 0,
+                             max_per_bin: int | None = None) -> list[list[int]]:
+    """Group item indices into bins of at most ``capacity``, spreading the fill (Megatron-LM's balanced greedy
+    knapsack): ``ceil(sum / capacity) + delta`` bins are opened, the items taken from the largest down, each put
+    into the emptiest bin that has room (and fewer than ``max_per_bin`` items), a new bin opened when none has.
+
+    An item above ``capacity`` gets a bin of its own. Returns the non-empty bins, each its indices in placing order.
+    """
+    order = sorted(range(len(costs)), key=lambda i: costs[i], reverse=True)
+    count = -(-sum(min(c, capacity) for c in costs) // capacity) + delta
+    bins: list[list[int]] = [[] for _ in range(count)]
+    fill = [0] * count
+    for i in order:
+        room = [b for b in range(len(bins)) if fill[b] + costs[i] <= capacity
+                and (max_per_bin is None or len(bins[b]) < max_per_bin)]
+        if not room:
+            bins.append([])
+            fill.append(0)
+            room = [len(bins) - 1]
+        best = min(room, key=lambda b: (fill[b], b))
+        bins[best].append(i)
+        fill[best] += costs[i]
+    return [b for b in bins if b]
+
+
+@stateless
+def _crude(sample: dict) -> dict:
+    """Cooker of ``CrudeWebdataset`` samples: the raw members, decoded by :meth:`ConversationEncoder.encode_sample`."""
+    return sample
+
+
+class ConversationEncoder(DefaultTaskEncoder):
+    """Energon task encoder: sample -> ``{tokens, targets}`` -> packed rows -> ``collate_rows`` micro-batch.
+
+    Args:
+        dataset: the dataset folder (named in errors).
+        tokenization: tokenizer and bound prompt format (the packer's tokenization of each conversation).
+        max_seq_len, context_parallel_size: the row length ``L`` and CP size (conversation padding).
+        delta, max_per_bin: :func:`balanced_greedy_knapsack`'s.
+    """
+
+    cookers = (Cooker(_crude),)
+    decoder = None  # members stay bytes: the json member is parsed here, as the packer parses it
+
+    def __init__(self, dataset: str, tokenization: Tokenization, max_seq_len: int, context_parallel_size: int = 1,
+                 delta: int = 0, max_per_bin: int | None = None) -> None:
+        super().__init__()
+        self.dataset, self.tokenization = dataset, tokenization
+        self.max_seq_len, self.cp, self.delta, self.max_per_bin = max_seq_len, context_parallel_size, delta, max_per_bin
+        self._cut: set[str] = set()
+
+    @stateless
+    def encode_sample(self, sample: dict) -> dict:
+        """``{__key__, __restore_key__, where, tokens, targets}`` of one sample.
+
+        Raises:
+            EnergonSampleError: no or undecodable ``json`` member, invalid JSON or record, media, or a conversation
+                the prompt format cannot tokenize.
+        """
+        sources = sample.get("__sources__") or ()
+        shard = sources[0].shard_name if sources else sample.get("__shard__", "?")
+        where = f"{self.dataset}: {shard}: sample {sample['__key__']}"
+        payload = sample.get(PAYLOAD)
+        if payload is None:
+            raise EnergonSampleError(f"{where}: the sample has no .{PAYLOAD} member (its JSON record)")
+        try:
+            record = loads_line(payload.decode("utf-8"), self.dataset, 0)
+            problem = text_only_problem(record)
+            if problem:
+                raise ConversationError(self.dataset, 0, *problem)
+            conv = parse_record(record, self.dataset, 0)
+            tokens, targets = tokenize_conversation(conv.messages, self.tokenization, conv.tools,
+                                                    conv.chat_template_kwargs)
+        except UnicodeDecodeError:
+            raise EnergonSampleError(f"{where}: the .{PAYLOAD} member is not UTF-8 text") from None
+        except ConversationError as err:
+            raise EnergonSampleError(f"{where}: {err.field + ': ' if err.field else ''}{err.reason}") from None
+        except PromptFormatError as err:
+            raise EnergonSampleError(f"{where}: messages: {err}") from None
+        return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
+                "tokens": tokens, "targets": targets}
+
+    def select_samples_to_pack(self, samples: list[dict]) -> list[list[dict]]:
+        """The rows of one buffer: :func:`balanced_greedy_knapsack` over the conversations' costs."""
+        costs = [int(conversation_cost(len(s["tokens"]), self.cp)) for s in samples]
+        bins = balanced_greedy_knapsack(costs, self.max_seq_len, self.delta, self.max_per_bin)
+        return [[samples[i] for i in b] for b in bins]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[dict]) -> dict:
+        """One row of :func:`packsft.data.row.build_row`; a conversation longer than a row is cut (warned once)."""
+        row, truncation = build_row([(s["tokens"], s["targets"]) for s in samples],
+                                    self.tokenization.fmt.pad_token_id, self.max_seq_len, self.cp)
+        if truncation is not None and samples[0]["where"] not in self._cut:
+            self._cut.add(samples[0]["where"])
+            warnings.warn(f"{samples[0]['where']}: right-truncated to max_seq_len: {truncation.describe()}",
+                          UserWarning, stacklevel=2)
+        return row
+
+    @stateless
+    def batch(self, samples: list[dict]) -> dict:
+        """``collate_rows`` of ``loader.micro_batch_size`` rows."""
+        return collate_rows(samples)
+
+
+class EnergonTrainSource:
+    """The training data of ``data.backend: energon``: the dataset, its split and the tokenization, checked.
+
+    Attributes: ``path``, ``split``, ``tokenizer`` (loaded), ``tokenization``, ``identity``
+    (:func:`packsft.packing.sources.source_identity`: files, sizes, BLAKE2b), ``sidecar`` (None).
+
+    Raises:
+        ValueError: the folder is not a usable Energon dataset or split (naming ``data.train_path``), or the
+            prompt format cannot be bound to the tokenizer.
+    """
+
+    sidecar = None
+
+    def __init__(self, data, parallel) -> None:
+        self.data, self.parallel = data, parallel
+        self.path = str(Path(data.train_path).resolve())
+        try:
+            self.split = energon_split(self.path, data.split)
+            self.identity = source_identity(self.path, self.split)
+        except SourceError as err:
+            raise ValueError(f"data.train_path: {err}") from None
+        self.tokenizer = load_tokenizer(data.tokenizer)
+        spec = TokenizationSpec(data.tokenizer, data.prompt_format, data.pad_token, data.chat_template)
+        self.tokenization = Tokenization.of(self.tokenizer, spec.bind(self.tokenizer))
+
+    def __len__(self) -> int:
+        """Samples in the split (what the summary reports as training rows)."""
+        return int(self.identity["num_samples"])
+
+    def settings(self, loader, dp_size: int) -> dict[str, Any]:
+        """The settings a loader state depends on, by config key (the fingerprint's comparable part)."""
+        d, e = self.data, self.data.energon
+        return {"data.tokenizer (its vocabulary and special tokens)": tokenizer_fingerprint(self.tokenizer),
+                "data.prompt_format": d.prompt_format, "data.pad_token": d.pad_token,
+                "data.chat_template": d.chat_template, "data.max_seq_len": d.max_seq_len,
+                "parallel.context_parallel_size": self.parallel.context_parallel_size,
+                **{f"data.energon.{f.name}": getattr(e, f.name) for f in dataclasses.fields(e)},
+                "loader.micro_batch_size": loader.micro_batch_size, "loader.seed": loader.seed,
+                "data-parallel size": dp_size}
+
+    def train_loader(self, loader, dp_rank: int, dp_size: int) -> EnergonTrainLoader:
+        """This data-parallel rank's :class:`EnergonTrainLoader` (``loader``: the ``DataLoaderConfig``)."""
+        return EnergonTrainLoader(self, loader, dp_rank, dp_size)
+
+
+class EnergonTrainLoader:
+    """Endless micro-batches of one data-parallel rank from Energon's ``SavableDataLoader``, and its state.
+
+    Energon splits the split's samples over ``dp_size`` ranks (``WorkerConfig(rank=dp_rank, world_size=dp_size)``)
+    and their ``data.energon.num_workers`` workers; ``loader.seed`` is Energon's ``seed_offset``.
+    """
+
+    backend = STATE_KIND
+
+    def __init__(self, source: EnergonTrainSource, loader, dp_rank: int, dp_size: int) -> None:
+        e = source.data.energon
+        self.dp_rank, self.fingerprint = dp_rank, {"dataset": source.identity,
+                                                   "settings": source.settings(loader, dp_size)}
+        config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=e.num_workers, seed_offset=loader.seed,
+                              global_error_handler=reraise_exception)
+        encoder = ConversationEncoder(source.path, source.tokenization, source.data.max_seq_len,
+                                      source.parallel.context_parallel_size, e.balanced_knapsack_delta,
+                                      e.max_sequences_per_bin)
+        dataset = get_train_dataset(source.path, split_part=source.split, worker_config=config,
+                                    batch_size=loader.micro_batch_size, packing_buffer_size=e.buffer_size,
+                                    shuffle_buffer_size=e.shuffle_buffer_size,
+                                    max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
+                                    virtual_epoch_length=e.virtual_epoch_length, task_encoder=encoder)
+        in_process = e.num_workers == 0   # no gc.freeze nor watchdog in the trainer's own process
+        self.loader = get_savable_loader(dataset, gc_collect_every_n_steps=0 if in_process else 10,
+                                         watchdog_timeout_seconds=None if in_process else 60)
+
+    def __iter__(self):
+        """Micro-batches forever (Energon's virtual epochs one after another)."""
+        while True:
+            empty = True
+            for batch in self.loader:
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError("the Energon loader yielded no micro-batch in a whole epoch")
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{backend, dp_rank, fingerprint, state}``: plain values (``torch.load(weights_only=True)`` reads them)."""
+        return {"backend": STATE_KIND, "dp_rank": self.dp_rank, "fingerprint": self.fingerprint,
+                "state": plain_state(self.loader.save_state_rank())}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` before the first ``iter()``; the next micro-batch is the one that followed.
+
+        Raises:
+            ValueError: not an Energon loader state, or its fingerprint differs (each change named: a setting by
+                its config key, a dataset file by name).
+        """
+        if not isinstance(saved, dict) or saved.get("backend") != STATE_KIND:
+            raise ValueError("cannot resume the data loader: the checkpoint was trained with data.backend packed, "
+                             "now energon; resume with checkpoint.restore_data_order=false to restart the data order")
+        changes = fingerprint_changes(saved.get("fingerprint") or {}, self.fingerprint)
+        if saved.get("dp_rank") != self.dp_rank:
+            changes.append(f"data-parallel rank: checkpoint {saved.get('dp_rank')}, now {self.dp_rank}")
+        if changes:
+            raise ValueError("cannot resume the Energon data loader exactly: " + "; ".join(changes) + ". To keep "
+                             "the weights and optimizer but restart the data order, resume with "
+                             "checkpoint.restore_data_order=false")
+        self.loader.restore_state_rank(from_plain(saved["state"]))
+
+
+def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between two loader fingerprints: settings by key, then the dataset (split, sample count, each
+    file changed, new or gone)."""
+    was, cur = saved.get("settings", {}), now["settings"]
+    changes = [f"{k}: checkpoint {was.get(k)!r}, now {cur.get(k)!r}" for k in cur if was.get(k) != cur.get(k)]
+    old, new = saved.get("dataset", {}), now["dataset"]
+    for key in ("split", "num_samples"):
+        if old.get(key) != new.get(key):
+            changes.append(f"the dataset's {key}: checkpoint {old.get(key)!r}, now {new.get(key)!r}")
+    old_files = {f["name"]: f for f in old.get("files", [])}
+    new_files = {f["name"]: f for f in new["files"]}
+    changes += [f"the dataset file {n} changed (size or BLAKE2b)" for n in new_files
+                if n in old_files and old_files[n] != new_files[n]]
+    changes += [f"the dataset file {n} is new" for n in new_files if n not in old_files]
+    changes += [f"the dataset file {n} is gone" for n in old_files if n not in new_files]
+    return changes
+
+
+def plain_state(value: Any) -> Any:
+    """``value`` as plain values and tensors only, tagged so :func:`from_plain` rebuilds it: Energon's states hold
+    dataclasses (``megatron.energon``'s), ``FlexState`` dicts, tuples, bytes and numpy arrays.
+
+    Raises:
+        TypeError: a value of another type (named).
+    """
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": torch.frombuffer(bytearray(value), dtype=torch.uint8).clone()}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": torch.from_numpy(value.astype(np.int64) if value.dtype.kind in "iu" else value.copy()),
+                "dtype": value.dtype.str}
+    if isinstance(value, np.generic):
+        return {"__npscalar__": value.item(), "dtype": value.dtype.str}
+    if isinstance(value, tuple):
+        return {"__tuple__": [plain_state(v) for v in value]}
+    if isinstance(value, list):
+        return [plain_state(v) for v in value]
+    if isinstance(value, dict):
+        kind = type(value)
+        return {"__dict__": f"{kind.__module__}:{kind.__qualname__}",
+                "items": [[plain_state(k), plain_state(v)] for k, v in value.items()]}
+    if dataclasses.is_dataclass(value):
+        kind = type(value)
+        return {"__dataclass__": f"{kind.__module__}:{kind.__qualname__}",
+                "fields": {f.name: plain_state(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    raise TypeError(f"an Energon loader state holds a {type(value).__module__}.{type(value).__qualname__}, "
+                    "which has no plain form")
+
+
+def _energon_class(name: str) -> type:
+    """The class ``module:qualname`` of a tagged state: ``dict`` or one of ``megatron.energon``'s."""
+    if name == "builtins:dict":
+        return dict
+    module, _, qualname = name.partition(":")
+    if not module.startswith("megatron.energon.") or "." in qualname:
+        raise ValueError(f"an Energon loader state names the class {name}, not one of megatron.energon's")
+    return getattr(importlib.import_module(module), qualname)
+
+
+def from_plain(value: Any) -> Any:
+    """The value :func:`plain_state` made plain.
+
+    Raises:
+        ValueError: a tagged class that is not ``dict`` or ``megatron.energon``'s.
+    """
+    if isinstance(value, list):
+        return [from_plain(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__bytes__" in value:
+        return bytes(value["__bytes__"].tolist())
+    if "__ndarray__" in value:
+        return value["__ndarray__"].numpy().astype(np.dtype(value["dtype"]))
+    if "__npscalar__" in value:
+        return np.dtype(value["dtype"]).type(value["__npscalar__"])
+    if "__tuple__" in value:
+        return tuple(from_plain(v) for v in value["__tuple__"])
+    if "__dict__" in value:
+        return _energon_class(value["__dict__"])((from_plain(k), from_plain(v)) for k, v in value["items"])
+    if "__dataclass__" in value:
+        return _energon_class(value["__dataclass__"])(**{k: from_plain(v) for k, v in value["fields"].items()})
+    return {k: from_plain(v) for k, v in value.items()}

@@ -1,0 +1,181 @@
+"""``data.backend: energon``: samples checked and tokenized as the packer does (errors name shard and key), rows equal
+to ``PackedSFTDataset``'s, the balanced knapsack, and a tiny training run that stops and resumes in a new process
+with the same next batch and losses; a changed setting or dataset file is refused by name."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.energon")
+
+from megatron.energon.source_info import SourceInfo  # noqa: E402
+from test_energon_source import BAD, IMAGE, _prepare  # noqa: E402
+from test_loop import REPO, SEQ, train, train_records, write_config  # noqa: E402
+
+from packsft.data.collate import collate_rows  # noqa: E402
+from packsft.data.dataset import PackedSFTDataset  # noqa: E402
+from packsft.layout import ROW_KEYS  # noqa: E402
+from packsft.packing.config import PackConfig  # noqa: E402
+from packsft.packing.pipeline import run_pack  # noqa: E402
+from packsft.train.config import load_config  # noqa: E402
+from packsft.train.data import build_datasets  # noqa: E402
+from packsft.train.energon_loader import (  # noqa: E402
+    ConversationEncoder,
+    EnergonSampleError,
+    balanced_greedy_knapsack,
+    fingerprint_changes,
+    from_plain,
+    plain_state,
+)
+
+ENERGON = {"backend": "energon", "energon": {"buffer_size": 6, "shuffle_buffer_size": 4}}
+
+
+@pytest.fixture(scope="module")
+def energon_data(tmp_path_factory, shared_data, tokenizer_dir):
+    """One prepared dataset of 16 gsm8k conversations in two shards (train), its records, and the tokenizer."""
+    root = tmp_path_factory.mktemp("energon_train")
+    lines = (shared_data / "chat" / "gsm8k_test.messages.jsonl").read_text().splitlines()[:16]
+    records = [{"messages": json.loads(line)["messages"], "media": [], "tools": None} for line in lines]
+    ds = _prepare(root / "ds", {"shard-000000.tar": [(f"{i:06d}", r) for i, r in enumerate(records[:8])],
+                                "shard-000001.tar": [(f"{i:06d}", r) for i, r in enumerate(records[8:], 8)]},
+                  ["train:shard-00000[01].tar"])
+    return {"few": ds, "records": records, "tokenizer": tokenizer_dir("smollm2-135m-instruct"), "root": root}
+
+
+def _config(tmp_path, dataset, **sections):
+    sections = {**sections, "data": {**ENERGON, **sections.get("data", {})}}
+    return write_config(tmp_path / "c.yaml", dataset, tmp_path / "out", **sections)
+
+
+def _crude(key, record, shard="shard-000009.tar"):
+    """A ``CrudeWebdataset`` sample as Energon's cooker receives it."""
+    return {"__key__": key, "__restore_key__": ("Webdataset", 0), "json": json.dumps(record).encode(),
+            "__sources__": (SourceInfo(dataset_path="ds", index=0, shard_name=shard, file_names=(f"{key}.json",)),)}
+
+
+def test_balanced_knapsack_fits_rows_limits_conversations_and_isolates_a_long_one():
+    costs = [5, 3, 8, 2, 2, 7, 12, 1]
+    bins = balanced_greedy_knapsack(costs, 10, max_per_bin=2)
+    assert sorted(i for b in bins for i in b) == list(range(len(costs)))
+    assert [6] in bins                                                  # longer than a row: alone
+    assert all(len(b) <= 2 and sum(costs[i] for i in b) <= 10 for b in bins if b != [6])
+    assert len(balanced_greedy_knapsack([4, 4, 4, 4], 8, delta=2)) == 4  # spread over the extra rows
+
+
+def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_data):
+    source, _ = build_datasets(load_config(_config(tmp_path, energon_data)))
+    encoder = ConversationEncoder("ds", source.tokenization, SEQ)
+    with pytest.raises(EnergonSampleError, match=r"^ds: shard-000009.tar: sample 000004: messages\[1\]\.role: "):
+        encoder.encode_sample(_crude("000004", BAD))
+    with pytest.raises(EnergonSampleError, match=r"^ds: shard-000009.tar: sample 000005: media: .*text only"):
+        encoder.encode_sample(_crude("000005", IMAGE))
+    crude = {**_crude("000006", {}), "json": b"{not json"}
+    with pytest.raises(EnergonSampleError, match="^ds: shard-000009.tar: sample 000006: "):
+        encoder.encode_sample(crude)
+    bad = _prepare(tmp_path / "bad", {"shard-000000.tar": [("000000", energon_data["records"][0]), ("000001", BAD)]},
+                   ["train:shard-000000.tar"])
+    cfg = load_config(_config(tmp_path, {**energon_data, "few": bad}, data={"energon": {"shuffle_buffer_size": 1}}))
+    loader = build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1)
+    with pytest.raises(EnergonSampleError, match=r"bad: shard-000000.tar: sample 000001: messages\[1\]\.role"):
+        next(iter(loader))
+
+
+def test_a_row_of_the_encoder_equals_the_packed_datasets_row(tmp_path, energon_data):
+    records = energon_data["records"][:5]
+    src = tmp_path / "five.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "five.jsonl.packed"), max_seq_len=4096,
+                        tokenizer=str(energon_data["tokenizer"]), histogram="", progress=False))
+    packed = PackedSFTDataset(tmp_path / "five.jsonl.packed", energon_data["tokenizer"], "chat-template", 4096)
+    assert len(packed) == 1
+    cfg = load_config(_config(tmp_path, energon_data, data={"max_seq_len": 4096},
+                              model={"max_position_embeddings": 4096}))
+    source, _ = build_datasets(cfg)
+    encoder = ConversationEncoder("ds", source.tokenization, 4096)
+    samples = {tuple(s["tokens"]): s for s in (encoder.encode_sample(_crude(f"{i:06d}", r))
+                                               for i, r in enumerate(records))}
+    in_row = [samples[tuple(tokens)] for tokens, _ in packed.tokenize_row(0)]      # the packed row's order
+    ours = encoder.batch([encoder.pack_selected_samples(in_row)])
+    theirs = collate_rows([packed[0]])
+    assert ours.keys() == theirs.keys() and set(ROW_KEYS) <= set(ours)
+    for key, value in theirs.items():
+        same = torch.equal(ours[key], value) and ours[key].dtype == value.dtype if torch.is_tensor(value) else \
+            ours[key] == value
+        assert same, key
+
+
+def test_plain_state_round_trips_energon_values():
+    import numpy as np
+    from megatron.energon.state import FlexState
+
+    value = FlexState(rng=b"\x00\xff", arr=np.arange(3, dtype=np.uint32), t=(1, "a", [2.5, None]),
+                      tensor=torch.arange(2))
+    back = from_plain(plain_state(value))
+    assert type(back) is FlexState and back["rng"] == b"\x00\xff" and back["t"] == (1, "a", [2.5, None])
+    assert back["arr"].dtype == np.uint32 and back["arr"].tolist() == [0, 1, 2] and torch.equal(back["tensor"],
+                                                                                                 torch.arange(2))
+    with pytest.raises(ValueError, match="not one of megatron.energon's"):
+        from_plain({"__dataclass__": "os:path", "fields": {}})
+
+
+def _next_batch_after_restore(config, state_file, out):
+    """In a new process: the Energon loader of ``config`` restored from ``state_file``; its next batch's tokens."""
+    code = ("import sys, torch; from packsft.train.config import load_config; "
+            "from packsft.train.data import build_datasets; cfg = load_config(sys.argv[1]); "
+            "loader = build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1); "
+            "loader.load_state_dict(torch.load(sys.argv[2], weights_only=True)); "
+            "torch.save(next(iter(loader))['tokens'], sys.argv[3])")
+    proc = subprocess.run([sys.executable, "-c", code, str(config), str(state_file), str(out)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_training_stops_and_resumes_in_a_new_process_with_the_same_batches(tmp_path, energon_data):
+    steps = {"train": {"global_batch_size": 2, "train_steps": 4}, "checkpoint": {"save_interval": 2},
+             "scheduler": {"warmup_steps": 1}}
+    (tmp_path / "full").mkdir()
+    full = _config(tmp_path / "full", energon_data, **steps)
+    train(full)
+    saved = tmp_path / "full" / "out" / "checkpoints" / "iter_0000002"
+    state = torch.load(saved / "dataloader_dp0.pt", weights_only=True)
+    assert state["backend"] == "energon" and state["fingerprint"]["dataset"]["kind"] == "energon"
+
+    cfg = load_config(full)
+    fresh = iter(build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1))
+    expected = [next(fresh)["tokens"] for _ in range(5)][4]            # after 2 steps of 2 micro-batches
+    got = _next_batch_after_restore(full, saved / "dataloader_dp0.pt", tmp_path / "next.pt")
+    assert torch.equal(got, expected)
+
+    (tmp_path / "resumed").mkdir()
+    resumed = _config(tmp_path / "resumed", energon_data, **{**steps, "checkpoint": {"resume": str(saved)}})
+    train(resumed)
+    a, b = train_records(tmp_path / "full" / "out"), train_records(tmp_path / "resumed" / "out")
+    assert sorted(b) == [3, 4]
+    for step in (3, 4):
+        assert a[step]["loss"] == b[step]["loss"] and a[step]["trained_tokens"] == b[step]["trained_tokens"], step
+
+    changed = load_config(full, ["data.energon.buffer_size=7"])
+    loader = build_datasets(changed)[0].train_loader(changed.loader, 0, 1)
+    with pytest.raises(ValueError, match=r"data.energon.buffer_size: checkpoint 6, now 7"):
+        loader.load_state_dict(state)
+    moved = json.loads(json.dumps(state["fingerprint"]))
+    moved["dataset"]["files"][-1]["blake2b"] = "0" * 40
+    assert fingerprint_changes(moved, loader.fingerprint)[-1] == ("the dataset file shard-000001.tar changed (size or "
+                                                                  "BLAKE2b)")
+
+
+def test_config_refuses_what_the_energon_backend_does_not_read(tmp_path, energon_data):
+    config = _config(tmp_path, energon_data)
+    with pytest.raises(ValueError, match="data.validation_path is not read with data.backend: energon"):
+        load_config(config, ["data.validation_path=x.jsonl.packed"])
+    with pytest.raises(ValueError, match="loader.num_workers is not read with data.backend: energon"):
+        load_config(config, ["loader.num_workers=2"])
+    with pytest.raises(ValueError, match="data.energon is read only with data.backend: energon"):
+        load_config(config, ["data.backend=packed"])
+    with pytest.raises(ValueError, match=r"data.energon.buffer_size must be"):
+        load_config(config, ["data.energon.buffer_size=0"])

@@ -31,6 +31,7 @@ from megatron.energon.errors import reraise_exception
 
 from packsft.conversation import parse_record
 from packsft.data.collate import collate_rows
+from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError, loads_line
 from packsft.layout import conversation_cost
@@ -44,8 +45,17 @@ MAX_SAMPLES_PER_SEQUENCE = 100
 """Samples Energon reads in a row from one shard slice before switching (Megatron-LM's setting)."""
 
 
-class EnergonSampleError(ValueError):
-    """A sample that cannot be trained: ``dataset: shard: sample KEY: field: reason``."""
+class EnergonSampleError(RowError):
+    """A sample that cannot be trained: ``dataset: shard: sample KEY: field: reason`` (a ``RowError``: the trainer
+    prints it as one ``error:`` line). Rebuilt by torch from a loader worker's text, it keeps that text's last line.
+    """
+
+    def __init__(self, text: str) -> None:
+        text = str(text).rstrip().splitlines()[-1]
+        for name in (f"{__name__}.EnergonSampleError: ", "EnergonSampleError: "):
+            text = text.removeprefix(name)
+        ValueError.__init__(self, text)
+        self.path, self.line, self.field, self.reason = "", 0, "", text
 
 
 def balanced_greedy_knapsack(costs: list[int], capacity: int, delta: int = 0,

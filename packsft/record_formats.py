@@ -266,15 +266,13 @@ def record_converter(record_format: str, adapter: str | None) -> Callable[[Any],
     """The function that turns one decoded record into a ``messages`` record, or None when none is needed.
 
     Args:
-        record_format: one of :data:`RECORD_FORMATS` (``PackConfig`` checks it, as ``--format``'s choices).
+        record_format: one of :data:`RECORD_FORMATS` (``PackConfig`` checks it, as ``--format``'s choices), and
+            ``messages`` with an ``adapter`` (``PackConfig.relations``).
 
     Raises:
-        ValueError: an adapter together with a named format other than ``messages``, or one that does not import
-            (:func:`import_named`).
+        ValueError: an adapter that does not import (:func:`import_named`).
     """
     if adapter:
-        if record_format != "messages":
-            raise ValueError("--adapter replaces --format: give one of them")
         return _checked(import_adapter(adapter), adapter)
     return {"sharegpt": sharegpt_to_messages, "alpaca": alpaca_to_messages}.get(record_format)
 

@@ -210,6 +210,7 @@ class PackConfig:
         Needs("output_key", "input_key"),
         Needs("ray_address", ("engine", "ray")),
         Exclusive("input_key", "adapter", f"{_PROMPT_RESPONSE}; --adapter records have their own fields"),
+        Needs("adapter", ("record_format", "messages"), "--adapter replaces --format (leave --format out)"),
         Needs("input_key", ("record_format", one_of(("messages", "input-output"))),
               f"{_PROMPT_RESPONSE}; other --format records have their own fields"),
         Needs(("oversize", "split"), ("prompt_format", one_of(SPLIT_FORMATS)),

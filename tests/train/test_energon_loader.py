@@ -164,6 +164,8 @@ def test_training_stops_and_resumes_in_a_new_process_with_the_same_batches(tmp_p
     loader = build_datasets(changed)[0].train_loader(changed.loader, 0, 1)
     with pytest.raises(ValueError, match=r"data.energon.buffer_size: checkpoint 6, now 7"):
         loader.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"data-parallel size: checkpoint 1, now 2"):
+        build_datasets(cfg)[0].train_loader(cfg.loader, 0, 2).load_state_dict(state)
     moved = json.loads(json.dumps(state["fingerprint"]))
     moved["dataset"]["files"][-1]["blake2b"] = "0" * 40
     assert fingerprint_changes(moved, loader.fingerprint)[-1] == ("the dataset file shard-000001.tar changed (size or "
@@ -180,3 +182,9 @@ def test_config_refuses_what_the_energon_backend_does_not_read(tmp_path, energon
         load_config(config, ["data.backend=packed"])
     with pytest.raises(ValueError, match=r"data.energon.buffer_size must be"):
         load_config(config, ["data.energon.buffer_size=0"])
+
+
+def test_without_the_extra_the_error_names_it(tmp_path, energon_data, monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.energon", None)              # import megatron.energon fails
+    with pytest.raises(ImportError, match=r"needs the packsft\[energon\] extra"):
+        build_datasets(load_config(_config(tmp_path, energon_data)))

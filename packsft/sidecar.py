@@ -47,7 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packsft.io import atomic_open, file_blake2b, finish_interrupted_publish
+from packsft.io import atomic_open, file_blake2b, finish_interrupted_publish, read_json_object
 from packsft.prompt_formats import PromptFormat, Tokenization
 from packsft.token_cache import cache_paths, ends_blake2b
 
@@ -172,11 +172,9 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
     if not target.is_file():
         return None
     try:
-        meta = json.loads(target.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SidecarError(f"{target}: not valid JSON ({e})") from e
-    if not isinstance(meta, dict):
-        raise SidecarError(f"{target}: must be a JSON object, got {type(meta).__name__}")
+        meta = read_json_object(target)
+    except ValueError as e:     # naming the file: not valid JSON, or not an object
+        raise SidecarError(str(e)) from None
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise SidecarError(f"{target}: format_version {meta.get('format_version')!r} is not supported "
                            f"(this packsft reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-pack the "

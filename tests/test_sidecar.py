@@ -69,7 +69,7 @@ def test_missing_sidecar_reads_as_none(tmp_path):
     ("text", "message"),
     [
         ("{not json", "not valid JSON"),
-        ("[1, 2]", "must be a JSON object"),
+        ("[1, 2]", "x.jsonl.packed.meta.json: a JSON array, not an object"),
         (json.dumps({**meta(), "format_version": 3}), "format_version 3 is not supported"),
         (json.dumps({"format_version": 2, **meta(max_seq_len=None) | {"prompt_format": {"name": "x"}}}),
          "missing field.*prompt_format.pad_token"),

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset, stateless
 from megatron.energon.errors import reraise_exception
 
@@ -35,7 +36,7 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError, loads_line
 from packsft.layout import conversation_cost
-from packsft.packing.energon import PAYLOAD, text_only_problem
+from packsft.packing.energon import META, PAYLOAD, text_only_problem
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -184,6 +185,12 @@ class EnergonTrainSource:
             self.identity = source_identity(self.path, self.split)
         except SourceError as err:
             raise ValueError(f"data.train_path: {err}") from None
+        described = Path(self.path) / META / "dataset.yaml"
+        kind = (yaml.safe_load(described.read_text()) or {}).get("__class__") if described.is_file() else None
+        if kind != "CrudeWebdataset":
+            kind = kind or "no sample type (no dataset.yaml)"
+            raise ValueError(f"data.train_path: {self.path} was prepared as {kind}; the trainer reads each sample's "
+                             "json member as it comes: prepare it with energon prepare --sample-type CrudeWebdataset")
         self.tokenizer = load_tokenizer(data.tokenizer)
         spec = TokenizationSpec(data.tokenizer, data.prompt_format, data.pad_token, data.chat_template)
         self.tokenization = Tokenization.of(self.tokenizer, spec.bind(self.tokenizer))

@@ -3,6 +3,7 @@ to ``PackedSFTDataset``'s, the balanced knapsack, and a tiny training run that s
 with the same next batch and losses; a changed setting or dataset file is refused by name."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -182,6 +183,11 @@ def test_config_refuses_what_the_energon_backend_does_not_read(tmp_path, energon
         load_config(config, ["data.backend=packed"])
     with pytest.raises(ValueError, match=r"data.energon.buffer_size must be"):
         load_config(config, ["data.energon.buffer_size=0"])
+    typed = tmp_path / "typed"
+    shutil.copytree(energon_data["few"], typed)
+    (typed / ".nv-meta" / "dataset.yaml").write_text("__module__: megatron.energon\n__class__: TextWebdataset\n")
+    with pytest.raises(ValueError, match="prepared as TextWebdataset; .* --sample-type CrudeWebdataset"):
+        build_datasets(load_config(config, [f"data.train_path={typed}"]))
 
 
 def test_without_the_extra_the_error_names_it(tmp_path, energon_data, monkeypatch):

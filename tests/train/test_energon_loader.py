@@ -149,7 +149,12 @@ def test_training_stops_and_resumes_in_a_new_process_with_the_same_batches(tmp_p
 
     cfg = load_config(full)
     fresh = iter(build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1))
-    expected = [next(fresh)["tokens"] for _ in range(5)][4]            # after 2 steps of 2 micro-batches
+    batches = [next(fresh) for _ in range(5)]
+    expected = batches[4]["tokens"]                                     # after 2 steps of 2 micro-batches
+    first = batches[0]
+    assert set(first) == set(ROW_KEYS) and first["tokens"].shape == first["loss_mask"].shape == (1, SEQ)
+    assert first["tokens"].dtype == torch.int64 and first["loss_mask"].dtype == torch.float32
+    assert first["cu_seqlens"].dtype == first["cu_seqlens_padded"].dtype == torch.int32
     got = _next_batch_after_restore(full, saved / "dataloader_dp0.pt", tmp_path / "next.pt")
     assert torch.equal(got, expected)
 

@@ -19,6 +19,7 @@ data-parallel layout); :meth:`EnergonTrainLoader.load_state_dict` refuses a chan
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import warnings
 from pathlib import Path
@@ -204,7 +205,8 @@ class EnergonTrainSource:
         d, e = self.data, self.data.energon
         return {"data.tokenizer (its vocabulary and special tokens)": tokenizer_fingerprint(self.tokenizer),
                 "data.prompt_format": d.prompt_format, "data.pad_token": d.pad_token,
-                "data.chat_template": d.chat_template, "data.max_seq_len": d.max_seq_len,
+                "data.chat_template (the template's text, BLAKE2b)": _digest(self.tokenization.fmt.chat_template),
+                "data.max_seq_len": d.max_seq_len,
                 "parallel.context_parallel_size": self.parallel.context_parallel_size,
                 **{f"data.energon.{f.name}": getattr(e, f.name) for f in dataclasses.fields(e)},
                 "loader.micro_batch_size": loader.micro_batch_size, "loader.seed": loader.seed,
@@ -213,6 +215,11 @@ class EnergonTrainSource:
     def train_loader(self, loader, dp_rank: int, dp_size: int) -> EnergonTrainLoader:
         """This data-parallel rank's :class:`EnergonTrainLoader` (``loader``: the ``DataLoaderConfig``)."""
         return EnergonTrainLoader(self, loader, dp_rank, dp_size)
+
+
+def _digest(text: str | None) -> str | None:
+    """BLAKE2b-160 of ``text`` (hex), or None."""
+    return None if text is None else hashlib.blake2b(str(text).encode(), digest_size=20).hexdigest()
 
 
 class EnergonTrainLoader:

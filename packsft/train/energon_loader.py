@@ -184,8 +184,9 @@ class EnergonTrainSource:
         try:
             self.split = energon_split(self.path, data.split)
             self.identity = source_identity(self.path, self.split)
-        except SourceError as err:
-            raise ValueError(f"data.train_path: {err}") from None
+        except SourceError as err:   # the packer's words for its flags, here the config's keys
+            text = str(err).replace("--split ", "data.split=").replace("--input ", "")
+            raise ValueError(f"data.train_path: {text}") from None
         described = Path(self.path) / META / "dataset.yaml"
         kind = (yaml.safe_load(described.read_text()) or {}).get("__class__") if described.is_file() else None
         if kind != "CrudeWebdataset":

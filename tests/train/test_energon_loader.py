@@ -188,6 +188,8 @@ def test_config_refuses_what_the_energon_backend_does_not_read(tmp_path, energon
         load_config(config, ["data.backend=packed"])
     with pytest.raises(ValueError, match=r"data.energon.buffer_size must be"):
         load_config(config, ["data.energon.buffer_size=0"])
+    with pytest.raises(ValueError, match=r"^data.train_path: data.split='dev': \S+ has splits train$"):
+        build_datasets(load_config(config, ["data.split=dev"]))
     typed = tmp_path / "typed"
     shutil.copytree(energon_data["few"], typed)
     (typed / ".nv-meta" / "dataset.yaml").write_text("__module__: megatron.energon\n__class__: TextWebdataset\n")

@@ -336,13 +336,17 @@ def plain_state(value: Any) -> Any:
 
 
 def _energon_class(name: str) -> type:
-    """The class ``module:qualname`` of a tagged state: ``dict`` or one of ``megatron.energon``'s."""
+    """The class ``module:qualname`` of a tagged state: ``dict``, or a dataclass or ``dict`` subclass that
+    ``megatron.energon`` defines (nothing else is called: a planted state cannot name another callable)."""
     if name == "builtins:dict":
         return dict
     module, _, qualname = name.partition(":")
-    if not module.startswith("megatron.energon.") or "." in qualname:
+    found = getattr(importlib.import_module(module), qualname, None) if module.startswith("megatron.energon.") \
+        and qualname.isidentifier() else None
+    if not (isinstance(found, type) and found.__module__ == module
+            and (dataclasses.is_dataclass(found) or issubclass(found, dict))):
         raise ValueError(f"an Energon loader state names the class {name}, not one of megatron.energon's")
-    return getattr(importlib.import_module(module), qualname)
+    return found
 
 
 def from_plain(value: Any) -> Any:

@@ -120,8 +120,10 @@ def test_plain_state_round_trips_energon_values():
     assert type(back) is FlexState and back["rng"] == b"\x00\xff" and back["t"] == (1, "a", [2.5, None])
     assert back["arr"].dtype == np.uint32 and back["arr"].tolist() == [0, 1, 2] and torch.equal(back["tensor"],
                                                                                                  torch.arange(2))
-    with pytest.raises(ValueError, match="not one of megatron.energon's"):
-        from_plain({"__dataclass__": "os:path", "fields": {}})
+    for planted in ("os:path", "megatron.energon.watchdog:os", "megatron.energon.watchdog:threading",
+                    "megatron.energon.errors:reraise_exception"):       # only energon's own state classes
+        with pytest.raises(ValueError, match="not one of megatron.energon's"):
+            from_plain({"__dataclass__": planted, "fields": {}})
 
 
 def _next_batch_after_restore(config, state_file, out):

@@ -6,7 +6,7 @@ A split is read the way Energon reads it without shuffling: its shards in ``spli
 samples in tar order, the samples ``split.yaml`` excludes left out. A sample's payload is its ``json`` member
 (``000017.json``), the record ``{"messages": [...], "media": [...], "tools": ...}``; its other members are not
 read. The packer packs text: a sample whose payload lists media or holds a non-text content part is refused with
-a reason (:func:`text_only_problem`).
+a reason (:func:`check_text_only`).
 
 A sample is numbered by its place in the whole dataset (the shards in ``.info.json`` order, then its index in its
 shard), whatever the split, so that its shard and key can be found again from that number (:func:`locate`).
@@ -19,6 +19,8 @@ import struct
 from bisect import bisect_right
 from collections.abc import Iterator
 from pathlib import Path
+
+from packsft.jsonl import ConversationError
 
 META = ".nv-meta"
 PAYLOAD = "json"
@@ -146,10 +148,20 @@ def changed_shard(path: str | Path, split: str) -> str | None:
     return None
 
 
-def text_only_problem(record: object) -> tuple[str, str] | None:
-    """``(field, reason)`` when a sample's decoded record cannot be packed as text (it lists media, or a message
-    holds a non-text content part), or None. A record that is not an object with messages is left to the record
-    parser."""
+def check_text_only(record: object, path: str, line: int) -> None:
+    """Refuse a sample's decoded record that cannot be packed as text: it lists media, or a message holds a
+    non-text content part. A record that is not an object with messages is left to the record parser.
+
+    Raises:
+        packsft.jsonl.ConversationError: at ``path``, ``line``, naming the field (``media``,
+            ``messages[i].content[j]``).
+    """
+    problem = _text_only_problem(record)
+    if problem:
+        raise ConversationError(path, line, *problem)
+
+
+def _text_only_problem(record: object) -> tuple[str, str] | None:
     if not isinstance(record, dict):
         return None
     media = record.get("media")

@@ -250,7 +250,7 @@ def iter_source(path: str | Path, max_bytes: int | None = None, split: str | Non
     dropped as described above), ``nbytes`` its size in bytes; a record over ``max_bytes`` bytes, or one that
     does not convert to JSON, comes with ``text=None`` and an ``error``. For an Energon dataset ``number`` is the
     sample's place in the dataset (:func:`position` gives its shard and key), ``text`` its ``json`` member as is
-    (the record parser refuses one with media: :func:`packsft.packing.energon.text_only_problem`).
+    (the record parser refuses one with media: :func:`packsft.packing.energon.check_text_only`).
 
     ``path`` and ``split`` passed :func:`check_source`.
 

@@ -294,7 +294,7 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
     """
     cfg = state.cfg
     parsed: list = []  # per line: (conv, record, source), or its rejection
-    text_only = energon.text_only_problem if energon.is_energon(path) else None
+    text_only = energon.is_energon(path)  # an Energon sample: refused with media
     for line, _, text, decode_error in items:
         try:
             parsed.append(_parse_line(state, path, line, text, decode_error, text_only))
@@ -315,18 +315,18 @@ def _rejected(reason: str) -> tuple:
 
 
 def _parse_line(state: WorkerState, path: str, line: int, text: str | None, decode_error: str | None,
-                text_only=None):
+                text_only: bool = False):
     """``(conv, record, source)`` of one input line: its :class:`Conversation`, its record (converted) and the
-    record as read. ``text_only``: a function giving ``(field, reason)`` for a decoded record the packer cannot
-    pack as text (an Energon sample with media), or None.
+    record as read. ``text_only``: refuse a record with media (an Energon sample,
+    :func:`packsft.packing.energon.check_text_only`).
 
     Raises:
         ConversationError: the line is not a valid record (naming the input's own field).
     """
     cfg = state.cfg
     record = loads_line(text, path, line, decode_error)
-    if text_only is not None and (problem := text_only(record)):
-        raise ConversationError(path, line, *problem)
+    if text_only:
+        energon.check_text_only(record, path, line)
     source = record
     if state.convert is not None:
         try:

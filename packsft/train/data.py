@@ -158,13 +158,15 @@ def load_train_loader_state(loader, state: dict[str, Any]) -> None:
     """Restore :func:`train_loader_state` into the same kind of loader.
 
     Raises:
-        ValueError: the state is another backend's, or the loader refuses it (named).
+        ValueError: the state is another ``data.backend``'s, or the loader refuses it (named).
     """
-    if getattr(loader, "backend", None) == "energon":
+    now = getattr(loader, "backend", "packed")
+    saved = state.get("backend", "packed") if isinstance(state, dict) else "packed"
+    if saved != now:
+        raise ValueError(f"cannot resume the data loader: the checkpoint was trained with data.backend {saved}, "
+                         f"now {now}; resume with checkpoint.restore_data_order=false to restart the data order")
+    if now == "energon":
         loader.load_state_dict(state)
-    elif isinstance(state, dict) and state.get("backend") == "energon":
-        raise ValueError("cannot resume the data loader: the checkpoint was trained with data.backend energon, now "
-                         "packed; resume with checkpoint.restore_data_order=false to restart the data order")
     else:
         load_loader_state_dict(loader, state)
 

@@ -3,7 +3,7 @@ savable loader, packed into rows while training, each micro-batch exactly what `
 ``PackedSFTDataset`` rows (same keys, dtypes, shapes).
 
 Each sample's ``json`` member is checked and tokenized as the packer does it (:func:`packsft.jsonl.loads_line`,
-:func:`packsft.packing.energon.text_only_problem`, :func:`packsft.conversation.parse_record`,
+:func:`packsft.packing.energon.check_text_only`, :func:`packsft.conversation.parse_record`,
 :func:`packsft.prompt_formats.tokenize_conversation`); an invalid sample stops the run with an
 :class:`EnergonSampleError` naming ``dataset: shard: sample KEY: field: reason``. Energon's ``PackingDataset``
 hands the task encoder buffers of ``data.energon.buffer_size`` conversations; :func:`balanced_greedy_knapsack`
@@ -37,7 +37,7 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError, loads_line
 from packsft.layout import conversation_cost
-from packsft.packing.energon import META, PAYLOAD, text_only_problem
+from packsft.packing.energon import META, PAYLOAD, check_text_only
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -127,9 +127,7 @@ class ConversationEncoder(DefaultTaskEncoder):
             raise EnergonSampleError(f"{where}: the sample has no .{PAYLOAD} member (its JSON record)")
         try:
             record = loads_line(payload.decode("utf-8"), self.dataset, 0)
-            problem = text_only_problem(record)
-            if problem:
-                raise ConversationError(self.dataset, 0, *problem)
+            check_text_only(record, self.dataset, 0)
             conv = parse_record(record, self.dataset, 0)
             tokens, targets = tokenize_conversation(conv.messages, self.tokenization, conv.tools,
                                                     conv.chat_template_kwargs)
@@ -269,12 +267,9 @@ class EnergonTrainLoader:
         """Restore a :meth:`state_dict` before the first ``iter()``; the next micro-batch is the one that followed.
 
         Raises:
-            ValueError: not an Energon loader state, or its fingerprint differs (each change named: a setting by
-                its config key, a dataset file by name).
+            ValueError: its fingerprint differs (each change named: a setting by its config key, a dataset file by
+                name).
         """
-        if not isinstance(saved, dict) or saved.get("backend") != STATE_KIND:
-            raise ValueError("cannot resume the data loader: the checkpoint was trained with data.backend packed, "
-                             "now energon; resume with checkpoint.restore_data_order=false to restart the data order")
         changes = fingerprint_changes(saved.get("fingerprint") or {}, self.fingerprint)
         if saved.get("dp_rank") != self.dp_rank:
             changes.append(f"data-parallel rank: checkpoint {saved.get('dp_rank')}, now {self.dp_rank}")

@@ -203,3 +203,15 @@ def test_without_the_extra_the_error_names_it(tmp_path, energon_data, monkeypatc
     monkeypatch.setitem(sys.modules, "megatron.energon", None)              # import megatron.energon fails
     with pytest.raises(ImportError, match=r"needs the packsft\[energon\] extra"):
         build_datasets(load_config(_config(tmp_path, energon_data)))
+
+
+def test_a_loader_state_of_the_other_backend_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from packsft.train.data import load_train_loader_state
+
+    for loader, state, saved, now in ((SimpleNamespace(backend="energon"), {"version": 2}, "packed", "energon"),
+                                      (SimpleNamespace(), {"backend": "energon", "state": {}}, "energon", "packed")):
+        with pytest.raises(ValueError, match=f"the checkpoint was trained with data.backend {saved}, now {now}; "
+                                             "resume with checkpoint.restore_data_order=false"):
+            load_train_loader_state(loader, state)

@@ -1,5 +1,6 @@
-"""HF conversion under pipeline parallelism (2 gloo processes through ``torchrun``): import shards by stage, export
-gathers the stages, and the checkpoint does not depend on the layout (PP=2 written -> PP=1 read and vice versa).
+"""HF conversion under pipeline parallelism (2 gloo processes): import shards by stage (``torchrun``), export
+gathers the stages (one 2-process spawn of every family's export), and the checkpoint does not depend on the layout
+(PP=2 written -> PP=1 read and vice versa).
 
 Models: the tiny random HF configs of ``tests/model/test_hf_io.py`` with 4 layers (2 per stage): Llama with tied
 embeddings (the last stage holds Megatron's copy of the embedding) and Qwen2 untied with a QKV bias. Trainer:
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 from test_hf_io import LENGTHS, VOCAB, hf_model, megatron_logits
-from test_init_from import hf_row_loss, records, setup, write_config  # noqa: F401 - fixture
+from test_init_from import hf_row_loss, pack_and_save_hf, records, write_config
 from transformers import AutoModelForCausalLM
 
 from packsft.data.context_parallel import make_packed_seq_params
@@ -41,19 +42,49 @@ def _run(*args, nproc: int = 1):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def convert_in_process(*args) -> None:
+    """``tools/convert_checkpoint.py args`` in this process, at the layout ``args`` name (an export writes only
+    safetensors; an import saves through dist_checkpointing, which needs the guarded ``__main__`` pytest has)."""
+    from packsft.train.convert import run
+    from tools.convert_checkpoint import parse_args
+
+    assert run(parse_args([str(a) for a in args])) == 0
+
+
+def convert_worker(rank, world_size, *jobs):
+    """:func:`convert_in_process` of each job's arguments in turn, on every rank of a :func:`run_distributed`."""
+    for args in jobs:
+        convert_in_process(*args)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, parallel_state_1proc):  # noqa: F811
+    """Per family: its folder and 4-layer HF model ``src``, imported at PP=2 (``torchrun``) and at PP=1, the PP=1
+    import exported at PP=2 (one 2-process spawn for all families) and the PP=2 import exported at PP=1."""
+    out = {}
+    for family in FAMILIES:
+        folder = tmp_path_factory.mktemp(family)
+        original = hf_model(family, seed=21, num_hidden_layers=4)
+        original.save_pretrained(folder / "src")
+        _run(TOOL, "import", "--hf", str(folder / "src"), "--out", str(folder / "mcore_pp2"), *PP2, nproc=2)
+        convert_in_process("import", "--hf", folder / "src", "--out", folder / "mcore_pp1")
+        convert_in_process("export", "--megatron", folder / "mcore_pp2", "--out", folder / "hf_pp1")
+        out[family] = (folder, original)
+    run_distributed(convert_worker, 2, *[("export", "--megatron", f / "mcore_pp1", "--out", f / "hf_pp2", *PP2)
+                                         for f, _ in out.values()], timeout_s=400)
+    return out
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_pp2_import_loads_at_pp1_and_pp2_export_equals_pp1(tmp_path, family, parallel_state_1proc):  # noqa: F811
-    original = hf_model(family, seed=21, num_hidden_layers=4)
-    original.save_pretrained(tmp_path / "src")
-    _, part = load_hf_checkpoint(tmp_path / "src", keep=lambda name: name.startswith("model.layers.3."))
+def test_pp2_import_loads_at_pp1_and_pp2_export_equals_pp1(converted, family):
+    folder, original = converted[family]
+    _, part = load_hf_checkpoint(folder / "src", keep=lambda name: name.startswith("model.layers.3."))
     assert part.keys() == {k for k in original.state_dict() if k.startswith("model.layers.3.")}   # a stage's read
-    _run(TOOL, "import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "mcore_pp2"), *PP2, nproc=2)
-    _run(TOOL, "import", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "mcore_pp1"))
 
     # PP=2 import -> PP=1 model: logits of a packed row equal transformers' per conversation
-    cfg = read_model_config(tmp_path / "mcore_pp2")
+    cfg = read_model_config(folder / "mcore_pp2")
     megatron = build_gpt_model(cfg).eval()
-    load_megatron_checkpoint(megatron, tmp_path / "mcore_pp2")
+    load_megatron_checkpoint(megatron, folder / "mcore_pp2")
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     tokens = torch.randint(0, VOCAB, (1, int(cu[-1])), generator=torch.Generator().manual_seed(4))
     position_ids = torch.cat([torch.arange(n) for n in LENGTHS])[None]
@@ -65,22 +96,27 @@ def test_pp2_import_loads_at_pp1_and_pp2_export_equals_pp1(tmp_path, family, par
     assert diff < 1e-4
 
     # export at PP=2 (of the PP=1 import) == export at PP=1 (of the PP=2 import), file by file, bit for bit
-    _run(TOOL, "export", "--megatron", str(tmp_path / "mcore_pp1"), "--out", str(tmp_path / "hf_pp2"), *PP2, nproc=2)
-    _run(TOOL, "export", "--megatron", str(tmp_path / "mcore_pp2"), "--out", str(tmp_path / "hf_pp1"))
-    names = sorted(p.name for p in (tmp_path / "hf_pp1").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "hf_pp2").iterdir()) and "model.safetensors" in names
+    names = sorted(p.name for p in (folder / "hf_pp1").iterdir())
+    assert names == sorted(p.name for p in (folder / "hf_pp2").iterdir()) and "model.safetensors" in names
     for name in names:
-        assert (tmp_path / "hf_pp2" / name).read_bytes() == (tmp_path / "hf_pp1" / name).read_bytes(), name
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_pp2", dtype=torch.float32)
+        assert (folder / "hf_pp2" / name).read_bytes() == (folder / "hf_pp1" / name).read_bytes(), name
+    exported = AutoModelForCausalLM.from_pretrained(folder / "hf_pp2", dtype=torch.float32)
     assert exported.state_dict().keys() == original.state_dict().keys()
     assert all(torch.equal(exported.state_dict()[k], v) for k, v in original.state_dict().items())
 
 
-def test_init_from_a_pp2_import_gives_the_same_first_loss_at_pp2_and_pp1(setup):  # noqa: F811
-    """``tests/train/test_init_from.py``'s tiny tied Llama (2 layers: 1 per stage) imported at PP=2; one step of
-    ``tools/train.py`` at PP=2 (2 processes) and at PP=1 from it (megatron optimizer: PP needs it)."""
-    imported = setup["dir"] / "imported_pp2"
-    _run(TOOL, "import", "--hf", str(setup["dir"] / "hf"), "--out", str(imported), *PP2, nproc=2)
+@pytest.fixture(scope="module")
+def setup_pp2(tmp_path_factory, shared_data, tokenizer_dir):
+    """``tests/train/test_init_from.py``'s rows and tiny tied Llama (2 layers: 1 per stage), imported at PP=2."""
+    setup = pack_and_save_hf(tmp_path_factory.mktemp("init_from_pp2"), shared_data, tokenizer_dir)
+    _run(TOOL, "import", "--hf", str(setup["dir"] / "hf"), "--out", str(setup["imported"]), *PP2, nproc=2)
+    return setup
+
+
+def test_init_from_a_pp2_import_gives_the_same_first_loss_at_pp2_and_pp1(setup_pp2):
+    """The PP=2 import of ``setup_pp2``; one step of ``tools/train.py`` at PP=2 (2 processes) and at PP=1 from it
+    (megatron optimizer: PP needs it)."""
+    setup, imported = setup_pp2, setup_pp2["imported"]
     config = write_config(setup, "pp_init")
     common = (f"checkpoint.init_from={imported}", "optimizer.backend=megatron", "train.train_steps=1")
     first = {}

@@ -46,10 +46,9 @@ def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, shared_data, tokenizer_dir):
-    """Packed gsm8k rows (SmolLM2 tokenizer, 256 tokens), a tiny HF Llama and its imported Megatron checkpoint."""
-    out = tmp_path_factory.mktemp("init_from")
+def pack_and_save_hf(out: Path, shared_data: Path, tokenizer_dir) -> dict:
+    """Packed gsm8k rows (SmolLM2 tokenizer, 256 tokens) and a tiny HF Llama saved to ``out / "hf"``; ``imported``
+    names the folder its import is to be written to (``out / "imported"``)."""
     src = out / "chats.jsonl"
     lines = (shared_data / "chat" / "gsm8k_test.messages.jsonl").read_text().splitlines()
     src.write_text("\n".join(lines[:8]) + "\n")
@@ -58,9 +57,16 @@ def setup(tmp_path_factory, shared_data, tokenizer_dir):
                         tokenizer=str(tokenizer), histogram="", progress=False, oversize="drop"))
     hf = tiny_hf_llama()
     hf.save_pretrained(out / "hf")
-    run("tools/convert_checkpoint.py", "import", "--hf", str(out / "hf"), "--out", str(out / "imported"))
     return {"dir": out, "rows": out / "rows.jsonl.packed", "tokenizer": tokenizer, "hf": hf,
             "imported": out / "imported"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, shared_data, tokenizer_dir):
+    """:func:`pack_and_save_hf` and the Megatron checkpoint ``tools/convert_checkpoint.py import`` writes of it."""
+    setup = pack_and_save_hf(tmp_path_factory.mktemp("init_from"), shared_data, tokenizer_dir)
+    run("tools/convert_checkpoint.py", "import", "--hf", str(setup["dir"] / "hf"), "--out", str(setup["imported"]))
+    return setup
 
 
 def write_config(setup: dict, name: str, **model) -> Path:

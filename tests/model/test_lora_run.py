@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 from test_hf_io import hf_model, megatron_from_hf
+from test_hf_io_pp import convert_in_process, convert_worker
 from test_loop import SEQ, assert_same_run, packed  # noqa: F401 - fixture
 
 from packsft.model.config import read_model_config
@@ -143,7 +144,17 @@ def _export(lora_run, *flags, checkpoint=None, nproc=1, config=True, check=True)
                 nproc=nproc, check=check)
 
 
-def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed):  # noqa: F811
+@pytest.fixture(scope="module")
+def tp1_export(lora_run, packed):  # noqa: F811
+    """The TP=1 run's last checkpoint exported (CLI) as base ``hf_base`` (with the tokenizer) + PEFT ``adapter``,
+    its ``--config`` the base's model_config.json (no lora section: the one the checkpoint records)."""
+    tmp = lora_run["tmp"]
+    _export(lora_run, "--out", tmp / "hf_base", "--lora-adapter", tmp / "adapter", "--tokenizer", packed["tokenizer"],
+            config=("--config", lora_run["base"] / "model_config.json"))
+    return {"base": tmp / "hf_base", "adapter": tmp / "adapter"}
+
+
+def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed, tp1_export):  # noqa: F811
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -166,12 +177,10 @@ def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed):  # 
     (tmp / "a_file").write_text("x")      # the base cannot be written: no adapter is left without it
     proc = _export(lora_run, "--out", tmp / "a_file" / "base", "--lora-adapter", tmp / "orphan", check=False)
     assert proc.returncode == 2 and "error: " in proc.stderr and not (tmp / "orphan").exists(), proc.stderr[-3000:]
-    _export(lora_run, "--out", tmp / "hf_base", "--lora-adapter", tmp / "adapter", *tokenizer,
-            config=("--config", lora_run["base"] / "model_config.json"))    # no lora section: the recorded one
     merged = AutoModelForCausalLM.from_pretrained(tmp / "merged", dtype=torch.float32).eval()
-    hf_base = AutoModelForCausalLM.from_pretrained(tmp / "hf_base", dtype=torch.float32).eval()
+    hf_base = AutoModelForCausalLM.from_pretrained(tp1_export["base"], dtype=torch.float32).eval()
     assert all(torch.equal(hf_base.state_dict()[k], v) for k, v in lora_run["hf"].state_dict().items())
-    peft_model = PeftModel.from_pretrained(hf_base, tmp / "adapter").eval()
+    peft_model = PeftModel.from_pretrained(hf_base, tp1_export["adapter"]).eval()
     with torch.no_grad():
         merged_logits, peft_logits = merged(tokens).logits[0], peft_model(tokens).logits[0]
     print("max |logit diff| merged", float((merged_logits - expected).abs().max()),
@@ -180,8 +189,8 @@ def test_cli_merged_and_peft_exports_give_the_lora_logits(lora_run, packed):  # 
     torch.testing.assert_close(peft_logits, expected, atol=1e-5, rtol=0)
     # examples/generate.py --adapter: the chat template of the exported tokenizer, base + adapter through peft
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
-    answer = generate(tmp / "hf_base", messages, 8, adapter_dir=tmp / "adapter")
-    assert answer == generate(tmp / "merged", messages, 8) and answer != generate(tmp / "hf_base", messages, 8)
+    answer = generate(tp1_export["base"], messages, 8, adapter_dir=tp1_export["adapter"])
+    assert answer == generate(tmp / "merged", messages, 8) and answer != generate(tp1_export["base"], messages, 8)
 
 
 def _adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -191,17 +200,19 @@ def _adapter(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.distributed
-def test_tp2_run_exports_the_adapter_of_the_tp1_run(lora_run, packed):  # noqa: F811
+def test_tp2_run_exports_the_adapter_of_the_tp1_run(lora_run, packed, tp1_export):  # noqa: F811
+    """The TP=2 run's adapter exported in this process (TP=1) and in one 2-process spawn (TP=2) equals the TP=1
+    run's."""
     tmp = lora_run["tmp"]
     tp2 = _config(tmp, packed, lora_run["base"], "tp2")
     _train(tp2, "parallel.tensor_model_parallel_size=2", nproc=2)
     assert json.loads((_last(tmp / "tp2") / "train_state.json").read_text())["layout"][
         "tensor_model_parallel_size"] == 2
-    _export(lora_run, "--out", tmp / "tp1_base", "--lora-adapter", tmp / "tp1_adapter")
-    _export(lora_run, "--out", tmp / "tp2_base", "--lora-adapter", tmp / "tp2_adapter", checkpoint=_last(tmp / "tp2"))
-    _export(lora_run, "--out", tmp / "tp2_base_at2", "--lora-adapter", tmp / "tp2_adapter_at2",
-            "--tensor-model-parallel-size", "2", checkpoint=_last(tmp / "tp2"), nproc=2)
-    tp1, tp2_at1, tp2_at2 = (_adapter(tmp / n) for n in ("tp1_adapter", "tp2_adapter", "tp2_adapter_at2"))
+    export = ("export", "--megatron", _last(tmp / "tp2"), "--config", tmp / "tp2" / "config.yaml")
+    convert_in_process(*export, "--out", tmp / "tp2_base", "--lora-adapter", tmp / "tp2_adapter")
+    run_distributed(convert_worker, 2, (*export, "--out", tmp / "tp2_base_at2", "--lora-adapter",
+                                        tmp / "tp2_adapter_at2", "--tensor-model-parallel-size", "2"), timeout_s=400)
+    tp1, tp2_at1, tp2_at2 = (_adapter(d) for d in (tp1_export["adapter"], tmp / "tp2_adapter", tmp / "tp2_adapter_at2"))
     assert tp1.keys() == tp2_at1.keys() == tp2_at2.keys() and len(tp1) == 2 * 7 * 2   # q,k,v,o,gate,up,down x A,B
     assert all(torch.equal(tp2_at1[k], tp2_at2[k]) for k in tp1)          # the same files at either export TP
     worst = max(float((tp1[k] - tp2_at1[k]).abs().max()) for k in tp1)

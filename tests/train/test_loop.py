@@ -3,6 +3,7 @@ unpacked loss, and the data-parallel split."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,11 +157,28 @@ def test_sigkilled_run_resumes_bit_exact(tmp_path, packed, parallel_state_1proc,
     assert not list((killed / "checkpoints").glob("*.tmp"))
 
 
-def test_resume_without_latest_and_with_another_global_batch_size_continues_the_data_with_notes(tmp_path, packed):  # noqa: F811
+def _stopped_at_2_config(path: Path, packed: dict, output_dir: Path) -> Path:
+    """The resume-note runs' config: 4 steps over ``packed["many"]`` (a fifth held out), validated at the end."""
+    return write_config(path, packed, output_dir, train={"global_batch_size": 2, "train_steps": 4},
+                        data={"train_path": str(packed["many"]), "split_validation_size": 0.2},
+                        validation={"val_period": 0, "max_batches": 1})
+
+
+@pytest.fixture(scope="module")
+def stopped_at_2(tmp_path_factory, packed):  # noqa: F811
+    """``(config, output folder)`` of a 4-step run stopped at step 2 (saved, as any stop), which the resume-note tests
+    continue (each its own copy of the folder, or one that leaves its checkpoints as they are)."""
+    out = tmp_path_factory.mktemp("stopped_at_2")
+    cfg = _stopped_at_2_config(out / "c.yaml", packed, out / "run")
+    train(cfg, "train.stop_at_step=2", "checkpoint.save_at_end=false")   # a stop saves all the same
+    return cfg, out / "run"
+
+
+def test_resume_without_latest_and_with_another_global_batch_size_continues_the_data_with_notes(  # noqa: F811
+        tmp_path, packed, stopped_at_2):
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", packed, out, train={"global_batch_size": 2, "train_steps": 4},
-                       data={"train_path": str(packed["many"])})
-    train(cfg, "train.stop_at_step=2")
+    shutil.copytree(stopped_at_2[1], out)
+    cfg = _stopped_at_2_config(tmp_path / "c.yaml", packed, out)
     (out / "checkpoints" / "latest").unlink()    # as a save killed between publishing its folder and `latest` leaves
     proc = train(cfg, "train.global_batch_size=4", "loss.normalization=conversation")
     assert f"note: {out / 'checkpoints'} has no latest (a save was stopped before writing it); resuming its newest " \
@@ -172,12 +190,8 @@ def test_resume_without_latest_and_with_another_global_batch_size_continues_the_
     assert [r["consumed_samples"] for _, r in sorted(train_records(out).items())] == [2, 4, 8, 12]
 
 
-def test_resume_at_the_last_step_trains_saves_and_validates_nothing_with_a_note(tmp_path, packed):  # noqa: F811
-    out = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", packed, out, train={"global_batch_size": 2, "train_steps": 4},
-                       data={"train_path": str(packed["many"]), "split_validation_size": 0.2},
-                       validation={"val_period": 0, "max_batches": 1})
-    train(cfg, "train.stop_at_step=2", "checkpoint.save_at_end=false")   # a stop saves all the same
+def test_resume_at_the_last_step_trains_saves_and_validates_nothing_with_a_note(stopped_at_2):
+    cfg, out = stopped_at_2
     saved = out / "checkpoints" / "iter_0000002"
     before = {p.name: p.stat().st_mtime_ns for p in saved.iterdir()}
     records = (out / "metrics.jsonl").read_text().splitlines()

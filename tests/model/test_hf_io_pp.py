@@ -16,7 +16,7 @@ import pytest
 import torch
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 from test_hf_io import LENGTHS, VOCAB, hf_model, megatron_logits
-from test_init_from import hf_row_loss, pack_and_save_hf, records, write_config
+from test_init_from import convert_in_process, convert_worker, hf_row_loss, pack_and_save_hf, records, write_config
 from transformers import AutoModelForCausalLM
 
 from packsft.data.context_parallel import make_packed_seq_params
@@ -40,21 +40,6 @@ def _run(*args, nproc: int = 1):
     proc = subprocess.run([sys.executable, *launcher, *args], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def convert_in_process(*args) -> None:
-    """``tools/convert_checkpoint.py args`` in this process, at the layout ``args`` name (an export writes only
-    safetensors; an import saves through dist_checkpointing, which needs the guarded ``__main__`` pytest has)."""
-    from packsft.train.convert import run
-    from tools.convert_checkpoint import parse_args
-
-    assert run(parse_args([str(a) for a in args])) == 0
-
-
-def convert_worker(rank, world_size, *jobs):
-    """:func:`convert_in_process` of each job's arguments in turn, on every rank of a :func:`run_distributed`."""
-    for args in jobs:
-        convert_in_process(*args)
 
 
 @pytest.fixture(scope="module")

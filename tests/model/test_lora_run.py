@@ -18,7 +18,7 @@ import torch
 import yaml
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 from test_hf_io import hf_model, megatron_from_hf
-from test_hf_io_pp import convert_in_process, convert_worker
+from test_init_from import convert_in_process, convert_worker
 from test_loop import SEQ, assert_same_run, packed  # noqa: F401 - fixture
 
 from packsft.model.config import read_model_config

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 
 from packsft.data.dataset import PackedSFTDataset
 from packsft.packing.config import PackConfig
@@ -44,6 +45,21 @@ def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def convert_in_process(*args) -> None:
+    """``tools/convert_checkpoint.py args`` in this process, at the layout ``args`` name (an export writes only
+    safetensors; an import saves through dist_checkpointing, which needs the guarded ``__main__`` pytest has)."""
+    from packsft.train import convert
+    from tools.convert_checkpoint import parse_args
+
+    assert convert.run(parse_args([str(a) for a in args])) == 0
+
+
+def convert_worker(rank, world_size, *jobs):
+    """:func:`convert_in_process` of each job's arguments in turn, on every rank of a :func:`run_distributed`."""
+    for args in jobs:
+        convert_in_process(*args)
 
 
 def pack_and_save_hf(out: Path, shared_data: Path, tokenizer_dir) -> dict:
@@ -228,18 +244,16 @@ def _vpp_worker(rank, world_size, config, runs):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_virtual_pipeline_stages_start_from_an_import_and_validate_any_number_of_rows(setup):
+def test_virtual_pipeline_stages_start_from_an_import_and_validate_any_number_of_rows(setup, parallel_state_1proc):  # noqa: F811
     """A 4-layer import loaded at PP=2 x VP=2 (4 model chunks of 1 layer; plain and as a LoRA base, whose zero
     ``lora_B`` leaves the loss the base's): the validation loss of 1 row (fewer micro-batches than stages) and of
     every row, and the first training loss over rows 0 and 1, are transformers' (one load of all chunks: each chunk
     loaded alone failed with megatron's 'Invalid access pattern'; 1 validation micro-batch failed in the interleaved
     schedule)."""
-    from distributed_helpers import run_distributed
-
     hf = tiny_hf_llama(seed=3, num_layers=4)
     hf.save_pretrained(setup["dir"] / "hf4")
     imported = setup["dir"] / "imported4"
-    run("tools/convert_checkpoint.py", "import", "--hf", str(setup["dir"] / "hf4"), "--out", str(imported))
+    convert_in_process("import", "--hf", setup["dir"] / "hf4", "--out", imported)
     common = [f"checkpoint.init_from={imported}", "parallel.pipeline_model_parallel_size=2",
               "parallel.virtual_pipeline_model_parallel_size=2", "optimizer.backend=megatron",
               "train.global_batch_size=2", f"data.validation_path={setup['rows']}", "validation.max_batches=1"]

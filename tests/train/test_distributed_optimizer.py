@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import run_distributed
-from test_parallel_checkpoint import _train, config  # noqa: F401 - fixture
+from test_parallel_checkpoint import NO_SAVE, _train, config  # noqa: F401 - fixture
 
 from packsft.train.config import load_config
 
@@ -56,9 +56,22 @@ def _one_step(rank, world_size, config_path, out_dir, variants):
     return results
 
 
-def test_distributed_optimizer_step_equals_single_process_and_shards_the_state(tmp_path, config):  # noqa: F811
-    (ref,) = run_distributed(_one_step, 1, str(config), str(tmp_path / "ref"), [MEGATRON])[0]
-    two = run_distributed(_one_step, 2, str(config), str(tmp_path / "two"), [DIST_OPT, MEGATRON])
+SEQUENCE_PARALLEL = (*DIST_OPT, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
+
+
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory, config):  # noqa: F811
+    """One step of each layout, read by the parity tests: ``ref`` (1 process, megatron), and per rank of one
+    2-process spawn the distributed optimizer, the replicated megatron optimizer and TP=2 + SP (``_one_step``)."""
+    out = tmp_path_factory.mktemp("one_step")
+    (ref,) = run_distributed(_one_step, 1, str(config), str(out / "ref"), [MEGATRON])[0]
+    two = run_distributed(_one_step, 2, str(config), str(out / "two"), [DIST_OPT, MEGATRON, SEQUENCE_PARALLEL])
+    return ref, two
+
+
+def test_distributed_optimizer_step_equals_single_process_and_shards_the_state(one_step):
+    ref, per_rank = one_step
+    two = [r[:2] for r in per_rank]
     worst = {}
     for dist_opt, replicated in two:
         for name, before in ref["params"].items():
@@ -81,11 +94,10 @@ def test_distributed_optimizer_step_equals_single_process_and_shards_the_state(t
     assert abs(sum(shard) - full) <= 8 * 64 * 2, (shard, full)                     # only bucket padding differs
 
 
-def test_sequence_parallel_with_the_distributed_optimizer_equals_single_process(tmp_path, config):  # noqa: F811
+def test_sequence_parallel_with_the_distributed_optimizer_equals_single_process(one_step):
     """TP=2 + SP under Megatron DDP: ``finalize_model_grads`` must sum the norms' partial gradients over TP."""
-    ref = run_distributed(_one_step, 1, str(config), str(tmp_path / "ref"), [MEGATRON])[0][0]
-    sp = (*DIST_OPT, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
-    per_rank = [r[0] for r in run_distributed(_one_step, 2, str(config), str(tmp_path / "sp"), [sp])]
+    ref, two = one_step
+    per_rank = [r[2] for r in two]
     norms = [n for n in ref["params"] if "layernorm" in n]
     assert norms
     for run in per_rank:
@@ -105,8 +117,8 @@ def test_distributed_optimizer_checkpoint_resumes_at_dp1_and_dp2(tmp_path, confi
     full = _train(config, tmp_path / "full", 2, *DIST_OPT, *three)
     assert sorted(full) == [1, 2, 3] and abs(full[2] - full[1]) > 1e-2
     saved = tmp_path / "full" / "checkpoints" / "iter_0000001"
-    dp2 = _train(config, tmp_path / "dp2", 2, *DIST_OPT, *three, f"checkpoint.resume={saved}")
-    dp1 = _train(config, tmp_path / "dp1", 1, *DIST_OPT, *three, f"checkpoint.resume={saved}",
+    dp2 = _train(config, tmp_path / "dp2", 2, *DIST_OPT, *three, f"checkpoint.resume={saved}", NO_SAVE)
+    dp1 = _train(config, tmp_path / "dp1", 1, *DIST_OPT, *three, f"checkpoint.resume={saved}", NO_SAVE,
                  "checkpoint.restore_data_order=false")
     assert sorted(dp2) == sorted(dp1) == [2, 3]
     diffs = {name: {s: abs(run[s] - full[s]) for s in (2, 3)} for name, run in (("dp2", dp2), ("dp1", dp1))}

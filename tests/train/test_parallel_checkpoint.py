@@ -25,6 +25,7 @@ from packsft.packing.pipeline import run_pack
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ, ROWS = 256, 4
+NO_SAVE = "checkpoint.save_interval=0"   # a resumed run: its checkpoints would be read by no test
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -75,7 +76,7 @@ def test_tp2_checkpoint_resumes_on_one_rank_with_the_same_next_loss(tmp_path, co
     two = _train(config, tmp_path / "two", 2, "parallel.tensor_model_parallel_size=2")
     assert sorted(two) == [1, 2]
     saved = tmp_path / "two" / "checkpoints" / "iter_0000001"
-    one = _train(config, tmp_path / "one", 1, f"checkpoint.resume={saved}")
+    one = _train(config, tmp_path / "one", 1, f"checkpoint.resume={saved}", NO_SAVE)
     assert sorted(one) == [2]                                  # resumed after step 1
     assert abs(two[2] - two[1]) > 1e-2                         # the update between the steps is visible
     assert abs(one[2] - two[2]) < 1e-5, (two, one)
@@ -90,6 +91,6 @@ def test_dp4_checkpoint_resumes_at_dp2_and_dp1_on_the_next_global_batch(tmp_path
     assert sorted(four) == [1, 2] and abs(four[2] - four[1]) > 1e-2
     saved = tmp_path / "four" / "checkpoints" / "iter_0000001"
     for nproc in (2, 1):
-        resumed = _train(config, tmp_path / f"dp{nproc}", nproc, f"checkpoint.resume={saved}", *rows)
+        resumed = _train(config, tmp_path / f"dp{nproc}", nproc, f"checkpoint.resume={saved}", NO_SAVE, *rows)
         assert sorted(resumed) == [2]
         assert abs(resumed[2] - four[2]) < 1e-5, (nproc, four, resumed)

@@ -16,7 +16,15 @@ import pytest
 import torch
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 from test_hf_io import LENGTHS, VOCAB, hf_model, megatron_logits
-from test_init_from import convert_in_process, convert_worker, hf_row_loss, pack_and_save_hf, records, write_config
+from test_init_from import (
+    convert_in_process,
+    convert_worker,
+    hf_row_loss,
+    pack_and_save_hf,
+    records,
+    train_worker,
+    write_config,
+)
 from transformers import AutoModelForCausalLM
 
 from packsft.data.context_parallel import make_packed_seq_params
@@ -88,14 +96,6 @@ def test_pp2_import_loads_at_pp1_and_pp2_export_equals_pp1(converted, family):
     exported = AutoModelForCausalLM.from_pretrained(folder / "hf_pp2", dtype=torch.float32)
     assert exported.state_dict().keys() == original.state_dict().keys()
     assert all(torch.equal(exported.state_dict()[k], v) for k, v in original.state_dict().items())
-
-
-def train_worker(rank, world_size, *argvs):
-    """``tools/train.py``'s ``main`` of each argument list in turn, on every rank of a :func:`run_distributed`."""
-    from tools.train import main
-
-    for argv in argvs:
-        assert main([str(a) for a in argv]) == 0
 
 
 @pytest.fixture(scope="module")

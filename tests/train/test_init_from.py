@@ -62,6 +62,14 @@ def convert_worker(rank, world_size, *jobs):
         convert_in_process(*args)
 
 
+def train_worker(rank, world_size, *argvs):
+    """``tools/train.py``'s ``main`` of each argument list in turn, on every rank of a :func:`run_distributed`."""
+    from tools.train import main
+
+    for argv in argvs:
+        assert main([str(a) for a in argv]) == 0
+
+
 def pack_and_save_hf(out: Path, shared_data: Path, tokenizer_dir) -> dict:
     """Packed gsm8k rows (SmolLM2 tokenizer, 256 tokens) and a tiny HF Llama saved to ``out / "hf"``; ``imported``
     names the folder its import is to be written to (``out / "imported"``)."""
@@ -123,8 +131,8 @@ def hf_row_loss(model, row: dict) -> float:
 
 @pytest.mark.slow
 def test_first_loss_is_the_hf_models_and_resume_wins(setup):
-    full = setup["dir"] / "full"
-    run("tools/train.py", "--config", str(write_config(setup, "full")))
+    full = setup["dir"] / "full"          # read for its metrics only: tools/train.py's main in a 1-process spawn
+    run_distributed(train_worker, 1, ("--config", write_config(setup, "full"), "checkpoint.save_at_end=false"))
     summary, = records(full, "summary")
     assert summary["initialized_from"] == str(setup["imported"]) and summary["resumed_from"] is None
     train = {r["step"]: r for r in records(full, "train")}

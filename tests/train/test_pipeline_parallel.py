@@ -8,8 +8,9 @@ layer number and sliced for TP), runs one ``Trainer.train_step`` and returns its
 parameter's reduced gradient (``main_grad``, TP shards gathered, keyed by the global parameter name), compared with the
 one-process, no-pipeline step. ``optimizer.clip_grad`` 1e9 (inactive), so the gradients are the raw ones.
 
-Spawns: 2 processes (PP=2 fused and stock loss, PP=2 x VP=2 interleaved), 4 processes (PP=4, PP=2 x TP=2 with
-sequence parallelism, PP=2 x CP=2, and the isolation check at PP=4); the stop/resume and resharding checks run
+Spawns (each shared by the tests of its layouts): 2 processes (PP=2 fused and stock loss, PP=2 x VP=2 interleaved,
+PP=2 with full recompute), 4 processes (PP=4, PP=2 x TP=2 with sequence parallelism, PP=2 x CP=2, then the
+isolation check at PP=4), 2 processes for LoRA at PP=2; the stop/resume and resharding checks run
 ``tools/train.py`` (``tests/train/test_parallel_checkpoint.py``'s ``_train``).
 """
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import own_output_dir, parallel_state_1proc, run_distributed  # noqa: F401
-from test_parallel_checkpoint import _train, config  # noqa: F401 - fixture
+from test_parallel_checkpoint import NO_SAVE, _train, config  # noqa: F401 - fixture
 from test_parallel_parity import packed, setup  # noqa: F401 - fixtures
 
 from packsft.train.config import OptimizerConfig, load_config
@@ -143,47 +144,53 @@ def test_reference_is_sane(reference):
     assert len([k for k in reference["grads"] if k.endswith("self_attention.linear_qkv.weight")]) == 4
 
 
+RECOMPUTE = ("model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1")
+PP2_LAYOUTS = [(1, (PP2,)), (1, (PP2, "loss.fused_linear_cross_entropy=false")), (1, (PP2, VP2)),
+               (1, (PP2, *RECOMPUTE))]
+
+
+@pytest.fixture(scope="module")
+def pp2_steps(setup, reference):  # noqa: F811
+    """Per layout of ``PP2_LAYOUTS``, per rank: the step of one 2-process spawn from the reference's weights."""
+    config_path, paths = setup
+    per_layout = run_distributed(_layouts_worker, 2, config_path, paths, PP2_LAYOUTS, reference["weights"],
+                                 timeout_s=400)
+    return [[per_layout[r][i] for r in range(2)] for i in range(len(PP2_LAYOUTS))]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pp2_equals_single_process(setup, reference):  # noqa: F811
-    config_path, paths = setup
-    layouts = [(1, (PP2,)), (1, (PP2, "loss.fused_linear_cross_entropy=false")), (1, (PP2, VP2))]
-    per_layout = run_distributed(_layouts_worker, 2, config_path, paths, layouts, reference["weights"], timeout_s=400)
+def test_pp2_equals_single_process(pp2_steps, reference):
     stages = [[[(True, False, [0, 1])], [(False, True, [2, 3])]]] * 2 + [
         [[(True, False, [0]), (False, False, [2])], [(False, False, [1]), (False, True, [3])]]]   # interleaved
-    for i, (_, overrides) in enumerate(layouts):
-        per_rank = [per_layout[r][i] for r in range(2)]
+    for i, (_, overrides) in enumerate(PP2_LAYOUTS[:3]):
+        per_rank = pp2_steps[i]
         assert [r["stages"] for r in per_rank] == stages[i], overrides
         assert per_rank[0]["layout"]["pipeline_model_parallel_size"] == 2
         print(overrides, _compare(str(overrides), per_rank, reference))
 
 
-RECOMPUTE = ("model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1")
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pp2_with_full_recompute_equals_single_process(setup, reference):  # noqa: F811
+def test_pp2_with_full_recompute_equals_single_process(pp2_steps, reference):
     """PP=2 with full activation recompute (uniform, 1 layer per checkpoint): loss and gradients equal the
     one-process step without recompute (within 1e-6)."""
-    config_path, paths = setup
-    per_layout = run_distributed(_layouts_worker, 2, config_path, paths, [(1, (PP2, *RECOMPUTE))],
-                                 reference["weights"], timeout_s=400)
-    per_rank = [per_layout[r][0] for r in range(2)]
+    per_rank = pp2_steps[3]
     assert [r["stages"] for r in per_rank] == [[(True, False, [0, 1])], [(False, True, [2, 3])]]
     assert [r["recompute"] for r in per_rank] == [[("full", "uniform")]] * 2
     print("pp=2 full recompute", _compare("pp2 recompute", per_rank, reference))
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_pp4_pp2tp2_pp2cp2_equal_single_process(setup, reference):  # noqa: F811
-    config_path, paths = setup
-    layouts = [(1, ("parallel.pipeline_model_parallel_size=4",)),
+PP4_LAYOUTS = [(1, ("parallel.pipeline_model_parallel_size=4",)),
                (1, (PP2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")),
                (2, (PP2, "parallel.context_parallel_size=2"))]
-    per_layout = run_distributed(_layouts_worker, 4, config_path, paths, layouts, reference["weights"], timeout_s=700)
-    for i, (_, overrides) in enumerate(layouts):
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp4_pp2tp2_pp2cp2_equal_single_process(pp4_runs, reference):
+    per_layout = [r[0] for r in pp4_runs]
+    for i, (_, overrides) in enumerate(PP4_LAYOUTS):
         per_rank = [per_layout[r][i] for r in range(4)]
         if i == 0:      # one layer per stage; the middle stages have neither embedding nor output layer
             assert [r["stages"] for r in per_rank] == [[(True, False, [0])], [(False, False, [1])],
@@ -220,13 +227,28 @@ def _isolation_worker(rank, world_size, config_path, train_path):
             "init": init}
 
 
+def _pp4_worker(rank, world_size, config_path, train_paths, layouts, full):
+    """``_layouts_worker`` over ``layouts``, then ``_isolation_worker`` (4 processes)."""
+    from megatron.core import parallel_state
+
+    steps = _layouts_worker(rank, world_size, config_path, train_paths, layouts, full)
+    parallel_state.destroy_model_parallel()
+    return steps, _isolation_worker(rank, world_size, config_path, train_paths[1])
+
+
+@pytest.fixture(scope="module")
+def pp4_runs(setup, reference):  # noqa: F811
+    """Per rank of one 4-process spawn: the steps of ``PP4_LAYOUTS`` and the isolation check's logits."""
+    config_path, paths = setup
+    return run_distributed(_pp4_worker, 4, config_path, paths, PP4_LAYOUTS, reference["weights"], timeout_s=700)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pp4_middle_stages_keep_conversations_apart(setup):  # noqa: F811
+def test_pp4_middle_stages_keep_conversations_apart(pp4_runs):
     """PP=4 (two middle stages): changing one token of one conversation changes no logit of another conversation;
     the same check fails when the middle stages are run without the packed-sequence parameters."""
-    config_path, paths = setup
-    per_rank = run_distributed(_isolation_worker, 4, config_path, paths[1], timeout_s=400)
+    per_rank = [r[1] for r in pp4_runs]
     assert [r["logits"] == [] for r in per_rank] == [True, True, True, False]      # logits on the last stage only
     last = per_rank[3]
     cu, changed = last["cu"], last["changed"]
@@ -268,9 +290,9 @@ def test_pp2_checkpoint_resumes_bit_exact_at_pp2_and_at_pp1(tmp_path, config):  
     assert sorted(full["train"]) == sorted(full["val"]) == [1, 2, 3] and abs(full["train"][2] - full["train"][1]) > 1e-2
     assert full["summary"][0]["pipeline_model_parallel_size"] == 2 and full["summary"][0]["data_parallel_size"] == 1
     saved = tmp_path / "full" / "checkpoints" / "iter_0000001"
-    _train(config, tmp_path / "pp2", 2, *pp2, f"checkpoint.resume={saved}")
+    _train(config, tmp_path / "pp2", 2, *pp2, f"checkpoint.resume={saved}", NO_SAVE)
     pp1 = tuple(o for o in pp2 if "pipeline" not in o)
-    _train(config, tmp_path / "pp1", 1, *pp1, f"checkpoint.resume={saved}")
+    _train(config, tmp_path / "pp1", 1, *pp1, f"checkpoint.resume={saved}", NO_SAVE)
     again, resharded = _records(tmp_path / "pp2"), _records(tmp_path / "pp1")
     print("uninterrupted", full["train"], full["val"], "| resumed pp=2", again["train"], again["val"],
           "| resumed pp=1", resharded["train"], resharded["val"])
@@ -283,7 +305,7 @@ def test_pp2_checkpoint_resumes_bit_exact_at_pp2_and_at_pp1(tmp_path, config):  
     dist_opt = (*pp2[:3], "optimizer.use_distributed_optimizer=true")
     _train(config, tmp_path / "dist", 2, *dist_opt)
     _train(config, tmp_path / "dist_resumed", 2, *dist_opt,
-           f"checkpoint.resume={tmp_path / 'dist' / 'checkpoints' / 'iter_0000001'}")
+           f"checkpoint.resume={tmp_path / 'dist' / 'checkpoints' / 'iter_0000001'}", NO_SAVE)
     dist_full, dist_again = _records(tmp_path / "dist")["train"], _records(tmp_path / "dist_resumed")["train"]
     print("distributed optimizer pp=2", dist_full, "resumed", dist_again)
     assert abs(dist_full[1] - full["train"][1]) < 1e-6 and abs(dist_full[3] - full["train"][3]) < 1e-5

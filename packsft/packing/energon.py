@@ -23,6 +23,7 @@ from pathlib import Path
 from packsft.jsonl import ConversationError
 
 META = ".nv-meta"
+TEXT_ONLY = "packsft reads text only (image-text samples are not supported yet)"
 PAYLOAD = "json"
 """The member extension that holds a sample's JSON record."""
 
@@ -30,6 +31,11 @@ PAYLOAD = "json"
 def is_energon(path: str | Path) -> bool:
     """True for a folder prepared by ``energon prepare`` (it has ``.nv-meta/``)."""
     return (Path(path) / META).is_dir()
+
+
+def dataset_above(path: str | Path) -> Path | None:
+    """The Energon dataset folder that ``path`` (a shard, a shard folder, ``.nv-meta/``) lies inside, or None."""
+    return next((folder for folder in Path(path).absolute().parents if is_energon(folder)), None)
 
 
 def _epath(path: str | Path):
@@ -167,14 +173,14 @@ def _text_only_problem(record: object) -> tuple[str, str] | None:
     media = record.get("media")
     if media:
         count = f"{len(media)} item(s)" if isinstance(media, list) else repr(media)
-        return "media", f"the sample has media ({count}); the packer packs text only"
+        return "media", f"the sample has media ({count}); {TEXT_ONLY}"
     messages = record.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("text", None):
-                return f"messages[{i}].content[{j}]", f"a non-text part ({kind!r}); the packer packs text only"
+                return f"messages[{i}].content[{j}]", f"a non-text part ({kind!r}); {TEXT_ONLY}"
     return None
 
 

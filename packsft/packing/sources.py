@@ -113,9 +113,7 @@ def _dataset_dir(path: Path, split: str | None) -> Path:
             raise SourceError(f"{path}/dataset_dict.json: not a datasets DatasetDict index ({err})") from err
         path = path / _choose_split(path, "a DatasetDict", list(map(str, splits)), split)
     if not (path / "state.json").is_file():
-        raise SourceError(f"--input {path}: the metadata folder of an Energon dataset; give the dataset's folder, "
-                          f"--input {path.parent}" if path.name == energon.META else
-                          f"--input {path} is a folder without state.json or dataset_dict.json: not written by "
+        raise SourceError(f"--input {path} is a folder without state.json or dataset_dict.json: not written by "
                           "datasets' save_to_disk; pass JSONL, .parquet or .arrow files, a save_to_disk folder or an "
                           "Energon dataset folder")
     return path
@@ -182,13 +180,17 @@ def check_source(path: str | Path, split: str | None = None) -> None:
     """Check that ``path`` exists and can be read (the libraries a row source needs are importable).
 
     Raises:
-        SourceError: no such file (or a broken link), not a regular file (a pipe), a folder that is not a
-            ``save_to_disk`` folder, a ``DatasetDict`` folder without ``split`` (the message names its splits), the
-            ``packsft[datasets]`` extra missing, or an Energon dataset :func:`energon_split` refuses.
+        SourceError: no such file (or a broken link), not a regular file (a pipe), a part of an Energon dataset
+            (naming the dataset's folder), a folder that is not a ``save_to_disk`` folder, a ``DatasetDict`` folder
+            without ``split`` (the message names its splits), the ``packsft[datasets]`` extra missing, or an
+            Energon dataset :func:`energon_split` refuses.
     """
     p = Path(path)
     if is_energon(p):
         energon_split(p, split)
+    elif (p.is_dir() or p.suffix == ".tar") and (root := energon.dataset_above(p)) is not None:
+        raise SourceError(f"--input {path}: part of the Energon dataset {root}; give the dataset's folder, "
+                          f"--input {root}")
     elif p.is_dir():
         _dataset_dir(p, split)
         _import("datasets")
@@ -224,9 +226,8 @@ def _check_not_binary(path: Path) -> None:
     except OSError:
         return  # reading it reports the error with its line
     if head[257:262] == b"ustar":
-        fix = (f"a shard of the Energon dataset {path.parent}: give that folder" if is_energon(path.parent) else
-               f"to read WebDataset shards, prepare their folder with energon prepare {path.parent}, then give it")
-        raise SourceError(f"--input {path}: a tar archive, not JSONL text; {fix}")
+        raise SourceError(f"--input {path}: a tar archive, not JSONL text; to read WebDataset shards, prepare their "
+                          f"folder with energon prepare, then give that folder")
     for magic, kind, command in _MAGIC:
         if head.startswith(magic) and (magic != b"BZh" or head[3:4].isdigit()):
             fix = (f"decompress it first ({command} {path})" if command else

@@ -37,7 +37,7 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError, loads_line
 from packsft.layout import conversation_cost
-from packsft.packing.energon import META, PAYLOAD, check_text_only
+from packsft.packing.energon import META, PAYLOAD, check_text_only, dataset_above, is_energon
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -179,6 +179,13 @@ class EnergonTrainSource:
     def __init__(self, data, parallel) -> None:
         self.data, self.parallel = data, parallel
         self.path = str(Path(data.train_path).resolve())
+        if not is_energon(self.path):
+            root = dataset_above(self.path)
+            why = (f"part of the Energon dataset {root}; give the dataset's folder" if root else
+                   "no such file or folder" if not Path(self.path).exists() else
+                   "not an Energon dataset (no .nv-meta/ folder): give the folder energon prepare made, or train "
+                   ".jsonl.packed files with data.backend: packed")
+            raise ValueError(f"data.train_path: {self.path}: {why}")
         try:
             self.split = energon_split(self.path, data.split)
             self.identity = source_identity(self.path, self.split)
@@ -186,11 +193,13 @@ class EnergonTrainSource:
             text = str(err).replace("--split ", "data.split=").replace("--input ", "")
             raise ValueError(f"data.train_path: {text}") from None
         described = Path(self.path) / META / "dataset.yaml"
-        kind = (yaml.safe_load(described.read_text()) or {}).get("__class__") if described.is_file() else None
+        found = (yaml.safe_load(described.read_text()) or {}) if described.is_file() else {}
+        kind = found.get("__class__") or (found.get("sample_type") or {}).get("__class__")  # energon 7: nested
         if kind != "CrudeWebdataset":
-            kind = kind or "no sample type (no dataset.yaml)"
-            raise ValueError(f"data.train_path: {self.path} was prepared as {kind}; the trainer reads each sample's "
-                             "json member as it comes: prepare it with energon prepare --sample-type CrudeWebdataset")
+            kind = f"the sample type {kind}" if kind else "no sample type (no dataset.yaml)"
+            raise ValueError(f"data.train_path: {self.path} was prepared with {kind}; the trainer reads each "
+                             "sample's json member as it comes: prepare it again with energon prepare "
+                             f"{self.path} --sample-type CrudeWebdataset --force-overwrite")
         self.tokenizer = load_tokenizer(data.tokenizer)
         spec = TokenizationSpec(data.tokenizer, data.prompt_format, data.pad_token, data.chat_template)
         self.tokenization = Tokenization.of(self.tokenizer, spec.bind(self.tokenizer))

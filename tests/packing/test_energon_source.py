@@ -98,10 +98,10 @@ def test_energon_train_split_packs_the_rows_jsonl_gives(tmp_path, tokenizer_dir,
     where = [(r["input"], r["shard"], r["sample"], r["reason"]) for r in report.rejected]
     assert where == [
         (str(ds), "shard-000001.tar", "000004", ref_report.rejected[0]["reason"]),      # the JSONL parser's reason
-        (str(ds), "shard-000001.tar", "000005", "media: the sample has media (1 item(s)); the packer packs text "
-                                                "only"),
-        (str(ds), "shard-000001.tar", "000007", "messages[0].content[0]: a non-text part ('image_url'); the "
-                                                "packer packs text only")]
+        (str(ds), "shard-000001.tar", "000005", "media: the sample has media (1 item(s)); packsft reads text "
+                                                "only (image-text samples are not supported yet)"),
+        (str(ds), "shard-000001.tar", "000007", "messages[0].content[0]: a non-text part ('image_url'); "
+                                                "packsft reads text only (image-text samples are not supported yet)")]
     assert ref_report.rejected[0]["reason"].startswith("messages[1].role: unknown role 'bot'")
     assert f"rejected {ds}: shard-000001.tar: sample 000005: media: the sample has media" in report.summary()
     ident = read_sidecar(out)["input_identity"][str(ds)]
@@ -143,12 +143,16 @@ def test_a_shard_changed_since_prepare_or_a_part_given_for_the_folder_is_refused
     chats = _lines(shared_data / "chat" / "chitchat.messages.jsonl", 3)
     ds = _prepare(tmp_path / "ds", {"a.tar": [("k0", chats[0]), ("k1", chats[1])]}, ["train:a.tar"])
     check_source(ds)
-    for given, says in ((ds / "a.tar", f"a tar archive, not JSONL text; a shard of the Energon dataset {ds}: give "
-                                       "that folder"),
-                        (ds / ".nv-meta", f"the metadata folder of an Energon dataset; give the dataset's folder, "
-                                          f"--input {ds}")):
-        with pytest.raises(SourceError, match=f"--input {given}: {says}$"):
+    (ds / "shards").mkdir()
+    (ds / "shards" / "x.tar").write_bytes((ds / "a.tar").read_bytes())   # shards in a subfolder, as documented
+    for given in (ds / "a.tar", ds / ".nv-meta", ds / "shards", ds / "shards" / "x.tar"):
+        with pytest.raises(SourceError, match=f"^--input {given}: part of the Energon dataset {ds}; give the "
+                                              f"dataset's folder, --input {ds}$"):
             check_source(given)
+    loose = tmp_path / "loose.tar"                                     # a shard outside any dataset
+    loose.write_bytes((ds / "a.tar").read_bytes())
+    with pytest.raises(SourceError, match="a tar archive, not JSONL text; to read WebDataset shards, prepare"):
+        check_source(loose)
     data = json.dumps(chats[2]).encode()
     with tarfile.open(ds / "a.tar", "a") as tar:                   # a sample appended: energon would never read it
         info = tarfile.TarInfo("k2.json")

@@ -195,8 +195,20 @@ def test_config_refuses_what_the_energon_backend_does_not_read(tmp_path, energon
     typed = tmp_path / "typed"
     shutil.copytree(energon_data["few"], typed)
     (typed / ".nv-meta" / "dataset.yaml").write_text("__module__: megatron.energon\n__class__: TextWebdataset\n")
-    with pytest.raises(ValueError, match="prepared as TextWebdataset; .* --sample-type CrudeWebdataset"):
+    (typed / ".nv-meta" / "dataset.yaml").write_text("sample_type:\n  __module__: megatron.energon\n"
+                                                      "  __class__: TextSample\n")           # energon 7's layout
+    with pytest.raises(ValueError, match=f"^data.train_path: {typed} was prepared with the sample type TextSample; "
+                                         rf".* energon prepare {typed} --sample-type CrudeWebdataset "
+                                         "--force-overwrite$"):
         build_datasets(load_config(config, [f"data.train_path={typed}"]))
+    shard = next(energon_data["few"].glob("*.tar"))
+    (tmp_path / "rows.jsonl.packed").write_text("{}\n")
+    for given, why in ((shard, f"part of the Energon dataset {energon_data['few']}; give the dataset's folder"),
+                       (energon_data["few"] / ".nv-meta", "part of the Energon dataset"),
+                       (tmp_path / "missing", "no such file or folder"),
+                       (tmp_path / "rows.jsonl.packed", "not an Energon dataset .* with data.backend: packed")):
+        with pytest.raises(ValueError, match=f"^data.train_path: {given}: {why}"):
+            build_datasets(load_config(config, [f"data.train_path={given}"]))
 
 
 def test_without_the_extra_the_error_names_it(tmp_path, energon_data, monkeypatch):

@@ -20,6 +20,9 @@ from test_loop import REPO, assert_same_run, packed, train, write_config  # noqa
 
 COMMON = {"train": {"global_batch_size": 2, "train_steps": 60}, "checkpoint": {"save_interval": 2},
           "scheduler": {"warmup_steps": 2, "decay_style": "cosine"}, "optimizer": {"weight_decay": 0.1}}
+RESUMED_TO = 20
+"""``train.stop_at_step`` of the reference and the resumed runs: they keep COMMON's 60-step schedule and compare the
+steps up to it (a stopped run resumes with steps left only if the signal stopped it before)."""
 
 
 def _env(run_id):
@@ -68,11 +71,11 @@ def _wait_for(cond, proc, what, seconds=240):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, packed):  # noqa: F811
-    """The run the stopped ones must reproduce: 60 steps of COMMON over ``packed["many"]``, never stopped (and saved
-    only at the end: the checkpoints between change nothing of the run)."""
+    """The run the stopped ones must reproduce: COMMON over ``packed["many"]`` up to step RESUMED_TO, never stopped
+    before (and saved only there: the checkpoints between change nothing of the run)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     train(write_config(out / "full.yaml", packed, out / "run", **COMMON, data={"train_path": str(packed["many"])}),
-          "checkpoint.save_interval=0")
+          "checkpoint.save_interval=0", f"train.stop_at_step={RESUMED_TO}")
     return out / "run"
 
 
@@ -93,10 +96,11 @@ def test_sigterm_saves_exits_0_and_resumes_bit_exact(tmp_path, packed, parallel_
     assert proc.returncode == 0, out[-3000:]       # with workers, before: "DataLoader worker ... killed by signal"
     step = max(_train_steps(stopped))
     assert step < 60, "the run ended before the signal"
+    assert step < RESUMED_TO, f"stopped after step {step}: nothing left to resume up to step {RESUMED_TO}"
     assert f"stopped by SIGTERM after step {step}: checkpoint " in out
     assert (stopped / "checkpoints" / "latest").read_text().strip() == f"iter_{step:07d}"
-    train(cfg, "checkpoint.save_interval=0")    # checkpoint.resume=auto continues from `latest`
-    assert_same_run(uninterrupted, stopped, steps=60)
+    train(cfg, "checkpoint.save_interval=0", f"train.stop_at_step={RESUMED_TO}")   # resume=auto: from `latest`
+    assert_same_run(uninterrupted, stopped, steps=RESUMED_TO)
 
 
 def _torchrun(cfg: Path, run_id: str, launcher: str = "torch.distributed.run", *overrides: str) -> subprocess.Popen:
@@ -184,11 +188,12 @@ def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill, workers, 
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-    if kill == "sigterm_group":    # the stopped run resumes to the end (one stop stands for all: they save alike)
-        again = _torchrun(cfg, uuid.uuid4().hex, "torch.distributed.run", "checkpoint.save_interval=0")
+    if kill == "sigterm_group":    # the stopped run resumes and trains on (one stop stands for all: they save alike)
+        again = _torchrun(cfg, uuid.uuid4().hex, "torch.distributed.run", "checkpoint.save_interval=0",
+                          f"train.stop_at_step={RESUMED_TO}")
         text, _ = again.communicate(timeout=300)
         assert again.returncode == 0, text[-3000:]
-        assert _train_steps(out) == list(range(1, 61)) and "resumed_from" in text
+        assert _train_steps(out) == list(range(1, RESUMED_TO + 1)) and "resumed_from" in text
 
 
 GUARDED_FORK = """

@@ -57,25 +57,45 @@ MAX_SEQ_LEN = 1 << 24
 """Longest row packsft takes, in tokens (16,777,216): the packer's best-fit keeps one bucket per length."""
 
 
-def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1, sequence_parallel_size: int = 1) -> None:
+def data_parallel_size(world_size: int, tensor_model_parallel_size: int = 1, context_parallel_size: int = 1,
+                       pipeline_model_parallel_size: int = 1, parallel: str = "") -> int:
+    """``world_size / (TP x CP x PP)``: the one check of a job's world size against its model-parallel sizes.
+
+    Raises:
+        ValueError: ``world_size`` is not a multiple of ``TP x CP x PP``; ``parallel`` (e.g. ``"parallel."``)
+            prefixes the size names in the message.
+    """
+    sizes = {"tensor_model": tensor_model_parallel_size, "context": context_parallel_size,
+             "pipeline_model": pipeline_model_parallel_size}
+    model_parallel = math.prod(sizes.values())
+    if world_size % model_parallel:
+        named = " * ".join(f"{parallel}{k}_parallel_size ({v})" for k, v in sizes.items())
+        raise ValueError(f"WORLD_SIZE ({world_size}) must be a multiple of {named} (world = TP x CP x PP x DP)")
+    return world_size // model_parallel
+
+
+def check_max_seq_len(max_seq_len: int, context_parallel_size: int = 1, sequence_parallel_size: int = 1,
+                      name: str = "max_seq_len", parallel: str = "") -> None:
     """Raise ``ValueError`` unless both parallel sizes are >= 1 and ``max_seq_len`` is positive, at most
     :data:`MAX_SEQ_LEN` and a multiple of :func:`row_granularity`: the one check of the sizes every other function
-    here takes (the packer's ``PackConfig.validate`` and ``PackedSFTDataset`` call it where the sizes enter)."""
+    here takes (the packer's ``PackConfig.validate``, the trainer's config and ``PackedSFTDataset`` call it where
+    the sizes enter). ``name`` and ``parallel`` (a prefix such as ``"parallel."``) are the keys the message names."""
     if context_parallel_size < 1 or sequence_parallel_size < 1:
-        raise ValueError(f"context_parallel_size ({context_parallel_size}) and sequence_parallel_size "
+        raise ValueError(f"{parallel}context_parallel_size ({context_parallel_size}) and sequence_parallel_size "
                          f"({sequence_parallel_size}) must be >= 1")
     g = row_granularity(context_parallel_size, sequence_parallel_size)
     if max_seq_len <= 0:
-        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        raise ValueError(f"{name} must be positive, got {max_seq_len}")
     if max_seq_len > MAX_SEQ_LEN:
-        raise ValueError(f"max_seq_len ({max_seq_len}) is above packsft's limit of {MAX_SEQ_LEN:,} tokens a row")
+        raise ValueError(f"{name} ({max_seq_len}) is above packsft's limit of {MAX_SEQ_LEN:,} tokens a row")
     if max_seq_len % g:
+        cp, tp = f"{parallel}context_parallel_size", f"{parallel}tensor_model_parallel_size"
         if sequence_parallel_size == 1:
-            why, what = "2 * context_parallel_size", "equal context-parallel chunks"
+            why, what = f"2 * {cp}", "equal context-parallel chunks"
         else:
-            why = "lcm(2 * context_parallel_size, context_parallel_size * tensor_model_parallel_size)"
+            why = f"lcm(2 * {cp}, {cp} * {tp})"
             what = "equal context-parallel chunks and sequence-parallel shards"
-        raise ValueError(f"max_seq_len ({max_seq_len}) must be a multiple of {why} ({g}) so every row splits into "
+        raise ValueError(f"{name} ({max_seq_len}) must be a multiple of {why} ({g}) so every row splits into "
                          f"{what}")
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from packsft.layout import check_max_seq_len, row_granularity
+from packsft.layout import check_max_seq_len, data_parallel_size, row_granularity
 
 
 @pytest.mark.parametrize("cp, sp, expected", [(1, 1, 1), (2, 1, 4), (1, 2, 2), (1, 8, 8), (2, 2, 4), (2, 4, 8),
@@ -19,3 +19,11 @@ def test_sequence_parallel_needs_the_row_to_split_over_tp():
         check_max_seq_len(6, 2)
     with pytest.raises(ValueError, match="sequence_parallel_size"):
         check_max_seq_len(8, 1, 0)
+
+
+def test_world_size_must_be_a_multiple_of_the_model_parallel_sizes():
+    assert data_parallel_size(16, 4, 2, 1) == 2
+    assert data_parallel_size(8, pipeline_model_parallel_size=2) == 4
+    with pytest.raises(ValueError, match=r"^WORLD_SIZE \(12\) must be a multiple of parallel.tensor_model_parallel_"
+                       r"size \(4\) \* parallel.context_parallel_size \(2\) \* parallel.pipeline_model_parallel_size"):
+        data_parallel_size(12, 4, 2, 1, parallel="parallel.")

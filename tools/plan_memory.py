@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from packsft.config_rules import positive_int  # noqa: E402
 from packsft.layout import MAX_SEQ_LEN  # noqa: E402
 from packsft.train.compat import load_train_config  # noqa: E402
+from packsft.train.config import check_parallel_layout  # noqa: E402
 from packsft.train.memory import GiB, Layout, format_plan, layout_from_config, max_seq_len, plan  # noqa: E402
 
 UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         par = cfg.parallel
         world = args.world_size or (par.tensor_model_parallel_size * par.context_parallel_size
                                     * getattr(par, "pipeline_model_parallel_size", 1))
-        layout = layout_from_config(cfg, world)
+        layout = layout_from_config(cfg, check_parallel_layout(cfg, world))
         if args.sweep:
             print("\n".join(sweep(cfg.model, layout, world, sorted(args.seq_lens), gpu_bytes)))
             return 0

@@ -5,7 +5,7 @@ schema defaults, the YAML file and the overrides, then builds the dataclasses wi
 runs every section's ``__post_init__`` validation (``ModelConfig`` and ``DataLoaderConfig`` included) and finally the
 cross-section checks of :class:`Config`. A misspelt key, a wrong type or an invalid value raises ``ValueError``
 naming the dotted key and the value. Checks that need the world size (``global_batch_size`` vs data-parallel size)
-are in :func:`check_parallel_layout`, called by the trainer after ``init_distributed``.
+are in :func:`check_parallel_layout`, called by the trainer before ``init_distributed``.
 
 Resume and ``init_from`` compatibility (which keys may differ from a checkpoint's) is :mod:`packsft.train.compat`'s.
 
@@ -40,7 +40,7 @@ from packsft.config_rules import (
 )
 from packsft.data.loader import DataLoaderConfig
 from packsft.io import missing_file, read_json_object
-from packsft.layout import cp_granularity, row_granularity
+from packsft.layout import check_max_seq_len, data_parallel_size
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
 from packsft.model.lora import LoraConfig
 from packsft.train.config_sections import (
@@ -136,14 +136,8 @@ class Config:
         check_fields("", self)
         if self.data.backend == "energon":
             refuse_packed_loader_settings(self.loader)
-        cp, seq = self.parallel.context_parallel_size, self.data.max_seq_len
-        granularity = row_granularity(cp, self.parallel.sequence_parallel_size)
-        if seq % granularity:
-            tp = self.parallel.tensor_model_parallel_size
-            why = (f"2 * parallel.context_parallel_size ({granularity})" if self.parallel.sequence_parallel_size == 1
-                   else f"{granularity} with parallel.sequence_parallel: lcm(CP padding, CP x TP) = "
-                   f"lcm({cp_granularity(cp)}, {cp} x {tp}), the CP padding being 2 x CP when CP > 1, else 1")
-            raise ValueError(f"data.max_seq_len ({seq}) must be a multiple of {why}")
+        check_max_seq_len(self.data.max_seq_len, self.parallel.context_parallel_size,
+                          self.parallel.sequence_parallel_size, name="data.max_seq_len", parallel="parallel.")
         self.model.check_parallel_fit(self.parallel.tensor_model_parallel_size,
                                       self.parallel.pipeline_model_parallel_size,
                                       self.parallel.virtual_pipeline_model_parallel_size, prefix="parallel.")
@@ -265,11 +259,7 @@ def check_parallel_layout(cfg: Config, world_size: int) -> int:
     """
     par = cfg.parallel
     tp, cp, pp = par.tensor_model_parallel_size, par.context_parallel_size, par.pipeline_model_parallel_size
-    if world_size % (tp * cp * pp):
-        raise ValueError(f"WORLD_SIZE ({world_size}) must be a multiple of parallel.tensor_model_parallel_size "
-                         f"({tp}) * parallel.context_parallel_size ({cp}) * "
-                         f"parallel.pipeline_model_parallel_size ({pp}) (world = TP x CP x PP x DP)")
-    dp = world_size // (tp * cp * pp)
+    dp = data_parallel_size(world_size, tp, cp, pp, parallel="parallel.")
     per_step = cfg.loader.micro_batch_size * dp
     if cfg.train.global_batch_size % per_step:
         raise ValueError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from packsft.layout import data_parallel_size
 from packsft.model.cpu_compat import apply_cpu_workarounds
 
 
@@ -119,11 +120,8 @@ def init_distributed(tensor_model_parallel_size: int = 1, context_parallel_size:
             raise ValueError(f"parallel_state is already initialised with (tp, cp, pp, vp) = {have}, "
                              f"not {want}; call destroy_distributed() first")
     world_size = dist.get_world_size()
-    model_parallel = tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
-    if world_size % model_parallel:
-        raise ValueError(f"WORLD_SIZE ({world_size}) must be a multiple of tensor_model_parallel_size "
-                         f"({tensor_model_parallel_size}) * context_parallel_size ({context_parallel_size}) * "
-                         f"pipeline_model_parallel_size ({pipeline_model_parallel_size})")
+    data_parallel_size(world_size, tensor_model_parallel_size, context_parallel_size,
+                       pipeline_model_parallel_size)
     apply_cpu_workarounds()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

@@ -46,6 +46,7 @@ clipping, Adam on fp32 master weights, copy / all-gather back to the model).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -131,12 +132,12 @@ class Trainer:
         check_output_dir(cfg.logging.output_dir)
         refusal = run_lock.take_run_lock(cfg.logging.output_dir)    # rank 0, before anything in the folder is read
         par = cfg.parallel
+        check_parallel_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before init: the message names keys
         self.ctx = init_distributed(par.tensor_model_parallel_size, par.context_parallel_size, par.backend,
                                     seed=cfg.train.seed, pipeline_model_parallel_size=par.pipeline_model_parallel_size,
                                     virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size)
         run_lock.refuse_on_every_rank(refusal)                      # another trainer holds the folder: all ranks exit
         ckpt_files.check_fresh_start(cfg.checkpoint.resume, cfg.logging.output_dir, cfg.checkpoint_dir)
-        check_parallel_layout(cfg, self.ctx.world_size)
         dp = self.ctx.data_parallel_size
         self.micro_batches = cfg.train.global_batch_size // (cfg.loader.micro_batch_size * dp)
         if cfg.train.autocast_dtype and not torch.cuda.is_available():

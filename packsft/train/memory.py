@@ -178,25 +178,20 @@ def max_seq_len(model: ModelConfig, layout: Layout, gpu_bytes: float) -> int:
     return max(0, int(longest) // step * step)
 
 
-def layout_from_config(cfg, world_size: int) -> Layout:
-    """The :class:`Layout` of a training :class:`~packsft.train.config.Config` on ``world_size`` GPUs.
+def layout_from_config(cfg, data_parallel_size: int) -> Layout:
+    """The :class:`Layout` of a training :class:`~packsft.train.config.Config` at ``data_parallel_size`` (from
+    :func:`~packsft.train.config.check_parallel_layout`, which checks the config against the world size).
 
     Keys: ``parallel.tensor_model_parallel_size``, ``context_parallel_size``, ``pipeline_model_parallel_size``,
     ``sequence_parallel``; ``optimizer.use_distributed_optimizer``; ``train.bf16``,
     ``autocast_dtype``; ``model.recompute_granularity``, ``recompute_num_layers``, ``attention_backend``;
     ``loss.fused_linear_cross_entropy``, ``chunk_size``; ``loader.micro_batch_size``. Keys a config does not
     have take their defaults.
-
-    Raises:
-        ValueError: ``world_size`` not a multiple of ``TP x CP x PP``.
     """
     par, opt, train = cfg.parallel, cfg.optimizer, cfg.train
     tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
-    pp = getattr(par, "pipeline_model_parallel_size", 1)
-    if world_size % (tp * cp * pp):
-        raise ValueError(f"world size {world_size} is not a multiple of TP x CP x PP = {tp * cp * pp}")
     return Layout(
-        tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp),
+        tp=tp, cp=cp, pp=getattr(par, "pipeline_model_parallel_size", 1), dp=data_parallel_size,
         distributed_optimizer=bool(getattr(opt, "use_distributed_optimizer", False)),
         bf16=bool(getattr(train, "bf16", False)),
         autocast=train.autocast_dtype is not None,

@@ -1,4 +1,5 @@
-"""HF conversion under tensor parallelism (2 gloo processes): import shards, export gathers, TP2 -> TP1 via the CLI."""
+"""HF conversion under tensor parallelism (2 gloo processes): import shards, export gathers, TP2 -> TP1 via the CLI
+(the import under ``torchrun``, the export in this process)."""
 
 import os
 import subprocess
@@ -7,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import run_distributed
+from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 from test_hf_io import LENGTHS, VOCAB, hf_model, megatron_logits
+from test_init_from import convert_in_process
 from transformers import AutoModelForCausalLM
 
 from packsft.data.context_parallel import make_packed_seq_params
@@ -64,15 +66,15 @@ def _run(*args):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_cli_import_tp2_then_export_tp1_is_exact(tmp_path, tokenizer_dir):
+def test_cli_import_tp2_then_export_tp1_is_exact(tmp_path, tokenizer_dir, parallel_state_1proc):  # noqa: F811
     original = hf_model("mistral", seed=12, vocab_size=49152)   # export refuses a tokenizer larger than the model
     original.save_pretrained(tmp_path / "src")
     tool = str(REPO_ROOT / "tools" / "convert_checkpoint.py")
     _run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", tool, "import",
          "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "mcore"))
     assert {"model_config.json", "hf_config.json", ".metadata"} <= {p.name for p in (tmp_path / "mcore").iterdir()}
-    _run(tool, "export", "--megatron", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"),
-         "--tokenizer", str(tokenizer_dir("smollm2-135m-instruct")))
+    convert_in_process("export", "--megatron", tmp_path / "mcore", "--out", tmp_path / "hf",
+                       "--tokenizer", tokenizer_dir("smollm2-135m-instruct"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert type(exported).__name__ == "MistralForCausalLM"
     assert exported.config.sliding_window == original.config.sliding_window

@@ -244,3 +244,9 @@ def test_a_checkpoint_refuses_another_optimizer_state_format():
     check_recorded_optimizer(now.optimizer, recorded, "ck", now.parallel)   # same TP and PP (any DP): resumes
     plain = load_config(TINY, megatron[:1])   # Megatron's optimizer without sharding: resharded on load
     check_recorded_optimizer(plain.optimizer, {**tp2, "optimizer": {"backend": "megatron"}}, "ck", plain.parallel)
+
+
+def test_max_seq_len_that_does_not_split_over_cp_names_the_config_keys():
+    with pytest.raises(ValueError, match=r"data.max_seq_len \(258\) must be a multiple of 2 \* "
+                                         r"parallel.context_parallel_size \(4\)"):
+        load_config(TINY, ["parallel.context_parallel_size=2", "data.max_seq_len=258"])

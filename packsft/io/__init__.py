@@ -5,6 +5,7 @@ from packsft.io.files import (
     HashingWriter,
     atomic_dir,
     atomic_open,
+    check_writable_dir,
     exchange_paths,
     file_blake2b,
     foreign_entries,
@@ -16,7 +17,6 @@ from packsft.io.files import (
     replace_dir,
     stale_temps,
     temp_path,
-    unwritable_dir_reason,
     write_json_atomic,
 )
 from packsft.io.journal import (
@@ -30,8 +30,8 @@ from packsft.io.journal import (
 )
 
 __all__ = [
-    "JOURNAL_FORMAT", "FileLock", "HashingWriter", "atomic_dir", "atomic_open", "complete_publish", "exchange_paths",
-    "file_blake2b", "finish_interrupted_publish", "foreign_entries", "fsync_dir", "fsync_tree", "journal_path",
-    "lock_path", "missing_file", "os_error_text", "publish_files", "read_json_object", "replace_dir", "stale_temps",
-    "temp_path", "unwritable_dir_reason", "write_json_atomic",
+    "JOURNAL_FORMAT", "FileLock", "HashingWriter", "atomic_dir", "atomic_open", "check_writable_dir",
+    "complete_publish", "exchange_paths", "file_blake2b", "finish_interrupted_publish", "foreign_entries",
+    "fsync_dir", "fsync_tree", "journal_path", "lock_path", "missing_file", "os_error_text", "publish_files",
+    "read_json_object", "replace_dir", "stale_temps", "temp_path", "write_json_atomic",
 ]

@@ -197,9 +197,13 @@ def os_error_text(err: OSError) -> str:
     return f"{files}: {err.strerror or err}"
 
 
-def unwritable_dir_reason(folder: str | Path) -> str | None:
-    """Create ``folder`` if needed and write and remove a probe file in it; ``None`` when that works, else why not
-    (``"<path> is a file, not a folder"`` for a file in its path, or the OS error's text)."""
+def check_writable_dir(folder: str | Path, name: str, error: type[Exception] = ValueError, hint: str = "") -> None:
+    """Create ``folder`` if needed and write and remove a probe file in it.
+
+    Raises:
+        ``error``: ``"{name} {folder} is not writable ({reason}){hint}"``, the reason being ``"<path> is a file, not
+        a folder"`` for a file in its path, else the OS error's text.
+    """
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -208,8 +212,8 @@ def unwritable_dir_reason(folder: str | Path) -> str | None:
         os.unlink(probe)
     except OSError as err:
         blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-        return f"{blocker} is a file, not a folder" if blocker else err.strerror or str(err)
-    return None
+        reason = f"{blocker} is a file, not a folder" if blocker else err.strerror or str(err)
+        raise error(f"{name} {folder} is not writable ({reason}){hint}") from None
 
 
 def temp_path(path: str | Path) -> Path:

@@ -8,13 +8,13 @@ import argparse
 import json
 import os
 import stat
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from packsft.config_rules import Exclusive, Needs, Rule, check_fields, ge, one_of, positive_int, rules
+from packsft.io import check_writable_dir
 from packsft.jsonl import NON_FINITE, NonFiniteNumber, loads_strict
 from packsft.layout import check_max_seq_len
 from packsft.packing.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
@@ -307,15 +307,8 @@ def check_writable(paths: dict[str, str]) -> None:
         if folder in seen:
             continue
         seen.add(folder)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError as e:
-            flag = {"rows": "--output", "report": "--report", "histogram": "--histogram"}.get(name, "--output")
-            blocking = next((p for p in (folder, *folder.parents) if p.exists()), folder)
-            reason = f"{blocking} is a file, not a folder" if not blocking.is_dir() else e.strerror or e
-            raise PackError(f"{flag} {path}: cannot write in {folder}: {reason}") from e
+        flag = {"rows": "--output", "report": "--report", "histogram": "--histogram"}.get(name, "--output")
+        check_writable_dir(folder, f"{flag} {path}: its folder", PackError)
 
 
 _OUTPUT_NAMES = {"rows": "--output", "sidecar": "sidecar", "report": "--report", "histogram": "--histogram",

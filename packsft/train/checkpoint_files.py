@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from packsft.io import atomic_open, replace_dir, unwritable_dir_reason
+from packsft.io import atomic_open, check_writable_dir, replace_dir
 
 
 class CheckpointError(ValueError):
@@ -74,10 +74,8 @@ def check_checkpoint_dir(ckpt_dir: str | Path, need_bytes: int) -> None:
             message gives both sizes).
     """
     ckpt_dir = Path(ckpt_dir)
-    reason = unwritable_dir_reason(ckpt_dir)            # a file in its path: e.g. logging.output_dir naming a file
-    if reason is not None:
-        raise CheckpointDirError(f"checkpoint.dir {ckpt_dir} is not writable ({reason}); set "
-                                 "checkpoint.dir to a writable folder (checked before step 1)")
+    check_writable_dir(ckpt_dir, "checkpoint.dir", CheckpointDirError,
+                       hint="; set checkpoint.dir to a writable folder (checked before step 1)")
     free = shutil.disk_usage(ckpt_dir).free
     if free < need_bytes:
         raise CheckpointDirError(

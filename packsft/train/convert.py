@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from packsft.io import foreign_entries, read_json_object, unwritable_dir_reason
+from packsft.io import check_writable_dir, foreign_entries, read_json_object
 from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig, config_from_dict, read_model_config
 from packsft.model.gpt import build_gpt_model
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf
@@ -198,10 +198,8 @@ def run(args: argparse.Namespace) -> int:
     refuse_out_over_inputs(args)
     refuse_foreign_out(args)
     for flag, out in (("--out", args.out), ("--lora-adapter", getattr(args, "lora_adapter", None))):
-        beside = Path(out or ".").resolve().parent        # the new folder is written beside the output
-        reason = out and unwritable_dir_reason(beside)
-        if reason:
-            raise ValueError(f"{flag} {out}: its folder {beside} cannot be written ({reason})")
+        if out:                                           # the new folder is written beside the output
+            check_writable_dir(Path(out).resolve().parent, f"{flag} {out}: its folder")
     pp = args.pipeline_model_parallel_size
     tp = args.tensor_model_parallel_size or max(1, int(os.environ.get("WORLD_SIZE", 1)) // pp)
     ctx = init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -63,7 +63,7 @@ from packsft.data.loader import (
     class_path,
 )
 from packsft.data.mixing import MixedDataset, WeightedMixingSampler, mean_trained_tokens, normalize_weights
-from packsft.io import unwritable_dir_reason
+from packsft.io import check_writable_dir
 from packsft.loss import global_num_trained_conversations, global_num_trained_tokens
 from packsft.model.attention import describe_attention
 from packsft.model.compile import compile_transformer_layers
@@ -105,20 +105,6 @@ def _nothing_to_train(step: int, stop_at_step: int | None, train_steps: int) -> 
             "(raise train.train_steps to train on)")
 
 
-def check_output_dir(output_dir: str | Path) -> None:
-    """Create ``logging.output_dir`` if needed and write and remove a probe file in it (first thing at start, on
-    every rank: each writes checkpoint files under it).
-
-    Raises:
-        ValueError: the folder cannot be created or written (read-only, no permission, a file in its path), naming
-            it and the reason.
-    """
-    reason = unwritable_dir_reason(output_dir)
-    if reason is not None:
-        raise ValueError(f"logging.output_dir {output_dir} is not writable ({reason}); set logging.output_dir to a "
-                         "writable folder")
-
-
 class Trainer:
     """Everything one training process holds; build with a validated config, then :meth:`run`.
 
@@ -129,7 +115,8 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        check_output_dir(cfg.logging.output_dir)
+        check_writable_dir(cfg.logging.output_dir, "logging.output_dir",   # every rank writes checkpoint files
+                           hint="; set logging.output_dir to a writable folder")
         refusal = run_lock.take_run_lock(cfg.logging.output_dir)    # rank 0, before anything in the folder is read
         par = cfg.parallel
         check_parallel_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before init: the message names keys

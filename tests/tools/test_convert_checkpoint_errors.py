@@ -109,7 +109,7 @@ def test_an_out_that_cannot_be_written_is_named_before_any_work(tmp_path, capsys
     tool = _convert_tool()
     assert tool.main(["export", "--megatron", str(tmp_path / "mg"), "--out", str(tmp_path / "file" / "hf")]) == 2
     assert capsys.readouterr().err.strip() == (f"error: --out {tmp_path / 'file' / 'hf'}: its folder "
-                                               f"{tmp_path / 'file'} cannot be written ({tmp_path / 'file'} is a "
+                                               f"{tmp_path / 'file'} is not writable ({tmp_path / 'file'} is a "
                                                "file, not a folder)")
 
 

@@ -154,7 +154,8 @@ def test_pack_output_in_a_folder_that_cannot_be_written(tmp_path, tokenizer_dir)
                              (["--output", rows, "--report", blocker / "r.json"], "--report", blocker / "r.json")):
         rc, err = run_tool(TOOLS / "pack_megatron_sft_jsonl.py", "--input", src, *flags, "--max-seq-length", "256",
                            "--tokenizer", tokenizer_dir("smollm2-135m-instruct"), "--no-progress")
-        assert_user_error(rc, err, f"{flag} {bad}: cannot write in {bad.parent}: {blocker} is a file, not a folder")
+        assert_user_error(rc, err, f"{flag} {bad}: its folder {bad.parent} is not writable ({blocker} is a file, "
+                                   "not a folder)")
     assert not rows.exists()
 
 

@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "packsft"
 BASE = {"packsft", "conversation", "jsonl", "tokenizer", "io", "layout", "process_groups", "record_formats",
-        "token_cache", "config_rules"}
+        "token_cache", "config_rules", "extras"}
 ALLOWED = {
     "base": BASE,
     "prompt_formats": BASE | {"prompt_formats"},

@@ -19,6 +19,7 @@ https://docs.ray.io/en/latest/cluster/vms/user-guides/community/slurm.html (a cl
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 import packsft
+from packsft.extras import import_extra
 from packsft.io import HashingWriter
 from packsft.packing.config import PackConfig, PackError
 from packsft.packing.merge import Counted
@@ -45,12 +47,8 @@ _PART_ROWS_MIN = 256
 
 
 def _import_ray():
-    try:
-        import ray
-        import ray.data  # noqa: F401 (the extra's Ray Data)
-    except ImportError as e:
-        raise ValueError("--engine ray needs Ray Data: pip install 'packsft[ray]' (ray[data])") from e
-    return ray
+    import_extra("ray.data", "ray", "--engine ray", ValueError)
+    return importlib.import_module("ray")
 
 
 @contextlib.contextmanager

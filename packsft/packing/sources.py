@@ -40,14 +40,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from packsft.extras import import_extra
 from packsft.io import file_blake2b
 from packsft.jsonl import iter_jsonl_lines_sized
 from packsft.packing import energon
 from packsft.packing.energon import is_energon
 
 ROW_SUFFIXES = (".parquet", ".arrow")
-EXTRA = "packsft[datasets]"
-ENERGON_EXTRA = "packsft[energon]"
 _ROWS_PER_BATCH = 64
 
 
@@ -90,14 +89,10 @@ def count_word(paths: list[str]) -> str:
 
 
 def _import(module: str):
-    for_energon = module.startswith("megatron.energon")
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as err:
-        what, extra, pkgs = (("Energon datasets", ENERGON_EXTRA, "megatron-energon") if for_energon else
-                             ("Parquet/Arrow files and datasets.save_to_disk folders", EXTRA, "datasets pyarrow"))
-        raise SourceError(f"reading {what} needs the {extra} extra: pip install '{extra}' (or pip install {pkgs}); "
-                          f"import {module} failed: {err}") from err
+    if module.startswith("megatron.energon"):
+        return import_extra(module, "energon", "reading Energon datasets", SourceError)
+    return import_extra(module, "datasets", "reading Parquet/Arrow files and datasets.save_to_disk folders",
+                        SourceError)
 
 
 def _dataset_dir(path: Path, split: str | None) -> Path:

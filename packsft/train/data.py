@@ -18,6 +18,7 @@ from packsft.data.context_parallel import make_packed_seq_params, slice_batch_fo
 from packsft.data.dataset import PackedSFTDataset
 from packsft.data.loader import load_loader_state_dict, loader_state_dict
 from packsft.data.mixing import MixedDataset
+from packsft.extras import import_extra
 from packsft.layout import IGNORE_INDEX, TOKEN_KEYS, cp_partition_indices
 from packsft.loss import conversation_weights
 from packsft.prompt_formats import TokenizationSpec
@@ -139,11 +140,7 @@ def energon_loader_module():
     Raises:
         ImportError: megatron-energon is not installed, naming the ``packsft[energon]`` extra.
     """
-    try:
-        import megatron.energon  # noqa: F401
-    except ImportError as err:
-        raise ImportError("data.backend: energon needs the packsft[energon] extra: pip install 'packsft[energon]' "
-                          f"(or pip install megatron-energon); import megatron.energon failed: {err}") from err
+    import_extra("megatron.energon", "energon", "data.backend: energon")
     from packsft.train import energon_loader
 
     return energon_loader

@@ -19,13 +19,32 @@ from packsft.io import stale_temps
 from packsft.packing import cli
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack
+from packsft.prompt_formats import spec
 from packsft.sidecar import SidecarError, cache_settings_blake2b, read_sidecar, sidecar_path, write_sidecar
 from packsft.token_cache import HEADER, TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer
 
 TOK = "smollm2-135m-instruct"
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
-load_cached = functools.lru_cache(load_tokenizer)
+
+
+@functools.lru_cache
+def _load(path: str):
+    return load_tokenizer(path)
+
+
+def load_cached(path):
+    """``load_tokenizer(path)``, loaded once per path (``str`` or ``Path``) in this process."""
+    return _load(str(path))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _packer_loads_each_tokenizer_once():
+    """The packer's ``load_tokenizer`` is :func:`load_cached` in this module (a test that edits a tokenizer folder
+    after packing loads it with ``load_tokenizer`` itself)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spec, "load_tokenizer", load_cached)
+        yield
 
 
 def _chats(path: Path, n: int = 24, long_every: int = 0) -> Path:
@@ -342,37 +361,38 @@ def test_targets_as_runs_give_the_same_bytes_and_counts():
             assert targets_of_runs(tokens[:k], head) == targets[:k]
 
 
-@pytest.mark.parametrize("fmt", ["passthrough", "chat-template"])
-def test_a_tokenizer_with_another_eos_is_refused_not_served_the_packed_ids(tmp_path, tokenizer_dir, fmt):
-    """The same tokenizer.json with another EOS in tokenizer_config.json (Llama-3 base vs instruct, say) has the same
-    fingerprint, but appends (passthrough's EOS) or renders (a template's ``eos_token``) another id: the cache holds
-    the packed EOS, re-tokenizing gives the new one. The sidecar records the special tokens and refuses it."""
-    tok = tmp_path / "tok"
+@pytest.fixture(scope="module")
+def another_eos(tmp_path_factory, tokenizer_dir):
+    """Qwen2.5's tokenizer.json with another EOS (``<|file_sep|>``) in its tokenizer_config.json, loaded."""
+    tok = tmp_path_factory.mktemp("another_eos") / "tok"
     shutil.copytree(tokenizer_dir("qwen2.5"), tok)
-    src, out = _chats(tmp_path / "c.jsonl", 8), tmp_path / "x.jsonl.packed"
-    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-    kw = {"chat_template": template} if fmt == "chat-template" else {}
-    _pack(src, out, tok, 256, fmt=fmt, **kw)
     config = json.loads((tok / "tokenizer_config.json").read_text())
     config["eos_token"] = "<|file_sep|>"
     (tok / "tokenizer_config.json").write_text(json.dumps(config))
     other = load_tokenizer(tok)
     assert other.eos_token == "<|file_sep|>"
+    return other
+
+
+@pytest.mark.parametrize("fmt", ["passthrough", "chat-template"])
+def test_a_tokenizer_with_another_eos_is_refused_not_served_the_packed_ids(tmp_path, tokenizer_dir, another_eos, fmt):
+    """The same tokenizer.json with another EOS in tokenizer_config.json (Llama-3 base vs instruct, say) has the same
+    fingerprint, but appends (passthrough's EOS) or renders (a template's ``eos_token``) another id: the cache holds
+    the packed EOS, re-tokenizing gives the new one. The sidecar records the special tokens and refuses it."""
+    src, out = _chats(tmp_path / "c.jsonl", 8), tmp_path / "x.jsonl.packed"
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    kw = {"chat_template": template} if fmt == "chat-template" else {}
+    _pack(src, out, tokenizer_dir("qwen2.5"), 256, fmt=fmt, **kw)
     with pytest.raises(SidecarError, match=r"(?s)special_tokens.*<\|im_end\|>.*<\|file_sep\|>"):
-        PackedSFTDataset(out, other, fmt, 256, chat_template=kw.get("chat_template"))
+        PackedSFTDataset(out, another_eos, fmt, 256, chat_template=kw.get("chat_template"))
 
 
-def test_another_eos_is_accepted_where_the_ids_cannot_depend_on_it(tmp_path, tokenizer_dir):
+def test_another_eos_is_accepted_where_the_ids_cannot_depend_on_it(tmp_path, tokenizer_dir, another_eos):
     """Qwen2.5's own template writes ``<|im_end|>`` itself (no ``eos_token``, no appended EOS): a tokenizer with
     another EOS gives the same ids, so the file loads, cache and re-tokenizing alike."""
-    tok = tmp_path / "tok"
-    shutil.copytree(tokenizer_dir("qwen2.5"), tok)
     src, out = _chats(tmp_path / "c.jsonl", 8), tmp_path / "x.jsonl.packed"
-    _pack(src, out, tok, 256, fmt="chat-template")
+    _pack(src, out, tokenizer_dir("qwen2.5"), 256, fmt="chat-template")
     assert "special_tokens" not in read_sidecar(out)
-    config = json.loads((tok / "tokenizer_config.json").read_text())
-    config["eos_token"] = "<|file_sep|>"
-    (tok / "tokenizer_config.json").write_text(json.dumps(config))
-    cached, fresh = (PackedSFTDataset(out, load_tokenizer(tok), "chat-template", 256, use_token_cache=use)
+    cached, fresh = (PackedSFTDataset(out, another_eos, "chat-template", 256, use_token_cache=use)
                      for use in (True, False))
     assert all(torch.equal(cached[i]["tokens"], fresh[i]["tokens"]) for i in range(len(cached)))

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from test_dataset import load_cached  # each tokenizer loaded once per process
 
 from packsft.conversation import parse_record
 from packsft.prompt_formats import (
@@ -28,12 +29,12 @@ CONV = [
 
 @pytest.fixture(scope="module")
 def nemo(tokenizer_dir):
-    return load_tokenizer(tokenizer_dir("nemotron-h-layout-tekken"))
+    return load_cached(tokenizer_dir("nemotron-h-layout-tekken"))
 
 
 @pytest.fixture(scope="module")
 def qwen(tokenizer_dir):
-    return load_tokenizer(tokenizer_dir("qwen2.5"))
+    return load_cached(tokenizer_dir("qwen2.5"))
 
 
 def _trained_text(tok, tokens, targets):
@@ -114,7 +115,7 @@ def test_passthrough_refuses_a_tool_call_turn_it_would_train_as_an_empty_reply(q
 
 
 def test_what_a_format_does_not_render_is_named(qwen, nemo, tokenizer_dir):
-    smol = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    smol = load_cached(tokenizer_dir("smollm2-135m-instruct"))
     call = {"role": "assistant", "content": "Calling f.",
             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     msgs = [CONV[0], CONV[1], call, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "ok"}]
@@ -179,7 +180,7 @@ def test_chat_template_counts_equal_a_fresh_apply_chat_template(qwen, shared_dat
 
 
 def test_chat_template_that_moves_the_system_prompt_is_handled(tokenizer_dir):
-    tok = load_tokenizer(tokenizer_dir("mistral-nemo"))
+    tok = load_cached(tokenizer_dir("mistral-nemo"))
     fmt = get_prompt_format("chat-template", tok)
     tokens, targets = tokenize_conversation(CONV, Tokenization.of(tok, fmt))
     assert _trained_text(tok, tokens, targets) == " Hello! </s>4</s>"
@@ -189,7 +190,7 @@ def test_chat_template_that_moves_the_system_prompt_is_handled(tokenizer_dir):
 def test_a_reply_starting_with_a_private_use_character_is_trained_whole(tokenizer_dir, reply):
     """Such a content takes the per-turn path, whose probe turn was U+E000: a reply starting with it lost that
     character to the prompt (and a reply of only it trained nothing, not even the end of turn)."""
-    tok = load_tokenizer(tokenizer_dir("mistral-nemo"))
+    tok = load_cached(tokenizer_dir("mistral-nemo"))
     fmt = get_prompt_format("chat-template", tok)
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "q"},
             {"role": "assistant", "content": reply}]
@@ -198,7 +199,7 @@ def test_a_reply_starting_with_a_private_use_character_is_trained_whole(tokenize
 
 def test_chat_template_text_that_merges_across_turns_is_encoded_per_part(tokenizer_dir):
     """A template that glues turns together: each part is encoded alone, no rejection (was an error)."""
-    tok = load_tokenizer(tokenizer_dir("gpt2"))
+    tok = load_cached(tokenizer_dir("gpt2"))
     fmt = get_prompt_format("chat-template", tok, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}",
                             pad_token="!")
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "hel"},
@@ -213,7 +214,7 @@ def test_chat_template_text_that_merges_across_turns_is_encoded_per_part(tokeniz
 def test_preset_token_crossing_a_boundary_names_the_message_and_both_sides(monkeypatch, tokenizer_dir):
     import packsft.prompt_formats.megatron as pf
 
-    tok = load_tokenizer(tokenizer_dir("gpt2"))
+    tok = load_cached(tokenizer_dir("gpt2"))
     fmt = get_prompt_format("nemotron-h-aligned", tok, pad_token="!")
     monkeypatch.setattr(pf, "_nemotron_segments", lambda messages, name: [
         pf.Segment("A: hel", 1, False), pf.Segment("lo world", 2, True), pf.Segment(" bye", 3, False)])
@@ -227,7 +228,7 @@ def test_preset_token_crossing_a_boundary_names_the_message_and_both_sides(monke
 
 
 def test_template_failure_is_a_clear_error(tokenizer_dir):
-    tok = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    tok = load_cached(tokenizer_dir("smollm2-135m-instruct"))
     strict = ("{% for m in messages %}{% if m.role == 'user' and loop.index0 > 1 %}"
               "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}")
     fmt = get_prompt_format("chat-template", tok, chat_template=strict)
@@ -238,7 +239,7 @@ def test_template_failure_is_a_clear_error(tokenizer_dir):
 
 
 def test_pad_token_rules(tokenizer_dir, nemo):
-    smol = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    smol = load_cached(tokenizer_dir("smollm2-135m-instruct"))
     # SmolLM2's own pad is EOS: the chat-template default falls back to its unk token
     assert get_prompt_format("chat-template", smol).pad_token == "<|endoftext|>"
     with pytest.raises(ValueError, match="equals the EOS token"):
@@ -252,7 +253,7 @@ def test_pad_token_rules(tokenizer_dir, nemo):
 
 
 def test_custom_template_file_and_missing_template(tmp_path, tokenizer_dir):
-    tok = load_tokenizer(tokenizer_dir("gpt2"))
+    tok = load_cached(tokenizer_dir("gpt2"))
     with pytest.raises(ValueError, match="no chat template"):
         get_prompt_format("chat-template", tok, pad_token="!")
     f = tmp_path / "t.jinja"
@@ -303,7 +304,7 @@ def test_marker_fast_path_equals_turn_by_turn_rendering(monkeypatch, tokenizer_d
     """The one-render marker path gives exactly the spans of the per-turn generation-prompt rendering."""
     import packsft.prompt_formats.chat_template as pf
 
-    tok = load_tokenizer(tokenizer_dir(name))
+    tok = load_cached(tokenizer_dir(name))
     fmt = get_prompt_format("chat-template", tok)
     convs = []
     for ds in ("chat/chitchat", "chat/hh_rlhf_harmless_base_test"):
@@ -326,7 +327,7 @@ def test_batched_tokenization_equals_one_at_a_time(tokenizer_dir, shared_data, t
     encoding each distinct text of the batch once (the text after every last turn repeats in each)."""
     import packsft.prompt_formats.tokens as pf
 
-    tok = load_tokenizer(tokenizer_dir(tok_name))
+    tok = load_cached(tokenizer_dir(tok_name))
     fmt = get_prompt_format(fmt_name, tok)
     convs = []
     for ds in ("chat/hh_rlhf_harmless_base_test", "tools/glaive_toolcall_en_demo"):
@@ -369,7 +370,7 @@ def test_known_segment_ids_are_reused_and_give_the_same_tokens(tokenizer_dir, sh
     without them, and only the texts the cut changed are encoded again."""
     import packsft.prompt_formats.tokens as pf
 
-    tok = load_tokenizer(tokenizer_dir(tok_name))
+    tok = load_cached(tokenizer_dir(tok_name))
     fmt = get_prompt_format(fmt_name, tok)
     with open(shared_data / "chat/chitchat.messages.jsonl") as f:
         conv = parse_record(json.loads(next(f)))
@@ -447,7 +448,7 @@ def _enc(tok, text):
 @pytest.mark.parametrize("name", ["qwen2.5", "smollm2-135m-instruct"])
 def test_reply_starting_with_newlines_trains_exactly_what_follows_the_generation_prompt(tokenizer_dir, name):
     """The header and "\n\n" merge into one BPE token in the whole string; per part they never do."""
-    tok = load_tokenizer(tokenizer_dir(name))
+    tok = load_cached(tokenizer_dir(name))
     fmt = get_prompt_format("chat-template", tok)
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "Hi "},
             {"role": "assistant", "content": "\n\nHello there."}]
@@ -471,7 +472,7 @@ def test_prompt_response_records_whose_prompt_ends_in_a_space(qwen):
 @pytest.mark.parametrize("name", ["qwen2.5", "smollm2-135m-instruct", "mistral-nemo"])
 def test_empty_assistant_turn_in_a_multi_turn_conversation_trains_nothing_and_keeps_the_others(tokenizer_dir,
                                                                                                 name):
-    tok = load_tokenizer(tokenizer_dir(name))
+    tok = load_cached(tokenizer_dir(name))
     fmt = get_prompt_format("chat-template", tok)
     eot = "</s>" if name == "mistral-nemo" else "<|im_end|>"
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
@@ -575,7 +576,7 @@ def test_passthrough_concatenates_contents_and_trains_the_assistant_contents(qwe
 
 
 def test_mistral_multi_turn_tool_conversation_is_located_without_prefix_stability(tokenizer_dir):
-    tok = load_tokenizer(tokenizer_dir("mistral-nemo"))
+    tok = load_cached(tokenizer_dir("mistral-nemo"))
     fmt = get_prompt_format("chat-template", tok)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     call = {"role": "assistant", "content": None, "tool_calls": [
@@ -591,7 +592,7 @@ def test_mistral_multi_turn_tool_conversation_is_located_without_prefix_stabilit
 
 
 def test_a_pad_token_the_tokenizer_lacks_says_which_and_what_to_pass(tokenizer_dir):
-    smollm2 = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))  # no <unk>
+    smollm2 = load_cached(tokenizer_dir("smollm2-135m-instruct"))  # no <unk>
     with pytest.raises(ValueError, match=r"the identity prompt format's pad token: token '<unk>' is not in the "
                                          r"tokenizer's vocabulary; choose one this tokenizer has with --pad-token"):
         get_prompt_format("identity", smollm2)

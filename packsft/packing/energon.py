@@ -154,6 +154,21 @@ def changed_shard(path: str | Path, split: str) -> str | None:
     return None
 
 
+def payload_text(payload: bytes | None, max_bytes: int | None) -> tuple[int, str | None, str | None]:
+    """``(nbytes, text, error)`` of a sample's ``json`` member (``payload`` None: it has none): ``text`` None and
+    ``error`` the reason when it is missing, over ``max_bytes`` or not UTF-8."""
+    if payload is None:
+        return 0, None, "the sample has no .json member (its JSON record); not tokenized"
+    nbytes = len(payload)
+    if max_bytes is not None and nbytes > max_bytes:
+        return nbytes, None, (f"sample's .json member has {nbytes} bytes, more than --max-conversation-bytes "
+                              f"{max_bytes}; not tokenized")
+    try:
+        return nbytes, payload.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return nbytes, None, "the sample's .json member is not UTF-8 text; not tokenized"
+
+
 def check_text_only(record: object, path: str, line: int) -> None:
     """Refuse a sample's decoded record that cannot be packed as text: it lists media, or a message holds a
     non-text content part. A record that is not an object with messages is left to the record parser.

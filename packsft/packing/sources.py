@@ -279,24 +279,10 @@ def _iter_energon(path: Path, max_bytes: int | None, split: str | None
     try:
         for number, shard, key, payload in energon.iter_samples(path, "train" if split is None else split):
             at = f"after {shard}: sample {key}"
-            yield (number, *_payload_text(payload, max_bytes))
+            yield (number, *energon.payload_text(payload, max_bytes))
     except Exception as err:  # noqa: BLE001 - energon and tarfile raise many types for a corrupt shard
         raise SourceError(f"{path}: {at}: cannot be read as {_kind(path)} ({type(err).__name__}: {err}); if a "
                           f"shard changed since energon prepare, run energon prepare {path} again") from err
-
-
-def _payload_text(payload: bytes | None, max_bytes: int | None) -> tuple[int, str | None, str | None]:
-    """``(nbytes, text, error)`` of an Energon sample's ``json`` member (None: it has none)."""
-    if payload is None:
-        return 0, None, "the sample has no .json member (its JSON record); not tokenized"
-    nbytes = len(payload)
-    if max_bytes is not None and nbytes > max_bytes:
-        return nbytes, None, (f"sample's .json member has {nbytes} bytes, more than --max-conversation-bytes "
-                              f"{max_bytes}; not tokenized")
-    try:
-        return nbytes, payload.decode("utf-8"), None
-    except UnicodeDecodeError:
-        return nbytes, None, "the sample's .json member is not UTF-8 text; not tokenized"
 
 
 def _kind(path: Path) -> str:

@@ -37,7 +37,7 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError, loads_line
 from packsft.layout import conversation_cost
-from packsft.packing.energon import META, PAYLOAD, check_text_only, dataset_above, is_energon
+from packsft.packing.energon import META, PAYLOAD, check_text_only, dataset_above, is_energon, payload_text
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -122,21 +122,16 @@ class ConversationEncoder(DefaultTaskEncoder):
         sources = sample.get("__sources__") or ()
         shard = sources[0].shard_name if sources else sample.get("__shard__", "?")
         where = f"{self.dataset}: {shard}: sample {sample['__key__']}"
-        payload = sample.get(PAYLOAD)
-        if payload is None:
-            raise EnergonSampleError(f"{where}: the sample has no .{PAYLOAD} member (its JSON record)")
+        _, text, problem = payload_text(sample.get(PAYLOAD), None)
         try:
-            record = loads_line(payload.decode("utf-8"), self.dataset, 0)
+            record = loads_line(text, self.dataset, 0, problem)
             check_text_only(record, self.dataset, 0)
             conv = parse_record(record, self.dataset, 0)
             tokens, targets = tokenize_conversation(conv.messages, self.tokenization, conv.tools,
                                                     conv.chat_template_kwargs)
-        except UnicodeDecodeError:
-            raise EnergonSampleError(f"{where}: the .{PAYLOAD} member is not UTF-8 text") from None
-        except ConversationError as err:
-            raise EnergonSampleError(f"{where}: {err.field + ': ' if err.field else ''}{err.reason}") from None
-        except PromptFormatError as err:
-            raise EnergonSampleError(f"{where}: messages: {err}") from None
+        except (ConversationError, PromptFormatError) as err:
+            field, reason = (err.field, err.reason) if isinstance(err, ConversationError) else ("messages", err)
+            raise EnergonSampleError(f"{where}: {field + ': ' if field else ''}{reason}") from None
         return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
                 "tokens": tokens, "targets": targets}
 

@@ -1,7 +1,6 @@
 """The token cache beside a packed file: the loader's tensors are identical with and without it, on real data;
 own-row conversations store at most L tokens; a stale cache is refused, a missing one re-tokenized with a notice."""
 
-import functools
 import json
 import pickle
 import shutil
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_dataset import load_cached, packer_loads_each_tokenizer_once  # noqa: F401 - fixture
 
 from packsft.data.collate import collate_rows
 from packsft.data.context_parallel import slice_batch_for_cp
@@ -19,32 +19,12 @@ from packsft.io import stale_temps
 from packsft.packing import cli
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack
-from packsft.prompt_formats import spec
 from packsft.sidecar import SidecarError, cache_settings_blake2b, read_sidecar, sidecar_path, write_sidecar
 from packsft.token_cache import HEADER, TokenCache, TokenCacheError, cache_paths
 from packsft.tokenizer import load_tokenizer
 
 TOK = "smollm2-135m-instruct"
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
-
-
-@functools.lru_cache
-def _load(path: str):
-    return load_tokenizer(path)
-
-
-def load_cached(path):
-    """``load_tokenizer(path)``, loaded once per path (``str`` or ``Path``) in this process."""
-    return _load(str(path))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _packer_loads_each_tokenizer_once():
-    """The packer's ``load_tokenizer`` is :func:`load_cached` in this module (a test that edits a tokenizer folder
-    after packing loads it with ``load_tokenizer`` itself)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(spec, "load_tokenizer", load_cached)
-        yield
 
 
 def _chats(path: Path, n: int = 24, long_every: int = 0) -> Path:

@@ -14,12 +14,30 @@ from packsft.conversation import ConversationError
 from packsft.data import dataset as dataset_module
 from packsft.data.dataset import PackedDataWarning, PackedSFTDataset
 from packsft.data.row import build_row
-from packsft.prompt_formats import Tokenization, get_prompt_format, tokenize_conversation
+from packsft.prompt_formats import Tokenization, get_prompt_format, spec, tokenize_conversation
 from packsft.sidecar import SidecarError, write_sidecar
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 TEKKEN = "nemotron-h-layout-tekken"
-load_cached = functools.lru_cache(load_tokenizer)
+
+
+@functools.lru_cache
+def _load(path: str):
+    return load_tokenizer(path)
+
+
+def load_cached(path):
+    """``load_tokenizer(path)``, loaded once per path (``str`` or ``Path``) in this process."""
+    return _load(str(path))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def packer_loads_each_tokenizer_once():
+    """The packer's ``load_tokenizer`` (``packsft.prompt_formats.spec``) is :func:`load_cached` in a module that
+    imports this fixture (a test that edits a tokenizer folder after packing loads it with ``load_tokenizer``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spec, "load_tokenizer", load_cached)
+        yield
 
 
 def conv(user, assistant, system="", tools=None):
@@ -124,7 +142,7 @@ def test_index_of_other_rows_with_the_same_size_and_mtime_is_not_used(tmp_path, 
         outs.append(out)
     a, b = outs
     assert a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
-    tok = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    tok = load_cached(tokenizer_dir("smollm2-135m-instruct"))
     want = PackedSFTDataset(b, tok, "chat-template", 128, use_token_cache=False)
     PackedSFTDataset(a, tok, "chat-template", 128, use_token_cache=False)
     shutil.copy(f"{a}.idx", f"{b}.idx")
@@ -404,7 +422,7 @@ def test_a_file_packed_with_a_version_1_sidecar_still_loads(tmp_path, tokenizer_
 def test_a_stale_index_without_sidecar_gives_a_conversation_error(tmp_path, tokenizer_dir):
     """Without a sidecar the index is keyed on size and mtime only (documented): a same-size file with its mtime
     restored reads at stale offsets. A row not found there raised a bare JSONDecodeError from ``ds[i]``."""
-    tok = load_tokenizer(tokenizer_dir("smollm2-135m-instruct"))
+    tok = load_cached(tokenizer_dir("smollm2-135m-instruct"))
     row = '{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi %s"}, ' \
           '{"role": "assistant", "content": "yo"}]}\n'
     path = tmp_path / "rows.jsonl.packed"

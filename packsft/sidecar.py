@@ -171,10 +171,7 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
     finish_interrupted_publish(rows_path(target))
     if not target.is_file():
         return None
-    try:
-        meta = read_json_object(target)
-    except ValueError as e:     # naming the file: not valid JSON, or not an object
-        raise SidecarError(str(e)) from None
+    meta = read_json_object(target, SidecarError)
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise SidecarError(f"{target}: format_version {meta.get('format_version')!r} is not supported "
                            f"(this packsft reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-pack the "

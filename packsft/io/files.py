@@ -48,11 +48,11 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8
         raise
 
 
-def read_json_object(path: str | Path) -> dict[str, Any]:
+def read_json_object(path: str | Path, error: type[ValueError] = ValueError) -> dict[str, Any]:
     """The JSON object in the UTF-8 file ``path``.
 
     Raises:
-        ValueError: naming the file: not valid JSON, or JSON that is not an object.
+        ``error`` (a ``ValueError``): naming the file: not valid JSON, or JSON that is not an object.
         OSError: the file cannot be read.
     """
     from packsft.jsonl import json_type
@@ -60,9 +60,9 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+        raise error(f"{path}: not valid JSON ({err})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a JSON {json_type(data)}, not an object")
+        raise error(f"{path}: a JSON {json_type(data)}, not an object")
     return data
 
 

@@ -280,9 +280,10 @@ def _check_describes(hf_config, cfg: ModelConfig) -> None:
     """
     try:
         back = model_config_from_hf(hf_config, max_seq_len=cfg.max_position_embeddings)
+        differ = [f"{f}: {getattr(back, f)!r} against the model's {getattr(cfg, f)!r}" for f in _DESCRIBED
+                  if getattr(back, f) != getattr(cfg, f)]
+        why = f" ({'; '.join(differ)})" if differ else None
     except ValueError as err:
-        raise ValueError(f"the exported config.json would not describe the trained model: {err}") from None
-    differ = [f"{f}: {getattr(back, f)!r} against the model's {getattr(cfg, f)!r}" for f in _DESCRIBED
-              if getattr(back, f) != getattr(cfg, f)]
-    if differ:
-        raise ValueError(f"the exported config.json would not describe the trained model ({'; '.join(differ)})")
+        why = f": {err}"
+    if why:
+        raise ValueError(f"the exported config.json would not describe the trained model{why}")

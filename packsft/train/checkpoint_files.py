@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from packsft.io import atomic_open, check_writable_dir, replace_dir
+from packsft.io import atomic_open, check_writable_dir, read_json_object, replace_dir
 
 
 class CheckpointError(ValueError):
@@ -302,11 +302,8 @@ def load_train_state(path: str | Path) -> dict[str, Any]:
     """
     check_checkpoint_format(path)
     file = Path(path) / TRAIN_STATE
-    try:
-        saved = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{file}: not valid JSON ({err}); the checkpoint is damaged") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+    saved = read_json_object(file, CheckpointError)
+    if not isinstance(saved.get("state"), dict):
         raise CheckpointError(f"{file}: not a packsft train state (a JSON object with a 'state' object)")
     return saved
 

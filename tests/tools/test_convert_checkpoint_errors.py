@@ -471,3 +471,15 @@ def test_export_as_a_model_type_packsft_does_not_write_is_one_line():
     for model_type in ("gemma3_text", "gpt2"):
         with pytest.raises(ValueError, match=f"model_type '{model_type}' cannot be exported; packsft writes llama, "):
             hf_config_from_model_config(cfg, base={"model_type": model_type, "hidden_size": 64})
+
+
+def test_export_onto_a_base_of_another_family_names_the_field_it_would_lose():
+    """A Qwen2 model (q/k/v biases) exported with a Llama base: Llama's config.json has no attention bias."""
+    from packsft.model.config import ModelConfig
+    from packsft.model.hf_config import hf_config_from_model_config
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, max_position_embeddings=128, add_qkv_bias=True)
+    with pytest.raises(ValueError, match=r"^the exported config.json would not describe the trained model "
+                                         r"\(add_qkv_bias: False against the model's True\)$"):
+        hf_config_from_model_config(cfg, base={"model_type": "llama"})

@@ -179,12 +179,11 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
     if meta["format_version"] == 1 and isinstance(meta.get("prompt_format"), dict):
         meta["prompt_format"] = {**V1_DEFAULTS, **meta["prompt_format"]}
     missing = [f for f in CHECKED_FIELDS if _get(meta, f) is _MISSING]
-    if missing:
-        raise SidecarError(f"{target}: missing field(s) {missing}; re-pack the file with {PACK_TOOL}")
-    wrong = [f"{f} is {json.dumps(meta[f])}" for f in ("max_seq_len", "context_parallel_size")
-             if isinstance(meta[f], bool) or not isinstance(meta[f], int) or meta[f] < 1]
+    wrong = [f"missing field(s) {missing}"] if missing else [
+        f"{f} is {json.dumps(meta[f])}, not an integer >= 1" for f in ("max_seq_len", "context_parallel_size")
+        if isinstance(meta[f], bool) or not isinstance(meta[f], int) or meta[f] < 1]
     if wrong:
-        raise SidecarError(f"{target}: {'; '.join(wrong)}, not an integer >= 1; re-pack the file with {PACK_TOOL}")
+        raise SidecarError(f"{target}: {'; '.join(wrong)}; re-pack the file with {PACK_TOOL}")
     return meta
 
 

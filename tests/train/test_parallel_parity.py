@@ -7,7 +7,7 @@ sidecar's ``context_parallel_size`` set accordingly; the dataset then pads each 
 run, and the reference (CP=1) sees the natural unpadded rows. ``train.global_batch_size`` = 4 = all rows, so every
 layout trains on the same global batch.
 
-For each layout (CP=2, TP=2 and DP=2 in one 2-process spawn, once more with activation recompute; CP=4 and
+For each layout (CP=2, TP=2 and DP=2, each once more with activation recompute, in one 2-process spawn; CP=4 and
 TP=2 x CP=2 in one 4-process spawn) and each
 loss (fused chunked linear-CE and Megatron's stock ``vocab_parallel_cross_entropy``), ``Trainer.train_step`` (the
 product code: trained-token count, normalisation, Megatron's DDP over DP x CP, TP-aware clipping) runs on the first
@@ -242,12 +242,23 @@ def test_reference_step_is_sane(reference):
           "trained tokens", reference["independent_count"])
 
 
-def test_cp2_tp2_dp2_equal_single_process(setup, reference):
+SELECTIVE = ("model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]")
+FULL_BLOCK = ("model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1")
+FULL_UNIFORM = ("model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1")
+TWO_RANKS = [(1, 2), (2, 1), (1, 1), (2, 1, SP)]             # cp=2, tp=2, dp=2 (tp=cp=1 on 2 ranks), tp=2 + SP
+RECOMPUTE = [(1, 2, SELECTIVE), (2, 1, FULL_BLOCK), (1, 1, FULL_UNIFORM)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(setup) -> list[list[dict]]:
+    """``[rank][i]``: the step of layout ``i`` of :data:`TWO_RANKS` then :data:`RECOMPUTE`, in one 2-process spawn."""
     config, paths = setup
-    layouts = [(1, 2), (2, 1), (1, 1), (2, 1, SP)]             # cp=2, tp=2, dp=2 (tp=cp=1 on 2 ranks), tp=2 + SP
-    per_layout = run_distributed(_layouts_worker, 2, config, paths, layouts, timeout_s=500)
-    for i, (tp, cp, *sp) in enumerate(layouts):
-        per_rank = [per_layout[rank][i] for rank in range(2)]
+    return run_distributed(_layouts_worker, 2, config, paths, TWO_RANKS + RECOMPUTE, timeout_s=700)
+
+
+def test_cp2_tp2_dp2_equal_single_process(two_ranks, reference):
+    for i, (tp, cp, *sp) in enumerate(TWO_RANKS):
+        per_rank = [two_ranks[rank][i] for rank in range(2)]
         name = f"tp={tp} cp={cp} dp={2 // (tp * cp)}{' sequence-parallel' if sp else ''}"
         if tp * cp == 1:
             _check_global_batch(name, per_rank, reference)
@@ -264,18 +275,10 @@ def test_cp4_and_tp2_cp2_equal_single_process(setup, reference):
         _check_layout_and_sp(name, per_rank, reference, tp, cp, bool(sp))
 
 
-SELECTIVE = ("model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]")
-FULL_BLOCK = ("model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1")
-FULL_UNIFORM = ("model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1")
-
-
-def test_recompute_under_cp2_tp2_dp2_equals_single_process_without(setup, reference):
+def test_recompute_under_cp2_tp2_dp2_equals_single_process_without(two_ranks, reference):
     """Activation recompute under each 2-rank layout (recomputed CP all-gather, TP collectives, DDP hooks)."""
-    config, paths = setup
-    layouts = [(1, 2, SELECTIVE), (2, 1, FULL_BLOCK), (1, 1, FULL_UNIFORM)]
-    per_layout = run_distributed(_layouts_worker, 2, config, paths, layouts, timeout_s=400)
-    for i, (tp, cp, overrides) in enumerate(layouts):
-        per_rank = [per_layout[rank][i] for rank in range(2)]
+    for i, (tp, cp, overrides) in enumerate(RECOMPUTE, start=len(TWO_RANKS)):
+        per_rank = [two_ranks[rank][i] for rank in range(2)]
         name = f"tp={tp} cp={cp} dp={2 // (tp * cp)} {overrides[0].split('=')[1]}"
         assert [r["recompute"] for r in per_rank] == [overrides[0].split("=")[1]] * 2, name
         print(name, _check_layout(name, per_rank, reference))

@@ -4,6 +4,7 @@ the loader accepts; the sidecar's rows size and hash; stale temps; same input an
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -83,9 +84,12 @@ def _load(out: Path, tok):
 def test_repack_killed_at_every_stage_leaves_the_old_or_the_new_set(tmp_path, packed_sets, sig):
     src, tok, sets = packed_sets
     ctx = mp.get_context("fork")
+    out = tmp_path / "set" / "rows.jsonl.packed"
+    assert cli.main(_argv(src, out, tok, 128)) == 0  # the old set, packed once and put back before each stage
+    old = shutil.copytree(out.parent, tmp_path / "old")  # every file of the folder, mtimes kept
     for stage in STAGES:
-        out = tmp_path / stage / "rows.jsonl.packed"
-        assert cli.main(_argv(src, out, tok, 128)) == 0  # the old set
+        shutil.rmtree(out.parent)
+        shutil.copytree(old, out.parent)
         err = tmp_path / f"{stage}.err"
         p = ctx.Process(target=_child, args=(_argv(src, out, tok, 256), f"{stage}:{sig}", False, err))
         p.start()

@@ -1,5 +1,6 @@
 """The packer's fast paths keep its output: start-up imports, one template render, shards and workers, dead workers."""
 
+import gc
 import json
 import os
 import subprocess
@@ -115,27 +116,66 @@ def _outputs(out: Path):
             report["rejected"], report["oversize"], report["warnings"], report["per_input"])
 
 
-@pytest.mark.slow
-def test_output_is_the_same_for_any_worker_count_and_shard_size(shared_data, tokenizer_dir, tmp_path):
+MIXED_RUNS = ((0, None), (0, 20_000), (2, 20_000), (3, 7_000))   # (--num-workers, --shard-bytes)
+
+
+@pytest.fixture(scope="module")
+def mixed_runs(shared_data, tokenizer_dir, tmp_path_factory):
+    """The mixed input packed with qwen2.5 at each of ``MIXED_RUNS``, recording which process took the tokenizer
+    fingerprint and, in each process set up to read shards, whether it is a worker and its frozen-object count:
+    ``(src, {run: {"outputs", "report", "fingerprint_pids", "inits", "frozen_after", "sidecar_fingerprint"}})``."""
+    from packsft.packing import local_engine
+    from packsft.prompt_formats import spec
+    from packsft.sidecar import read_sidecar
+
+    tmp_path = tmp_path_factory.mktemp("mixed")
     src = _mixed_input(shared_data, tmp_path / "in.jsonl")
+    taken, seen = tmp_path / "taken", tmp_path / "inits"
+    fingerprint, init = spec.tokenizer_fingerprint, local_engine.init_worker
+
+    def recording_fingerprint(tok):
+        with open(taken, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return fingerprint(tok)
+
+    def recording_init(cfg, spool_dir, in_worker, tok=None):
+        with open(seen, "a") as f:
+            f.write(f"{int(in_worker)} {gc.get_freeze_count()}\n")
+        init(cfg, spool_dir, in_worker, tok)
+
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec, "tokenizer_fingerprint", recording_fingerprint)  # forked: the workers' too
+        mp.setattr(local_engine, "init_worker", recording_init)
+        for workers, shard_bytes in MIXED_RUNS:
+            out = tmp_path / f"w{workers}s{shard_bytes}" / "rows.jsonl.packed"
+            taken.unlink(missing_ok=True)
+            seen.unlink(missing_ok=True)
+            report = run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
+                                         max_seq_len=1024, num_workers=workers, shard_bytes=shard_bytes,
+                                         progress=False, histogram=""))
+            runs[workers, shard_bytes] = {
+                "outputs": _outputs(out), "report": report, "listing": sorted(os.listdir(out.parent)),
+                "fingerprint_pids": taken.read_text().split(), "frozen_after": gc.get_freeze_count(),
+                "inits": [line.split() for line in seen.read_text().splitlines()],
+                "sidecar_fingerprint": read_sidecar(str(out))["tokenizer_fingerprint"]}
+    return src, runs
+
+
+@pytest.mark.slow
+def test_output_is_the_same_for_any_worker_count_and_shard_size(mixed_runs):
+    src, runs = mixed_runs
     assert len(plan_shards([str(src)], 20_000)) >= 4
-    got = {}
-    for workers, shard_bytes in ((0, None), (0, 20_000), (2, 20_000), (3, 7_000)):
-        out = tmp_path / f"w{workers}s{shard_bytes}" / "rows.jsonl.packed"
-        cfg = PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
-                         max_seq_len=1024, num_workers=workers, shard_bytes=shard_bytes, progress=False,
-                         histogram="")
-        report = run_pack(cfg)
-        got[workers, shard_bytes] = _outputs(out)
-        assert sorted(os.listdir(out.parent)) == [".rows.jsonl.packed.lock", "rows.jsonl.packed",
-                                                  "rows.jsonl.packed.meta.json", "rows.jsonl.packed.report.json",
-                                                  "rows.jsonl.packed.tokens-index.npy", "rows.jsonl.packed.tokens.npy"]
-    first = got[0, None]
-    assert all(v == first for v in got.values())
+    for run in runs.values():
+        assert run["listing"] == [".rows.jsonl.packed.lock", "rows.jsonl.packed", "rows.jsonl.packed.meta.json",
+                                  "rows.jsonl.packed.report.json", "rows.jsonl.packed.tokens-index.npy",
+                                  "rows.jsonl.packed.tokens.npy"]
+    first = runs[0, None]["outputs"]
+    assert all(run["outputs"] == first for run in runs.values())
     assert len(first[2]) > 128 and len(first[3]) > 128  # the token cache and its index were compared too
     lines = [r["line"] for r in first[4]]
     assert lines == [42, 43, 57, 58, 90, 91]  # blank line, bad JSON, empty conversation after each block
-    assert report.input_conversations == 40 + 12 + 30 + 6
+    assert runs[MIXED_RUNS[-1]]["report"].input_conversations == 40 + 12 + 30 + 6
     assert first[7] == {str(src): {"conversations": 88, "rejected": 6, "blank_lines": 3}}  # every line accounted
 
 
@@ -158,66 +198,31 @@ def test_small_inputs_are_read_without_workers(files, shared_data, tokenizer_dir
     assert got[0] == got[2] and len(got[0][0]) > 1000
 
 
-def test_with_workers_the_tokenizer_fingerprint_is_taken_by_a_worker(shared_data, tokenizer_dir, tmp_path,
-                                                                     monkeypatch):
+def test_with_workers_the_tokenizer_fingerprint_is_taken_by_a_worker(mixed_runs, tokenizer_dir):
     """With workers, a worker takes the sidecar's tokenizer fingerprint (in the main process it would hold the
     GIL that the thread handing out shards needs), once; without, the main process; the same value."""
     from packsft.prompt_formats import spec
-    from packsft.sidecar import read_sidecar
 
-    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
-    taken = tmp_path / "taken"
-    fingerprint = spec.tokenizer_fingerprint
-
-    def recording(tok):
-        with open(taken, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        return fingerprint(tok)
-
-    monkeypatch.setattr(spec, "tokenizer_fingerprint", recording)
-    metas = []
+    _, runs = mixed_runs
     for workers in (0, 2):
-        out = tmp_path / f"w{workers}" / "rows.jsonl.packed"
-        taken.unlink(missing_ok=True)
-        run_pack(PackConfig(inputs=[str(src)], output=str(out), tokenizer=str(tokenizer_dir("qwen2.5")),
-                            max_seq_len=1024, num_workers=workers, shard_bytes=20_000, progress=False, histogram=""))
-        pids = taken.read_text().split()
+        pids = runs[workers, 20_000]["fingerprint_pids"]
         assert len(pids) == 1 and (pids[0] == str(os.getpid())) == (workers == 0)
-        metas.append(read_sidecar(str(out))["tokenizer_fingerprint"])
-    assert metas[0] == metas[1] == fingerprint(load_tokenizer(tokenizer_dir("qwen2.5")))
+    assert runs[0, 20_000]["sidecar_fingerprint"] == runs[2, 20_000]["sidecar_fingerprint"] == \
+        spec.tokenizer_fingerprint(load_tokenizer(tokenizer_dir("qwen2.5")))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
-def test_forked_workers_start_with_the_inherited_objects_frozen(shared_data, tokenizer_dir, tmp_path, monkeypatch):
+def test_forked_workers_start_with_the_inherited_objects_frozen(mixed_runs):
     """The workers are forked with the garbage collector's objects frozen (their collections then leave the
     inherited pages alone), and the main process unfreezes them once the workers are started."""
-    import gc
-
-    from packsft.packing import local_engine
-
-    seen = tmp_path / "frozen"
-    init = local_engine.init_worker
-
-    def recording_init(cfg, spool_dir, in_worker, tok=None):
-        with open(seen, "a") as f:
-            f.write(f"{int(in_worker)} {gc.get_freeze_count()}\n")
-        init(cfg, spool_dir, in_worker, tok)
-
-    monkeypatch.setattr(local_engine, "init_worker", recording_init)
-    src = _mixed_input(shared_data, tmp_path / "in.jsonl")
-    run_pack(PackConfig(inputs=[str(src)], output=str(tmp_path / "rows.jsonl.packed"),
-                        tokenizer=str(tokenizer_dir("qwen2.5")), max_seq_len=1024, num_workers=2, shard_bytes=20_000,
-                        progress=False, histogram=""))
-    workers = [line.split() for line in seen.read_text().splitlines()]
-    assert len(workers) == 2 and all(w == "1" and int(n) > 0 for w, n in workers)
-    assert gc.get_freeze_count() == 0
+    run = mixed_runs[1][2, 20_000]
+    assert len(run["inits"]) == 2 and all(w == "1" and int(n) > 0 for w, n in run["inits"])
+    assert run["frozen_after"] == 0
 
 
 def test_counting_in_this_process_runs_with_the_objects_frozen(shared_data, tokenizer_dir, tmp_path, monkeypatch):
     """Without workers the shards are counted with the garbage collector's objects frozen (a full collection
     then skips the imports' and the tokenizer's), and unfrozen after; a caller's frozen objects stay frozen."""
-    import gc
-
     from packsft.packing import local_engine
 
     seen = []
@@ -246,8 +251,6 @@ def test_counting_in_this_process_runs_with_the_objects_frozen(shared_data, toke
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_a_callers_frozen_objects_stay_frozen(shared_data, tokenizer_dir, tmp_path):
     """A caller that froze its objects (``gc.freeze`` at its start) has them frozen after a run with workers."""
-    import gc
-
     keep = [[i] for i in range(1000)]
     gc.freeze()
     try:

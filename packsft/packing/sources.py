@@ -353,7 +353,7 @@ def _record_json(record: dict[str, Any], max_bytes: int | None) -> tuple[int, st
     return nbytes, text, None
 
 
-def source_identity(path: str | Path, split: str | None = None) -> dict[str, Any]:
+def source_identity(path: str | Path, split: str | None = None, shard_index_only: bool = False) -> dict[str, Any]:
     """What identifies a row source's content (one that passed :func:`check_source`), for the sidecar.
 
     Returns:
@@ -361,7 +361,10 @@ def source_identity(path: str | Path, split: str | None = None) -> dict[str, Any
         "split"?, "fingerprint"?}``: a folder lists its ``state.json``, ``dataset_info.json`` and data files
         (names relative to ``path``) and the ``_fingerprint`` of its ``state.json``; sizes in bytes, BLAKE2b-160.
         An Energon dataset: ``{"kind": "energon", "split", "num_samples", "files"}``, its ``.nv-meta/.info.json``,
-        split file, ``dataset.yaml`` and the split's shards.
+        split file, ``dataset.yaml`` and the split's shards. With ``shard_index_only`` (the trainer, at every
+        start) a shard is not read: its entry is ``{"name", "size", "index_blake2b"}``, the BLAKE2b of the
+        ``.tar.idx`` that ``energon prepare`` wrote (every sample's offset), so a sample added, removed or
+        resized changes it.
     """
     p = Path(path)
     out: dict[str, Any] = {}
@@ -393,6 +396,11 @@ def source_identity(path: str | Path, split: str | None = None) -> dict[str, Any
                 except pa.ArrowInvalid:
                     source.seek(0)
                     out["num_rows"] = pa.ipc.open_file(source).count_rows()
-    out["files"] = [{"name": str(f.relative_to(p)) if f != p else f.name, "size": f.stat().st_size,
-                     "blake2b": file_blake2b(f)} for f in files]
+    def digest(f: Path) -> dict[str, str]:
+        if shard_index_only and f.suffix == ".tar":
+            return {"index_blake2b": file_blake2b(f.with_name(f.name + ".idx"))}
+        return {"blake2b": file_blake2b(f)}
+
+    out["files"] = [{"name": str(f.relative_to(p)) if f != p else f.name, "size": f.stat().st_size, **digest(f)}
+                    for f in files]
     return out

@@ -19,7 +19,6 @@ data-parallel layout); :meth:`EnergonTrainLoader.load_state_dict` refuses a chan
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import warnings
 from pathlib import Path
@@ -162,7 +161,8 @@ class EnergonTrainSource:
     """The training data of ``data.backend: energon``: the dataset, its split and the tokenization, checked.
 
     Attributes: ``path``, ``split``, ``tokenizer`` (loaded), ``tokenization``, ``identity``
-    (:func:`packsft.packing.sources.source_identity`: files, sizes, BLAKE2b), ``sidecar`` (None).
+    (:func:`packsft.packing.sources.source_identity`: files, sizes, BLAKE2b of the metadata files and of each
+    shard's sample index, not of the shards themselves), ``sidecar`` (None).
 
     Raises:
         ValueError: the folder is not a usable Energon dataset or split (naming ``data.train_path``), or the
@@ -183,7 +183,7 @@ class EnergonTrainSource:
             raise ValueError(f"data.train_path: {self.path}: {why}")
         try:
             self.split = energon_split(self.path, data.split)
-            self.identity = source_identity(self.path, self.split)
+            self.identity = source_identity(self.path, self.split, shard_index_only=True)
         except SourceError as err:   # the packer's words for its flags, here the config's keys
             text = str(err).replace("--split ", "data.split=").replace("--input ", "")
             raise ValueError(f"data.train_path: {text}") from None
@@ -208,7 +208,7 @@ class EnergonTrainSource:
         d, e = self.data, self.data.energon
         return {"data.tokenizer (its vocabulary and special tokens)": tokenizer_fingerprint(self.tokenizer),
                 "data.prompt_format": d.prompt_format, "data.pad_token": d.pad_token,
-                "data.chat_template (the template's text, BLAKE2b)": _digest(self.tokenization.fmt.chat_template),
+                "data.chat_template (the template's text, SHA-256)": self.tokenization.fmt.template_sha256,
                 "data.max_seq_len": d.max_seq_len,
                 "parallel.context_parallel_size": self.parallel.context_parallel_size,
                 **{f"data.energon.{f.name}": getattr(e, f.name) for f in dataclasses.fields(e)},
@@ -218,11 +218,6 @@ class EnergonTrainSource:
     def train_loader(self, loader, dp_rank: int, dp_size: int) -> EnergonTrainLoader:
         """This data-parallel rank's :class:`EnergonTrainLoader` (``loader``: the ``DataLoaderConfig``)."""
         return EnergonTrainLoader(self, loader, dp_rank, dp_size)
-
-
-def _digest(text: str | None) -> str | None:
-    """BLAKE2b-160 of ``text`` (hex), or None."""
-    return None if text is None else hashlib.blake2b(str(text).encode(), digest_size=20).hexdigest()
 
 
 class EnergonTrainLoader:
@@ -295,7 +290,7 @@ def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]
             changes.append(f"the dataset's {key}: checkpoint {old.get(key)!r}, now {new.get(key)!r}")
     old_files = {f["name"]: f for f in old.get("files", [])}
     new_files = {f["name"]: f for f in new["files"]}
-    changes += [f"the dataset file {n} changed (size or BLAKE2b)" for n in new_files
+    changes += [f"the dataset file {n} changed (size, BLAKE2b or sample index)" for n in new_files
                 if n in old_files and old_files[n] != new_files[n]]
     changes += [f"the dataset file {n} is new" for n in new_files if n not in old_files]
     changes += [f"the dataset file {n} is gone" for n in old_files if n not in new_files]

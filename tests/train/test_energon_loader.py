@@ -174,10 +174,12 @@ def test_training_stops_and_resumes_in_a_new_process_with_the_same_batches(tmp_p
         loader.load_state_dict(state)
     with pytest.raises(ValueError, match=r"data-parallel size: checkpoint 1, now 2"):
         build_datasets(cfg)[0].train_loader(cfg.loader, 0, 2).load_state_dict(state)
+    shards = [f for f in state["fingerprint"]["dataset"]["files"] if f["name"].endswith(".tar")]
+    assert shards and all(set(f) == {"name", "size", "index_blake2b"} for f in shards)  # shards are not read
     moved = json.loads(json.dumps(state["fingerprint"]))
-    moved["dataset"]["files"][-1]["blake2b"] = "0" * 40
-    assert fingerprint_changes(moved, loader.fingerprint)[-1] == ("the dataset file shard-000001.tar changed (size or "
-                                                                  "BLAKE2b)")
+    moved["dataset"]["files"][-1]["index_blake2b"] = "0" * 40
+    assert fingerprint_changes(moved, loader.fingerprint)[-1] == ("the dataset file shard-000001.tar changed (size, "
+                                                                  "BLAKE2b or sample index)")
 
 
 def test_config_refuses_what_the_energon_backend_does_not_read(tmp_path, energon_data):

@@ -170,6 +170,8 @@ class EnergonTrainSource:
     """
 
     sidecar = None
+    summary_key = "train_samples"
+    """The run summary reports ``len(source)`` as ``train_samples``: rows are packed from them as they are read."""
 
     def __init__(self, data, parallel) -> None:
         self.data, self.parallel = data, parallel
@@ -200,7 +202,7 @@ class EnergonTrainSource:
         self.tokenization = Tokenization.of(self.tokenizer, spec.bind(self.tokenizer))
 
     def __len__(self) -> int:
-        """Samples in the split (what the summary reports as training rows)."""
+        """Samples in the split (the summary's ``train_samples``)."""
         return int(self.identity["num_samples"])
 
     def settings(self, loader, dp_size: int) -> dict[str, Any]:

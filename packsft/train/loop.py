@@ -318,7 +318,8 @@ class Trainer:
         sidecars = [getattr(d, "sidecar", None) for d in getattr(self.train_set, "datasets", [self.train_set])]
         return {"kind": "summary", "step": self.state.step, "parameters": int(sharded), **self.layout(),
                 "micro_batches_per_step": self.micro_batches, "global_batch_size": self.cfg.train.global_batch_size,
-                "max_seq_len": self.cfg.data.max_seq_len, "train_rows": len(self.train_set),
+                "max_seq_len": self.cfg.data.max_seq_len,
+                getattr(self.train_set, "summary_key", "train_rows"): len(self.train_set),
                 "validation_rows": {name: len(ds) for name, ds in self.val_sets.items()},
                 "train_sources": getattr(self.train_set, "names", None),
                 "packing_efficiency": packing_efficiency(*sidecars), "device": str(self.ctx.device),

@@ -145,6 +145,9 @@ def test_training_stops_and_resumes_in_a_new_process_with_the_same_batches(tmp_p
     (tmp_path / "full").mkdir()
     full = _config(tmp_path / "full", energon_data, **steps)
     train(full)
+    summary = [json.loads(r) for r in (tmp_path / "full" / "out" / "metrics.jsonl").read_text().splitlines()
+               if '"summary"' in r][0]
+    assert summary["train_samples"] == 16 and "train_rows" not in summary   # rows are packed as samples are read
     saved = tmp_path / "full" / "out" / "checkpoints" / "iter_0000002"
     state = torch.load(saved / "dataloader_dp0.pt", weights_only=True)
     assert state["backend"] == "energon" and state["fingerprint"]["dataset"]["kind"] == "energon"

@@ -110,6 +110,27 @@ def test_a_row_of_the_encoder_equals_the_packed_datasets_row(tmp_path, energon_d
         assert same, key
 
 
+def test_data_parallel_ranks_read_disjoint_halves_of_the_split(tmp_path, energon_data):
+    """Energon's ``WorkerConfig(rank=dp_rank, world_size=dp_size)``: the two ranks of DP 2 see 8 conversations each,
+    none twice, all 16 together (read from the rows by ``cu_seqlens``)."""
+    cfg = load_config(_config(tmp_path, energon_data, data={"max_seq_len": 4096},
+                              model={"max_position_embeddings": 4096}))
+    source, _ = build_datasets(cfg)
+    seen = []
+    for rank in (0, 1):
+        loader, convs = iter(source.train_loader(cfg.loader, rank, 2)), set()
+        for _ in range(12):                       # several passes over this rank's 8 samples
+            batch = next(loader)
+            bounds = batch["cu_seqlens"].tolist()
+            tokens = batch["tokens"][0].tolist()
+            convs |= {tuple(tokens[a:b]) for a, b in zip(bounds, bounds[1:])}
+        seen.append(convs)
+    assert len(seen[0]) == len(seen[1]) == 8 and not seen[0] & seen[1]
+    expected = {tuple(s["tokens"]) for s in (ConversationEncoder("ds", source.tokenization, 4096).encode_sample(
+        _crude(f"{i:06d}", r)) for i, r in enumerate(energon_data["records"]))}
+    assert seen[0] | seen[1] == expected
+
+
 def test_plain_state_round_trips_energon_values():
     import numpy as np
     from megatron.energon.state import FlexState

@@ -114,7 +114,8 @@ class Config:
         AnyOf(("data.train_path", "data.train"), "one file, or a list of {name, path, weight}"),
         Needs("validation.enabled", "data.has_validation",
               "validation.val_period, val_at_start or val_at_end asks for validation passes, but there is no "
-              "validation data: set data.validation, data.validation_path or a split_validation_size"),
+              "validation data: set data.validation, data.validation_path, a split_validation_size or (Energon) "
+              "data.energon.validation_split"),
         Needs(("data.train", Rule(lambda train: len(train) > 1, "of several sources")), ("loader.sampler", "random"),
               "a mixture is sampled by its sources' weights (packsft.data.mixing.WeightedMixingSampler)"),
     )

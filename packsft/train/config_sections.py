@@ -90,6 +90,9 @@ class EnergonConfig:
     balanced_knapsack_delta: int = field(default=0, metadata=rules(*NON_NEGATIVE))
     """Rows opened beyond ``ceil(tokens / max_seq_len)`` of a buffer before packing: more spreads its conversations
     over more, emptier rows (balanced greedy knapsack)."""
+    validation_split: str | None = None
+    """A split of ``data.train_path`` (e.g. ``val``) validated as the set ``validation``: every sample, packed once
+    at start (null: no validation set)."""
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""
@@ -194,7 +197,7 @@ class DataConfig:
         for key in _PACKED_ONLY:
             if getattr(self, key) not in (None, False, 0.0, []):
                 raise ValueError(f"data.{key} is not read with data.backend: energon (one Energon dataset in "
-                                 "data.train_path, no validation sets yet); remove it")
+                                 "data.train_path; validation: data.energon.validation_split); remove it")
         if not self.train_path:
             raise ValueError("data.backend: energon needs data.train_path: the folder prepared by energon prepare")
 
@@ -212,8 +215,9 @@ class DataConfig:
 
     @property
     def has_validation(self) -> bool:
-        """True when a validation file or a held-out split is configured."""
-        return bool(self.validation_sources()) or any(split > 0 for *_, split in self.train_sources())
+        """True when a validation file, a held-out split or an Energon validation split is configured."""
+        return (bool(self.validation_sources()) or any(split > 0 for *_, split in self.train_sources())
+                or self.energon.validation_split is not None)
 
 
 @dataclass
@@ -379,7 +383,8 @@ class LoggingConfig:
 
 @dataclass
 class ValidationConfig:
-    """Validation passes over ``data.validation_path`` or the ``data.split_validation_size`` held-out rows."""
+    """Validation passes over ``data.validation_path``, the ``data.split_validation_size`` held-out rows, or (Energon)
+    ``data.energon.validation_split``."""
 
     val_period: int = field(default=0, metadata=rules(*NON_NEGATIVE))
     """Validate every N steps; 0 = never periodically."""

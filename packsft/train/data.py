@@ -81,6 +81,8 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
     configuration, so a file packed for another tokenizer, format, ``max_seq_len`` or CP size is refused by name.
     A validation file that a training source also reads is passed to ``warn`` (a ``print``-like callable; ``None``:
     no warning), once. The tokenizer is loaded once, for the first file, and shared by the others.
+    ``data.backend: energon``: the ``EnergonTrainSource`` and, with ``data.energon.validation_split``, that split's
+    ``EnergonValidationSet`` as ``validation``.
 
     Raises:
         FileNotFoundError, SidecarError: from ``PackedSFTDataset``, after the config field of the file
@@ -90,7 +92,12 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
     """
     data = cfg.data
     if data.backend == "energon":
-        return energon_loader_module().EnergonTrainSource(data, cfg.parallel), {}
+        module = energon_loader_module()
+        source, split = module.EnergonTrainSource(data, cfg.parallel), data.energon.validation_split
+        if split == source.split and warn is not None:
+            warn(f"warning: data.energon.validation_split {split!r} is the training split: its loss is measured on "
+                 "trained samples")
+        return source, ({"validation": module.EnergonValidationSet(source, split)} if split else {})
     spec = TokenizationSpec(data.tokenizer, data.prompt_format, data.pad_token, data.chat_template)
     tokenizer: Any = data.tokenizer  # its path, loaded by the first dataset and shared by the others
 

@@ -36,7 +36,15 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError, loads_line
 from packsft.layout import conversation_cost
-from packsft.packing.energon import META, PAYLOAD, check_text_only, dataset_above, is_energon, payload_text
+from packsft.packing.energon import (
+    META,
+    PAYLOAD,
+    check_text_only,
+    dataset_above,
+    is_energon,
+    iter_samples,
+    payload_text,
+)
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -183,11 +191,15 @@ class EnergonTrainSource:
                    "not an Energon dataset (no .nv-meta/ folder): give the folder energon prepare made, or train "
                    ".jsonl.packed files with data.backend: packed")
             raise ValueError(f"data.train_path: {self.path}: {why}")
+        key = "data.split="
         try:
             self.split = energon_split(self.path, data.split)
             self.identity = source_identity(self.path, self.split, shard_index_only=True)
+            key = "data.energon.validation_split="
+            if data.energon.validation_split is not None:
+                energon_split(self.path, data.energon.validation_split)
         except SourceError as err:   # the packer's words for its flags, here the config's keys
-            text = str(err).replace("--split ", "data.split=").replace("--input ", "")
+            text = str(err).replace("--split ", key).replace("--input ", "")
             raise ValueError(f"data.train_path: {text}") from None
         described = Path(self.path) / META / "dataset.yaml"
         found = (yaml.safe_load(described.read_text()) or {}) if described.is_file() else {}
@@ -213,13 +225,48 @@ class EnergonTrainSource:
                 "data.chat_template (the template's text, SHA-256)": self.tokenization.fmt.template_sha256,
                 "data.max_seq_len": d.max_seq_len,
                 "parallel.context_parallel_size": self.parallel.context_parallel_size,
-                **{f"data.energon.{f.name}": getattr(e, f.name) for f in dataclasses.fields(e)},
+                **{f"data.energon.{f.name}": getattr(e, f.name) for f in dataclasses.fields(e)
+                   if f.name != "validation_split"},     # validation does not move the training data
                 "loader.micro_batch_size": loader.micro_batch_size, "loader.seed": loader.seed,
                 "data-parallel size": dp_size}
 
     def train_loader(self, loader, dp_rank: int, dp_size: int) -> EnergonTrainLoader:
         """This data-parallel rank's :class:`EnergonTrainLoader` (``loader``: the ``DataLoaderConfig``)."""
         return EnergonTrainLoader(self, loader, dp_rank, dp_size)
+
+    def encoder(self) -> ConversationEncoder:
+        """The :class:`ConversationEncoder` of the ``data`` and ``parallel`` settings."""
+        e = self.data.energon
+        return ConversationEncoder(self.path, self.tokenization, self.data.max_seq_len,
+                                   self.parallel.context_parallel_size, e.balanced_knapsack_delta,
+                                   e.max_sequences_per_bin)
+
+
+class EnergonValidationSet:
+    """Every sample of one split in the shards' order (excluded ones left out), tokenized and packed once with the
+    training encoder's knapsack over the whole split: map-style rows, as ``PackedSFTDataset``'s, for the trainer's
+    evaluation loader.
+
+    Raises:
+        EnergonSampleError: a sample that cannot be trained (dataset, shard, key).
+    """
+
+    sidecar = None
+
+    def __init__(self, source: EnergonTrainSource, split: str) -> None:
+        self.path, self.split, self.encoder = source.path, split, source.encoder()
+        samples = [self.encoder.encode_sample({"__key__": key, "__restore_key__": None, "__shard__": shard,
+                                               PAYLOAD: payload})
+                   for _, shard, key, payload in iter_samples(source.path, split)]
+        self.rows = self.encoder.select_samples_to_pack(samples)
+
+    def __len__(self) -> int:
+        """Packed rows."""
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        """Row ``i`` (:func:`packsft.data.row.build_row`)."""
+        return self.encoder.pack_selected_samples(self.rows[i])
 
 
 class EnergonTrainLoader:
@@ -237,9 +284,7 @@ class EnergonTrainLoader:
                                                    "settings": source.settings(loader, dp_size)}
         config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=e.num_workers, seed_offset=loader.seed,
                               global_error_handler=reraise_exception)
-        encoder = ConversationEncoder(source.path, source.tokenization, source.data.max_seq_len,
-                                      source.parallel.context_parallel_size, e.balanced_knapsack_delta,
-                                      e.max_sequences_per_bin)
+        encoder = source.encoder()
         dataset = get_train_dataset(source.path, split_part=source.split, worker_config=config,
                                     batch_size=loader.micro_batch_size, packing_buffer_size=e.buffer_size,
                                     shuffle_buffer_size=e.shuffle_buffer_size,

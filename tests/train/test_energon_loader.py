@@ -37,14 +37,17 @@ ENERGON = {"backend": "energon", "energon": {"buffer_size": 6, "shuffle_buffer_s
 
 @pytest.fixture(scope="module")
 def energon_data(tmp_path_factory, shared_data, tokenizer_dir):
-    """One prepared dataset of 16 gsm8k conversations in two shards (train), its records, and the tokenizer."""
+    """One prepared dataset of 16 gsm8k conversations in two shards (train) and 4 in a third (val), the train
+    records, the val records and the tokenizer."""
     root = tmp_path_factory.mktemp("energon_train")
-    lines = (shared_data / "chat" / "gsm8k_test.messages.jsonl").read_text().splitlines()[:16]
+    lines = (shared_data / "chat" / "gsm8k_test.messages.jsonl").read_text().splitlines()[:20]
     records = [{"messages": json.loads(line)["messages"], "media": [], "tools": None} for line in lines]
     ds = _prepare(root / "ds", {"shard-000000.tar": [(f"{i:06d}", r) for i, r in enumerate(records[:8])],
-                                "shard-000001.tar": [(f"{i:06d}", r) for i, r in enumerate(records[8:], 8)]},
-                  ["train:shard-00000[01].tar"])
-    return {"few": ds, "records": records, "tokenizer": tokenizer_dir("smollm2-135m-instruct"), "root": root}
+                                "shard-000001.tar": [(f"{i:06d}", r) for i, r in enumerate(records[8:16], 8)],
+                                "shard-000002.tar": [(f"{i:06d}", r) for i, r in enumerate(records[16:], 16)]},
+                  ["train:shard-00000[01].tar", "val:shard-000002.tar"])
+    return {"few": ds, "records": records[:16], "val": records[16:], "root": root,
+            "tokenizer": tokenizer_dir("smollm2-135m-instruct")}
 
 
 def _config(tmp_path, dataset, **sections):
@@ -131,6 +134,24 @@ def test_data_parallel_ranks_read_disjoint_halves_of_the_split(tmp_path, energon
     assert seen[0] | seen[1] == expected
 
 
+def test_the_validation_split_is_packed_once_into_rows_of_its_samples(tmp_path, energon_data):
+    cfg = load_config(_config(tmp_path, energon_data, data={"energon": {**ENERGON["energon"],
+                                                                        "validation_split": "val"}}))
+    source, val = build_datasets(cfg)
+    rows = val["validation"]
+    encode = ConversationEncoder("ds", source.tokenization, SEQ).encode_sample
+    expected = {tuple(encode(_crude(f"{i:06d}", r))["tokens"])[:SEQ] for i, r in enumerate(energon_data["val"])}
+    got = []
+    for i in range(len(rows)):
+        row = rows[i]
+        assert set(ROW_KEYS) <= set(row) and row["tokens"].shape == (SEQ,)
+        bounds = row["cu_seqlens"].tolist()
+        got += [tuple(row["tokens"][a:b].tolist()) for a, b in zip(bounds, bounds[1:])]
+    assert sorted(got) == sorted(expected)                        # each val sample once, none of train
+    with pytest.raises(ValueError, match=r"^data.train_path: data.energon.validation_split='dev': \S+ has splits "):
+        build_datasets(load_config(_config(tmp_path, energon_data, data={"energon": {"validation_split": "dev"}})))
+
+
 def test_plain_state_round_trips_energon_values():
     import numpy as np
     from megatron.energon.state import FlexState
@@ -162,7 +183,8 @@ def _next_batch_after_restore(config, state_file, out):
 
 def test_training_stops_and_resumes_in_a_new_process_with_the_same_batches(tmp_path, energon_data):
     steps = {"train": {"global_batch_size": 2, "train_steps": 4}, "checkpoint": {"save_interval": 2},
-             "scheduler": {"warmup_steps": 1}}
+             "scheduler": {"warmup_steps": 1}, "validation": {"val_period": 2},
+             "data": {"energon": {**ENERGON["energon"], "validation_split": "val"}}}
     (tmp_path / "full").mkdir()
     full = _config(tmp_path / "full", energon_data, **steps)
     train(full)
@@ -191,6 +213,10 @@ def test_training_stops_and_resumes_in_a_new_process_with_the_same_batches(tmp_p
     assert sorted(b) == [3, 4]
     for step in (3, 4):
         assert a[step]["loss"] == b[step]["loss"] and a[step]["trained_tokens"] == b[step]["trained_tokens"], step
+    val = [[json.loads(r) for r in (tmp_path / run / "out" / "metrics.jsonl").read_text().splitlines()
+            if '"val_loss"' in r] for run in ("full", "resumed")]
+    assert [r["step"] for r in val[0]] == [2, 4] and val[0][1]["val_loss"] == val[1][0]["val_loss"]
+    assert val[0][1]["val_trained_tokens/validation"] > 0
 
     changed = load_config(full, ["data.energon.buffer_size=7"])
     loader = build_datasets(changed)[0].train_loader(changed.loader, 0, 1)

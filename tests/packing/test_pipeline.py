@@ -465,11 +465,11 @@ def test_masks_and_kwargs_are_recorded_and_honoured_by_the_loader(tmp_path, toke
     trained = tok.decode([int(t) for r in range(len(ds)) for t in ds[r]["labels"] if t != -100])
     want = {"all": ["Two.", "Kept.", "Three.", "Four."], "last": ["Two.", "Kept.", "Four."]}[train_on]
     assert sorted(trained.split("<|im_end|>")[:-1]) == sorted(want)
-    other = "last" if train_on == "all" else "all"
+    other = "last" if train_on == "all" else "all"   # the refusals are the sidecar's: the loaded tokenizer is reused
     with pytest.raises(SidecarError, match=f"prompt_format.train_on: packed for '{train_on}', loader has '{other}'"):
-        PackedSFTDataset(out, tok_dir, "chat-template", 512, train_on=other)
+        PackedSFTDataset(out, tok, "chat-template", 512, train_on=other)
     with pytest.raises(SidecarError, match="prompt_format.chat_template_kwargs"):
-        PackedSFTDataset(out, tok_dir, "chat-template", 512, chat_template_kwargs={"enable_thinking": True})
+        PackedSFTDataset(out, tok, "chat-template", 512, chat_template_kwargs={"enable_thinking": True})
 
 
 def test_template_without_stop_signal_warns_once_with_its_name(tmp_path, tokenizer_dir):

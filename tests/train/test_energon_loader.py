@@ -242,7 +242,7 @@ def test_config_refuses_what_the_energon_backend_does_not_read(tmp_path, energon
         load_config(config, ["data.backend=packed"])
     with pytest.raises(ValueError, match=r"data.energon.buffer_size must be"):
         load_config(config, ["data.energon.buffer_size=0"])
-    with pytest.raises(ValueError, match=r"^data.train_path: data.split='dev': \S+ has splits train$"):
+    with pytest.raises(ValueError, match=r"^data.train_path: data.split='dev': \S+ has splits train, val$"):
         build_datasets(load_config(config, ["data.split=dev"]))
     typed = tmp_path / "typed"
     shutil.copytree(energon_data["few"], typed)

@@ -1,3 +1,4 @@
+import functools
 import json
 import os
 import re
@@ -28,13 +29,25 @@ def _head(src: Path, dst: Path, n: int) -> Path:
     return dst
 
 
+@functools.cache
+def _tokenizer(path: str):
+    """The tokenizer at ``path``, loaded once for this file's own counts (the packer runs load theirs)."""
+    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_tokenizers():
+    yield
+    _tokenizer.cache_clear()
+
+
 def _canon(messages) -> str:
     return json.dumps(messages, sort_keys=True, ensure_ascii=False)
 
 
 def _check_invariants(cfg: PackConfig, report):
     """Every input line is in exactly one row or in the report; rows fit; counts are the loader's."""
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = _tokenizer(cfg.tokenizer)
     fmt = get_prompt_format(cfg.prompt_format, tok, pad_token=cfg.pad_token)
     rejected = {(r["input"], r["line"]) for r in report.rejected}
     dropped = {(o["input"], o["line"]) for o in report.oversize if o["action"] == "dropped"}
@@ -704,7 +717,7 @@ def test_length_histogram_shows_lengths_before_the_cut_and_the_dropped(tmp_path,
     # short ones; one tokenized whole, then cut (about 400 tokens); one too long to tokenize whole (estimated)
     records = [conv(1, 3), conv(2, 5), conv(7, 20), conv(60, 20)]
     src = _write_lines(tmp_path / "in.jsonl", records)
-    tok = load_tokenizer(tok_dir)
+    tok = _tokenizer(str(tok_dir))
     fmt = get_prompt_format("chat-template", tok)
     true = [count_conversation_tokens(parse_record(r).messages, Tokenization.of(tok, fmt)) for r in records]
     L = 256

@@ -247,22 +247,29 @@ def import_named(path: str, option: str, example: str, kind: Callable[[Any], boo
     return obj
 
 
-def import_adapter(path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """The ``--adapter`` function named ``pkg.module:fn`` (or ``pkg.module.fn``); raises as :func:`import_named`."""
-    return import_named(path, "--adapter ", "my_pkg.my_module:to_messages")
+def import_adapter(path: str, option: str = "--adapter ") -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The ``--adapter`` function named ``pkg.module:fn`` (or ``pkg.module.fn``); raises as :func:`import_named`
+    (``option``: how the messages name the setting)."""
+    return import_named(path, option, "my_pkg.my_module:to_messages")
 
 
 def adapter_identity(path: str) -> dict[str, str]:
-    """``{"adapter": path, "adapter_sha256": <hash of the file defining it>}`` for the sidecar."""
+    """``{"adapter": path, "adapter_sha256": <hash>}`` for the sidecar and the Energon loader's fingerprint: the
+    SHA-256 (hex, 16 characters) of the file defining the function, or of every ``.py`` file of its package (names
+    and contents, in order) when that file is a package's ``__init__.py``."""
     fn = import_adapter(path)
     try:
-        source = Path(inspect.getfile(fn)).read_bytes()
+        file = Path(inspect.getfile(fn))
+        package = sorted(file.parent.rglob("*.py")) if file.name == "__init__.py" else None
+        source = file.read_bytes() if package is None else b"".join(
+            f"{f.relative_to(file.parent)}\0".encode() + f.read_bytes() + b"\0" for f in package)
     except (TypeError, OSError):
         source = repr(fn).encode()
     return {"adapter": path, "adapter_sha256": hashlib.sha256(source).hexdigest()[:16]}
 
 
-def record_converter(record_format: str, adapter: str | None) -> Callable[[Any], Any] | None:
+def record_converter(record_format: str, adapter: str | None,
+                     option: str = "--adapter ") -> Callable[[Any], Any] | None:
     """The function that turns one decoded record into a ``messages`` record, or None when none is needed.
 
     Args:
@@ -273,7 +280,7 @@ def record_converter(record_format: str, adapter: str | None) -> Callable[[Any],
         ValueError: an adapter that does not import (:func:`import_named`).
     """
     if adapter:
-        return _checked(import_adapter(adapter), adapter)
+        return _checked(import_adapter(adapter, option), adapter)
     return {"sharegpt": sharegpt_to_messages, "alpaca": alpaca_to_messages}.get(record_format)
 
 

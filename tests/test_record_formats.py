@@ -95,6 +95,22 @@ def test_adapter_from_pythonpath_reports_failures_per_line(tmp_path, tokenizer_d
         _pack(tmp_path, tokenizer_dir, [ALPACA], adapter="my_adapter:to_messages", record_format="alpaca")
 
 
+def test_an_adapter_in_a_package_is_identified_by_every_file_of_the_package(tmp_path, monkeypatch):
+    from packsft.record_formats import adapter_identity
+
+    pkg = tmp_path / "qa_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from qa_pkg.helpers import turn\n\n"
+                                     "def to_messages(r):\n    return {'messages': [turn('user', r['q'])]}\n")
+    (pkg / "helpers.py").write_text("def turn(role, text):\n    return {'role': role, 'content': text}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = adapter_identity("qa_pkg:to_messages")
+    (pkg / "helpers.py").write_text((pkg / "helpers.py").read_text() + "# edited\n")
+    assert adapter_identity("qa_pkg:to_messages")["adapter_sha256"] != first["adapter_sha256"]
+    for name in ("qa_pkg", "qa_pkg.helpers"):
+        sys.modules.pop(name, None)
+
+
 def test_sharegpt_function_call_turns_become_tool_calls():
     record = {"conversations": [
         {"from": "human", "value": "Weather in Paris?"},

@@ -12,11 +12,11 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from packsft.conversation import ConversationError, parse_record
-from packsft.jsonl import loads_line
+from packsft.conversation import ConversationError
 from packsft.layout import conversation_cost
 from packsft.packing import energon
 from packsft.packing.config import PackConfig
+from packsft.packing.records import parse_line
 from packsft.packing.shards import Shard, ShardResult, read_shard
 from packsft.packing.signals import STOP_SIGNALS
 from packsft.packing.split import split_conversation
@@ -28,7 +28,7 @@ from packsft.prompt_formats import (
     tokenize_conversations,
     unrendered,
 )
-from packsft.record_formats import ROW_JSON, RecordFormatError, record_converter, source_field
+from packsft.record_formats import ROW_JSON, record_converter, source_field
 from packsft.token_cache import encode_runs, stored_length
 
 _BATCH = 64
@@ -297,7 +297,9 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
     text_only = energon.is_energon(path)  # an Energon sample: refused with media
     for line, _, text, decode_error in items:
         try:
-            parsed.append(_parse_line(state, path, line, text, decode_error, text_only))
+            parsed.append(parse_line(path, line, text, decode_error, state.convert, cfg.record_format, text_only,
+                                     input_key=cfg.input_key, output_key=cfg.output_key,
+                                     default_system_prompt=cfg.default_system_prompt))
         except ConversationError as e:
             parsed.append(_rejected(f"{e.field + ': ' if e.field else ''}{e.reason}"))
     whole = [i for i, p in enumerate(parsed) if p[0] is not None and tokenized_whole(p[0], cfg)]
@@ -312,34 +314,6 @@ def _process_lines(state: WorkerState, path: str, items: list[tuple[int, int, st
 
 def _rejected(reason: str) -> tuple:
     return None, None, reason, False, None, None, None
-
-
-def _parse_line(state: WorkerState, path: str, line: int, text: str | None, decode_error: str | None,
-                text_only: bool = False):
-    """``(conv, record, source)`` of one input line: its :class:`Conversation`, its record (converted) and the
-    record as read. ``text_only``: refuse a record with media (an Energon sample,
-    :func:`packsft.packing.energon.check_text_only`).
-
-    Raises:
-        ConversationError: the line is not a valid record (naming the input's own field).
-    """
-    cfg = state.cfg
-    record = loads_line(text, path, line, decode_error)
-    if text_only:
-        energon.check_text_only(record, path, line)
-    source = record
-    if state.convert is not None:
-        try:
-            record = state.convert(record)
-        except RecordFormatError as e:
-            raise ConversationError(path, line, "", str(e)) from e
-    try:
-        conv = parse_record(record, path, line, input_key=cfg.input_key, output_key=cfg.output_key,
-                            default_system_prompt=cfg.default_system_prompt)
-    except ConversationError as e:  # name the input's own field (ShareGPT's conversations[j].value)
-        e.field = source_field(cfg.record_format, source, e.field)
-        raise
-    return conv, record, source
 
 
 def _finish_line(state: WorkerState, conv, record, source, first, known=None) -> tuple:

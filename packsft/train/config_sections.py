@@ -18,6 +18,7 @@ from packsft.config_rules import (
     POSITIVE,
     SEED,
     Exclusive,
+    Needs,
     at_most,
     check_fields,
     gt,
@@ -33,6 +34,7 @@ AUTOCAST_DTYPES = ("bfloat16", "float16")
 LOSS_NORMALIZATIONS = ("token", "conversation")
 MIXTURE_UNITS = ("rows", "trained_tokens")
 DATA_BACKENDS = ("packed", "energon")
+ENERGON_RECORD_FORMATS = ("messages", "sharegpt", "alpaca")
 
 
 @dataclass
@@ -90,9 +92,20 @@ class EnergonConfig:
     balanced_knapsack_delta: int = field(default=0, metadata=rules(*NON_NEGATIVE))
     """Rows opened beyond ``ceil(tokens / max_seq_len)`` of a buffer before packing: more spreads its conversations
     over more, emptier rows (balanced greedy knapsack)."""
+    record_format: str = field(default="messages", metadata=rules(one_of(ENERGON_RECORD_FORMATS)))
+    """What each sample's ``json`` member holds: ``messages`` (OpenAI), ``sharegpt`` or ``alpaca`` records,
+    converted as the packer's ``--format`` converts them."""
+    adapter: str | None = None
+    """Import path ``pkg.module:fn`` of a function turning one record into ``{"messages": [...], "tools"?: [...]}``,
+    as the packer's ``--adapter`` (with ``record_format: messages``); the SHA-256 of its file, or of every file of
+    its package, is part of the loader's fingerprint."""
     validation_split: str | None = None
     """A split of ``data.train_path`` (e.g. ``val``) validated as the set ``validation``: every sample, packed once
     at start (null: no validation set)."""
+
+    relations: ClassVar = (
+        Needs("adapter", ("record_format", "messages"), "an adapter replaces the record format"),
+    )
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field for invalid values."""

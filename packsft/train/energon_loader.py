@@ -2,9 +2,9 @@
 savable loader, packed into rows while training, each micro-batch exactly what ``collate_rows`` makes of
 ``PackedSFTDataset`` rows (same keys, dtypes, shapes).
 
-Each sample's ``json`` member is checked and tokenized as the packer does it (:func:`packsft.jsonl.loads_line`,
-:func:`packsft.packing.energon.check_text_only`, :func:`packsft.conversation.parse_record`,
-:func:`packsft.prompt_formats.tokenize_conversation`); an invalid sample stops the run with an
+Each sample's ``json`` member is checked, converted (``data.energon.record_format``, ``adapter``) and tokenized as the
+packer does it (:func:`packsft.packing.records.parse_line`, :func:`packsft.prompt_formats.tokenize_conversation`);
+an invalid sample stops the run with an
 :class:`EnergonSampleError` naming ``dataset: shard: sample KEY: field: reason``. Energon's ``PackingDataset``
 hands the task encoder buffers of ``data.energon.buffer_size`` conversations; :func:`balanced_greedy_knapsack`
 groups them into rows of ``max_seq_len`` tokens (each conversation padded to :func:`packsft.layout.conversation_cost`)
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +31,23 @@ import yaml
 from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset, stateless
 from megatron.energon.errors import reraise_exception
 
-from packsft.conversation import parse_record
 from packsft.data.collate import collate_rows
 from packsft.data.dataset import RowError
 from packsft.data.row import build_row
-from packsft.jsonl import ConversationError, loads_line
+from packsft.jsonl import ConversationError
 from packsft.layout import conversation_cost
 from packsft.packing.energon import (
     META,
     PAYLOAD,
-    check_text_only,
     dataset_above,
     is_energon,
     iter_samples,
     payload_text,
 )
+from packsft.packing.records import parse_line
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
+from packsft.record_formats import adapter_identity, record_converter
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 STATE_KIND = "energon"
@@ -106,15 +107,19 @@ class ConversationEncoder(DefaultTaskEncoder):
         tokenization: tokenizer and bound prompt format (the packer's tokenization of each conversation).
         max_seq_len, context_parallel_size: the row length ``L`` and CP size (conversation padding).
         delta, max_per_bin: :func:`balanced_greedy_knapsack`'s.
+        record_format, convert: the records' format and ``packsft.record_formats.record_converter``'s function
+            for it (or the adapter's), None for ``messages`` records.
     """
 
     cookers = (Cooker(_crude),)
     decoder = None  # members stay bytes: the json member is parsed here, as the packer parses it
 
     def __init__(self, dataset: str, tokenization: Tokenization, max_seq_len: int, context_parallel_size: int = 1,
-                 delta: int = 0, max_per_bin: int | None = None) -> None:
+                 delta: int = 0, max_per_bin: int | None = None, record_format: str = "messages",
+                 convert: Callable[[Any], Any] | None = None) -> None:
         super().__init__()
         self.dataset, self.tokenization = dataset, tokenization
+        self.record_format, self.convert = record_format, convert
         self.max_seq_len, self.cp, self.delta, self.max_per_bin = max_seq_len, context_parallel_size, delta, max_per_bin
         self._cut: set[str] = set()
 
@@ -131,9 +136,7 @@ class ConversationEncoder(DefaultTaskEncoder):
         where = f"{self.dataset}: {shard}: sample {sample['__key__']}"
         _, text, problem = payload_text(sample.get(PAYLOAD), None)
         try:
-            record = loads_line(text, self.dataset, 0, problem)
-            check_text_only(record, self.dataset, 0)
-            conv = parse_record(record, self.dataset, 0)
+            conv, _, _ = parse_line(self.dataset, 0, text, problem, self.convert, self.record_format, text_only=True)
             tokens, targets = tokenize_conversation(conv.messages, self.tokenization, conv.tools,
                                                     conv.chat_template_kwargs)
         except (ConversationError, PromptFormatError) as err:
@@ -209,6 +212,7 @@ class EnergonTrainSource:
             raise ValueError(f"data.train_path: {self.path} was prepared with {kind}; the trainer reads each "
                              "sample's json member as it comes: prepare it again with energon prepare "
                              f"{self.path} --sample-type CrudeWebdataset --force-overwrite")
+        self.convert = record_converter(data.energon.record_format, data.energon.adapter, "data.energon.adapter=")
         self.tokenizer = load_tokenizer(data.tokenizer)
         spec = TokenizationSpec(data.tokenizer, data.prompt_format, data.pad_token, data.chat_template)
         self.tokenization = Tokenization.of(self.tokenizer, spec.bind(self.tokenizer))
@@ -227,6 +231,8 @@ class EnergonTrainSource:
                 "parallel.context_parallel_size": self.parallel.context_parallel_size,
                 **{f"data.energon.{f.name}": getattr(e, f.name) for f in dataclasses.fields(e)
                    if f.name != "validation_split"},     # validation does not move the training data
+                "data.energon.adapter (SHA-256 of its source)":
+                    e.adapter and adapter_identity(e.adapter)["adapter_sha256"],
                 "loader.micro_batch_size": loader.micro_batch_size, "loader.seed": loader.seed,
                 "data-parallel size": dp_size}
 
@@ -239,7 +245,7 @@ class EnergonTrainSource:
         e = self.data.energon
         return ConversationEncoder(self.path, self.tokenization, self.data.max_seq_len,
                                    self.parallel.context_parallel_size, e.balanced_knapsack_delta,
-                                   e.max_sequences_per_bin)
+                                   e.max_sequences_per_bin, e.record_format, self.convert)
 
 
 class EnergonValidationSet:

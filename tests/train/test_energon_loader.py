@@ -152,6 +152,43 @@ def test_the_validation_split_is_packed_once_into_rows_of_its_samples(tmp_path, 
         build_datasets(load_config(_config(tmp_path, energon_data, data={"energon": {"validation_split": "dev"}})))
 
 
+def test_an_adapter_converts_each_sample_and_its_source_is_in_the_fingerprint(tmp_path, energon_data, monkeypatch):
+    """``data.energon.adapter``: the packer's ``--adapter`` for the trainer; an edit of its file changes the
+    fingerprint (a resume would be refused), a wrong path or a record format beside it is refused at start."""
+    (tmp_path / "qa_adapter.py").write_text(
+        "def to_messages(r):\n"
+        "    return {'messages': [{'role': 'user', 'content': r['q']}, {'role': 'assistant', 'content': r['a']}]}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pairs = [(f"What is {i} + {i}?", f"{2 * i}.") for i in range(4)]
+    samples = [(f"{i:06d}", {"q": q, "a": a}) for i, (q, a) in enumerate(pairs)]
+    qa = _prepare(tmp_path / "qa", {"shard-000000.tar": samples}, ["train:shard-000000.tar"])
+    adapter = {"energon": {**ENERGON["energon"], "adapter": "qa_adapter:to_messages"}}
+    cfg = load_config(_config(tmp_path, {**energon_data, "few": qa}, data=adapter))
+    source, _ = build_datasets(cfg)
+    loader = source.train_loader(cfg.loader, 0, 1)
+    batch = next(iter(loader))
+    bounds, tokens = batch["cu_seqlens"].tolist(), batch["tokens"][0].tolist()
+    encode = ConversationEncoder("ds", source.tokenization, SEQ).encode_sample
+    expected = {tuple(encode(_crude("0", {"messages": [{"role": "user", "content": q},
+                                                       {"role": "assistant", "content": a}]}))["tokens"])
+                for q, a in pairs}
+    assert {tuple(tokens[a:b]) for a, b in zip(bounds, bounds[1:])} <= expected and len(bounds) > 1
+
+    key = "data.energon.adapter (SHA-256 of its source)"
+    before = loader.fingerprint
+    (tmp_path / "qa_adapter.py").write_text((tmp_path / "qa_adapter.py").read_text() + "# edited\n")
+    after = build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1).fingerprint
+    assert before["settings"][key] != after["settings"][key]
+    assert fingerprint_changes(before, after) == [f"{key}: checkpoint {before['settings'][key]!r}, "
+                                                  f"now {after['settings'][key]!r}"]
+    with pytest.raises(ValueError, match=r"^data.energon.adapter='qa_adapter:nope' does not resolve"):
+        build_datasets(load_config(_config(tmp_path, energon_data, data={"energon": {
+            "adapter": "qa_adapter:nope"}})))
+    with pytest.raises(ValueError, match=r"data.energon.adapter needs data.energon.record_format"):
+        load_config(_config(tmp_path, energon_data, data={"energon": {"adapter": "qa_adapter:to_messages",
+                                                                      "record_format": "sharegpt"}}))
+
+
 def test_plain_state_round_trips_energon_values():
     import numpy as np
     from megatron.energon.state import FlexState

@@ -99,6 +99,8 @@ class EnergonConfig:
     """Import path ``pkg.module:fn`` of a function turning one record into ``{"messages": [...], "tools"?: [...]}``,
     as the packer's ``--adapter`` (with ``record_format: messages``); the SHA-256 of its file, or of every file of
     its package, is part of the loader's fingerprint."""
+    skip_invalid_samples: bool = False
+    """Warn about an invalid sample (naming dataset, shard, key and field) and skip it; false: it stops the run."""
     validation_split: str | None = None
     """A split of ``data.train_path`` (e.g. ``val``) validated as the set ``validation``: every sample, packed once
     at start (null: no validation set)."""

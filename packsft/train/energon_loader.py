@@ -18,6 +18,7 @@ data-parallel layout); :meth:`EnergonTrainLoader.load_state_dict` refuses a chan
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import warnings
@@ -28,7 +29,15 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
-from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset, stateless
+from megatron.energon import (
+    Cooker,
+    DefaultTaskEncoder,
+    SkipSample,
+    WorkerConfig,
+    get_savable_loader,
+    get_train_dataset,
+    stateless,
+)
 from megatron.energon.errors import reraise_exception
 
 from packsft.data.collate import collate_rows
@@ -109,6 +118,8 @@ class ConversationEncoder(DefaultTaskEncoder):
         delta, max_per_bin: :func:`balanced_greedy_knapsack`'s.
         record_format, convert: the records' format and ``packsft.record_formats.record_converter``'s function
             for it (or the adapter's), None for ``messages`` records.
+        skip_invalid: warn about an invalid sample (the error's text, ``; skipped``) and skip it, instead of
+            stopping the run.
     """
 
     cookers = (Cooker(_crude),)
@@ -116,10 +127,10 @@ class ConversationEncoder(DefaultTaskEncoder):
 
     def __init__(self, dataset: str, tokenization: Tokenization, max_seq_len: int, context_parallel_size: int = 1,
                  delta: int = 0, max_per_bin: int | None = None, record_format: str = "messages",
-                 convert: Callable[[Any], Any] | None = None) -> None:
+                 convert: Callable[[Any], Any] | None = None, skip_invalid: bool = False) -> None:
         super().__init__()
         self.dataset, self.tokenization = dataset, tokenization
-        self.record_format, self.convert = record_format, convert
+        self.record_format, self.convert, self.skip_invalid = record_format, convert, skip_invalid
         self.max_seq_len, self.cp, self.delta, self.max_per_bin = max_seq_len, context_parallel_size, delta, max_per_bin
         self._cut: set[str] = set()
 
@@ -129,7 +140,7 @@ class ConversationEncoder(DefaultTaskEncoder):
 
         Raises:
             EnergonSampleError: no or undecodable ``json`` member, invalid JSON or record, media, or a conversation
-                the prompt format cannot tokenize.
+                the prompt format cannot tokenize; with ``skip_invalid``, Energon's ``SkipSample`` after a warning.
         """
         sources = sample.get("__sources__") or ()
         shard = sources[0].shard_name if sources else sample.get("__shard__", "?")
@@ -141,7 +152,11 @@ class ConversationEncoder(DefaultTaskEncoder):
                                                     conv.chat_template_kwargs)
         except (ConversationError, PromptFormatError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, ConversationError) else ("messages", err)
-            raise EnergonSampleError(f"{where}: {field + ': ' if field else ''}{reason}") from None
+            text = f"{where}: {field + ': ' if field else ''}{reason}"
+            if not self.skip_invalid:
+                raise EnergonSampleError(text) from None
+            warnings.warn(f"{text}; skipped (data.energon.skip_invalid_samples)", UserWarning, stacklevel=2)
+            raise SkipSample() from None
         return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
                 "tokens": tokens, "targets": targets}
 
@@ -245,7 +260,7 @@ class EnergonTrainSource:
         e = self.data.energon
         return ConversationEncoder(self.path, self.tokenization, self.data.max_seq_len,
                                    self.parallel.context_parallel_size, e.balanced_knapsack_delta,
-                                   e.max_sequences_per_bin, e.record_format, self.convert)
+                                   e.max_sequences_per_bin, e.record_format, self.convert, e.skip_invalid_samples)
 
 
 class EnergonValidationSet:
@@ -261,9 +276,11 @@ class EnergonValidationSet:
 
     def __init__(self, source: EnergonTrainSource, split: str) -> None:
         self.path, self.split, self.encoder = source.path, split, source.encoder()
-        samples = [self.encoder.encode_sample({"__key__": key, "__restore_key__": None, "__shard__": shard,
-                                               PAYLOAD: payload})
-                   for _, shard, key, payload in iter_samples(source.path, split)]
+        samples = []
+        for _, shard, key, payload in iter_samples(source.path, split):
+            with contextlib.suppress(SkipSample):    # skip_invalid_samples: warned
+                samples.append(self.encoder.encode_sample({"__key__": key, "__restore_key__": None, "__shard__": shard,
+                                                           PAYLOAD: payload}))
         self.rows = self.encoder.select_samples_to_pack(samples)
 
     def __len__(self) -> int:

@@ -88,6 +88,16 @@ def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_da
     with pytest.raises(RowError, match=r"^\S*bad: shard-000000.tar: sample 000001: messages\[1\]\.role"):
         next(iter(loader))                                        # from a worker: one line, as tools/train.py prints
 
+    skip = load_config(_config(tmp_path, {**energon_data, "few": bad}, data={"energon": {
+        "shuffle_buffer_size": 1, "skip_invalid_samples": True, "validation_split": "train"}}))
+    with pytest.warns(UserWarning, match=r"bad: shard-000000.tar: sample 000001: messages\[1\]\.role: .*; skipped"):
+        source, val = build_datasets(skip)                        # the validation split reads it too
+        batch = next(iter(source.train_loader(skip.loader, 0, 1)))
+    good = tuple(encoder.encode_sample(_crude("000000", energon_data["records"][0]))["tokens"])
+    for row in (batch, val["validation"][0]):
+        bounds, tokens = row["cu_seqlens"].tolist(), row["tokens"].reshape(-1).tolist()
+        assert {tuple(tokens[a:b]) for a, b in zip(bounds, bounds[1:])} == {good}     # BAD left out
+
 
 def test_a_row_of_the_encoder_equals_the_packed_datasets_row(tmp_path, energon_data):
     records = energon_data["records"][:5]

@@ -152,10 +152,10 @@ class ConversationEncoder(DefaultTaskEncoder):
                                                     conv.chat_template_kwargs)
         except (ConversationError, PromptFormatError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, ConversationError) else ("messages", err)
-            text = f"{where}: {field + ': ' if field else ''}{reason}"
+            message = f"{where}: {field + ': ' if field else ''}{reason}"
             if not self.skip_invalid:
-                raise EnergonSampleError(text) from None
-            warnings.warn(f"{text}; skipped (data.energon.skip_invalid_samples)", UserWarning, stacklevel=2)
+                raise EnergonSampleError(message) from None
+            warnings.warn(f"{message}; skipped (data.energon.skip_invalid_samples)", UserWarning, stacklevel=2)
             raise SkipSample() from None
         return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
                 "tokens": tokens, "targets": targets}

@@ -110,7 +110,8 @@ def test_a_shard_result_survives_the_ray_encoding_whole():
 
 
 def test_ray_engine_without_ray_says_which_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", None)
+    for name in ("ray", "ray.data"):   # ray.data too: the cluster tests before this one imported it
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ValueError, match=r"pip install 'packsft\[ray\]'"):
         with ray_engine.ray_session(None):
             pass

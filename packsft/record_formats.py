@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -223,7 +225,8 @@ def alpaca_to_messages(record: Any) -> dict[str, Any]:
 def import_named(path: str, option: str, example: str, kind: Callable[[Any], bool] = callable,
                  noun: str = "a callable") -> Any:
     """The object a user names by import path, ``pkg.module:name`` or ``pkg.module.name`` (``--adapter``, the
-    loader's ``sampler_class_path``), from ``PYTHONPATH``.
+    loader's ``sampler_class_path``), from ``PYTHONPATH``; or by file, ``path/to/file.py:name`` (a package's
+    ``path/to/pkg/__init__.py:name`` imports it as the package ``pkg``, so its relative imports work).
 
     Args:
         option: how the path was given, the messages' prefix (``"--adapter "``, ``"sampler_class_path="``).
@@ -239,12 +242,30 @@ def import_named(path: str, option: str, example: str, kind: Callable[[Any], boo
     if not module_name or not attr:
         raise ValueError(f"{option}{path!r} is not an import path like '{example}'")
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
+        obj = getattr(_import_file(Path(module_name)) if sep and module_name.endswith(".py") else
+                      importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, OSError) as err:
         raise ValueError(f"{option}{path!r} does not resolve ({err}); is its folder on PYTHONPATH?") from err
     if not kind(obj):
         raise ValueError(f"{option}{path!r} is a {type(obj).__name__}, not {noun}")
     return obj
+
+
+def _import_file(file: Path):
+    """The module of the Python file ``file`` (a package when it is an ``__init__.py``), kept in ``sys.modules``
+    under its name so that worker processes and pickles find it again."""
+    package = file.name == "__init__.py"
+    name = file.parent.name if package else f"packsft_plugin_{file.stem}"
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(file.resolve()):
+        return sys.modules[name]
+    if not file.is_file():
+        raise FileNotFoundError(f"no Python file {file}")
+    spec = importlib.util.spec_from_file_location(name, file.resolve(), submodule_search_locations=[
+        str(file.resolve().parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def import_adapter(path: str, option: str = "--adapter ") -> Callable[[dict[str, Any]], dict[str, Any]]:

@@ -248,3 +248,23 @@ def test_adapter_returning_non_json_values_rejects_the_line(tmp_path, tokenizer_
     assert [(r["line"], "returned a record that is not JSON" in r["reason"]) for r in report.rejected] \
         == [(2, True), (3, True), (4, True)]
     assert len(out.read_text().splitlines()) == 1
+
+
+def test_an_adapter_named_by_its_file_is_loaded_from_it(tmp_path):
+    from packsft.record_formats import adapter_identity
+
+    (tmp_path / "qa.py").write_text("def to_messages(r):\n"
+                                    "    return {'messages': [{'role': 'user', 'content': r['q']}, "
+                                    "{'role': 'assistant', 'content': r['a']}]}\n")
+    pkg = tmp_path / "qa_files_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .helpers import to_messages  # noqa: F401\n")
+    (pkg / "helpers.py").write_text("def to_messages(r):\n    return {'messages': []}\n")
+    by_file = import_adapter(f"{tmp_path / 'qa.py'}:to_messages")
+    assert by_file({"q": "1?", "a": "1"})["messages"][1] == {"role": "assistant", "content": "1"}
+    assert import_adapter(f"{pkg / '__init__.py'}:to_messages")({})["messages"] == []   # its relative import works
+    assert len(adapter_identity(f"{tmp_path / 'qa.py'}:to_messages")["adapter_sha256"]) == 16
+    with pytest.raises(ValueError, match=r"^--adapter '\S+nope.py:f' does not resolve \(no Python file "):
+        import_adapter(f"{tmp_path / 'nope.py'}:f")
+    for name in ("packsft_plugin_qa", "qa_files_pkg", "qa_files_pkg.helpers"):
+        sys.modules.pop(name, None)

@@ -175,8 +175,8 @@ class PackConfig:
         "(conversations: [{from, value}]) or alpaca (instruction, input, output)", dest="record_format",
         choices=RECORD_FORMATS))
     adapter: str | None = field(default=None, metadata=cli(
-        "--adapter", "a function turning one record into {'messages': [...], 'tools': [...]}, from PYTHONPATH",
-        metavar="PKG.MODULE:FN"))
+        "--adapter", "a function turning one record into {'messages': [...], 'tools': [...]}, from PYTHONPATH "
+        "(or FILE.py:FN)", metavar="PKG.MODULE:FN"))
     input_key: str | None = field(default=None, metadata=cli("--input-key", "prompt field of prompt/response records"))
     output_key: str | None = field(default=None, metadata=cli(
         "--output-key", "response field of prompt/response records"))

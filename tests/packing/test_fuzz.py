@@ -1,6 +1,5 @@
 """Fuzz the packer with random and mutated JSONL: it never crashes, accounts for every line, writes complete sets."""
 
-import functools
 import json
 from pathlib import Path
 
@@ -9,13 +8,12 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from test_dataset import load_cached, packer_loads_each_tokenizer_once  # noqa: E402, F401 - fixture
 
 from packsft.data.dataset import PackedSFTDataset  # noqa: E402
 from packsft.packing.config import PackConfig, PackError  # noqa: E402
 from packsft.packing.pipeline import run_pack  # noqa: E402
-from packsft.prompt_formats import spec  # noqa: E402
 from packsft.sidecar import check_rows_file, read_sidecar  # noqa: E402
-from packsft.tokenizer import load_tokenizer  # noqa: E402
 
 TOK = "smollm2-135m-instruct"
 L = 64
@@ -51,22 +49,13 @@ line = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir):
-    """The tokenizer, loaded once: the packer's ``load_tokenizer`` is memoized for this module's examples."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(spec, "load_tokenizer", functools.lru_cache(load_tokenizer))
-        yield spec.load_tokenizer(str(tokenizer_dir(TOK)))   # the key run_pack loads it by
-
-
 @pytest.mark.slow
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(lines=st.lists(line, min_size=1, max_size=12), oversize=st.sampled_from(["own-row", "drop"]),
        crlf=st.booleans())
 @example(lines=[b'{"messages": [{"role": "user", "content": ""}]}'], oversize="own-row", crlf=False)  # trains nothing
-def test_random_jsonl_is_packed_or_reported_line_by_line(tmp_path_factory, tokenizer_dir, tokenizer, lines, oversize,
-                                                         crlf):
+def test_random_jsonl_is_packed_or_reported_line_by_line(tmp_path_factory, tokenizer_dir, lines, oversize, crlf):
     d = tmp_path_factory.mktemp("fuzz")
     src = d / "in.jsonl"
     src.write_bytes(b"".join(x + (b"\r\n" if crlf else b"\n") for x in lines))
@@ -89,7 +78,7 @@ def test_random_jsonl_is_packed_or_reported_line_by_line(tmp_path_factory, token
     meta = read_sidecar(out)
     assert check_rows_file(meta, out, verify_hash=True)
     assert meta["counts"]["packed_conversations"] == report.packed_conversations
-    ds = PackedSFTDataset(out, tokenizer, "chat-template", L)
+    ds = PackedSFTDataset(out, load_cached(tokenizer_dir(TOK)), "chat-template", L)
     assert len(ds) == report.rows
     assert sum(len(ds.tokenize_row(i)) for i in range(len(ds))) == report.packed_conversations
     for i in range(len(ds)):

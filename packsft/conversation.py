@@ -115,7 +115,7 @@ def optional_text_rule(key: str, note: str = "") -> Rule:
 
 _MESSAGES_RECORD_RULES = (
     RECORD_OBJECT,
-    ("messages", lambda r: "messages" in r, "missing (or pass input/output keys for prompt/response records)"),
+    ("messages", lambda r: "messages" in r, "missing (records of another shape: set their format, or an adapter)"),
 )
 """What a ``messages`` record must be before its messages are checked (:func:`validate_messages`)."""
 

@@ -276,14 +276,16 @@ def import_adapter(path: str, option: str = "--adapter ") -> Callable[[dict[str,
 
 def adapter_identity(path: str) -> dict[str, str]:
     """``{"adapter": path, "adapter_sha256": <hash>}`` for the sidecar and the Energon loader's fingerprint: the
-    SHA-256 (hex, 16 characters) of the file defining the function, or of every ``.py`` file of its package (names
-    and contents, in order) when that file is a package's ``__init__.py``."""
+    SHA-256 (hex, 16 characters) of the file defining the function or, when that file is part of a package, of
+    every ``.py`` file of its top-level package (names and contents, in order)."""
     fn = import_adapter(path)
     try:
         file = Path(inspect.getfile(fn))
-        package = sorted(file.parent.rglob("*.py")) if file.name == "__init__.py" else None
-        source = file.read_bytes() if package is None else b"".join(
-            f"{f.relative_to(file.parent)}\0".encode() + f.read_bytes() + b"\0" for f in package)
+        root = file.parent if (file.parent / "__init__.py").is_file() else None
+        while root is not None and (root.parent / "__init__.py").is_file():
+            root = root.parent                                   # the top-level package: its helpers count too
+        source = file.read_bytes() if root is None else b"".join(
+            f"{f.relative_to(root)}\0".encode() + f.read_bytes() + b"\0" for f in sorted(root.rglob("*.py")))
     except (TypeError, OSError):
         source = repr(fn).encode()
     return {"adapter": path, "adapter_sha256": hashlib.sha256(source).hexdigest()[:16]}

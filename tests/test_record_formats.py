@@ -104,9 +104,11 @@ def test_an_adapter_in_a_package_is_identified_by_every_file_of_the_package(tmp_
                                      "def to_messages(r):\n    return {'messages': [turn('user', r['q'])]}\n")
     (pkg / "helpers.py").write_text("def turn(role, text):\n    return {'role': role, 'content': text}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    first = adapter_identity("qa_pkg:to_messages")
+    first, in_module = adapter_identity("qa_pkg:to_messages"), adapter_identity("qa_pkg.helpers:turn")
     (pkg / "helpers.py").write_text((pkg / "helpers.py").read_text() + "# edited\n")
     assert adapter_identity("qa_pkg:to_messages")["adapter_sha256"] != first["adapter_sha256"]
+    (pkg / "__init__.py").write_text((pkg / "__init__.py").read_text() + "# edited\n")   # a module's package too
+    assert adapter_identity("qa_pkg.helpers:turn")["adapter_sha256"] != in_module["adapter_sha256"]
     for name in ("qa_pkg", "qa_pkg.helpers"):
         sys.modules.pop(name, None)
 

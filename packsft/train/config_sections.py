@@ -98,7 +98,7 @@ class EnergonConfig:
     adapter: str | None = None
     """Import path ``pkg.module:fn`` (or ``path/to/file.py:fn``) of a function turning one record into
     ``{"messages": [...], "tools"?: [...]}``, as the packer's ``--adapter`` (with ``record_format: messages``); the
-    SHA-256 of its file, or of every file of its package, is part of the loader's fingerprint."""
+    SHA-256 of its file, or of every file of its top-level package, is part of the loader's fingerprint."""
     skip_invalid_samples: bool = False
     """Warn about an invalid sample (naming dataset, shard, key and field) and skip it; false: it stops the run."""
     validation_split: str | None = None

@@ -2,10 +2,9 @@
 savable loader, packed into rows while training, each micro-batch exactly what ``collate_rows`` makes of
 ``PackedSFTDataset`` rows (same keys, dtypes, shapes).
 
-Each sample's ``json`` member is checked, converted (``data.energon.record_format``, ``adapter``) and tokenized as the
-packer does it (:func:`packsft.packing.records.parse_line`, :func:`packsft.prompt_formats.tokenize_conversation`);
-an invalid sample stops the run with an
-:class:`EnergonSampleError` naming ``dataset: shard: sample KEY: field: reason``. Energon's ``PackingDataset``
+Each sample's ``json`` member is checked, converted and tokenized as the packer does it
+(:func:`packsft.packing.records.parse_line`, :func:`packsft.prompt_formats.tokenize_conversation`); an invalid
+sample stops the run (or is skipped) with ``dataset: shard: sample KEY: field: reason``. Energon's ``PackingDataset``
 hands the task encoder buffers of ``data.energon.buffer_size`` conversations; :func:`balanced_greedy_knapsack`
 groups them into rows of ``max_seq_len`` tokens (each conversation padded to :func:`packsft.layout.conversation_cost`)
 and :func:`packsft.data.row.build_row` builds each row. A conversation longer than a row gets a row of its own and is
@@ -21,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -45,14 +45,7 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError
 from packsft.layout import conversation_cost
-from packsft.packing.energon import (
-    META,
-    PAYLOAD,
-    dataset_above,
-    is_energon,
-    iter_samples,
-    payload_text,
-)
+from packsft.packing.energon import META, PAYLOAD, dataset_above, is_energon, iter_samples, payload_text
 from packsft.packing.records import parse_line
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
@@ -118,8 +111,8 @@ class ConversationEncoder(DefaultTaskEncoder):
         delta, max_per_bin: :func:`balanced_greedy_knapsack`'s.
         record_format, convert: the records' format and ``packsft.record_formats.record_converter``'s function
             for it (or the adapter's), None for ``messages`` records.
-        skip_invalid: warn about an invalid sample (the error's text, ``; skipped``) and skip it, instead of
-            stopping the run.
+        skip_invalid: print a warning about an invalid sample (the error's text, ``; skipped``) and skip it,
+            instead of stopping the run; ``num_samples`` (the split's) invalid in a row stop it all the same.
     """
 
     cookers = (Cooker(_crude),)
@@ -127,10 +120,12 @@ class ConversationEncoder(DefaultTaskEncoder):
 
     def __init__(self, dataset: str, tokenization: Tokenization, max_seq_len: int, context_parallel_size: int = 1,
                  delta: int = 0, max_per_bin: int | None = None, record_format: str = "messages",
-                 convert: Callable[[Any], Any] | None = None, skip_invalid: bool = False) -> None:
+                 convert: Callable[[Any], Any] | None = None, skip_invalid: bool = False,
+                 num_samples: int | None = None) -> None:
         super().__init__()
         self.dataset, self.tokenization = dataset, tokenization
         self.record_format, self.convert, self.skip_invalid = record_format, convert, skip_invalid
+        self.num_samples, self._skipped_in_a_row = num_samples, 0
         self.max_seq_len, self.cp, self.delta, self.max_per_bin = max_seq_len, context_parallel_size, delta, max_per_bin
         self._cut: set[str] = set()
 
@@ -140,12 +135,15 @@ class ConversationEncoder(DefaultTaskEncoder):
 
         Raises:
             EnergonSampleError: no or undecodable ``json`` member, invalid JSON or record, media, or a conversation
-                the prompt format cannot tokenize; with ``skip_invalid``, Energon's ``SkipSample`` after a warning.
+                the prompt format cannot tokenize; with ``skip_invalid``, Energon's ``SkipSample`` after a warning,
+                unless it is the split's ``num_samples``-th in a row (a pass with nothing to train).
         """
         sources = sample.get("__sources__") or ()
         shard = sources[0].shard_name if sources else sample.get("__shard__", "?")
         where = f"{self.dataset}: {shard}: sample {sample['__key__']}"
         _, text, problem = payload_text(sample.get(PAYLOAD), None)
+        if PAYLOAD not in sample and (members := sorted(k for k in sample if not k.startswith("__"))):
+            problem += f" (its members: {', '.join(members)}; a sample KEY holds KEY.{PAYLOAD})"
         try:
             conv, _, _ = parse_line(self.dataset, 0, text, problem, self.convert, self.record_format, text_only=True)
             tokens, targets = tokenize_conversation(conv.messages, self.tokenization, conv.tools,
@@ -153,10 +151,14 @@ class ConversationEncoder(DefaultTaskEncoder):
         except (ConversationError, PromptFormatError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, ConversationError) else ("messages", err)
             message = f"{where}: {field + ': ' if field else ''}{reason}"
-            if not self.skip_invalid:
-                raise EnergonSampleError(message) from None
-            warnings.warn(f"{message}; skipped (data.energon.skip_invalid_samples)", UserWarning, stacklevel=2)
+            self._skipped_in_a_row += 1
+            if not self.skip_invalid or self._skipped_in_a_row >= (self.num_samples or float("inf")):
+                raise EnergonSampleError(message + ("" if not self.skip_invalid else
+                                                    f"; so were the {self._skipped_in_a_row - 1} samples read before "
+                                                    "it: nothing to train")) from None
+            print(f"warning: {message}; skipped (data.energon.skip_invalid_samples)", file=sys.stderr, flush=True)
             raise SkipSample() from None
+        self._skipped_in_a_row = 0
         return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
                 "tokens": tokens, "targets": targets}
 
@@ -260,7 +262,8 @@ class EnergonTrainSource:
         e = self.data.energon
         return ConversationEncoder(self.path, self.tokenization, self.data.max_seq_len,
                                    self.parallel.context_parallel_size, e.balanced_knapsack_delta,
-                                   e.max_sequences_per_bin, e.record_format, self.convert, e.skip_invalid_samples)
+                                   e.max_sequences_per_bin, e.record_format, self.convert, e.skip_invalid_samples,
+                                   len(self))
 
 
 class EnergonValidationSet:
@@ -276,11 +279,15 @@ class EnergonValidationSet:
 
     def __init__(self, source: EnergonTrainSource, split: str) -> None:
         self.path, self.split, self.encoder = source.path, split, source.encoder()
+        self.encoder.num_samples = None            # read once: a split of invalid samples is refused below
         samples = []
         for _, shard, key, payload in iter_samples(source.path, split):
             with contextlib.suppress(SkipSample):    # skip_invalid_samples: warned
                 samples.append(self.encoder.encode_sample({"__key__": key, "__restore_key__": None, "__shard__": shard,
                                                            PAYLOAD: payload}))
+        if not samples:
+            raise ValueError(f"data.energon.validation_split {split!r}: no valid sample to validate on (each was "
+                             "skipped: data.energon.skip_invalid_samples)")
         self.rows = self.encoder.select_samples_to_pack(samples)
 
     def __len__(self) -> int:

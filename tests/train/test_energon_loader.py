@@ -3,6 +3,7 @@ to ``PackedSFTDataset``'s, the balanced knapsack, and a tiny training run that s
 with the same next batch and losses; a changed setting or dataset file is refused by name."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_balanced_knapsack_fits_rows_limits_conversations_and_isolates_a_long_on
     assert len(balanced_greedy_knapsack([4, 4, 4, 4], 8, delta=2)) == 4  # spread over the extra rows
 
 
-def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_data):
+def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_data, capfd):
     source, _ = build_datasets(load_config(_config(tmp_path, energon_data)))
     encoder = ConversationEncoder("ds", source.tokenization, SEQ)
     with pytest.raises(EnergonSampleError, match=r"^ds: shard-000009.tar: sample 000004: messages\[1\]\.role: "):
@@ -80,6 +81,10 @@ def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_da
     crude = {**_crude("000006", {}), "json": b"{not json"}
     with pytest.raises(EnergonSampleError, match="^ds: shard-000009.tar: sample 000006: "):
         encoder.encode_sample(crude)
+    misnamed = {k: v for k, v in _crude("000007", {}).items() if k != "json"} | {"messages.json": b"{}"}
+    with pytest.raises(EnergonSampleError, match=r"sample 000007: the sample has no .json member .*\(its members: "
+                                                 r"messages.json; a sample KEY holds KEY.json\)"):
+        encoder.encode_sample(misnamed)
     bad = _prepare(tmp_path / "bad", {"shard-000000.tar": [("000000", energon_data["records"][0]), ("000001", BAD)]},
                    ["train:shard-000000.tar"])
     cfg = load_config(_config(tmp_path, {**energon_data, "few": bad}, data={"energon": {"shuffle_buffer_size": 1,
@@ -90,13 +95,26 @@ def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_da
 
     skip = load_config(_config(tmp_path, {**energon_data, "few": bad}, data={"energon": {
         "shuffle_buffer_size": 1, "skip_invalid_samples": True, "validation_split": "train"}}))
-    with pytest.warns(UserWarning, match=r"bad: shard-000000.tar: sample 000001: messages\[1\]\.role: .*; skipped"):
-        source, val = build_datasets(skip)                        # the validation split reads it too
-        batch = next(iter(source.train_loader(skip.loader, 0, 1)))
+    capfd.readouterr()
+    source, val = build_datasets(skip)                            # the validation split reads it too
+    batch = next(iter(source.train_loader(skip.loader, 0, 1)))
+    warned = r"warning: \S*bad: shard-000000.tar: sample 000001: messages\[1\]\.role: .*; skipped \(data.energon"
+    assert len(re.findall(warned, capfd.readouterr().err)) >= 2   # printed, whatever Python's warning filters
     good = tuple(encoder.encode_sample(_crude("000000", energon_data["records"][0]))["tokens"])
     for row in (batch, val["validation"][0]):
         bounds, tokens = row["cu_seqlens"].tolist(), row["tokens"].reshape(-1).tolist()
         assert {tuple(tokens[a:b]) for a, b in zip(bounds, bounds[1:])} == {good}     # BAD left out
+
+    none = _prepare(tmp_path / "none", {"shard-000000.tar": [("000000", BAD), ("000001", IMAGE)]},
+                    ["train:shard-000000.tar"])
+    dead = load_config(_config(tmp_path, {**energon_data, "few": none}, data={"energon": {
+        "shuffle_buffer_size": 1, "skip_invalid_samples": True}}))
+    with pytest.raises(RowError, match=r"none: shard-000000.tar: sample \d+: .*; so were the 2 samples read before "
+                                       r"it: nothing to train$"):    # BAD, IMAGE and its image member's sample
+        next(iter(build_datasets(dead)[0].train_loader(dead.loader, 0, 1)))   # not an endless silent loop
+    with pytest.raises(ValueError, match=r"^data.energon.validation_split 'train': no valid sample to validate on"):
+        build_datasets(load_config(_config(tmp_path, {**energon_data, "few": none}, data={"energon": {
+            "skip_invalid_samples": True, "validation_split": "train"}})))
 
 
 def test_a_row_of_the_encoder_equals_the_packed_datasets_row(tmp_path, energon_data):

@@ -10,8 +10,8 @@ groups them into rows of ``max_seq_len`` tokens (each conversation padded to :fu
 and :func:`packsft.data.row.build_row` builds each row. A conversation longer than a row gets a row of its own and is
 cut there, as the packed loader cuts a row (one warning per sample).
 
-The loader's state (Energon's ``save_state_rank``, stored as plain values: :func:`plain_state`) goes into the
-trainer's checkpoints with a fingerprint (dataset files, split, tokenization, loader and packing settings,
+The loader's state (Energon's ``save_state_rank``, as plain values: :mod:`packsft.train.energon_state`) goes into
+the trainer's checkpoints with a fingerprint (dataset files, split, tokenization, loader and packing settings,
 data-parallel layout); :meth:`EnergonTrainLoader.load_state_dict` refuses a changed one by name.
 """
 
@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import yaml
 from megatron.energon import (
     Cooker,
@@ -51,6 +48,7 @@ from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
 from packsft.record_formats import adapter_identity, record_converter
 from packsft.tokenizer import load_tokenizer, tokenizer_fingerprint
+from packsft.train.energon_state import from_plain, plain_state
 
 STATE_KIND = "energon"
 MAX_SAMPLES_PER_SEQUENCE = 100
@@ -372,74 +370,3 @@ def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]
     changes += [f"the dataset file {n} is new" for n in new_files if n not in old_files]
     changes += [f"the dataset file {n} is gone" for n in old_files if n not in new_files]
     return changes
-
-
-def plain_state(value: Any) -> Any:
-    """``value`` as plain values and tensors only, tagged so :func:`from_plain` rebuilds it: Energon's states hold
-    dataclasses (``megatron.energon``'s), ``FlexState`` dicts, tuples, bytes and numpy arrays.
-
-    Raises:
-        TypeError: a value of another type (named).
-    """
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
-        return value
-    if isinstance(value, (bytes, bytearray)):
-        return {"__bytes__": torch.frombuffer(bytearray(value), dtype=torch.uint8).clone()}
-    if isinstance(value, np.ndarray):
-        return {"__ndarray__": torch.from_numpy(value.astype(np.int64) if value.dtype.kind in "iu" else value.copy()),
-                "dtype": value.dtype.str}
-    if isinstance(value, np.generic):
-        return {"__npscalar__": value.item(), "dtype": value.dtype.str}
-    if isinstance(value, tuple):
-        return {"__tuple__": [plain_state(v) for v in value]}
-    if isinstance(value, list):
-        return [plain_state(v) for v in value]
-    if isinstance(value, dict):
-        kind = type(value)
-        return {"__dict__": f"{kind.__module__}:{kind.__qualname__}",
-                "items": [[plain_state(k), plain_state(v)] for k, v in value.items()]}
-    if dataclasses.is_dataclass(value):
-        kind = type(value)
-        return {"__dataclass__": f"{kind.__module__}:{kind.__qualname__}",
-                "fields": {f.name: plain_state(getattr(value, f.name)) for f in dataclasses.fields(value)}}
-    raise TypeError(f"an Energon loader state holds a {type(value).__module__}.{type(value).__qualname__}, "
-                    "which has no plain form")
-
-
-def _energon_class(name: str) -> type:
-    """The class ``module:qualname`` of a tagged state: ``dict``, or a dataclass or ``dict`` subclass that
-    ``megatron.energon`` defines (nothing else is called: a planted state cannot name another callable)."""
-    if name == "builtins:dict":
-        return dict
-    module, _, qualname = name.partition(":")
-    found = getattr(importlib.import_module(module), qualname, None) if module.startswith("megatron.energon.") \
-        and qualname.isidentifier() else None
-    if not (isinstance(found, type) and found.__module__ == module
-            and (dataclasses.is_dataclass(found) or issubclass(found, dict))):
-        raise ValueError(f"an Energon loader state names the class {name}, not one of megatron.energon's")
-    return found
-
-
-def from_plain(value: Any) -> Any:
-    """The value :func:`plain_state` made plain.
-
-    Raises:
-        ValueError: a tagged class that is not ``dict`` or ``megatron.energon``'s.
-    """
-    if isinstance(value, list):
-        return [from_plain(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if "__bytes__" in value:
-        return bytes(value["__bytes__"].tolist())
-    if "__ndarray__" in value:
-        return value["__ndarray__"].numpy().astype(np.dtype(value["dtype"]))
-    if "__npscalar__" in value:
-        return np.dtype(value["dtype"]).type(value["__npscalar__"])
-    if "__tuple__" in value:
-        return tuple(from_plain(v) for v in value["__tuple__"])
-    if "__dict__" in value:
-        return _energon_class(value["__dict__"])((from_plain(k), from_plain(v)) for k, v in value["items"])
-    if "__dataclass__" in value:
-        return _energon_class(value["__dataclass__"])(**{k: from_plain(v) for k, v in value["fields"].items()})
-    return {k: from_plain(v) for k, v in value.items()}

@@ -29,8 +29,6 @@ from packsft.train.energon_loader import (  # noqa: E402
     EnergonSampleError,
     balanced_greedy_knapsack,
     fingerprint_changes,
-    from_plain,
-    plain_state,
 )
 
 ENERGON = {"backend": "energon", "energon": {"buffer_size": 6, "shuffle_buffer_size": 4}}
@@ -215,22 +213,6 @@ def test_an_adapter_converts_each_sample_and_its_source_is_in_the_fingerprint(tm
     with pytest.raises(ValueError, match=r"data.energon.adapter needs data.energon.record_format"):
         load_config(_config(tmp_path, energon_data, data={"energon": {"adapter": "qa_adapter:to_messages",
                                                                       "record_format": "sharegpt"}}))
-
-
-def test_plain_state_round_trips_energon_values():
-    import numpy as np
-    from megatron.energon.state import FlexState
-
-    value = FlexState(rng=b"\x00\xff", arr=np.arange(3, dtype=np.uint32), t=(1, "a", [2.5, None]),
-                      tensor=torch.arange(2))
-    back = from_plain(plain_state(value))
-    assert type(back) is FlexState and back["rng"] == b"\x00\xff" and back["t"] == (1, "a", [2.5, None])
-    assert back["arr"].dtype == np.uint32 and back["arr"].tolist() == [0, 1, 2] and torch.equal(back["tensor"],
-                                                                                                 torch.arange(2))
-    for planted in ("os:path", "megatron.energon.watchdog:os", "megatron.energon.watchdog:threading",
-                    "megatron.energon.errors:reraise_exception"):       # only energon's own state classes
-        with pytest.raises(ValueError, match="not one of megatron.energon's"):
-            from_plain({"__dataclass__": planted, "fields": {}})
 
 
 def _next_batch_after_restore(config, state_file, out):

@@ -99,6 +99,9 @@ class EnergonConfig:
     """Import path ``pkg.module:fn`` (or ``path/to/file.py:fn``) of a function turning one record into
     ``{"messages": [...], "tools"?: [...]}``, as the packer's ``--adapter`` (with ``record_format: messages``); the
     SHA-256 of its file, or of every file of its top-level package, is part of the loader's fingerprint."""
+    oversize: str = field(default="own-row", metadata=rules(one_of(("own-row", "drop", "error"))))
+    """A conversation longer than ``data.max_seq_len``: ``own-row`` (cut in a row of its own, warned once), ``drop``
+    (skipped, with a printed warning naming it) or ``error`` (the run stops naming it): the packer's ``--oversize``."""
     skip_invalid_samples: bool = False
     """Warn about an invalid sample (naming dataset, shard, key and field) and skip it; false: it stops the run."""
     validation_split: str | None = None

@@ -110,7 +110,9 @@ class ConversationEncoder(DefaultTaskEncoder):
         record_format, convert: the records' format and ``packsft.record_formats.record_converter``'s function
             for it (or the adapter's), None for ``messages`` records.
         skip_invalid: print a warning about an invalid sample (the error's text, ``; skipped``) and skip it,
-            instead of stopping the run; ``num_samples`` (the split's) invalid in a row stop it all the same.
+            instead of stopping the run; ``num_samples`` (the split's) skipped in a row stop it all the same.
+        oversize: a conversation longer than ``max_seq_len``: ``own-row`` (cut in a row of its own), ``drop``
+            (skipped, printed as an invalid one is) or ``error`` (the run stops).
     """
 
     cookers = (Cooker(_crude),)
@@ -119,11 +121,11 @@ class ConversationEncoder(DefaultTaskEncoder):
     def __init__(self, dataset: str, tokenization: Tokenization, max_seq_len: int, context_parallel_size: int = 1,
                  delta: int = 0, max_per_bin: int | None = None, record_format: str = "messages",
                  convert: Callable[[Any], Any] | None = None, skip_invalid: bool = False,
-                 num_samples: int | None = None) -> None:
+                 num_samples: int | None = None, oversize: str = "own-row") -> None:
         super().__init__()
         self.dataset, self.tokenization = dataset, tokenization
         self.record_format, self.convert, self.skip_invalid = record_format, convert, skip_invalid
-        self.num_samples, self._skipped_in_a_row = num_samples, 0
+        self.num_samples, self.oversize, self._skipped_in_a_row = num_samples, oversize, 0
         self.max_seq_len, self.cp, self.delta, self.max_per_bin = max_seq_len, context_parallel_size, delta, max_per_bin
         self._cut: set[str] = set()
 
@@ -133,8 +135,9 @@ class ConversationEncoder(DefaultTaskEncoder):
 
         Raises:
             EnergonSampleError: no or undecodable ``json`` member, invalid JSON or record, media, or a conversation
-                the prompt format cannot tokenize; with ``skip_invalid``, Energon's ``SkipSample`` after a warning,
-                unless it is the split's ``num_samples``-th in a row (a pass with nothing to train).
+                the prompt format cannot tokenize (or, with ``oversize: error``, longer than a row); with
+                ``skip_invalid`` (``oversize: drop``), Energon's ``SkipSample`` after a printed warning, unless it is
+                the split's ``num_samples``-th skipped in a row (a pass with nothing to train).
         """
         sources = sample.get("__sources__") or ()
         shard = sources[0].shard_name if sources else sample.get("__shard__", "?")
@@ -148,17 +151,23 @@ class ConversationEncoder(DefaultTaskEncoder):
                                                     conv.chat_template_kwargs)
         except (ConversationError, PromptFormatError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, ConversationError) else ("messages", err)
-            message = f"{where}: {field + ': ' if field else ''}{reason}"
-            self._skipped_in_a_row += 1
-            if not self.skip_invalid or self._skipped_in_a_row >= (self.num_samples or float("inf")):
-                raise EnergonSampleError(message + ("" if not self.skip_invalid else
-                                                    f"; so were the {self._skipped_in_a_row - 1} samples read before "
-                                                    "it: nothing to train")) from None
-            print(f"warning: {message}; skipped (data.energon.skip_invalid_samples)", file=sys.stderr, flush=True)
-            raise SkipSample() from None
-        self._skipped_in_a_row = 0
-        return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
-                "tokens": tokens, "targets": targets}
+            problem, skip, why = f"{field + ': ' if field else ''}{reason}", self.skip_invalid, "skip_invalid_samples"
+        else:
+            problem, skip, why = (None, False, "") if len(tokens) <= self.max_seq_len or self.oversize == "own-row" \
+                else (f"{len(tokens)} tokens, more than data.max_seq_len ({self.max_seq_len})",
+                      self.oversize == "drop", "oversize: drop")
+        if problem is None:
+            self._skipped_in_a_row = 0
+            return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
+                    "tokens": tokens, "targets": targets}
+        self._skipped_in_a_row += 1
+        if not skip or self._skipped_in_a_row >= (self.num_samples or float("inf")):
+            raise EnergonSampleError(f"{where}: {problem}" + (
+                f"; so were the {self._skipped_in_a_row - 1} samples read before it: nothing to train" if skip else
+                " (data.energon.oversize: error; own-row cuts it, drop skips it)" if why.startswith("oversize")
+                else ""))
+        print(f"warning: {where}: {problem}; skipped (data.energon.{why})", file=sys.stderr, flush=True)
+        raise SkipSample()
 
     def select_samples_to_pack(self, samples: list[dict]) -> list[list[dict]]:
         """The rows of one buffer: :func:`balanced_greedy_knapsack` over the conversations' costs."""
@@ -261,7 +270,7 @@ class EnergonTrainSource:
         return ConversationEncoder(self.path, self.tokenization, self.data.max_seq_len,
                                    self.parallel.context_parallel_size, e.balanced_knapsack_delta,
                                    e.max_sequences_per_bin, e.record_format, self.convert, e.skip_invalid_samples,
-                                   len(self))
+                                   len(self), e.oversize)
 
 
 class EnergonValidationSet:

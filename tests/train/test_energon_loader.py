@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("megatron.energon")
 
+from megatron.energon import SkipSample  # noqa: E402
 from megatron.energon.source_info import SourceInfo  # noqa: E402
 from test_energon_source import BAD, IMAGE, _prepare  # noqa: E402
 from test_loop import REPO, SEQ, train, train_records, write_config  # noqa: E402
@@ -113,6 +114,24 @@ def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_da
     with pytest.raises(ValueError, match=r"^data.energon.validation_split 'train': no valid sample to validate on"):
         build_datasets(load_config(_config(tmp_path, {**energon_data, "few": none}, data={"energon": {
             "skip_invalid_samples": True, "validation_split": "train"}})))
+
+
+def test_a_conversation_longer_than_a_row_is_cut_dropped_or_an_error_as_data_energon_oversize_says(
+        tmp_path, energon_data, capfd):
+    source, _ = build_datasets(load_config(_config(tmp_path, energon_data)))
+    record = energon_data["records"][0]
+    whole = ConversationEncoder("ds", source.tokenization, SEQ).encode_sample(_crude("000001", record))["tokens"]
+    short = len(whole) - 2
+    cut = ConversationEncoder("ds", source.tokenization, short)               # own-row: kept whole, cut in its row
+    assert cut.encode_sample(_crude("000001", record))["tokens"] == whole
+    with pytest.raises(SkipSample):
+        ConversationEncoder("ds", source.tokenization, short, oversize="drop").encode_sample(_crude("000001", record))
+    said = f"{len(whole)} tokens, more than data.max_seq_len ({short})"
+    assert f"warning: ds: shard-000009.tar: sample 000001: {said}; skipped (data.energon.oversize: drop)" \
+        in capfd.readouterr().err
+    with pytest.raises(EnergonSampleError, match=rf"^ds: shard-000009.tar: sample 000001: {re.escape(said)} "
+                                                 r"\(data.energon.oversize: error; "):
+        ConversationEncoder("ds", source.tokenization, short, oversize="error").encode_sample(_crude("000001", record))
 
 
 def test_a_row_of_the_encoder_equals_the_packed_datasets_row(tmp_path, energon_data):

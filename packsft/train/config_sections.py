@@ -145,8 +145,9 @@ class DataConfig:
     read and packed while training (``data.energon``)."""
     split: str | None = None
     """With ``backend: energon``: the dataset's split to train on (null: ``train``)."""
-    energon: EnergonConfig = field(default_factory=EnergonConfig)
-    """With ``backend: energon``: the loader and packing settings."""
+    energon: EnergonConfig | None = field(default_factory=EnergonConfig)
+    """With ``backend: energon``: the loader and packing settings (null: the defaults; with ``backend: packed``,
+    ``data.energon=null`` drops a file's ``energon:`` block from the command line)."""
     train: list[TrainSourceConfig] = field(default_factory=list)
     """Training sources ``[{name, path, weight, split_validation_size}]``; several make a weighted mixture."""
     train_path: str | None = None
@@ -208,10 +209,12 @@ class DataConfig:
     def _check_backend(self) -> None:
         """Refuse settings the chosen ``backend`` does not read."""
         if self.backend == "packed":
-            if self.split is not None or self.energon != EnergonConfig():
+            if self.split is not None or self.energon not in (None, EnergonConfig()):
                 key = "data.split" if self.split is not None else "data.energon"
-                raise ValueError(f"{key} is read only with data.backend: energon (data.backend is packed)")
+                raise ValueError(f"{key} is read only with data.backend: energon (data.backend is packed; "
+                                 f"{key}=null drops it)")
             return
+        self.energon = self.energon or EnergonConfig()
         for key in _PACKED_ONLY:
             if getattr(self, key) not in (None, False, 0.0, []):
                 raise ValueError(f"data.{key} is not read with data.backend: energon (one Energon dataset in "
@@ -235,7 +238,7 @@ class DataConfig:
     def has_validation(self) -> bool:
         """True when a validation file, a held-out split or an Energon validation split is configured."""
         return (bool(self.validation_sources()) or any(split > 0 for *_, split in self.train_sources())
-                or self.energon.validation_split is not None)
+                or getattr(self.energon, "validation_split", None) is not None)
 
 
 @dataclass

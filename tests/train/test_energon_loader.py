@@ -304,8 +304,12 @@ def test_config_refuses_what_the_energon_backend_does_not_read(tmp_path, energon
         load_config(config, ["data.validation_path=x.jsonl.packed"])
     with pytest.raises(ValueError, match="loader.num_workers is not read with data.backend: energon"):
         load_config(config, ["loader.num_workers=2"])
-    with pytest.raises(ValueError, match="data.energon is read only with data.backend: energon"):
+    with pytest.raises(ValueError, match=r"data.energon is read only with data.backend: energon \(data.backend is "
+                                         r"packed; data.energon=null drops it\)"):
         load_config(config, ["data.backend=packed"])
+    packed = load_config(config, ["data.backend=packed", "data.energon=null"])      # the file's block dropped
+    assert packed.data.backend == "packed" and packed.data.energon is None
+    assert load_config(config, ["data.energon=null"]).data.energon == type(load_config(config).data.energon)()
     with pytest.raises(ValueError, match=r"data.energon.buffer_size must be"):
         load_config(config, ["data.energon.buffer_size=0"])
     with pytest.raises(ValueError, match=r"^data.train_path: data.split='dev': \S+ has splits train, val$"):

@@ -151,23 +151,22 @@ class ConversationEncoder(DefaultTaskEncoder):
                                                     conv.chat_template_kwargs)
         except (ConversationError, PromptFormatError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, ConversationError) else ("messages", err)
-            problem, skip, why = f"{field + ': ' if field else ''}{reason}", self.skip_invalid, "skip_invalid_samples"
+            problem, skip, setting = f"{field + ': ' if field else ''}{reason}", self.skip_invalid, None
         else:
-            problem, skip, why = (None, False, "") if len(tokens) <= self.max_seq_len or self.oversize == "own-row" \
-                else (f"{len(tokens)} tokens, more than data.max_seq_len ({self.max_seq_len})",
-                      self.oversize == "drop", "oversize: drop")
-        if problem is None:
-            self._skipped_in_a_row = 0
-            return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
-                    "tokens": tokens, "targets": targets}
+            if len(tokens) <= self.max_seq_len or self.oversize == "own-row":
+                self._skipped_in_a_row = 0
+                return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
+                        "tokens": tokens, "targets": targets}
+            problem = f"{len(tokens)} tokens, more than data.max_seq_len ({self.max_seq_len})"
+            skip, setting = self.oversize == "drop", f"oversize: {self.oversize}"
         self._skipped_in_a_row += 1
-        if not skip or self._skipped_in_a_row >= (self.num_samples or float("inf")):
-            raise EnergonSampleError(f"{where}: {problem}" + (
-                f"; so were the {self._skipped_in_a_row - 1} samples read before it: nothing to train" if skip else
-                " (data.energon.oversize: error; own-row cuts it, drop skips it)" if why.startswith("oversize")
-                else ""))
-        print(f"warning: {where}: {problem}; skipped (data.energon.{why})", file=sys.stderr, flush=True)
-        raise SkipSample()
+        if skip and self._skipped_in_a_row < (self.num_samples or float("inf")):
+            print(f"warning: {where}: {problem}; skipped (data.energon.{setting or 'skip_invalid_samples'})",
+                  file=sys.stderr, flush=True)
+            raise SkipSample()
+        raise EnergonSampleError(f"{where}: {problem}" + (
+            f"; so were the {self._skipped_in_a_row - 1} samples read before it: nothing to train" if skip else
+            f" (data.energon.{setting}; own-row cuts it, drop skips it)" if setting else ""))
 
     def select_samples_to_pack(self, samples: list[dict]) -> list[list[dict]]:
         """The rows of one buffer: :func:`balanced_greedy_knapsack` over the conversations' costs."""
@@ -264,13 +263,14 @@ class EnergonTrainSource:
         """This data-parallel rank's :class:`EnergonTrainLoader` (``loader``: the ``DataLoaderConfig``)."""
         return EnergonTrainLoader(self, loader, dp_rank, dp_size)
 
-    def encoder(self) -> ConversationEncoder:
-        """The :class:`ConversationEncoder` of the ``data`` and ``parallel`` settings."""
+    def encoder(self, endless: bool = True) -> ConversationEncoder:
+        """The :class:`ConversationEncoder` of the ``data`` and ``parallel`` settings; ``endless``: for a loader
+        that repeats the split, so as many skipped samples in a row as it holds stop it (``num_samples``)."""
         e = self.data.energon
         return ConversationEncoder(self.path, self.tokenization, self.data.max_seq_len,
                                    self.parallel.context_parallel_size, e.balanced_knapsack_delta,
                                    e.max_sequences_per_bin, e.record_format, self.convert, e.skip_invalid_samples,
-                                   len(self), e.oversize)
+                                   len(self) if endless else None, e.oversize)
 
 
 class EnergonValidationSet:
@@ -285,8 +285,7 @@ class EnergonValidationSet:
     sidecar = None
 
     def __init__(self, source: EnergonTrainSource, split: str) -> None:
-        self.path, self.split, self.encoder = source.path, split, source.encoder()
-        self.encoder.num_samples = None            # read once: a split of invalid samples is refused below
+        self.path, self.split, self.encoder = source.path, split, source.encoder(endless=False)  # read once
         samples = []
         for _, shard, key, payload in iter_samples(source.path, split):
             with contextlib.suppress(SkipSample):    # skip_invalid_samples: warned

@@ -57,6 +57,9 @@ megatron-core 0.16; ``docs/model.md`` has the measured facts):
    the tied word embedding of the first and last stage to CUDA (``weight.data.cuda()``) before all-reducing it over
    the embedding group; :func:`_setup_embeddings_on_own_device` runs it with ``Tensor.cuda`` returning the tensor
    itself.
+8. Vision: ``CLIPViTModel.__init__`` (``models.vision.clip_vit_model``, the LLaVA encoder) moves its
+   ``position_ids`` buffer to CUDA (``torch.arange(...).cuda()``); :func:`_apply_vision_shim` runs it with
+   ``Tensor.cuda`` returning the tensor itself (the wrapper of 7).
 """
 
 from __future__ import annotations
@@ -233,6 +236,14 @@ def _apply_pipeline_shim() -> None:
     cls.setup_embeddings_and_output_layer = _setup_embeddings_on_own_device(cls.setup_embeddings_and_output_layer)
 
 
+def _apply_vision_shim() -> None:
+    """Build ``CLIPViTModel``'s ``position_ids`` on the CPU (item 8)."""
+    from megatron.core.models.vision import clip_vit_model
+
+    cls = clip_vit_model.CLIPViTModel
+    cls.__init__ = _setup_embeddings_on_own_device(cls.__init__)
+
+
 def _apply_cuda_shim() -> None:
     """Make ``torch.cuda.current_device()`` return ``"cpu"`` and ``torch.cuda.synchronize()`` a no-op."""
     torch.cuda.current_device = lambda: "cpu"
@@ -240,7 +251,7 @@ def _apply_cuda_shim() -> None:
 
 
 def apply_cpu_workarounds() -> bool:
-    """Apply the seven CPU workarounds of this module once per process; no-op when CUDA is available.
+    """Apply the eight CPU workarounds of this module once per process; no-op when CUDA is available.
 
     Idempotent: a second call changes nothing. Call it before building a model (``init_distributed``
     does).
@@ -265,5 +276,6 @@ def apply_cpu_workarounds() -> bool:
     _apply_cuda_shim()
     _apply_optimizer_shim()
     _apply_pipeline_shim()
+    _apply_vision_shim()
     _APPLIED = True
     return True

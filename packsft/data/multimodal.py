@@ -17,6 +17,7 @@ Nothing here imports Energon; the Energon encoder is :mod:`packsft.train.energon
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 from dataclasses import dataclass
@@ -99,8 +100,7 @@ def processor_fingerprint(processor, folder: str | Path) -> dict[str, Any]:
     settings = {key: getattr(images, key, None) for key in (
         "size", "crop_size", "do_resize", "do_center_crop", "do_rescale", "rescale_factor", "do_normalize",
         "image_mean", "image_std", "resample", "do_convert_rgb")}
-    settings = {k: dict(v) if hasattr(v, "keys") else list(v) if isinstance(v, tuple) else
-                int(v) if hasattr(v, "__index__") and not isinstance(v, bool) else v for k, v in settings.items()}
+    settings = {key: _plain(value) for key, value in settings.items()}
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
              for p in (Path(folder) / name for name in PROCESSOR_FILES) if p.is_file()}
     return {"image_processor": type(images).__name__, **settings, "image_token": processor.image_token,
@@ -108,6 +108,18 @@ def processor_fingerprint(processor, folder: str | Path) -> dict[str, Any]:
             "vision_feature_select_strategy": processor.vision_feature_select_strategy,
             "num_additional_image_tokens": processor.num_additional_image_tokens,
             "image_seq_length": image_seq_length(processor), "files (SHA-256)": files}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain JSON-like values (``torch.load(weights_only=True)`` reads them): a ``SizeDict`` (a
+    dataclass) or mapping as a dict of its set entries, a tuple as a list, an enum (``PILImageResampling``) as int."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return int(value) if hasattr(value, "__index__") and not isinstance(value, bool) else value
 
 
 def has_media(record: Any) -> bool:

@@ -87,13 +87,22 @@ def iter_samples(path: str | Path, split: str) -> Iterator[tuple[int, str, str, 
     ``number`` is the sample's place in the whole dataset (:func:`locate` maps it back), ``payload`` its ``json``
     member's bytes, or None when it has none.
     """
+    for number, shard, key, members in iter_sample_members(path, split, PAYLOAD):
+        yield number, shard, key, members.get(PAYLOAD)
+
+
+def iter_sample_members(path: str | Path, split: str, only: str | None = None
+                        ) -> Iterator[tuple[int, str, str, dict[str, bytes]]]:
+    """:func:`iter_samples` with each sample's members, ``{extension: bytes}`` (``json``, ``first.jpg``): all of
+    them, or only the ``only`` one (the others are not read)."""
     from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
 
     meta = split_meta(path, split)
     names, offsets = _shard_offsets(path)
     first = dict(zip(names, offsets))
     excluded = meta.sample_excludes
-    reader = ShardInfosITarReader(_epath(path), meta.shards, part_filter=lambda ext: ext == PAYLOAD,
+    reader = ShardInfosITarReader(_epath(path), meta.shards, part_filter=None if only is None else
+                                  lambda ext: ext == only,
                                   sample_filter=lambda name: name not in excluded, itar_cache_size=1)
     try:
         for i, shard in enumerate(meta.shards):
@@ -101,7 +110,8 @@ def iter_samples(path: str | Path, split: str) -> Iterator[tuple[int, str, str, 
             for j in range(shard.count):
                 sample = reader[start + j]
                 if sample is not None:  # None: excluded by split.yaml
-                    yield first[shard.name] + j, shard.name, sample["__key__"], sample.get(PAYLOAD)
+                    yield first[shard.name] + j, shard.name, sample["__key__"], {
+                        k: v for k, v in sample.items() if not k.startswith("__")}
     finally:
         reader.close()
 

@@ -42,7 +42,7 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError
 from packsft.layout import conversation_cost
-from packsft.packing.energon import META, PAYLOAD, dataset_above, is_energon, iter_samples, payload_text
+from packsft.packing.energon import META, PAYLOAD, dataset_above, is_energon, iter_sample_members, payload_text
 from packsft.packing.records import parse_line
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
@@ -117,6 +117,8 @@ class ConversationEncoder(DefaultTaskEncoder):
 
     cookers = (Cooker(_crude),)
     decoder = None  # members stay bytes: the json member is parsed here, as the packer parses it
+    members_read = PAYLOAD
+    """The members :class:`EnergonValidationSet` reads of each sample (None: all of them)."""
 
     def __init__(self, dataset: str, tokenization: Tokenization, max_seq_len: int, context_parallel_size: int = 1,
                  delta: int = 0, max_per_bin: int | None = None, record_format: str = "messages",
@@ -146,9 +148,8 @@ class ConversationEncoder(DefaultTaskEncoder):
         if PAYLOAD not in sample and (members := sorted(k for k in sample if not k.startswith("__"))):
             problem += f" (its members: {', '.join(members)}; a sample KEY holds KEY.{PAYLOAD})"
         try:
-            conv, _, _ = parse_line(self.dataset, 0, text, problem, self.convert, self.record_format, text_only=True)
-            tokens, targets = tokenize_conversation(conv.messages, self.tokenization, conv.tools,
-                                                    conv.chat_template_kwargs)
+            encoded = self.encode_record(sample, text, problem)
+            tokens = encoded["tokens"]
         except (ConversationError, PromptFormatError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, ConversationError) else ("messages", err)
             problem, skip, setting = f"{field + ': ' if field else ''}{reason}", self.skip_invalid, None
@@ -156,7 +157,7 @@ class ConversationEncoder(DefaultTaskEncoder):
             if len(tokens) <= self.max_seq_len or self.oversize == "own-row":
                 self._skipped_in_a_row = 0
                 return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
-                        "tokens": tokens, "targets": targets}
+                        **encoded}
             problem = f"{len(tokens)} tokens, more than data.max_seq_len ({self.max_seq_len})"
             skip, setting = self.oversize == "drop", f"oversize: {self.oversize}"
         self._skipped_in_a_row += 1
@@ -167,6 +168,18 @@ class ConversationEncoder(DefaultTaskEncoder):
         raise EnergonSampleError(f"{where}: {problem}" + (
             f"; so were the {self._skipped_in_a_row - 1} samples read before it: nothing to train" if skip else
             f" (data.energon.{setting}; own-row cuts it, drop skips it)" if setting else ""))
+
+    def encode_record(self, sample: dict, text: str | None, problem: str | None) -> dict:
+        """``{tokens, targets}`` of one sample's ``json`` member (``text``, or ``problem`` why there is none): the
+        packer's parse and tokenization (a subclass adds its own keys: :mod:`packsft.train.energon_images`).
+
+        Raises:
+            ConversationError, PromptFormatError: as :meth:`encode_sample` reports them.
+        """
+        conv, _, _ = parse_line(self.dataset, 0, text, problem, self.convert, self.record_format, text_only=True)
+        tokens, targets = tokenize_conversation(conv.messages, self.tokenization, conv.tools,
+                                                conv.chat_template_kwargs)
+        return {"tokens": tokens, "targets": targets}
 
     def select_samples_to_pack(self, samples: list[dict]) -> list[list[dict]]:
         """The rows of one buffer: :func:`balanced_greedy_knapsack` over the conversations' costs."""
@@ -204,6 +217,8 @@ class EnergonTrainSource:
     """
 
     sidecar = None
+    encoder_class: Callable[..., ConversationEncoder] = ConversationEncoder
+    """What :meth:`encoder` builds (a subclass's own encoder: :mod:`packsft.train.energon_images`)."""
     summary_key = "train_samples"
     """The run summary reports ``len(source)`` as ``train_samples``: rows are packed from them as they are read."""
 
@@ -267,7 +282,7 @@ class EnergonTrainSource:
         """The :class:`ConversationEncoder` of the ``data`` and ``parallel`` settings; ``endless``: for a loader
         that repeats the split, so as many skipped samples in a row as it holds stop it (``num_samples``)."""
         e = self.data.energon
-        return ConversationEncoder(self.path, self.tokenization, self.data.max_seq_len,
+        return self.encoder_class(self.path, self.tokenization, self.data.max_seq_len,
                                    self.parallel.context_parallel_size, e.balanced_knapsack_delta,
                                    e.max_sequences_per_bin, e.record_format, self.convert, e.skip_invalid_samples,
                                    len(self) if endless else None, e.oversize)
@@ -287,10 +302,10 @@ class EnergonValidationSet:
     def __init__(self, source: EnergonTrainSource, split: str) -> None:
         self.path, self.split, self.encoder = source.path, split, source.encoder(endless=False)  # read once
         samples = []
-        for _, shard, key, payload in iter_samples(source.path, split):
+        for _, shard, key, members in iter_sample_members(source.path, split, self.encoder.members_read):
             with contextlib.suppress(SkipSample):    # skip_invalid_samples: warned
                 samples.append(self.encoder.encode_sample({"__key__": key, "__restore_key__": None, "__shard__": shard,
-                                                           PAYLOAD: payload}))
+                                                           **members}))
         if not samples:
             raise ValueError(f"data.energon.validation_split {split!r}: no valid sample to validate on (each was "
                              "skipped: data.energon.skip_invalid_samples)")

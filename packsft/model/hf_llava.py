@@ -1,8 +1,9 @@
 """HF LLaVA-1.5 (``LlavaForConditionalGeneration``, model_type ``llava``) <-> packsft's megatron LLaVA model.
 
 Config: :func:`vlm_config_from_hf` / :func:`hf_config_from_vlm_config`. Tensors (pure, no I/O), names of
-transformers 5 (older checkpoints' ``language_model.model.`` / ``language_model.lm_head.`` /
-``vision_tower.vision_model.`` / ``multi_modal_projector.`` names are read too: :func:`canonical_llava_name`).
+transformers 5's modules (the file names ``language_model.model.`` / ``language_model.lm_head.`` /
+``vision_tower.[vision_model.]`` / ``multi_modal_projector.`` are read too: :func:`canonical_llava_name`). Folders:
+:func:`save_hf_llava_checkpoint`; read one with ``hf_files.load_hf_checkpoint`` (safetensors + ``LlavaConfig``).
 Shape legend: ``hv`` CLIP width, ``nv`` CLIP heads, ``hnv = hv / nv``, ``fv`` CLIP MLP width, ``p`` patch size,
 ``S = (image_size / p) ** 2 + 1`` CLIP positions, ``h`` text width, ``tp`` tensor-parallel size::
 
@@ -39,15 +40,19 @@ import torch
 from torch import Tensor
 
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf
+from packsft.model.hf_files import write_hf_checkpoint
 from packsft.model.state_dict_adapter import hf_to_megatron_state_dict, megatron_to_hf_state_dict
 from packsft.model.vlm import ACTIVATIONS, VisionConfig, VLMConfig
+from packsft.process_groups import barrier, global_rank, rank_and_size
 
 VISION_FEATURE_LAYERS = (-1, -2)
 LEGACY_PREFIXES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
                    ("vision_tower.vision_model.", "model.vision_tower."),
                    ("model.vision_tower.vision_model.", "model.vision_tower."),
+                   ("vision_tower.", "model.vision_tower."),
                    ("multi_modal_projector.", "model.multi_modal_projector."))
-"""Older (transformers 4) LLaVA tensor-name prefixes -> transformers 5's."""
+"""LLaVA tensor-name prefixes of files (transformers 4 checkpoints; transformers 5's ``save_pretrained`` too, without
+``vision_model.``) -> transformers 5's module names."""
 TEXT, VISION, PROJECTOR = "model.language_model.", "model.vision_tower.", "model.multi_modal_projector."
 
 
@@ -271,3 +276,27 @@ def load_hf_llava_state_into_model(model, hf_state: dict[str, Tensor], cfg: VLMC
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"LLaVA state dict mismatch: missing {missing}, unexpected {unexpected}")
+
+
+def save_hf_llava_checkpoint(model, cfg: VLMConfig, out_dir, hf_config=None, tokenizer_dir=None,
+                             tp_group=None) -> None:
+    """Write ``model`` (this rank's ``LLaVAModel`` shard) as an HF LLaVA folder that
+    ``LlavaForConditionalGeneration.from_pretrained`` loads: the TP shards are all-gathered over ``tp_group``
+    (every TP rank briefly holds the full tensors), global rank 0 writes (``hf_files.write_hf_checkpoint``:
+    safetensors in the model's dtype, ``config.json`` from :func:`hf_config_from_vlm_config` with ``hf_config`` as
+    base, tokenizer files of ``tokenizer_dir``; no image processor files), then every rank waits.
+    """
+    state = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    _, tp_size = rank_and_size(tp_group)
+    shards = [state]
+    if tp_size > 1:
+        gathered = {}
+        for name, t in state.items():
+            parts = [torch.empty_like(t) for _ in range(tp_size)]
+            torch.distributed.all_gather(parts, t.contiguous(), group=tp_group)
+            gathered[name] = parts
+        shards = [{name: parts[r] for name, parts in gathered.items()} for r in range(tp_size)]
+    if global_rank() == 0:
+        write_hf_checkpoint(megatron_to_hf_llava_state_dict(shards, cfg), hf_config_from_vlm_config(cfg, hf_config),
+                            out_dir, tokenizer_dir)
+    barrier()

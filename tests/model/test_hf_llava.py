@@ -2,15 +2,20 @@
 
 import pytest
 import torch
+from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
+from packsft.model.hf_files import load_hf_checkpoint
 from packsft.model.hf_llava import (
     canonical_llava_name,
     hf_config_from_vlm_config,
     hf_to_megatron_llava_state_dict,
+    load_hf_llava_state_into_model,
     megatron_to_hf_llava_state_dict,
+    save_hf_llava_checkpoint,
     vlm_config_from_hf,
 )
+from packsft.model.vlm import build_llava_model
 
 VOCAB, IMAGE_ID = 300, 299
 CLIP_LAYERS = 3                     # vision_feature_layer=-2: megatron builds 2, HF's last layer is unused
@@ -136,6 +141,26 @@ def test_export_loads_in_transformers_and_gives_the_same_logits():
     exported.load_state_dict(state, strict=True)
     tokens = torch.tensor([[5, 6] + [IMAGE_ID] * 4 + [7, 8, 9]])
     pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=tokens, pixel_values=pixels).logits,
+                                   model(input_ids=tokens, pixel_values=pixels).logits, atol=1e-5, rtol=0)
+
+
+def test_folder_round_trip_through_the_megatron_model(tmp_path, parallel_state_1proc):  # noqa: F811
+    """save_pretrained folder -> load_hf_checkpoint -> megatron LLaVAModel -> save_hf_llava_checkpoint ->
+    from_pretrained: the same tensors LLaVA uses and the same logits."""
+    model = hf_llava(seed=5)
+    model.save_pretrained(tmp_path / "src")
+    hf_config, hf_state = load_hf_checkpoint(tmp_path / "src")
+    cfg = vlm_config_from_hf(hf_config)
+    megatron = build_llava_model(cfg).eval()
+    load_hf_llava_state_into_model(megatron, hf_state, cfg)
+    save_hf_llava_checkpoint(megatron, cfg, tmp_path / "out", hf_config=hf_config)
+    exported = LlavaForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    original, back = model.state_dict(), exported.state_dict()
+    assert all(torch.equal(back[k], original[k]) for k in original if not unused(k))
+    tokens = torch.tensor([[IMAGE_ID] * 4 + [7, 8, 9]])
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=tokens, pixel_values=pixels).logits,
                                    model(input_ids=tokens, pixel_values=pixels).logits, atol=1e-5, rtol=0)

@@ -139,7 +139,7 @@ class ImageTextTrainSource(EnergonTrainSource):
 
 def image_settings(processor, folder) -> dict[str, Any]:
     """The loader-fingerprint entry of a processor: its image settings and files' SHA-256, by config key."""
-    return {"data.tokenizer (its LLaVA processor: image settings, files' SHA-256)":
+    return {"data.tokenizer (its LLaVA processor's image settings and files, SHA-256)":
             processor_fingerprint(processor, folder)}
 
 

@@ -31,6 +31,7 @@ from packsft.data.collate import collate_rows
 from packsft.data.multimodal import (
     ImageSettings,
     encode_image_text,
+    expand_image_tokens,
     has_media,
     load_processor,
     processor_fingerprint,
@@ -71,8 +72,10 @@ class ImageConversationEncoder(ConversationEncoder):
             ConversationError, PromptFormatError: as the text encoder's (the field named).
         """
         record = loads_line(text, self.dataset, 0, problem)
-        if not has_media(record):
-            return {**super().encode_record(sample, text, problem), "num_image_tokens": 0,
+        if not has_media(record):     # a text conversation: no image token may come of its text
+            encoded = super().encode_record(sample, text, problem)
+            expand_image_tokens(encoded["tokens"], encoded["targets"], self.image, 0)
+            return {**encoded, "num_image_tokens": 0,
                     "pixel_values": torch.zeros(0, 3, self.image.height, self.image.width)}
         if self.convert is not None:
             try:

@@ -138,6 +138,10 @@ def test_invalid_samples_are_named_by_dataset_shard_and_key_or_skipped(llava, ca
     with pytest.raises(SkipSample):
         skipping.encode_sample(_crude("000003", swapped, members))
     assert "sample 000003: messages[0].content[0].media_index: " in capfd.readouterr().err
+    plain = {"messages": [{"role": "user", "content": "What is <image>?"}, {"role": "assistant", "content": "A tag."}]}
+    with pytest.raises(EnergonSampleError, match=r"sample 000006: messages: the prompt format rendered 1 image tokens "
+                                                 r"\('<image>'\) for 0 image\(s\)"):
+        encoder.encode_sample(_crude("000006", plain, {}))
     text = EnergonTrainSource(source.data, source.parallel).encoder()           # the text encoder still refuses
     with pytest.raises(EnergonSampleError, match=r"sample 000003: media: .*text only"):
         text.encode_sample(_crude("000003", record, members))

@@ -168,7 +168,8 @@ def build_llava_model(cfg: VLMConfig) -> LLaVAModel:
     Needs ``megatron.core.parallel_state`` initialised (as :func:`packsft.model.gpt.build_gpt_model`). The
     language model is packsft's GPT (``layer_spec(cfg.text.attention_backend)``, RMSNorm final norm, RoPE with
     ``cfg.text.rotary_base`` and optional Llama-3.1 scaling, THD packing with positions restarting per segment);
-    ``parallel_output=True`` (logits vocab-sharded). The class token is dropped before the projector.
+    ``parallel_output=True`` (logits vocab-sharded). The class token is dropped before the projector. Every weight
+    of the vision side, its LayerNorms included, takes ``cfg.text.params_dtype``.
 
     Raises:
         ValueError: context parallelism (``parallel.context_parallel_size`` > 1), pipeline parallelism
@@ -219,6 +220,8 @@ def build_llava_model(cfg: VLMConfig) -> LLaVAModel:
             language_rope_scaling_factor=cfg.text.rope_scaling_factor or 8.0,
             image_token_index=cfg.image_token_id,
         )
+    # CLIP's conv1 and WrappedTorchNorm ignore params_dtype: in bf16 they would hand fp32 activations to bf16 layers
+    model.vision_model.to(text_config.params_dtype)
     return model
 
 

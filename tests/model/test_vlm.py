@@ -118,3 +118,21 @@ def test_tp2_logits_equal_transformers():
     results = run_distributed(_tp2_logits, 2)
     assert [r[1] for r in results] == [(36, VOCAB // 2)] * 2
     assert max(r[0] for r in results) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backward_reaches_vision_projector_and_language_model(parallel_state_1proc, dtype):  # noqa: F811
+    model = hf_llava(seed=6)
+    cfg = vlm_config_from_hf(model.config, params_dtype=dtype)
+    megatron = build_llava_model(cfg).train()
+    load_hf_llava_state_into_model(megatron, model.state_dict(), cfg)
+    tokens, pixels, params, _ = packed_row(conversations())
+    hidden = llava_hidden_states(megatron, pixels, tokens, params)
+    assert hidden.dtype == getattr(torch, dtype) and hidden.shape == (1, 36, 64)
+    hidden.float().pow(2).mean().backward()
+    for name in ("vision_model.conv1.weight", "vision_model.ln_pre.weight",
+                 "vision_model.decoder.layers.1.self_attention.linear_qkv.weight",
+                 "vision_projection.encoder.linear_fc1.bias", "language_model.embedding.word_embeddings.weight",
+                 "language_model.decoder.layers.1.mlp.linear_fc2.weight"):
+        grad = megatron.get_parameter(name).grad
+        assert grad is not None and grad.abs().sum() > 0 and torch.isfinite(grad).all(), name

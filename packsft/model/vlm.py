@@ -279,8 +279,10 @@ def llava_hidden_states(model: LLaVAModel, images: Tensor, tokens: Tensor, packe
             attends across segments.
 
     Returns:
-        ``[1, T, h]`` in the model's activation dtype. Host syncs: megatron's ``_preprocess_data`` reads the
-        image count per sample and the combined length (two per call); :func:`collapse_image_tokens` one.
+        ``[1, T, h]`` in the model's activation dtype. Host syncs (a handful per call, none per layer): megatron's
+        ``_preprocess_data`` reads the image count per sample and the combined length and scatters with boolean
+        masks (``torch.where`` / mask indexing); :func:`collapse_image_tokens` finds the image runs (``nonzero``).
+        Labels and loss mask are not passed: packsft's loss reads them in expanded coordinates from the row.
 
     Raises:
         ValueError: from :func:`collapse_image_tokens`.
@@ -295,5 +297,6 @@ def llava_hidden_states(model: LLaVAModel, images: Tensor, tokens: Tensor, packe
 
 
 def llava_logits(model: LLaVAModel, images: Tensor, tokens: Tensor, packed_seq_params) -> Tensor:
-    """As :func:`llava_hidden_states` but the logits: fp32 ``[1, T, v / tp]`` (this TP rank's vocabulary shard)."""
+    """As :func:`llava_hidden_states` but the logits ``[1, T, v / tp]`` (this TP rank's vocabulary shard), in the
+    activation dtype."""
     return _llava_forward(model, images, tokens, packed_seq_params)

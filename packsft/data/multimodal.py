@@ -103,7 +103,9 @@ def processor_fingerprint(processor, folder: str | Path) -> dict[str, Any]:
     settings = {key: _plain(value) for key, value in settings.items()}
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
              for p in (Path(folder) / name for name in PROCESSOR_FILES) if p.is_file()}
-    return {"image_processor": type(images).__name__, **settings, "image_token": processor.image_token,
+    # not the image processor's class: transformers picks CLIPImageProcessor or its PIL twin by whether torchvision
+    # is installed, with the same pixels; a resume on a machine without it must not be refused
+    return {**settings, "image_token": processor.image_token,
             "patch_size": processor.patch_size,
             "vision_feature_select_strategy": processor.vision_feature_select_strategy,
             "num_additional_image_tokens": processor.num_additional_image_tokens,

@@ -189,7 +189,9 @@ def _failures(section: str, obj) -> Iterator[str]:
         return f"{section}.{key}" if section else key
 
     def get(key: str) -> Any:
-        value = operator.attrgetter(key)(obj)
+        value = obj
+        for part in key.split("."):   # None below a None section (data.energon=null)
+            value = None if value is None else getattr(value, part)
         return None if _unset(value) else value
 
     for f in declared.values():

@@ -19,7 +19,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from packsft.train import checkpoint as ckpt
 from packsft.train import checkpoint_files as ckpt_files
-from packsft.train.compat import check_recorded_architecture, check_recorded_optimizer, recorded_architecture
+from packsft.train.compat import (
+    check_recorded_architecture,
+    check_recorded_optimizer,
+    check_recorded_vision,
+    recorded_architecture,
+)
 from packsft.train.config import Config, config_to_yaml
 from packsft.train.data import load_train_loader_state, train_loader_state
 from packsft.train.model_checkpoint import base_identity, check_lora_base, load_megatron_checkpoint
@@ -122,6 +127,7 @@ class Checkpointer:
         recorded_sections = recorded_architecture(saved, path)
         check_recorded_architecture(cfg.model, cfg.lora if cfg.lora.enabled else None, recorded_sections, path,
                                     fix=RESUME_FIX)
+        check_recorded_vision(cfg.vision, recorded_sections, path, fix=RESUME_FIX)
         check_recorded_optimizer(cfg.optimizer, recorded_sections, path, cfg.parallel)
         recorded = saved.get(ckpt_files.LORA_BASE)
         if recorded is not None:    # a LoRA run's (lora.enabled was compared above)

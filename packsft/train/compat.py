@@ -54,9 +54,11 @@ MAY_CHANGE: dict[str, dict[str, tuple[str, ...] | AllBut]] = {
     "init_from": {
         # a base imported in bf16 trains in fp32: the weights are cast on load
         "model": (*WEIGHTLESS_MODEL_KEYS, "params_dtype"),
+        "vision": (),                           # a LLaVA model's vision side: every key shapes its weights
     },
     "resume": {     # and export: the weights, and the optimizer state, are those of the recorded config
         "model": WEIGHTLESS_MODEL_KEYS,
+        "vision": (),
         "lora": ("dropout", "seed"),            # they shape no weight and no output
         "optimizer": AllBut(("backend", "use_distributed_optimizer")),   # the format of the optimizer state
         # with the distributed optimizer, whose state is sharded by them (its dp_reshardable format); else any
@@ -207,12 +209,12 @@ def read_yaml_model(path: str | Path, base: dict | None, source: str | None = No
 
 
 def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str, dict]:
-    """The ``model``, ``lora``, ``optimizer``, ``train``, ``parallel`` and ``loss`` sections of the config a
-    checkpoint was trained with (its ``train_state.json``).
+    """The ``model``, ``lora``, ``optimizer``, ``train``, ``parallel``, ``loss`` and ``vision`` sections of the
+    config a checkpoint was trained with (its ``train_state.json``).
 
     Returns:
-        ``{"model": {...}, "lora": {...}, "optimizer": {...}, "train": {...}, "parallel": {...}, "loss": {...}}``
-        (a section the run's config lacks: empty), plain YAML values.
+        ``{"model": {...}, "lora": {...}, "optimizer": {...}, "train": {...}, "parallel": {...}, "loss": {...},
+        "vision": {...}}`` (a section the run's config lacks or sets null: empty), plain YAML values.
 
     Raises:
         CheckpointError: ``train_state.json`` has no ``config`` with a ``model`` section.
@@ -227,7 +229,8 @@ def recorded_architecture(train_state: dict, checkpoint: str | Path) -> dict[str
                               "'config' is the run's YAML config as a string)")
     return {"model": recorded["model"], "lora": recorded.get("lora") or {},
             "optimizer": recorded.get("optimizer") or {}, "train": recorded.get("train") or {},
-            "parallel": recorded.get("parallel") or {}, "loss": recorded.get("loss") or {}}
+            "parallel": recorded.get("parallel") or {}, "loss": recorded.get("loss") or {},
+            "vision": recorded.get("vision") or {}}
 
 
 def _lora_fields(lora: dict) -> dict:
@@ -262,6 +265,29 @@ def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, rec
             how = fix.format(key=f"{section}.{key}", value=reference[key])
             raise CheckpointError(f"{section}.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained "
                                   f"with {reference[key]!r}; {how}")
+
+
+def check_recorded_vision(vision, recorded: dict[str, dict], checkpoint: str | Path, *, fix: str) -> None:
+    """Refuse a ``vision`` section (a LLaVA model's vision side; None: a text model) that differs from what a
+    checkpoint was trained with: every key, ``MAY_CHANGE["resume"]["vision"]`` aside, and whether there is one.
+
+    Args:
+        recorded, checkpoint, fix: as :func:`check_recorded_architecture`'s.
+
+    Raises:
+        CheckpointError: naming the first differing ``vision.<key>`` and both values, or the section itself.
+    """
+    current, reference = (asdict(vision) if vision is not None else {}), recorded["vision"]
+    if bool(current) != bool(reference):
+        now, then = ("a", "no") if current else ("no", "a")
+        raise CheckpointError(f"the config has {now} vision: section but checkpoint {checkpoint} was trained with "
+                              f"{then} vision model (an image-text model has one); a resumed run keeps the model it "
+                              "was trained with")
+    key = _first_difference(current, reference, MAY_CHANGE["resume"]["vision"])
+    if key is not None:
+        how = fix.format(key=f"vision.{key}", value=reference[key])
+        raise CheckpointError(f"vision.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained with "
+                              f"{reference[key]!r}; {how}")
 
 
 def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dict], checkpoint: str | Path,

@@ -13,7 +13,8 @@ Sections (every field is documented in ``docs/training.md``; the dataclasses not
 :mod:`packsft.train.config_sections`): ``model`` (:class:`~packsft.model.config.ModelConfig`),
 ``data``, ``loader`` (:class:`~packsft.data.loader.DataLoaderConfig`), ``loss``, ``optimizer``, ``scheduler``,
 ``parallel``, ``train``, ``checkpoint``, ``logging``, ``validation``, ``lora``
-(:class:`~packsft.model.lora.LoraConfig`).
+(:class:`~packsft.model.lora.LoraConfig`), ``vision`` (null, or a LLaVA model's vision side:
+:class:`~packsft.train.config_vision.VisionSectionConfig`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from packsft.train.config_sections import (
     ValidationConfig,
     refuse_packed_loader_settings,
 )
+from packsft.train.config_vision import VISION_RELATIONS, VisionSectionConfig
 
 RENAMED_KEYS = {
     "loader.dataloader_num_workers": "loader.num_workers",
@@ -105,6 +107,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    vision: VisionSectionConfig | None = None
 
     relations: ClassVar = (
         at_most("data.max_seq_len", "model.max_position_embeddings"),
@@ -118,6 +121,7 @@ class Config:
               "data.energon.validation_split"),
         Needs(("data.train", Rule(lambda train: len(train) > 1, "of several sources")), ("loader.sampler", "random"),
               "a mixture is sampled by its sources' weights (packsft.data.mixing.WeightedMixingSampler)"),
+        *VISION_RELATIONS,
     )
 
     def __post_init__(self) -> None:

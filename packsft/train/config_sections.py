@@ -35,6 +35,7 @@ LOSS_NORMALIZATIONS = ("token", "conversation")
 MIXTURE_UNITS = ("rows", "trained_tokens")
 DATA_BACKENDS = ("packed", "energon")
 ENERGON_RECORD_FORMATS = ("messages", "sharegpt", "alpaca")
+ENERGON_MODEL_FAMILIES = ("llava",)
 
 
 @dataclass
@@ -107,6 +108,9 @@ class EnergonConfig:
     validation_split: str | None = None
     """A split of ``data.train_path`` (e.g. ``val``) validated as the set ``validation``: every sample, packed once
     at start (null: no validation set)."""
+    model_family: str | None = field(default=None, metadata=rules(one_of(ENERGON_MODEL_FAMILIES)))
+    """null: text conversations; ``llava``: image-text samples for a LLaVA-1.5 model (the ``vision:`` section;
+    ``data.tokenizer`` is its processor's folder)."""
 
     relations: ClassVar = (
         Needs("adapter", ("record_format", "messages"), "an adapter replaces the record format"),

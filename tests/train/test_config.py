@@ -30,7 +30,7 @@ def _dotlist(cfg) -> list[str]:
 
     flat = OmegaConf.to_container(OmegaConf.structured(cfg))
     return [f"{section}.{key}={'null' if value is None else value}" for section, values in flat.items()
-            for key, value in values.items() if not isinstance(value, dict)]
+            for key, value in (values or {}).items() if not isinstance(value, dict)]   # vision: null
 
 
 def test_missing_required_values_are_named():

@@ -41,6 +41,9 @@ always takes its fp8 path (``FP8GlobalStateManager``) and so fails without Trans
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODEL_CONFIG_FILE = "model_config.json"
 """The ``ModelConfig`` fields (``dataclasses.asdict``) in a model-only Megatron checkpoint folder."""
+VISION_CONFIG_FILE = "vision_config.json"
+"""Beside it for a LLaVA model: ``packsft.model.vlm.VisionConfig``'s fields and ``image_token_id`` (the trainer's
+``vision:`` section)."""
 
 
 @dataclass

@@ -27,10 +27,12 @@ from packsft.model.state_dict_adapter import hf_tensor_names, hf_tensor_shape
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+"""A multimodal processor's own files (``LlavaProcessor``, its image processor), written beside the tokenizer's."""
 HF_CONFIG_FILE = "hf_config.json"
 """The source HF config kept in a Megatron checkpoint folder (see :func:`read_hf_config`)."""
 HF_EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
-                   "model.safetensors.index.json", *TOKENIZER_FILES)
+                   "model.safetensors.index.json", *TOKENIZER_FILES, *PROCESSOR_FILES)
 """The names (``fnmatch`` patterns) of the files :func:`write_hf_checkpoint` writes: a folder holding nothing else is a
 previous export, which a new one may replace."""
 
@@ -199,6 +201,34 @@ def _open_safetensors(f: Path):
         raise ValueError(f"{f}: not a readable safetensors file ({err})") from None
 
 
+def weight_file_headers(path: str | Path) -> list[tuple[Path, dict[str, tuple[str, tuple[int, ...]]]]]:
+    """``(file, {tensor name: (safetensors dtype, shape)})`` of every safetensors file of the checkpoint folder
+    ``path`` (:func:`_safetensors_files`), from the headers alone (memory-mapped, no tensor read).
+
+    Raises:
+        FileNotFoundError: ``path`` holds no safetensors file (or an index names a missing one).
+        ValueError: naming the file: a Git LFS pointer, not a safetensors file (junk, truncated, a corrupt header).
+    """
+    out = []
+    for f in _weight_files(Path(path)):
+        with _open_safetensors(f) as st:
+            out.append((f, {k: (st.get_slice(k).get_dtype(), tuple(st.get_slice(k).get_shape())) for k in st.keys()}))
+    return out
+
+
+def check_floating(file: Path, name: str, dtype: str) -> None:
+    """Refuse a tensor ``name`` of ``file`` whose safetensors ``dtype`` is not floating point (quantized or bool
+    values cast to float would be garbage).
+
+    Raises:
+        ValueError: naming the file, the tensor and its dtype.
+    """
+    if dtype not in FLOATING_SAFETENSORS_DTYPES:
+        raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}, not floating point; packsft imports "
+                         "unquantized weights (a quantized checkpoint must be dequantized first, e.g. loaded "
+                         "in transformers and saved in bfloat16)")
+
+
 def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:
     """Check a safetensors checkpoint's weight files against ``cfg`` from their headers alone (no tensor is read).
 
@@ -218,14 +248,9 @@ def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:
     if _gguf_file(path) is not None:
         return
     used, found, unused = model_hf_names(cfg), set(), []
-    for f in _weight_files(path):
-        with _open_safetensors(f) as st:
-            header = {k: (st.get_slice(k).get_dtype(), tuple(st.get_slice(k).get_shape())) for k in st.keys()}
+    for f, header in weight_file_headers(path):
         for name, (dtype, shape) in header.items():
-            if dtype not in FLOATING_SAFETENSORS_DTYPES:    # quantized or bool values cast to float: garbage
-                raise ValueError(f"{f}: tensor {name!r} has dtype {dtype}, not floating point; packsft imports "
-                                 "unquantized weights (a quantized checkpoint must be dequantized first, e.g. loaded "
-                                 "in transformers and saved in bfloat16)")
+            check_floating(f, name, dtype)
             if not used(name):
                 unused.append(name)
             elif (expected := hf_tensor_shape(name, cfg)) is not None and shape != expected:
@@ -336,13 +361,15 @@ def tokenizer_token_ids(tokenizer_dir: str | Path, vocab_size: int) -> dict[str,
 
 
 def write_hf_checkpoint(hf_state: dict[str, Tensor], hf_config, out_dir: str | Path,
-                        tokenizer_dir: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+                        tokenizer_dir: str | Path | None = None, max_shard_bytes: int = 5 * 2**30, *,
+                        processor: bool = False) -> Path:
     """Write an HF checkpoint folder atomically (a temp folder beside ``out_dir``, then a rename).
 
     Files: ``model.safetensors`` (or shards + ``model.safetensors.index.json`` past ``max_shard_bytes``),
     ``config.json`` (``hf_config.save_pretrained``), ``generation_config.json`` and, from ``tokenizer_dir``, every
     file of ``TOKENIZER_FILES`` present there (tokenizer, its config with the embedded chat template, and
-    ``chat_template.jinja``). ``generation_config.json`` is ``tokenizer_dir``'s own when it holds one (the original
+    ``chat_template.jinja``), with ``processor`` (an image-text model) also those of ``PROCESSOR_FILES`` present
+    there. ``generation_config.json`` is ``tokenizer_dir``'s own when it holds one (the original
     model's folder: its stop tokens and sampling defaults, which transformers' ``generate`` used for it), read and
     rewritten by ``GenerationConfig``; else ``GenerationConfig.from_model_config(hf_config)``. Modes: the folder
     ``0777 & ~umask`` (0755), every file ``0666 & ~umask`` (0644), whatever the tokenizer files' own modes. A
@@ -357,6 +384,8 @@ def write_hf_checkpoint(hf_state: dict[str, Tensor], hf_config, out_dir: str | P
 
     out_dir = Path(out_dir)
     tok_files = _tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
+    if processor and tokenizer_dir is not None:
+        tok_files += [Path(tokenizer_dir) / n for n in PROCESSOR_FILES if (Path(tokenizer_dir) / n).is_file()]
     generation = GenerationConfig.from_model_config(hf_config)
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "generation_config.json").is_file():
         generation = GenerationConfig.from_pretrained(str(tokenizer_dir), local_files_only=True)

@@ -3,7 +3,8 @@
 Config: :func:`vlm_config_from_hf` / :func:`hf_config_from_vlm_config`. Tensors (pure, no I/O), names of
 transformers 5's modules (the file names ``language_model.model.`` / ``language_model.lm_head.`` /
 ``vision_tower.[vision_model.]`` / ``multi_modal_projector.`` are read too: :func:`canonical_llava_name`). Folders:
-:func:`save_hf_llava_checkpoint`; read one with ``hf_files.load_hf_checkpoint`` (safetensors + ``LlavaConfig``).
+:func:`save_hf_llava_checkpoint`; read one with ``hf_files.load_hf_checkpoint`` (safetensors + ``LlavaConfig``) after
+:func:`check_hf_llava_weight_files`.
 Shape legend: ``hv`` CLIP width, ``nv`` CLIP heads, ``hnv = hv / nv``, ``fv`` CLIP MLP width, ``p`` patch size,
 ``S = (image_size / p) ** 2 + 1`` CLIP positions, ``h`` text width, ``tp`` tensor-parallel size::
 
@@ -40,8 +41,13 @@ import torch
 from torch import Tensor
 
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf
-from packsft.model.hf_files import write_hf_checkpoint
-from packsft.model.state_dict_adapter import hf_to_megatron_state_dict, megatron_to_hf_state_dict
+from packsft.model.hf_files import check_floating, weight_file_headers, write_hf_checkpoint
+from packsft.model.state_dict_adapter import (
+    hf_tensor_names,
+    hf_tensor_shape,
+    hf_to_megatron_state_dict,
+    megatron_to_hf_state_dict,
+)
 from packsft.model.vlm import ACTIVATIONS, VisionConfig, VLMConfig
 from packsft.process_groups import barrier, global_rank, rank_and_size
 
@@ -153,6 +159,75 @@ def canonical_llava_name(name: str) -> str:
         if name.startswith(old):
             return new + name[len(old):]
     return name
+
+
+def llava_hf_tensor_shapes(cfg: VLMConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor (transformers 5 names) a LLaVA checkpoint of ``cfg`` must hold, with its full shape (layouts
+    above): ``lm_head.weight`` only when the embeddings are not tied; not CLIP's unused ``post_layernorm``."""
+    shapes = {(TEXT + n[len("model."):] if n.startswith("model.") else n): hf_tensor_shape(n, cfg.text)
+              for n in hf_tensor_names(cfg.text)}
+    v, h = cfg.vision, cfg.text.hidden_size
+    hv, fv, p = v.hidden_size, v.ffn_hidden_size, v.patch_size
+    shapes.update({f"{VISION}embeddings.class_embedding": (hv,),
+                   f"{VISION}embeddings.patch_embedding.weight": (hv, v.num_channels, p, p),
+                   f"{VISION}embeddings.position_embedding.weight": (v.image_seq_length + 1, hv),
+                   f"{VISION}pre_layrnorm.weight": (hv,), f"{VISION}pre_layrnorm.bias": (hv,),
+                   f"{PROJECTOR}linear_1.weight": (h, hv), f"{PROJECTOR}linear_1.bias": (h,),
+                   f"{PROJECTOR}linear_2.weight": (h, h), f"{PROJECTOR}linear_2.bias": (h,)})
+    layer = {"layer_norm1.weight": (hv,), "layer_norm1.bias": (hv,), "layer_norm2.weight": (hv,),
+             "layer_norm2.bias": (hv,), "mlp.fc1.weight": (fv, hv), "mlp.fc1.bias": (fv,), "mlp.fc2.weight": (hv, fv),
+             "mlp.fc2.bias": (hv,), **{f"self_attn.{n}_proj.{kind}": (hv, hv) if kind == "weight" else (hv,)
+                                       for n in ("q", "k", "v", "out") for kind in ("weight", "bias")}}
+    for i in range(v.num_layers):
+        shapes.update({f"{VISION}encoder.layers.{i}.{suffix}": shape for suffix, shape in layer.items()})
+    return shapes
+
+
+def check_hf_llava_weight_files(path, cfg: VLMConfig, clip_layers: int) -> None:
+    """Check an HF LLaVA folder's safetensors files against ``cfg`` from their headers alone (no tensor is read),
+    as ``hf_files.check_hf_weight_files`` does for a text model: every tensor floating point, of a name either
+    naming reads (:func:`canonical_llava_name`) and of the shape ``cfg`` implies (:func:`llava_hf_tensor_shapes`),
+    none missing. Tensors LLaVA does not use are accepted: CLIP's ``post_layernorm``, its layers from
+    ``cfg.vision.num_layers`` to ``clip_layers`` (the HF config's ``num_hidden_layers``; ``vision_feature_layer=-2``
+    leaves the last unused), a tied model's ``lm_head.weight``, rotary and position-id buffers.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no safetensors file.
+        ValueError: naming the file: unreadable, a tensor that is not floating point or has another shape than
+            ``cfg`` implies; naming the folder: tensors of another architecture, or one ``cfg`` needs is missing.
+    """
+    shapes = llava_hf_tensor_shapes(cfg)
+    spare = tuple(f"{VISION}encoder.layers.{i}." for i in range(cfg.vision.num_layers, clip_layers))
+    found, unused = set(), []
+    for f, header in weight_file_headers(path):
+        for name, (dtype, shape) in header.items():
+            canonical = canonical_llava_name(name)
+            if canonical.endswith(("rotary_emb.inv_freq", "embeddings.position_ids")):
+                continue
+            check_floating(f, name, dtype)
+            expected = shapes.get(canonical) or (hf_tensor_shape("lm_head.weight", cfg.text)
+                                                 if canonical == "lm_head.weight" else None)
+            if expected is None and not canonical.startswith((f"{VISION}post_layernorm.", *spare)):
+                unused.append(name)
+            elif expected is not None and shape != expected:
+                raise ValueError(f"{f}: HF tensor {name!r} has shape {shape}, but the config implies {expected}")
+            found.add(canonical)
+    if unused:
+        raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
+                         "a checkpoint of another architecture than the config describes; packsft refuses rather "
+                         "than drop weights")
+    missing = [n for n in shapes if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{path}: HF checkpoint has no tensor {missing[0]!r}{more} (transformers 5 name), which its "
+                         "config needs")
+
+
+def llava_hf_names(cfg: VLMConfig):
+    """Predicate on HF tensor names of either naming: those :func:`hf_to_megatron_llava_state_dict` reads (for
+    ``hf_files.load_hf_checkpoint(keep=...)``: the unused CLIP layer is not read)."""
+    shapes = llava_hf_tensor_shapes(cfg)
+    return lambda name: canonical_llava_name(name) in shapes
 
 
 def _shard(t: Tensor, dim: int, tp_rank: int, tp_size: int) -> Tensor:
@@ -279,14 +354,16 @@ def load_hf_llava_state_into_model(model, hf_state: dict[str, Tensor], cfg: VLMC
 
 
 def save_hf_llava_checkpoint(model, cfg: VLMConfig, out_dir, hf_config=None, tokenizer_dir=None,
-                             tp_group=None) -> None:
+                             tp_group=None, dtype: torch.dtype | None = None) -> None:
     """Write ``model`` (this rank's ``LLaVAModel`` shard) as an HF LLaVA folder that
     ``LlavaForConditionalGeneration.from_pretrained`` loads: the TP shards are all-gathered over ``tp_group``
     (every TP rank briefly holds the full tensors), global rank 0 writes (``hf_files.write_hf_checkpoint``:
-    safetensors in the model's dtype, ``config.json`` from :func:`hf_config_from_vlm_config` with ``hf_config`` as
-    base, tokenizer files of ``tokenizer_dir``; no image processor files), then every rank waits.
+    safetensors in ``dtype``, default the model's, ``config.json`` from :func:`hf_config_from_vlm_config` with
+    ``hf_config`` as base, the tokenizer and processor files of ``tokenizer_dir`` (a ``LlavaProcessor`` folder's
+    ``processor_config.json`` / ``preprocessor_config.json`` too)), then every rank waits.
     """
-    state = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    state = {k: v.detach() if dtype is None else v.detach().to(dtype) for k, v in model.state_dict().items()
+             if not k.endswith("_extra_state")}
     _, tp_size = rank_and_size(tp_group)
     shards = [state]
     if tp_size > 1:
@@ -298,5 +375,5 @@ def save_hf_llava_checkpoint(model, cfg: VLMConfig, out_dir, hf_config=None, tok
         shards = [{name: parts[r] for name, parts in gathered.items()} for r in range(tp_size)]
     if global_rank() == 0:
         write_hf_checkpoint(megatron_to_hf_llava_state_dict(shards, cfg), hf_config_from_vlm_config(cfg, hf_config),
-                            out_dir, tokenizer_dir)
+                            out_dir, tokenizer_dir, processor=True)
     barrier()

@@ -2,7 +2,8 @@
 safetensors folder or GGUF file -> a model-only Megatron ``dist_checkpointing`` checkpoint; ``export``: a Megatron
 checkpoint, a training run's included, -> an HF folder, LoRA merged or as a PEFT adapter). Every rank builds,
 imports or exports its TP shard and pipeline stage; output folders are refused when they would replace an input or
-hold foreign files, and are replaced as a whole once complete.
+hold foreign files, and are replaced as a whole once complete. Image-text models (LLaVA-1.5) take the same options
+and checks here; their model side is :mod:`packsft.train.convert_llava`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from packsft.io import check_writable_dir, foreign_entries, read_json_object
-from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig, config_from_dict, read_model_config
+from packsft.model.config import MODEL_CONFIG_FILE, VISION_CONFIG_FILE, ModelConfig, config_from_dict, read_model_config
 from packsft.model.gpt import build_gpt_model
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf
 from packsft.model.hf_files import (
@@ -41,6 +42,15 @@ from packsft.train.compat import (
     check_recorded_architecture,
     read_yaml_model,
     recorded_architecture,
+)
+from packsft.train.convert_llava import (
+    default_processor,
+    export_llava,
+    import_llava,
+    is_image_text,
+    recorded_vision,
+    resolve_image_token,
+    vlm_config_from_fields,
 )
 from packsft.train.distributed import init_distributed
 from packsft.train.model_checkpoint import (
@@ -165,8 +175,8 @@ def refuse_out_over_inputs(args: argparse.Namespace, **resolved: Path | None) ->
                                  "replaced as a whole): write to another folder")
 
 
-IMPORT_FILES = (".metadata", "__*_*.distcp", COMMON_FILE, METADATA_FILE, MODEL_CONFIG_FILE, HF_CONFIG_FILE,
-                FINGERPRINT_FILE)
+IMPORT_FILES = (".metadata", "__*_*.distcp", COMMON_FILE, METADATA_FILE, MODEL_CONFIG_FILE, VISION_CONFIG_FILE,
+                HF_CONFIG_FILE, FINGERPRINT_FILE)
 """The names (``fnmatch`` patterns) of the files ``import`` writes (``save_megatron_checkpoint``)."""
 
 
@@ -203,8 +213,10 @@ def run(args: argparse.Namespace) -> int:
     pp = args.pipeline_model_parallel_size
     tp = args.tensor_model_parallel_size or max(1, int(os.environ.get("WORLD_SIZE", 1)) // pp)
     ctx = init_distributed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if args.command == "import":
-        cfg = model_config_from_hf(load_hf_config(args.hf), max_seq_len=args.max_seq_len,
+    if args.command == "import" and is_image_text(hf_config := load_hf_config(args.hf)):
+        import_llava(args, ctx, hf_config)
+    elif args.command == "import":
+        cfg = model_config_from_hf(hf_config, max_seq_len=args.max_seq_len,
                                    attention_backend=args.attention_backend, params_dtype=args.params_dtype)
         cfg.check_parallel_fit(tp, pp)
         check_hf_weight_files(args.hf, cfg)      # headers only: a bad file is named before the model is built
@@ -218,6 +230,10 @@ def run(args: argparse.Namespace) -> int:
         saved = load_train_state(megatron) if (megatron / TRAIN_STATE).is_file() else None
         recorded = saved.get(LORA_BASE) if saved is not None else None
         cfg, lora = export_sections(megatron, args.config, saved)
+        sections = recorded_architecture(saved, megatron) if saved is not None else None
+        vision, vision_source = recorded_vision(megatron, sections)
+        if vision is not None:
+            args.tokenizer = default_processor(args, saved)
         cfg.check_parallel_fit(tp, pp)
         # before the model is read: a tokenizer the model cannot embed is refused, its ids fill config.json
         token_ids = tokenizer_token_ids(args.tokenizer, cfg.vocab_size) if args.tokenizer else None
@@ -241,6 +257,16 @@ def run(args: argparse.Namespace) -> int:
             refuse_out_over_inputs(args, **{"the folder the run started from": start})
             hf_config = read_hf_config(start) if start is not None else None
             origin = str(start / HF_CONFIG_FILE) if hf_config is not None else "the model config"
+        if vision is not None:
+            vision = resolve_image_token(vision, args.tokenizer, hf_config, vision_source)
+            if token_ids:   # where the original's text config lacks them (hf_config_from_model_config's rule)
+                text = (hf_config or {}).get("text_config") or {}
+                hf_config = {**(hf_config or {}), "text_config": {
+                    **text, **{k: v for k, v in token_ids.items() if text.get(k) is None}}}
+            export_llava(args, ctx, vlm_config_from_fields(cfg, vision, vision_source), hf_config, origin, megatron)
+            if ctx.rank == 0:
+                print(f"export: wrote {args.out}")
+            return 0
         try:                # before any weight is read, on every rank (rank 0 alone builds it to write it)
             hf_config_from_model_config(cfg, base=hf_config, token_ids=token_ids)
         except ValueError as err:

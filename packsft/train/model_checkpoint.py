@@ -5,10 +5,12 @@ Layout of ``ckpt_dir``::
     .metadata, __*_*.distcp     # torch_dist shards of {"model": model.sharded_state_dict()} (dist_checkpointing)
     common.pt, metadata.json    # dist_checkpointing common state
     model_config.json           # ModelConfig fields (packsft.model.config.read_model_config)
+    vision_config.json          # a LLaVA model only: VisionConfig fields + image_token_id (its vision: section)
     hf_config.json              # optional: the source HF config (packsft.model.hf_files.read_hf_config)
     weights_fingerprint.json    # BLAKE2b of each dist_checkpointing file and of them all (weights_fingerprint)
 
-The weights sit under ``"model"`` with their global shapes, as in the trainer's checkpoints
+The weights (a ``GPTModel``'s, or a ``LLaVAModel``'s: vision tower, projector and ``language_model.*``) sit under
+``"model"`` with their global shapes, as in the trainer's checkpoints
 (:mod:`packsft.train.checkpoint`), so :func:`load_megatron_checkpoint` reads either folder at any TP size.
 Atomicity: all ranks write into ``.<name>.tmp`` beside ``ckpt_dir``; rank 0 then publishes it
 (``packsft.io.replace_dir``).
@@ -33,14 +35,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from packsft.io import file_blake2b, read_json_object, replace_dir, write_json_atomic
-from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
+from packsft.model.config import MODEL_CONFIG_FILE, VISION_CONFIG_FILE, ModelConfig
 from packsft.model.hf_files import HF_CONFIG_FILE
 from packsft.process_groups import barrier, global_rank
 from packsft.train import process_guard
 from packsft.train.checkpoint_files import CheckpointError
 
 FINGERPRINT_FILE = "weights_fingerprint.json"
-_NOT_WEIGHTS = (MODEL_CONFIG_FILE, HF_CONFIG_FILE, FINGERPRINT_FILE)
+_NOT_WEIGHTS = (MODEL_CONFIG_FILE, VISION_CONFIG_FILE, HF_CONFIG_FILE, FINGERPRINT_FILE)
 
 
 class BaseMismatchError(ValueError):
@@ -138,13 +140,15 @@ def check_lora_base(recorded: dict, base_dir: str | Path | None, checkpoint: str
     return base_dir
 
 
-def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_config=None) -> Path:
+def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_config=None,
+                             vision: dict | None = None) -> Path:
     """Write ``{"model": model.sharded_state_dict()}`` with ``dist_checkpointing`` (``torch_dist``), atomically.
 
     Collective over all ranks. Layout of ``ckpt_dir``: the ``dist_checkpointing`` files (resharding
-    to any TP size on load), ``model_config.json`` (``ModelConfig`` fields) and, when given,
-    ``hf_config.json`` (the original HF config, reused on export). On CPU it needs the cuda shim of
-    ``packsft.model.cpu_compat`` and the calling script needs an ``if __name__ == "__main__"`` guard.
+    to any TP size on load), ``model_config.json`` (``ModelConfig`` fields; of a LLaVA ``model``: its language
+    model's) and, when given, ``vision_config.json`` (``vision``: a LLaVA model's ``VisionConfig`` fields and
+    ``image_token_id``) and ``hf_config.json`` (the original HF config, reused on export). On CPU it needs the cuda
+    shim of ``packsft.model.cpu_compat`` and the calling script needs an ``if __name__ == "__main__"`` guard.
 
     Raises:
         CheckpointWriteError: a ``dist_checkpointing`` writer process failed or died (on any rank).
@@ -164,6 +168,8 @@ def save_megatron_checkpoint(model, cfg: ModelConfig, ckpt_dir: str | Path, hf_c
     barrier()
     if rank == 0:
         (tmp / MODEL_CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        if vision is not None:
+            (tmp / VISION_CONFIG_FILE).write_text(json.dumps(vision, indent=2) + "\n")
         if hf_config is not None:
             base = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
             (tmp / HF_CONFIG_FILE).write_text(json.dumps(base, indent=2, default=str) + "\n")
@@ -279,11 +285,11 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path, *, base_only: bool = F
                              adapters_only: bool = False) -> None:
     """Load ``save_megatron_checkpoint``'s (or a trainer checkpoint's) ``"model"`` entry into ``model`` (any TP, PP).
 
-    ``model``: a ``GPTModel``, or a list of them (this pipeline rank's virtual-stage chunks). A list is read by one
-    ``dist_checkpointing.load`` of ``{"model": {"chunk<i>": chunk i's sharded state}}`` (the trainer's layout,
-    :mod:`packsft.train.checkpoint`): the tensors' keys are global, so a one-chunk import fills any number of chunks,
-    and the load must cover every chunk at once (one load per chunk fails megatron's access check: each reads
-    only part of the stacked layers).
+    ``model``: a ``GPTModel`` or ``LLaVAModel``, or a list of them (this pipeline rank's virtual-stage chunks). A
+    list is read by one ``dist_checkpointing.load`` of ``{"model": {"chunk<i>": chunk i's sharded state}}`` (the
+    trainer's layout, :mod:`packsft.train.checkpoint`): the tensors' keys are global, so a one-chunk import fills
+    any number of chunks, and the load must cover every chunk at once (one load per chunk fails megatron's access
+    check: each reads only part of the stacked layers).
     ``base_only``: ``model`` carries LoRA adapters (``packsft.model.lora``) that the checkpoint (an imported base
     model) lacks; every other tensor is loaded strictly and the adapters keep their initial values.
     ``adapters_only``: the checkpoint is a LoRA run's (adapters only); exactly the adapters are loaded and the

@@ -1,0 +1,126 @@
+"""tools/convert_checkpoint.py on HF LLaVA-1.5 folders: import -> megatron LLaVAModel checkpoint (+ vision_config.json)
+-> export -> LlavaForConditionalGeneration.from_pretrained with the same tensors and logits; refusals by HF key;
+``checkpoint.init_from`` of an imported LLaVA."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_hf_llava import CLIP_LAYERS, IMAGE_ID, hf_llava, unused
+from test_tools_errors import TOOLS, assert_user_error, call_tool
+from shapes import llava_processor_folder
+from transformers import AutoProcessor, LlamaConfig, LlavaForConditionalGeneration
+
+from packsft.data.multimodal import load_processor
+
+CONVERT = TOOLS / "convert_checkpoint.py"
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A tiny random HF LLaVA (save_pretrained) and its import: ``(model, hf_dir, megatron_dir)``."""
+    tmp = tmp_path_factory.mktemp("llava")
+    model = hf_llava(seed=7)
+    model.save_pretrained(tmp / "hf")
+    rc, stderr = call_tool(CONVERT, "import", "--hf", tmp / "hf", "--out", tmp / "mg")
+    assert rc == 0, stderr[-3000:]
+    return model, tmp / "hf", tmp / "mg"
+
+
+def logits(model, tokens, pixels):
+    with torch.no_grad():
+        return model(input_ids=tokens, pixel_values=pixels).logits
+
+
+def test_import_writes_the_model_and_vision_configs(imported):
+    model, _, mg = imported
+    vision = json.loads((mg / "vision_config.json").read_text())
+    assert vision == {"hidden_size": 32, "num_layers": CLIP_LAYERS - 1, "num_attention_heads": 4,
+                      "ffn_hidden_size": 64, "image_size": 28, "patch_size": 14, "num_channels": 3,
+                      "layer_norm_eps": 1e-5, "hidden_act": "quick_gelu", "projector_hidden_act": "gelu",
+                      "image_token_id": IMAGE_ID}
+    text = json.loads((mg / "model_config.json").read_text())
+    assert (text["num_layers"], text["hidden_size"], text["vocab_size"]) == (2, 64, 300)
+    assert json.loads((mg / "hf_config.json").read_text())["model_type"] == "llava"
+    assert (mg / ".metadata").is_file()
+
+
+def test_export_loads_in_transformers_with_the_same_tensors_and_logits(imported, tmp_path):
+    model, _, mg = imported
+    rc, stderr = call_tool(CONVERT, "export", "--megatron", mg, "--out", tmp_path / "hf")
+    assert rc == 0, stderr[-3000:]
+    exported = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    original, back = model.state_dict(), exported.state_dict()
+    assert all(torch.equal(back[k], original[k]) for k in original if not unused(k))
+    assert exported.config.vision_config.num_hidden_layers == CLIP_LAYERS - 1
+    tokens = torch.tensor([[5, 6] + [IMAGE_ID] * 4 + [7, 8, 9]])
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(logits(exported, tokens, pixels), logits(model, tokens, pixels), atol=1e-5, rtol=0)
+    rc, stderr = call_tool(CONVERT, "export", "--megatron", mg, "--out", tmp_path / "hf", "--dtype", "bfloat16")
+    assert rc == 0, stderr[-3000:]                        # a previous export is replaced
+    assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_export_copies_the_processor(tmp_path, tokenizer_dir):
+    """The processor folder (smollm2's tokenizer + <image> = 49153 ids) as --tokenizer: its files in the export,
+    which AutoProcessor loads; a model of fewer ids refuses it."""
+    processor = llava_processor_folder(tmp_path / "processor", tokenizer_dir("smollm2-135m-instruct"))
+    image_id = load_processor(processor)[1].image_token_id
+    text = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=image_id + 64, max_position_embeddings=256)
+    hf_llava(seed=1, text_config=text, image_token_index=image_id).save_pretrained(tmp_path / "hf")
+    rc, stderr = call_tool(CONVERT, "import", "--hf", tmp_path / "hf", "--out", tmp_path / "mg")
+    assert rc == 0, stderr[-3000:]
+    rc, stderr = call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+                           "--tokenizer", processor)
+    assert rc == 0, stderr[-3000:]
+    assert {"processor_config.json", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in (tmp_path / "out").iterdir()}
+    loaded = AutoProcessor.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert loaded.tokenizer.convert_tokens_to_ids("<image>") == image_id
+    assert LlavaForConditionalGeneration.from_pretrained(tmp_path / "out").config.image_token_index == image_id
+    (tmp_path / "mg" / "model_config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "mg" / "model_config.json").read_text()), "vocab_size": image_id}))
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+                                 "--tokenizer", processor), f"model.vocab_size ({image_id}) is smaller than the "
+                                                             "tokenizer")
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda c: c.update(vision_feature_select_strategy="full"), "unsupported LLaVA config "
+                                                                 "vision_feature_select_strategy='full'"),
+    (lambda c: c.update(model_type="llava_next", image_grid_pinpoints=[[28, 56]]),
+     "unsupported LLaVA config model_type='llava_next'"),
+    (lambda c: c["text_config"].update(model_type="qwen2"), "unsupported LLaVA config text_config.model_type='qwen2'"),
+], ids=["select_strategy", "llava_next", "qwen2_text"])
+def test_unsupported_configs_are_one_error_line_by_key(imported, tmp_path, edit, message):
+    _, hf, _ = imported
+    shutil.copytree(hf, tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    edit(config)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", tmp_path / "hf", "--out", tmp_path / "mg"), message)
+    assert not (tmp_path / "mg").exists()
+
+
+def test_bad_weight_files_are_named_before_the_model_is_built(imported, tmp_path):
+    _, hf, _ = imported
+    shutil.copytree(hf, tmp_path / "hf")
+    state = load_file(hf / "model.safetensors")
+    name = "vision_tower.encoder.layers.0.self_attn.q_proj.weight"
+    save_file({k: v for k, v in state.items() if k != name}, tmp_path / "hf" / "model.safetensors")
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", tmp_path / "hf", "--out", tmp_path / "mg"),
+                      "HF checkpoint has no tensor 'model.vision_tower.encoder.layers.0.self_attn.q_proj.weight'")
+    state["multi_modal_projector.linear_2.weight"] = torch.zeros(64, 32)
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", tmp_path / "hf", "--out", tmp_path / "mg"),
+                      "HF tensor 'multi_modal_projector.linear_2.weight' has shape (64, 32), but the config "
+                      "implies (64, 64)")
+    state["multi_modal_projector.linear_2.weight"] = torch.zeros(64, 64)
+    state["multi_modal_projector.linear_3.weight"] = torch.zeros(64, 64)
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    assert_user_error(*call_tool(CONVERT, "import", "--hf", tmp_path / "hf", "--out", tmp_path / "mg"),
+                      "1 tensor(s) that its config.json does not use, e.g. ['multi_modal_projector.linear_3.weight']")
+    assert not (tmp_path / "mg").exists()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.activations import quick_gelu
+from megatron.core.enums import ModelType
 from megatron.core.models.multimodal import llava_model
 from megatron.core.models.multimodal.llava_model import LLaVAModel
 from megatron.core.models.vision import clip_vit_model
@@ -46,7 +47,7 @@ from torch import Tensor
 from packsft.model.attention import TorchCoreAttention
 from packsft.model.config import ModelConfig
 from packsft.model.cpu_compat import apply_cpu_workarounds
-from packsft.model.gpt import RMSNorm, layer_spec
+from packsft.model.gpt import RMSNorm, layer_spec, unwrap_model
 from packsft.model.output_head import HiddenStateOutputLayer, use_hidden_state_output
 from packsft.model.rope import install_sync_free_rope
 
@@ -222,6 +223,7 @@ def build_llava_model(cfg: VLMConfig) -> LLaVAModel:
         )
     # CLIP's conv1 and WrappedTorchNorm ignore params_dtype: in bf16 they would hand fp32 activations to bf16 layers
     model.vision_model.to(text_config.params_dtype)
+    model.model_type = ModelType.encoder_or_decoder   # what megatron's schedules read (GPTModel sets its own)
     return model
 
 
@@ -255,10 +257,18 @@ def collapse_image_tokens(tokens: Tensor, image_token_id: int, image_seq_length:
     return tokens[:, keep]
 
 
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` of ``model`` (a ``GPTModel`` or ``LLaVAModel``, or either inside DDP-style wrappers): a
+    LLaVA model's ``language_model``, else the unwrapped model itself."""
+    inner = unwrap_model(model)
+    return inner.language_model if isinstance(inner, LLaVAModel) else inner
+
+
 def _llava_forward(model: LLaVAModel, images: Tensor, tokens: Tensor, packed_seq_params) -> Tensor:
     """``model``'s output ``[1, T, *]`` for expanded ``tokens`` ``[1, T]`` (see :func:`llava_hidden_states`)."""
-    collapsed = collapse_image_tokens(tokens, model.image_token_index, model.img_seq_len)
-    images = images.to(model.vision_model.conv1.weight.dtype)
+    inner = unwrap_model(model)
+    collapsed = collapse_image_tokens(tokens, inner.image_token_index, inner.img_seq_len)
+    images = images.to(inner.vision_model.conv1.weight.dtype)
     num_image_tiles = torch.ones(images.shape[0], dtype=torch.int, device=tokens.device)
     output, _ = model(images, collapsed, None, None, labels=None, loss_mask=None, num_image_tiles=num_image_tiles,
                       packed_seq_params=packed_seq_params)
@@ -270,7 +280,8 @@ def llava_hidden_states(model: LLaVAModel, images: Tensor, tokens: Tensor, packe
 
     Args:
         model: from :func:`build_llava_model` (its language model's output layer is made switchable with
-            ``output_head.use_hidden_state_output``, idempotent, no parameter changed).
+            ``output_head.use_hidden_state_output``, idempotent, no parameter changed), or it inside DDP-style
+            wrappers (``.module``: Megatron's DDP, ``Float16Module``), called as is so their hooks and casts run.
         images: fp32 ``[n, 3, H, W]`` (CLIP-normalised pixels), the row's images in the order their tokens appear;
             ``[0, 3, H, W]`` for a row without images.
         tokens: int64 ``[1, T]`` with ``image_seq_length`` image ids per image (what rows hold).
@@ -287,8 +298,8 @@ def llava_hidden_states(model: LLaVAModel, images: Tensor, tokens: Tensor, packe
     Raises:
         ValueError: from :func:`collapse_image_tokens`.
     """
-    use_hidden_state_output(model.language_model)
-    layer: HiddenStateOutputLayer = model.language_model.output_layer
+    use_hidden_state_output(language_model(model))
+    layer: HiddenStateOutputLayer = language_model(model).output_layer
     layer.return_hidden_states = True
     try:
         return _llava_forward(model, images, tokens, packed_seq_params)

@@ -81,8 +81,9 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
     configuration, so a file packed for another tokenizer, format, ``max_seq_len`` or CP size is refused by name.
     A validation file that a training source also reads is passed to ``warn`` (a ``print``-like callable; ``None``:
     no warning), once. The tokenizer is loaded once, for the first file, and shared by the others.
-    ``data.backend: energon``: the ``EnergonTrainSource`` and, with ``data.energon.validation_split``, that split's
-    ``EnergonValidationSet`` as ``validation``.
+    ``data.backend: energon``: the ``EnergonTrainSource`` of ``data.energon.model_family``
+    (:func:`packsft.train.energon_images.train_source`: text, or image-text for LLaVA) and, with
+    ``data.energon.validation_split``, that split's ``EnergonValidationSet`` as ``validation``.
 
     Raises:
         FileNotFoundError, SidecarError: from ``PackedSFTDataset``, after the config field of the file
@@ -93,7 +94,9 @@ def build_datasets(cfg: Config, warn=None) -> tuple[Any, dict[str, Any]]:
     data = cfg.data
     if data.backend == "energon":
         module = energon_loader_module()
-        source, split = module.EnergonTrainSource(data, cfg.parallel), data.energon.validation_split
+        from packsft.train.energon_images import train_source  # megatron.energon: the extra, checked above
+
+        source, split = train_source(data, cfg.parallel, data.energon.model_family), data.energon.validation_split
         if split == source.split and warn is not None:
             warn(f"warning: data.energon.validation_split {split!r} is the training split: its loss is measured on "
                  "trained samples")
@@ -199,7 +202,9 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
         ``conversation`` also ``loss_weight`` (fp32 ``[1, L / cp_size]``, ``1 / n_c`` at the trained tokens of
         conversation ``c``, ``n_c`` counted over the whole row: ``packsft.loss.conversation_weights``) and
         ``conversations`` (int64 scalar: the row's conversations that train a token on CP rank 0, 0 on the others,
-        so each is counted once). A mixture's ``trained_tokens_by_source`` is passed on as it is (host ints).
+        so each is counted once). A mixture's ``trained_tokens_by_source`` is passed on as it is (host ints); an
+        image-text micro-batch's ``images`` (float32 ``[n, 3, H, W]``) are moved to ``device`` and its
+        ``num_image_tokens`` / ``num_text_tokens`` (host ints) passed on (no CP: a LLaVA model runs without it).
     """
     local = slice_batch_for_cp(batch, cp_size, cp_rank)
     out = {key: local[key].to(device, non_blocking=True) for key in TOKEN_KEYS}
@@ -208,8 +213,11 @@ def model_input(batch: dict[str, Any], cp_size: int, cp_rank: int, cp_group, dev
     out["packed_seq_params"] = make_packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"],
                                                       cp_group if cp_size > 1 else None,
                                                       batch.get("cu_seqlens_padded"), device=device)
-    if "trained_tokens_by_source" in batch:
-        out["trained_tokens_by_source"] = batch["trained_tokens_by_source"]
+    for key in ("trained_tokens_by_source", "num_image_tokens", "num_text_tokens"):
+        if key in batch:
+            out[key] = batch[key]
+    if "images" in batch:
+        out["images"] = batch["images"].to(device, non_blocking=True)
     if normalization == "conversation":
         offsets = batch.get("cu_seqlens_padded", batch["cu_seqlens"])
         weights, conversations = conversation_weights(batch["loss_mask"], batch["labels"], offsets)

@@ -319,6 +319,11 @@ class EnergonValidationSet:
         """Row ``i`` (:func:`packsft.data.row.build_row`)."""
         return self.encoder.pack_selected_samples(self.rows[i])
 
+    def collate(self, rows: list[dict]) -> dict:
+        """The micro-batch of ``rows`` as the training loader makes it (the encoder's ``batch``: ``collate_rows``,
+        plus the images of an image-text set): the evaluation loader's ``collate_fn``."""
+        return self.encoder.batch(rows)
+
 
 class EnergonTrainLoader:
     """Endless micro-batches of one data-parallel rank from Energon's ``SavableDataLoader``, and its state.

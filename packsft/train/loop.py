@@ -5,9 +5,10 @@ Flow of ``Trainer(cfg).run()``:
 1. ``init_distributed`` (torchrun variables; gloo on CPU, NCCL on GPU) with the TP/CP/PP sizes;
    DP = world / (TP*CP*PP).
 2. Datasets (``packsft.train.data``), model chunks (``build_gpt_stages`` + the hidden-state seam for the fused
-   loss), ``Float16Module`` when ``train.bf16``, Megatron ``DistributedDataParallel`` (fp32 ``main_grad`` buffers)
-   and ``get_megatron_optimizer`` (``packsft.train.optim``); the warmup/decay schedule; the stateful training
-   loader.
+   loss; with a ``vision:`` section one LLaVA model, ``packsft.model.vlm.build_llava_model``, its seam on its
+   ``language_model``, its micro-batches' ``images`` through the same step), ``Float16Module`` when ``train.bf16``,
+   Megatron ``DistributedDataParallel`` (fp32 ``main_grad`` buffers) and ``get_megatron_optimizer``
+   (``packsft.train.optim``); the warmup/decay schedule; the stateful training loader.
 3. :class:`~packsft.train.checkpointer.Checkpointer` resumes (``checkpoint.resume``), before the loader's first
    ``iter()``, after comparing the checkpoint's recorded ``model``/``lora`` sections with the config
    (:func:`~packsft.train.compat.check_recorded_architecture`); with
@@ -71,11 +72,13 @@ from packsft.model.config import check_vocab_size
 from packsft.model.gpt import build_gpt_stages, unwrap_model
 from packsft.model.lora import apply_lora, enable_input_gradients
 from packsft.model.output_head import use_hidden_state_output
+from packsft.model.vlm import build_llava_model, language_model
 from packsft.sidecar import packing_efficiency
 from packsft.train import checkpoint_files as ckpt_files
 from packsft.train import process_guard, run_lock
 from packsft.train.checkpointer import Checkpointer, TrainState
 from packsft.train.config import Config, check_parallel_layout
+from packsft.train.config_vision import vlm_config
 from packsft.train.data import build_datasets, model_input
 from packsft.train.distributed import init_distributed
 from packsft.train.grad_clip import optimizer_implementation
@@ -143,7 +146,8 @@ class Trainer:
                              build_train_dataloader(self.train_set, self._train_loader_config(),
                                                     dp_rank=self.ctx.dp_rank, dp_size=dp,
                                                     global_batch_size=cfg.train.global_batch_size))
-        self.val_loaders = {name: build_eval_dataloader(ds, cfg.loader, dp_rank=self.ctx.dp_rank, dp_size=dp)
+        self.val_loaders = {name: build_eval_dataloader(ds, cfg.loader, dp_rank=self.ctx.dp_rank, dp_size=dp,
+                                                        collate_fn=getattr(ds, "collate", None))
                             for name, ds in self.val_sets.items()}   # built once; each pass is a new iter()
         self.checkpointer = Checkpointer(cfg, self.ctx, self.model, self.gpts, self.optimizer, self.scheduler,
                                          self.train_loader)
@@ -158,7 +162,8 @@ class Trainer:
         self.meter = StepMeter(self.ctx.device, cfg.logging.log_interval,
                                cfg.train.stop_at_step or cfg.train.train_steps, cfg.train.max_skipped_steps,
                                self.state.step, self.ctx.dp_group,
-                               sources=self.train_set.names if isinstance(self.train_set, MixedDataset) else None)
+                               sources=self.train_set.names if isinstance(self.train_set, MixedDataset) else None,
+                               media=cfg.vision is not None)
 
     def _train_loader_config(self) -> DataLoaderConfig:
         """``loader`` as configured; for a mixture of several sources (whose ``loader.sampler`` is ``random``: the
@@ -175,8 +180,12 @@ class Trainer:
                        sampler_kwargs=kwargs)
 
     def _build_model(self) -> list[torch.nn.Module]:
-        """This rank's model chunks (one, or one per virtual pipeline stage), each in Megatron's DDP."""
-        chunks = build_gpt_stages(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel)
+        """This rank's model chunks (one, or one per virtual pipeline stage), each in Megatron's DDP; with a
+        ``vision:`` section, the one LLaVA model (checked against ``data.tokenizer``'s processor: ``vlm_config``)."""
+        if self.cfg.vision is not None:
+            chunks = [build_llava_model(vlm_config(self.cfg.model, self.cfg.vision, self.train_set.image))]
+        else:
+            chunks = build_gpt_stages(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel)
         for gpt in chunks:
             if self.cfg.lora.enabled:   # before DDP and the optimizer: only the adapters are trainable
                 apply_lora(gpt, self.cfg.lora)
@@ -184,9 +193,9 @@ class Trainer:
                     enable_input_gradients(gpt)
             gpt.to(self.ctx.device)
             if self.cfg.train.compile:
-                compile_transformer_layers(gpt)
+                compile_transformer_layers(language_model(gpt))
             if gpt.post_process:
-                use_hidden_state_output(gpt)
+                use_hidden_state_output(language_model(gpt))
         return [self._wrap_megatron(gpt, i) for i, gpt in enumerate(chunks)]
 
     def _wrap_megatron(self, gpt: torch.nn.Module, chunk: int = 0) -> torch.nn.Module:
@@ -208,12 +217,12 @@ class Trainer:
 
     @property
     def gpt(self) -> torch.nn.Module:
-        """The ``GPTModel`` of the first chunk (inside DDP when wrapped); all chunks: :attr:`gpts`."""
+        """The ``GPTModel`` (or ``LLaVAModel``) of the first chunk (inside DDP when wrapped); all: :attr:`gpts`."""
         return unwrap_model(self.chunks[0])
 
     @property
     def gpts(self) -> list[torch.nn.Module]:
-        """Every model chunk's ``GPTModel`` (one per virtual pipeline stage; one without)."""
+        """Every model chunk's ``GPTModel`` (one per virtual pipeline stage; one without), or the ``LLaVAModel``."""
         return [unwrap_model(chunk) for chunk in self.chunks]
 
     # -- checkpoints and validation (Checkpointer, Validator) -------------------------------------------------------
@@ -407,7 +416,9 @@ class Trainer:
         st = self.state
         st.step, st.consumed_samples = st.step + 1, st.consumed_samples + self.cfg.train.global_batch_size
         self.meter.add(result["trained_tokens"], result["skipped"], row_lengths(batches),
-                       [pair for b in batches for pair in b.get("trained_tokens_by_source", ())])
+                       [pair for b in batches for pair in b.get("trained_tokens_by_source", ())],
+                       (sum(b.get("num_image_tokens", 0) for b in batches),
+                        sum(b.get("num_text_tokens", 0) for b in batches)))
         if self.meter.should_log(st.step):
             self.meter.read(st)
             record = self.meter.record(st, result, self.cfg.train.global_batch_size, self.cfg.data.max_seq_len)

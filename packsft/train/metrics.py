@@ -11,7 +11,9 @@
   on a CPU or an unknown GPU), each over the steps since the previous logging step; ``trained_tokens`` the global
   trained-token count of the step; ``mem_gib`` the peak CUDA memory allocated (GPU) or the process's peak RSS (CPU),
   GiB. A mixture of training sources adds ``"total_trained_tokens/<name>"`` (each source's trained tokens since step 0,
-  counted from the rows trained, resumes included) and ``"trained_token_share/<name>"`` (its share of them).
+  counted from the rows trained, resumes included) and ``"trained_token_share/<name>"`` (its share of them). An
+  image-text run (a LLaVA model) adds ``image_tokens`` and ``text_tokens``: the image-token ids and the other real
+  tokens of all rows (padding left out) since the previous logging step, global.
 * ``{"kind": "validation", "step", "val_loss", "val_trained_tokens", "val_loss/<name>", "val_trained_tokens/<name>"}``:
   all validation sets together (token-weighted), then each named set.
 * ``{"kind": "summary", ...}``: the run summary, once per start.
@@ -111,10 +113,11 @@ class StepMeter:
         dp_group: the data-parallel group: the real tokens and conversation lengths each rank counts are summed
             over it at a read (None: one rank).
         sources: the names of a mixture's training sources (rows carry their source index), or None.
+        media: count image and text tokens (image-text micro-batches' ``num_image_tokens``, ``num_text_tokens``).
     """
 
     def __init__(self, device: torch.device, log_interval: int, last_step: int, max_skipped_steps: int,
-                 start_step: int, dp_group=None, sources: list[str] | None = None) -> None:
+                 start_step: int, dp_group=None, sources: list[str] | None = None, media: bool = False) -> None:
         self.log_interval, self.last_step, self.max_skipped_steps = log_interval, last_step, max_skipped_steps
         # since the last read: trained tokens, skipped steps, the longest run of skipped steps ending in that
         # window (global, the same on every rank), real tokens and sum(s_i^2) of this DP rank's rows; and the
@@ -127,6 +130,9 @@ class StepMeter:
         self._flops = None
         self.sources = sources or []
         self._by_source = [0] * len(self.sources)   # this rank's trained tokens per source since the last read
+        self.media = media
+        self._media, self._media_window = [0, 0], [0, 0]   # image, text tokens: this rank's since the last read;
+        # global since the last logging step
 
     def set_flops(self, parameters: int, heads_times_head_dim: int, layers: int, world_size: int,
                   device_name: str | None) -> None:
@@ -141,14 +147,17 @@ class StepMeter:
         """Throughput of the next logging step counts from now, ``step`` (the start of the step loop)."""
         self._logged_step, self._logged_at = step, time.perf_counter()
         self._window = [0, 0, 0]
+        self._media_window = [0, 0]
 
     def add(self, trained_tokens: torch.Tensor, skipped: torch.Tensor, lengths: torch.Tensor,
-            by_source: list[tuple[int, int]] = ()) -> None:
+            by_source: list[tuple[int, int]] = (), media: tuple[int, int] = (0, 0)) -> None:
         """Count one step: its trained tokens (int64 scalar), whether it was skipped (bool scalar) and this rank's
         :func:`row_lengths`, on the device; ``by_source``, this rank's ``(source, trained tokens)`` per row (host
-        ints, the micro-batches' ``trained_tokens_by_source``)."""
+        ints, the micro-batches' ``trained_tokens_by_source``); ``media``, this rank's ``(image tokens, text
+        tokens)`` (host ints)."""
         for source, tokens in by_source:
             self._by_source[source] += tokens
+        self._media = [self._media[0] + media[0], self._media[1] + media[1]]
         skipped = skipped.long()
         self._skip_run = (self._skip_run + 1) * skipped
         self._counts = torch.cat([torch.stack([self._counts[0] + trained_tokens, self._counts[1] + skipped,
@@ -168,14 +177,16 @@ class StepMeter:
             FloatingPointError: more than ``max_skipped_steps`` steps in a row were skipped since the last read,
                 before anything is saved.
         """
-        counts = torch.cat([self._counts, torch.tensor(self._by_source, dtype=torch.int64).to(self._counts.device)])
+        counts = torch.cat([self._counts, torch.tensor(self._by_source + self._media,
+                                                       dtype=torch.int64).to(self._counts.device)])
         if self._dp_group is not None:     # the global counts once (rank 0's), this rank's rows' counts summed
             counts = torch.cat([counts[:3] * int(dist.get_rank(self._dp_group) == 0), counts[3:]])
             dist.all_reduce(counts, group=self._dp_group)
         if counts.device.type == "cuda":
             torch.cuda.synchronize()
-        trained, skipped, longest_run, real, squares, *by_source = counts.tolist()
-        self._counts, self._by_source = torch.zeros_like(self._counts), [0] * len(self.sources)
+        trained, skipped, longest_run, real, squares, *by_source, image, text = counts.tolist()
+        self._counts, self._by_source, self._media = torch.zeros_like(self._counts), [0] * len(self.sources), [0, 0]
+        self._media_window = [self._media_window[0] + image, self._media_window[1] + text]
         for name, tokens in zip(self.sources, by_source):
             state.source_trained_tokens[name] = state.source_trained_tokens.get(name, 0) + tokens
         state.trained_tokens += trained
@@ -195,6 +206,8 @@ class StepMeter:
         steps, seconds = state.step - self._logged_step, now - self._logged_at
         (trained, real, squares), tokens = self._window, steps * rows * seq
         self._logged_step, self._logged_at, self._window = state.step, now, [0, 0, 0]
+        media = dict(zip(("image_tokens", "text_tokens"), self._media_window)) if self.media else {}
+        self._media_window = [0, 0]
         mfu = None
         if self._flops is not None:
             per_token, per_square, peak = self._flops
@@ -203,7 +216,7 @@ class StepMeter:
                 "tokens_per_s": tokens / seconds, "trained_tokens_per_s": trained / seconds,
                 "packing_efficiency": real / tokens, "mfu": mfu, "consumed_samples": state.consumed_samples,
                 "consumed_tokens": state.consumed_samples * seq, "step_time_s": seconds / steps,
-                "skipped_steps": state.skipped_steps, "mem_gib": peak_memory_gib(), **source_shares(state)}
+                "skipped_steps": state.skipped_steps, "mem_gib": peak_memory_gib(), **source_shares(state), **media}
 
 
 def source_shares(state) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from packsft.model.gpt import unwrap_model
 from packsft.train.config import Config
 from packsft.train.data import model_input
 from packsft.train.distributed import DistributedContext
-from packsft.train.token_loss import gpt_token_loss
+from packsft.train.token_loss import gpt_token_loss, model_logits
 
 
 class Schedule:
@@ -42,12 +42,13 @@ class Schedule:
         """One model chunk on one micro-batch, with the row's packed-sequence parameters on every stage.
 
         Returns: before the last stage, the hidden states ``[t, 1, h]`` sent to the next stage; on the last stage
-        the per-token loss fp32 ``[t]`` (``gpt_token_loss``), or with ``logits`` the logits ``[1, t, v / tp]``.
+        the per-token loss fp32 ``[t]`` (``gpt_token_loss``), or with ``logits`` the logits ``[1, t, v / tp]``. A
+        LLaVA model (one stage) takes the micro-batch's ``images`` too (``token_loss.model_logits``).
         """
         with self._autocast():
-            if not unwrap_model(model).post_process or logits:
+            if not unwrap_model(model).post_process:
                 return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
-            return self.token_losses(model, batch)
+            return model_logits(model, batch) if logits else self.token_losses(model, batch)
 
     def token_losses(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The last stage's per-token loss, fp32 ``[t]`` (``gpt_token_loss`` with the ``loss`` settings)."""

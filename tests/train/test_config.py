@@ -28,9 +28,15 @@ def test_every_config_loads_and_round_trips(path):
 def _dotlist(cfg) -> list[str]:
     from omegaconf import OmegaConf
 
+    def items(tree: dict, prefix: str = ""):      # nested sections too (data.energon)
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from items(value, f"{prefix}{key}.")
+            elif value is not None or prefix:     # a section set to null (vision: null) is the default
+                yield f"{prefix}{key}", value
+
     flat = OmegaConf.to_container(OmegaConf.structured(cfg))
-    return [f"{section}.{key}={'null' if value is None else value}" for section, values in flat.items()
-            for key, value in (values or {}).items() if not isinstance(value, dict)]   # vision: null
+    return [f"{key}={'null' if value is None else value}" for key, value in items(flat)]
 
 
 def test_missing_required_values_are_named():

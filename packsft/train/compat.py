@@ -1,8 +1,9 @@
 """Resume and ``init_from`` compatibility: which config keys may differ from what a checkpoint records.
 
 :data:`MAY_CHANGE` is the one table; the checks read it. A run started from ``checkpoint.init_from`` (an imported
-model folder) takes its ``model`` section from the folder's ``model_config.json``, and the ``model`` keys the YAML
-sets must agree with it (:func:`check_init_model`, called by :func:`load_train_config` after
+model folder) takes its ``model`` section from the folder's ``model_config.json`` (a LLaVA model's ``vision``
+section from its ``vision_config.json``), and the keys the YAML sets must agree with them (:func:`check_init_model`,
+:func:`check_init_vision`, called by :func:`load_train_config` after
 :func:`~packsft.train.config.load_config`). A resumed (or exported) checkpoint records the config it was trained
 with (``train_state.json``); the trainer compares the current sections with it before loading any tensor
 (:func:`check_recorded_architecture`, :func:`check_recorded_optimizer`).
@@ -23,6 +24,7 @@ from packsft.config_rules import build_config, config_errors
 from packsft.io import read_json_object
 from packsft.model.config import (
     MODEL_CONFIG_FILE,
+    VISION_CONFIG_FILE,
     ModelConfig,
     config_from_dict,
     yaml_model_section,
@@ -36,6 +38,7 @@ from packsft.train.config import (
     config_source,
     load_config,
     read_init_model_fields,
+    read_init_sections,
 )
 from packsft.train.config_sections import ParallelConfig
 
@@ -70,10 +73,11 @@ tuple names the keys that may change (every other key the checkpoint records mus
 that may not (every other may change). A section not named is not compared."""
 
 
-def init_model_base(init_from: str | Path, checkpoint_dir: str | Path, resume: str) -> tuple[dict, Path | None]:
-    """The ``model`` fields a run with ``checkpoint.init_from`` starts from, and the resumed checkpoint they come
-    from (None: ``<init_from>/model_config.json``). When that file is gone and ``checkpoint.resume`` finds a
-    checkpoint in ``checkpoint_dir``: the ``model`` section that checkpoint records (the run no longer reads
+def init_base(init_from: str | Path, checkpoint_dir: str | Path, resume: str) -> tuple[dict[str, dict], Path | None]:
+    """The ``model`` (and a LLaVA model's ``vision``) sections a run with ``checkpoint.init_from`` starts from, and
+    the resumed checkpoint they come from (None: ``<init_from>``'s ``model_config.json`` and ``vision_config.json``,
+    :func:`~packsft.train.config.read_init_sections`). When ``model_config.json`` is gone and ``checkpoint.resume``
+    finds a checkpoint in ``checkpoint_dir``: the sections that checkpoint records (the run no longer reads
     ``init_from``'s weights; a LoRA resume still needs them and says so).
 
     Raises:
@@ -82,35 +86,40 @@ def init_model_base(init_from: str | Path, checkpoint_dir: str | Path, resume: s
         CheckpointError: the resume checkpoint records no model section.
     """
     if (Path(init_from) / MODEL_CONFIG_FILE).is_file():
-        return read_init_model_fields(init_from), None
+        return read_init_sections(init_from), None
     path = find_resume_checkpoint(checkpoint_dir, resume)
     if path is None:
         read_init_model_fields(init_from)      # raises, naming the missing file
-    return recorded_architecture(load_train_state(path), path)["model"], path
+    recorded = recorded_architecture(load_train_state(path), path)
+    return {"model": recorded["model"], **({"vision": recorded["vision"]} if recorded["vision"] else {})}, path
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """:func:`~packsft.train.config.load_config` for a training run, with ``checkpoint.init_from`` checked.
 
-    The ``model`` section comes from :func:`init_model_base` (when the folder is gone and a checkpoint will be
-    resumed, the section it records, with a ``note:`` on stderr); the keys the YAML or the overrides set must agree
-    with it (:func:`check_init_model`), and ``data.max_seq_len`` must fit the imported model's sliding window
-    (:func:`check_init_window`).
+    The ``model`` and ``vision`` sections come from :func:`init_base` (when the folder is gone and a checkpoint
+    will be resumed, the sections it records, with a ``note:`` on stderr); the keys the YAML or the overrides set
+    must agree with them (:func:`check_init_model`, :func:`check_init_vision`), and ``data.max_seq_len`` must fit
+    the imported model's sliding window (:func:`check_init_window`).
 
     Raises:
-        FileNotFoundError, ValueError: as ``load_config``; a ``model`` key that differs from the checkpoint's or
-            rows longer than its window (``ValueError`` naming the file, the key and both values).
+        FileNotFoundError, ValueError: as ``load_config``; a ``model`` or ``vision`` key that differs from the
+            checkpoint's, a ``vision`` section over a text model or ``vision: null`` over a LLaVA model, or rows
+            longer than its window (``ValueError`` naming the file, the key and both values).
     """
-    cfg = load_config(path, overrides, model_base=lambda *where: init_model_base(*where)[0])
+    cfg = load_config(path, overrides, init_base=lambda *where: init_base(*where)[0])
     init_from = cfg.checkpoint.init_from
     if not init_from:
         return cfg
-    imported, resumed = init_model_base(init_from, cfg.checkpoint_dir, cfg.checkpoint.resume)
+    imported, resumed = init_base(init_from, cfg.checkpoint_dir, cfg.checkpoint.resume)
     if resumed is not None and int(os.environ.get("RANK", "0")) == 0:
         print(f"note: checkpoint.init_from={str(init_from)!r} has no {MODEL_CONFIG_FILE}; the run resumes "
               f"{resumed}, whose recorded model section is used", file=sys.stderr)
     with config_errors(f"invalid config {config_source(path, overrides)}"):
-        check_init_model(cfg, imported, None if resumed is None else f"the model section checkpoint {resumed} records")
+        check_init_model(cfg, imported["model"],
+                         None if resumed is None else f"the model section checkpoint {resumed} records")
+        check_init_vision(cfg, imported.get("vision"),
+                          None if resumed is None else f"the vision section checkpoint {resumed} records")
         check_init_window(cfg, init_from)
     return cfg
 
@@ -162,6 +171,29 @@ def check_init_model(cfg: Config, imported: dict, source: str | None = None) -> 
             differs from ``imported``; the message names the field and both values.
     """
     check_model_fields(cfg.model, imported, source or f"checkpoint.init_from's {MODEL_CONFIG_FILE}")
+
+
+def check_init_vision(cfg: Config, imported: dict | None, source: str | None = None) -> None:
+    """Refuse a ``vision`` section that contradicts the ``checkpoint.init_from`` weights: ``imported`` (the
+    folder's ``vision_config.json``, None for a text model) with ``vision: null``, a ``vision`` section over a text
+    model, or a key that differs (``MAY_CHANGE["init_from"]["vision"]`` aside).
+
+    Raises:
+        ValueError: naming the key and both values, or the section.
+    """
+    source = source or f"checkpoint.init_from's {VISION_CONFIG_FILE}"
+    if (cfg.vision is None) != (imported is None):
+        raise ValueError(f"vision: checkpoint.init_from={cfg.checkpoint.init_from!r} holds a LLaVA model ({source}) "
+                         "and the config sets vision: null; drop vision: null" if imported is not None else
+                         f"vision: checkpoint.init_from={cfg.checkpoint.init_from!r} holds a text model (no "
+                         f"{VISION_CONFIG_FILE}); import a LLaVA model or drop the vision: section")
+    if imported is None:
+        return
+    current = asdict(cfg.vision)
+    key = _first_difference(current, imported, MAY_CHANGE["init_from"]["vision"])
+    if key is not None:
+        raise ValueError(f"vision.{key} ({current.get(key)!r}) differs from {source} ({imported[key]!r}): the "
+                         f"weights have the latter; drop vision.{key} from the config or set it to match")
 
 
 def check_model_fields(model: ModelConfig, imported: dict, source: str) -> None:

@@ -42,7 +42,7 @@ from packsft.config_rules import (
 from packsft.data.loader import DataLoaderConfig
 from packsft.io import missing_file, read_json_object
 from packsft.layout import check_max_seq_len, data_parallel_size
-from packsft.model.config import MODEL_CONFIG_FILE, ModelConfig
+from packsft.model.config import MODEL_CONFIG_FILE, VISION_CONFIG_FILE, ModelConfig
 from packsft.model.lora import LoraConfig
 from packsft.train.config_sections import (
     CheckpointConfig,
@@ -154,21 +154,23 @@ class Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
-                model_base: Callable[[str, Path, str], dict] | None = None) -> Config:
+                init_base: Callable[[str, Path, str], dict[str, dict]] | None = None) -> Config:
     """Build a :class:`Config` from a YAML file and dotted overrides (``section.key=value``).
 
     Args:
         path: YAML file, or None for schema defaults plus overrides only.
         overrides: e.g. ``["optimizer.lr=1e-3", "parallel.context_parallel_size=2"]``; applied after the file.
-        model_base: ``(checkpoint.init_from, checkpoint dir, checkpoint.resume) -> model fields`` merged under the
-            YAML when ``init_from`` is set; default: :func:`read_init_model_fields`.
+        init_base: ``(checkpoint.init_from, checkpoint dir, checkpoint.resume) -> {section: fields}`` (``model``,
+            and ``vision`` for a LLaVA model) merged under the YAML when ``init_from`` is set; default:
+            :func:`read_init_sections`.
 
     Returns:
         The validated :class:`Config` (plain dataclasses, not OmegaConf nodes).
 
     With ``checkpoint.init_from`` set, the checkpoint's ``model_config.json`` is merged under the YAML as the
-    ``model`` section (so a YAML may omit ``model``). Whether the keys the YAML sets agree with it, and the model
-    section a resumed checkpoint records when that folder is gone, are :mod:`packsft.train.compat`'s
+    ``model`` section (so a YAML may omit ``model``), and an imported LLaVA model's ``vision_config.json`` as the
+    ``vision`` section. Whether the keys the YAML sets agree with them, and the sections a resumed checkpoint
+    records when that folder is gone, are :mod:`packsft.train.compat`'s
     (:func:`~packsft.train.compat.load_train_config`, what a training run loads its config with).
 
     Raises:
@@ -193,9 +195,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             init_from = merged.checkpoint.init_from
             if init_from:
                 ckpt_dir = Path(merged.checkpoint.dir or Path(merged.logging.output_dir) / "checkpoints")
-                base = (model_base(init_from, ckpt_dir, merged.checkpoint.resume) if model_base
-                        else read_init_model_fields(init_from))
-                merged = OmegaConf.merge(OmegaConf.structured(Config), {"model": base}, *layers)
+                base = (init_base(init_from, ckpt_dir, merged.checkpoint.resume) if init_base
+                        else read_init_sections(init_from))
+                merged = OmegaConf.merge(OmegaConf.structured(Config), base, *layers)
             return OmegaConf.to_object(merged)
     except TypeError as err:  # OmegaConf.merge: a mapping where the schema has a list (data.train, data.validation)
         raise ValueError(f"{where}: {err} (a mapping where a list is expected: data.train and data.validation are "
@@ -241,6 +243,18 @@ def read_init_model_fields(init_from: str | Path) -> dict:
         raise FileNotFoundError(f"checkpoint.init_from={str(init_from)!r}: {file} not found; point it at a folder "
                                 "written by `tools/convert_checkpoint.py import --out DIR`")
     return read_json_object(file)
+
+
+def read_init_sections(init_from: str | Path) -> dict[str, dict]:
+    """The config sections an imported checkpoint folder supplies: ``{"model": <model_config.json>}``, plus
+    ``"vision": <vision_config.json>`` for a LLaVA model (``VisionSectionConfig`` fields, ``image_token_id`` set).
+
+    Raises:
+        FileNotFoundError: as :func:`read_init_model_fields`.
+    """
+    vision = Path(init_from) / VISION_CONFIG_FILE
+    return {"model": read_init_model_fields(init_from), **({"vision": read_json_object(vision)} if vision.is_file()
+                                                           else {})}
 
 
 

@@ -4,16 +4,19 @@
 
 import json
 import shutil
+from dataclasses import asdict
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
+from shapes import llava_processor_folder
 from test_hf_llava import CLIP_LAYERS, IMAGE_ID, hf_llava, unused
 from test_tools_errors import TOOLS, assert_user_error, call_tool
-from shapes import llava_processor_folder
 from transformers import AutoProcessor, LlamaConfig, LlavaForConditionalGeneration
 
 from packsft.data.multimodal import load_processor
+from packsft.train.compat import load_train_config
 
 CONVERT = TOOLS / "convert_checkpoint.py"
 
@@ -124,3 +127,28 @@ def test_bad_weight_files_are_named_before_the_model_is_built(imported, tmp_path
     assert_user_error(*call_tool(CONVERT, "import", "--hf", tmp_path / "hf", "--out", tmp_path / "mg"),
                       "1 tensor(s) that its config.json does not use, e.g. ['multi_modal_projector.linear_3.weight']")
     assert not (tmp_path / "mg").exists()
+
+
+def test_init_from_merges_the_vision_section_and_refuses_contradictions(imported, tmp_path):
+    _, _, mg = imported
+    config = tmp_path / "llava.yaml"           # no model: or vision: section: both come from init_from
+    config.write_text(yaml.safe_dump({
+        "data": {"backend": "energon", "train_path": str(tmp_path / "ds"), "tokenizer": str(tmp_path / "processor"),
+                 "max_seq_len": 128, "energon": {"model_family": "llava"}},
+        "train": {"train_steps": 2, "global_batch_size": 1}, "checkpoint": {"init_from": str(mg)}}))
+    cfg = load_train_config(config)
+    assert asdict(cfg.vision) == json.loads((mg / "vision_config.json").read_text())
+    assert asdict(cfg.model) == json.loads((mg / "model_config.json").read_text())
+    assert load_train_config(config, ["vision.image_size=28"]).vision == cfg.vision
+    with pytest.raises(ValueError, match=r"vision.image_size \(56\) differs from checkpoint.init_from's "
+                                         r"vision_config.json \(28\): the weights have the latter"):
+        load_train_config(config, ["vision.image_size=56"])
+    with pytest.raises(ValueError, match="holds a LLaVA model .* and the config sets vision: null"):
+        load_train_config(config, ["vision=null", "data.energon.model_family=null"])
+    text = tmp_path / "text"                    # the same folder without vision_config.json: a text model
+    shutil.copytree(mg, text)
+    (text / "vision_config.json").unlink()
+    with pytest.raises(ValueError, match="holds a text model .no vision_config.json."):
+        load_train_config(config, [f"checkpoint.init_from={text}", "vision.hidden_size=32", "vision.num_layers=2",
+                                   "vision.num_attention_heads=4", "vision.ffn_hidden_size=64",
+                                   "vision.image_size=28", "vision.patch_size=14"])

@@ -60,6 +60,9 @@ megatron-core 0.16; ``docs/model.md`` has the measured facts):
 8. Vision: ``CLIPViTModel.__init__`` (``models.vision.clip_vit_model``, the LLaVA encoder) moves its
    ``position_ids`` buffer to CUDA (``torch.arange(...).cuda()``); :func:`_apply_vision_shim` runs it with
    ``Tensor.cuda`` returning the tensor itself (the wrapper of 7).
+9. Compiled activations: megatron's ``jit_fuser`` ``torch.compile``s ``activations.quick_gelu`` (CLIP's MLP), which
+   on the CPU needs a C++ compiler (Inductor's CPU backend; none on ``PATH``: ``InvalidCxxCompiler`` at the first
+   step); :func:`eager_activation` gives the function it wraps (the same math, eager) where there is no CUDA.
 """
 
 from __future__ import annotations
@@ -244,6 +247,11 @@ def _apply_vision_shim() -> None:
     cls.__init__ = _setup_embeddings_on_own_device(cls.__init__)
 
 
+def eager_activation(fn):
+    """``fn`` (an activation), or without CUDA the eager function a ``torch.compile`` wrapper holds (item 9)."""
+    return fn if torch.cuda.is_available() else getattr(fn, "_torchdynamo_orig_callable", fn)
+
+
 def _apply_cuda_shim() -> None:
     """Make ``torch.cuda.current_device()`` return ``"cpu"`` and ``torch.cuda.synchronize()`` a no-op."""
     torch.cuda.current_device = lambda: "cpu"
@@ -251,7 +259,8 @@ def _apply_cuda_shim() -> None:
 
 
 def apply_cpu_workarounds() -> bool:
-    """Apply the eight CPU workarounds of this module once per process; no-op when CUDA is available.
+    """Apply CPU workarounds 1-8 of this module once per process (9 is :func:`eager_activation`, called where the
+    activation is chosen); no-op when CUDA is available.
 
     Idempotent: a second call changes nothing. Call it before building a model (``init_distributed``
     does).

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from packsft.model.attention import TorchCoreAttention
 from packsft.model.config import ModelConfig
-from packsft.model.cpu_compat import apply_cpu_workarounds
+from packsft.model.cpu_compat import apply_cpu_workarounds, eager_activation
 from packsft.model.gpt import RMSNorm, layer_spec, unwrap_model
 from packsft.model.output_head import HiddenStateOutputLayer, use_hidden_state_output
 from packsft.model.rope import install_sync_free_rope
@@ -129,7 +129,8 @@ def _vision_transformer_config(cfg: VisionConfig, text_config, tp: int):
         text_config, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_attention_heads,
         kv_channels=cfg.hidden_size // cfg.num_attention_heads, normalization="LayerNorm",
-        layernorm_epsilon=cfg.layer_norm_eps, gated_linear_unit=False, activation_func=ACTIVATIONS[cfg.hidden_act],
+        layernorm_epsilon=cfg.layer_norm_eps, gated_linear_unit=False,
+        activation_func=eager_activation(ACTIVATIONS[cfg.hidden_act]),
         add_bias_linear=True, add_qkv_bias=True, qk_layernorm=False, bias_activation_fusion=False,
         tensor_model_parallel_size=tp, sequence_parallel=False, recompute_granularity=None,
         recompute_method=None, recompute_num_layers=None, recompute_modules=None)
@@ -142,7 +143,8 @@ def _projector_transformer_config(cfg: VisionConfig, text_config):
     ``linear_fc2`` ``h_text -> h_text``, both with biases (HF ``multi_modal_projector.linear_1/linear_2``)."""
     return dataclasses.replace(
         text_config, ffn_hidden_size=text_config.hidden_size, gated_linear_unit=False,
-        activation_func=ACTIVATIONS[cfg.projector_hidden_act], add_bias_linear=True, bias_activation_fusion=False,
+        activation_func=eager_activation(ACTIVATIONS[cfg.projector_hidden_act]), add_bias_linear=True,
+        bias_activation_fusion=False,
         recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None)
 
 

@@ -2,6 +2,7 @@
 -> export -> LlavaForConditionalGeneration.from_pretrained with the same tensors and logits; refusals by HF key;
 ``checkpoint.init_from`` of an imported LLaVA."""
 
+import importlib.util
 import json
 import shutil
 from dataclasses import asdict
@@ -152,3 +153,39 @@ def test_init_from_merges_the_vision_section_and_refuses_contradictions(imported
         load_train_config(config, [f"checkpoint.init_from={text}", "vision.hidden_size=32", "vision.num_layers=2",
                                    "vision.num_attention_heads=4", "vision.ffn_hidden_size=64",
                                    "vision.image_size=28", "vision.patch_size=14"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.energon") is None, reason="needs megatron.energon")
+def test_training_starts_from_the_import_and_its_checkpoint_exports(tmp_path, tokenizer_dir):
+    """import -> train.py with checkpoint.init_from (no model: / vision: section; lr 1e-20: the weights stay) ->
+    export of its checkpoint, the processor from the run's data.tokenizer: the original HF tensors come back."""
+    from shapes import shapes_dataset
+    from test_loop import train
+
+    processor = llava_processor_folder(tmp_path / "processor", tokenizer_dir("smollm2-135m-instruct"))
+    image_id = load_processor(processor)[1].image_token_id
+    text = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=image_id + 1, max_position_embeddings=256)
+    model = hf_llava(seed=4, text_config=text, image_token_index=image_id)
+    model.save_pretrained(tmp_path / "hf")
+    rc, stderr = call_tool(CONVERT, "import", "--hf", tmp_path / "hf", "--out", tmp_path / "mg")
+    assert rc == 0, stderr[-3000:]
+    config = tmp_path / "llava.yaml"
+    config.write_text(yaml.safe_dump({
+        "data": {"backend": "energon", "train_path": str(shapes_dataset(tmp_path / "ds")), "tokenizer": str(processor),
+                 "max_seq_len": 128, "energon": {"model_family": "llava", "buffer_size": 8,
+                                                  "shuffle_buffer_size": 4}},
+        "optimizer": {"lr": 1e-20, "weight_decay": 0.0}, "scheduler": {"warmup_steps": 1},
+        "train": {"global_batch_size": 2, "train_steps": 1}, "checkpoint": {"init_from": str(tmp_path / "mg")},
+        "logging": {"output_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False}}))
+    train(config)
+    checkpoint = tmp_path / "run" / "checkpoints" / "iter_0000001"
+    rc, stderr = call_tool(CONVERT, "export", "--megatron", checkpoint, "--out", tmp_path / "out")
+    assert rc == 0, stderr[-3000:]
+    assert f"copied from the run's data.tokenizer {processor}" in stderr
+    assert (tmp_path / "out" / "processor_config.json").is_file()
+    exported = LlavaForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert exported.config.image_token_index == image_id
+    original, back = model.state_dict(), exported.state_dict()
+    for name in (k for k in original if not unused(k)):
+        torch.testing.assert_close(back[name], original[name], atol=1e-12, rtol=0, msg=name)

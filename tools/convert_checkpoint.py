@@ -30,6 +30,13 @@ A LoRA run (its ``--config`` YAML has ``lora.enabled: true``) is exported merged
 A LoRA run started from an imported base stores only its adapters; the export loads the base from the folder its
 ``train_state.json`` records (or ``--lora-base DIR``) after checking the base's fingerprint, then the adapters.
 
+An HF LLaVA-1.5 folder (``LlavaForConditionalGeneration``; other image-text models are refused by key) imports to a
+``LLaVAModel`` checkpoint with ``vision_config.json``, and exports back with the processor files of ``--tokenizer``
+(a training checkpoint's: its ``data.tokenizer`` by default)::
+
+    python tools/convert_checkpoint.py import --hf ~/models/llava-1.5-7b-hf --out ckpt/llava
+    python tools/convert_checkpoint.py export --megatron ckpt/llava --out hf/llava --tokenizer ~/models/llava-1.5-7b-hf
+
 Layouts, supported families and refused options: docs/checkpoints.md. User errors (missing files, bad
 arguments, unsupported models) print ``error: ...`` and exit with status 2.
 

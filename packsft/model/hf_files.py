@@ -5,8 +5,9 @@ Read: a safetensors folder (``config.json`` and ``model.safetensors`` or the sha
 ``model.safetensors.index.json``) or one GGUF file (transformers' dequantizing GGUF loader). Write:
 ``model.safetensors`` (sharded above ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and
 the tokenizer files of ``TOKENIZER_FILES``, published atomically (``packsft.io.atomic_dir``). Every check of an
-input file is here, where it is opened (:func:`load_hf_config`, :func:`check_hf_weight_files`); the model side
-(TP shards, PP stages) is :mod:`packsft.model.hf_io`.
+input file is here, where it is opened (:func:`load_hf_config`, :func:`check_hf_weight_files`; a LLaVA folder's
+weights: ``hf_llava.check_hf_llava_weight_files`` over :func:`weight_file_headers`); the model side (TP shards, PP
+stages) is :mod:`packsft.model.hf_io`.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from transformers import AutoProcessor, LlamaConfig, LlavaForConditionalGenerati
 
 from packsft.data.multimodal import load_processor
 from packsft.train.compat import load_train_config
+from packsft.train.convert_llava import resolve_image_token
 
 CONVERT = TOOLS / "convert_checkpoint.py"
 
@@ -72,6 +73,11 @@ def test_export_copies_the_processor(tmp_path, tokenizer_dir):
     which AutoProcessor loads; a model of fewer ids refuses it."""
     processor = llava_processor_folder(tmp_path / "processor", tokenizer_dir("smollm2-135m-instruct"))
     image_id = load_processor(processor)[1].image_token_id
+    # a run with vision.image_token_id null took its processor's: the export's processor, else the HF config's
+    assert resolve_image_token({"image_token_id": None}, str(processor), None, "w")["image_token_id"] == image_id
+    assert resolve_image_token({"image_token_id": None}, None, {"image_token_index": 7}, "w")["image_token_id"] == 7
+    with pytest.raises(ValueError, match="w: image_token_id is null .* pass --tokenizer"):
+        resolve_image_token({"image_token_id": None}, None, None, "w")
     text = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=image_id + 64, max_position_embeddings=256)
     hf_llava(seed=1, text_config=text, image_token_index=image_id).save_pretrained(tmp_path / "hf")

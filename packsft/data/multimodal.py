@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packsft.conversation import Conversation, parse_record
+from packsft.conversation import RECORD_OBJECT, Conversation, Each, check_value, parse_record
 from packsft.jsonl import ConversationError, json_type
 from packsft.layout import IGNORE_INDEX
 from packsft.prompt_formats import Tokenization, tokenize_conversation
@@ -138,74 +138,86 @@ def _fail(field: str, reason: str) -> ConversationError:
     return ConversationError("", 0, field, reason)
 
 
-def _media_members(record: dict, members: dict[str, bytes]) -> list[str]:
-    """The ``media`` manifest's member names, checked: a list of ``{"type": "image", "member": NAME}`` whose NAME is
-    one of ``members``."""
-    media = record.get("media") or []
-    if not isinstance(media, list):
-        raise _fail("media", f"must be a list of media items, got {json_type(media)}")
-    names = []
-    for k, item in enumerate(media):
-        if not isinstance(item, dict) or item.get("type") != "image":
-            got = repr(item.get("type")) if isinstance(item, dict) else json_type(item)
-            raise _fail(f"media[{k}]", f"must be an object of type 'image' with a member, got {got} (packsft reads "
-                                       "images only)")
-        name = item.get("member")
-        if not isinstance(name, str) or name not in members:
-            there = ", ".join(sorted(members)) or "none"
-            raise _fail(f"media[{k}].member", f"{name!r} is not a member of the sample (its members: {there})")
-        names.append(name)
-    return names
+def _kind(value: Any) -> str:
+    """How a refused media item or part is named: its ``type`` (an object's) or its JSON type."""
+    return repr(value.get("type")) if isinstance(value, dict) else json_type(value)
+
+
+def _media_rules(members: dict[str, bytes]) -> tuple:
+    """What the ``media`` manifest must be: a list of ``{"type": "image", "member": NAME}``, NAME one of
+    ``members``."""
+    there = ", ".join(sorted(members)) or "none"
+    return (
+        ("", lambda v: isinstance(v, list), lambda v: f"must be a list of media items, got {json_type(v)}"),
+        Each((
+            ("", lambda m: isinstance(m, dict) and m.get("type") == "image",
+             lambda m: f"must be an object of type 'image' with a member, got {_kind(m)} (packsft reads images only)"),
+            (".member", lambda m: isinstance(m.get("member"), str) and m["member"] in members,
+             lambda m: f"{m.get('member')!r} is not a member of the sample (its members: {there})"),
+        )),
+    )
+
+
+def _as_text(image_token: str) -> str:
+    return f"holds the image token {image_token!r} as text; images are image parts"
+
+
+def _message_rules(image_token: str) -> tuple:
+    """What a message's ``content`` must be besides :func:`packsft.conversation.validate_messages`' rules: no
+    image token in a string, no empty list of parts (a message that is no object: ``parse_record`` names it)."""
+    return (
+        (".content", lambda m: not isinstance(m, dict) or not isinstance(m.get("content"), str)
+         or image_token not in m["content"], _as_text(image_token)),
+        (".content", lambda m: not isinstance(m, dict) or m.get("content") != [], "an empty list of content parts"),
+    )
+
+
+def _part_rules(role: Any, media_count: int, image_token: str) -> tuple:
+    """What each content part of a ``role`` message must be: ``{"type": "text", "text": str}`` without
+    ``image_token``, or (user messages only) ``{"type": "image", "media_index": k}``, ``0 <= k < media_count``."""
+    def image(p: dict) -> bool:
+        return p["type"] == "image"
+
+    def index_ok(k: Any) -> bool:
+        return isinstance(k, int) and not isinstance(k, bool) and 0 <= k < media_count
+
+    return (Each((
+        ("", lambda p: isinstance(p, dict) and p.get("type") in ("text", "image"),
+         lambda p: f"must be a part of type 'text' or 'image', got {_kind(p)}"),
+        (".text", lambda p: image(p) or isinstance(p.get("text"), str),
+         lambda p: f"must be a string, got {json_type(p.get('text'))}"),
+        (".text", lambda p: image(p) or image_token not in p["text"], _as_text(image_token)),
+        ("", lambda p: not image(p) or role == "user",
+         f"an image part in a {role!r} message; images go in user messages"),
+        (".media_index", lambda p: not image(p) or index_ok(p.get("media_index")),
+         lambda p: f"must be the index of a media item (0 to {media_count - 1}), got {p.get('media_index')!r}"),
+    )),)
 
 
 def _joined(record: dict, media_count: int, image_token: str) -> dict:
-    """The record with each list ``content`` joined into one string (an image part as ``image_token``), checked:
-    parts are objects of type ``text`` (a string) or ``image`` (user messages only, ``media_index`` the next unused
-    media item), no text holds ``image_token``, every media item used."""
+    """The record with each list ``content`` joined into one string (an image part as ``image_token``), checked
+    (:func:`_message_rules`, :func:`_part_rules`), each media item referenced once, in the manifest's order."""
     messages = record.get("messages")
     if not isinstance(messages, list):
         return record                  # parse_record names it
     used, joined = 0, []
     for i, message in enumerate(messages):
+        check_value(message, _message_rules(image_token), "", 0, f"messages[{i}]")
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str) and image_token in content:
-            raise _fail(f"messages[{i}].content", f"holds the image token {image_token!r} as text; images are "
-                                                  "image parts")
         if not isinstance(content, list):
             joined.append(message)
             continue
-        if not content:
-            raise _fail(f"messages[{i}].content", "an empty list of content parts")
-        texts = []
+        check_value(content, _part_rules(message.get("role"), media_count, image_token), "", 0,
+                    f"messages[{i}].content")
         for j, part in enumerate(content):
-            where = f"messages[{i}].content[{j}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise _fail(f"{where}.text", f"must be a string, got {json_type(text)}")
-                if image_token in text:
-                    raise _fail(f"{where}.text", f"holds the image token {image_token!r} as text; images are image "
-                                                 "parts")
-                texts.append(text)
-            elif kind == "image":
-                if message.get("role") != "user":
-                    raise _fail(where, f"an image part in a {message.get('role')!r} message; images go in user "
-                                       "messages")
-                index = part.get("media_index")
-                if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < media_count:
-                    raise _fail(f"{where}.media_index", f"must be the index of a media item (0 to "
-                                                        f"{media_count - 1}), got {index!r}")
-                if index != used:
-                    why = "is used a second time" if index < used else f"comes before media[{used}]"
-                    raise _fail(f"{where}.media_index", f"media[{index}] {why}: each media item is referenced "
-                                                        "exactly once, in the manifest's order")
-                used += 1
-                texts.append(image_token)
-            else:
-                got = repr(kind) if isinstance(part, dict) else json_type(part)
-                raise _fail(where, f"must be a part of type 'text' or 'image', got {got}")
-        joined.append({**message, "content": "\n".join(texts)})
+            if part["type"] == "image" and part["media_index"] != used:
+                why = "is used a second time" if part["media_index"] < used else f"comes before media[{used}]"
+                raise _fail(f"messages[{i}].content[{j}].media_index", f"media[{part['media_index']}] {why}: each "
+                                                                        "media item is referenced exactly once, in "
+                                                                        "the manifest's order")
+            used += part["type"] == "image"
+        joined.append({**message, "content": "\n".join(image_token if p["type"] == "image" else p["text"]
+                                                       for p in content)})
     if used < media_count:
         raise _fail(f"media[{used}]", "is never referenced: each media item is referenced exactly once (an image "
                                       "part's media_index)")
@@ -239,9 +251,10 @@ def check_image_record(record: Any, members: dict[str, bytes], image_token: str)
         ConversationError: ``path`` empty, ``field`` naming the first invalid field (``media[0].member``,
             ``messages[1].content[0].media_index``, ``messages[2].role`` ...).
     """
-    if not isinstance(record, dict):
-        raise _fail("", f"a record must be a JSON object, got {json_type(record)}")
-    names = _media_members(record, members)
+    check_value(record, (RECORD_OBJECT,), "", 0, "")
+    media = record.get("media") or []
+    check_value(media, _media_rules(members), "", 0, "media")
+    names = [item["member"] for item in media]
     conv = parse_record(_joined(record, len(names), image_token))
     return conv, _images(names, members)
 

@@ -1,16 +1,19 @@
-"""Image-text test data, made offline: coloured shapes drawn with PIL, conversations about them in the NeMo-RL SFT
-guide's Energon format (shards + ``energon prepare``), and a tiny LLaVA-1.5 processor folder.
+"""Image-text data made offline: coloured shapes drawn with PIL, conversations about them in the NeMo-RL SFT guide's
+Energon format (shards + ``energon prepare``), and a tiny LLaVA-1.5 processor folder.
 
-Usable from tests (``from shapes import ...``: the test folders are on ``sys.path``) and from a shell::
+Used by the tests (``from examples.shapes_dataset import ...``) and from a shell, with any Hugging Face tokenizer
+folder (``configs/tiny_llava_cpu.yaml`` expects SmolLM2's, which ``make demo`` extracts to
+``out/demo/smollm2-tokenizer``)::
 
-    python tests/data/shapes.py OUT_FOLDER    # OUT_FOLDER/ds (Energon dataset), OUT_FOLDER/processor
+    python examples/shapes_dataset.py out/shapes --tokenizer out/demo/smollm2-tokenizer
+    # -> out/shapes/ds (the Energon dataset), out/shapes/processor (the LLaVA processor folder)
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
-import sys
 import tarfile
 from pathlib import Path
 
@@ -147,8 +150,16 @@ def llava_processor_folder(folder: Path, tokenizer: Path, crop: int = 28) -> Pat
     return folder
 
 
+def main(argv: list[str] | None = None) -> None:
+    """``OUT --tokenizer DIR``: write ``OUT/ds`` (:func:`shapes_dataset`) and ``OUT/processor``
+    (:func:`llava_processor_folder`)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder to write ds/ and processor/ into (must not hold ds/)")
+    parser.add_argument("--tokenizer", type=Path, required=True, help="a Hugging Face tokenizer folder")
+    args = parser.parse_args(argv)
+    print(shapes_dataset(args.out / "ds"))
+    print(llava_processor_folder(args.out / "processor", args.tokenizer))
+
+
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
-    shapes_dataset(out / "ds")
-    default = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tokenizers" / "smollm2-135m-instruct"
-    print(llava_processor_folder(out / "processor", Path(sys.argv[2]) if len(sys.argv) > 2 else default))
+    main()

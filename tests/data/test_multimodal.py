@@ -6,8 +6,8 @@ import re
 
 import pytest
 import torch
-from shapes import conversations, draw_shape, llava_processor_folder
 
+from examples.shapes_dataset import conversations, draw_shape, llava_processor_folder
 from packsft.data.multimodal import (
     check_image_record,
     encode_image_text,

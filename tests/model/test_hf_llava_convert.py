@@ -11,11 +11,11 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from shapes import llava_processor_folder
 from test_hf_llava import CLIP_LAYERS, IMAGE_ID, hf_llava, unused
 from test_tools_errors import TOOLS, assert_user_error, call_tool
 from transformers import AutoProcessor, LlamaConfig, LlavaForConditionalGeneration
 
+from examples.shapes_dataset import llava_processor_folder
 from packsft.data.multimodal import load_processor
 from packsft.train.compat import load_train_config
 from packsft.train.convert_llava import resolve_image_token
@@ -165,8 +165,9 @@ def test_init_from_merges_the_vision_section_and_refuses_contradictions(imported
 def test_training_starts_from_the_import_and_its_checkpoint_exports(tmp_path, tokenizer_dir):
     """import -> train.py with checkpoint.init_from (no model: / vision: section; lr 1e-20: the weights stay) ->
     export of its checkpoint, the processor from the run's data.tokenizer: the original HF tensors come back."""
-    from shapes import shapes_dataset
     from test_loop import train
+
+    from examples.shapes_dataset import shapes_dataset
 
     processor = llava_processor_folder(tmp_path / "processor", tokenizer_dir("smollm2-135m-instruct"))
     image_id = load_processor(processor)[1].image_token_id

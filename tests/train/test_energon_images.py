@@ -13,9 +13,9 @@ pytest.importorskip("megatron.energon")
 from megatron.energon import SkipSample  # noqa: E402
 from megatron.energon.source_info import SourceInfo  # noqa: E402
 from PIL import Image  # noqa: E402
-from shapes import conversations, draw_shape, llava_processor_folder, shapes_dataset  # noqa: E402
 from test_loop import write_config  # noqa: E402
 
+from examples.shapes_dataset import conversations, draw_shape, llava_processor_folder, shapes_dataset  # noqa: E402
 from packsft.layout import IGNORE_INDEX, ROW_KEYS  # noqa: E402
 from packsft.packing.energon import iter_sample_members  # noqa: E402
 from packsft.train.config import load_config  # noqa: E402

@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("megatron.energon")
 
 from distributed_helpers import parallel_state_1proc  # noqa: E402, F401 - fixture
-from shapes import llava_processor_folder, shapes_dataset  # noqa: E402
 from test_loop import REPO, train, train_records, write_config  # noqa: E402
 
+from examples.shapes_dataset import llava_processor_folder, shapes_dataset  # noqa: E402
 from packsft.train.checkpoint_files import CheckpointError  # noqa: E402
 from packsft.train.compat import check_recorded_vision  # noqa: E402
 from packsft.train.config import load_config  # noqa: E402
@@ -188,3 +188,40 @@ def test_the_fused_loss_equals_the_stock_one_and_reads_the_images(tmp_path, shap
     assert abs(fused - stock) < 1e-5 * fused, (fused, stock)
     flipped = [{**b, "images": -b["images"]} for b in batches]
     assert abs(trainer.train_step(flipped)["loss"] - stock) > 1e-6
+
+
+def test_the_packing_report_counts_text_and_image_tokens_of_the_rows_the_encoder_packs(tmp_path, shapes):
+    from examples.shapes_dataset import conversations
+    from packsft.data.multimodal import encode_image_text, load_processor
+    from packsft.prompt_formats import Tokenization, TokenizationSpec
+    from packsft.tokenizer import load_tokenizer
+    from packsft.train.energon_report import energon_report
+
+    config = _config(tmp_path, shapes)
+    report = energon_report(load_config(config))
+    processor, image = load_processor(shapes["tokenizer"])
+    tokenizer = load_tokenizer(shapes["tokenizer"])
+    spec = TokenizationSpec(str(shapes["tokenizer"]), "chat-template")
+    tokenization = Tokenization.of(tokenizer, spec.bind(tokenizer))
+    train = [encode_image_text(record, members, tokenization, processor, image)
+             for _, record, members in conversations()[:7]]              # the train split: samples 0-6
+    real = sum(len(e["tokens"]) for e in train)
+    images = sum(len(e["pixel_values"]) for e in train)
+    assert (report["samples"], report["conversations"], report["skipped"], report["images"]) == (7, 7, 0, images)
+    assert report["image_tokens"] == images * image.image_seq_length == sum(e["num_image_tokens"] for e in train)
+    assert report["text_tokens"] == real - report["image_tokens"]
+    assert report["rows"] >= report["lower_bound_rows"] == -(-real // SEQ)
+    assert report["padding_tokens"] == report["rows"] * SEQ - real
+    assert report["efficiency"] == round(real / (report["rows"] * SEQ), 6)
+    val = energon_report(load_config(config), "val")
+    assert (val["split"], val["samples"], val["images"]) == ("val", 1, 1)
+
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "energon_report.py"), "--config", str(config),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == json.loads(out.read_text()) == report
+    refused = subprocess.run([sys.executable, str(REPO / "tools" / "energon_report.py"), "--config",
+                              str(REPO / "configs" / "tiny_cpu.yaml")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.splitlines()[-1].startswith("error: ") and \
+        "data.backend is 'packed'" in refused.stderr

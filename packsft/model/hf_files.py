@@ -6,7 +6,7 @@ Read: a safetensors folder (``config.json`` and ``model.safetensors`` or the sha
 ``model.safetensors`` (sharded above ``max_shard_bytes``), ``config.json``, ``generation_config.json`` and
 the tokenizer files of ``TOKENIZER_FILES``, published atomically (``packsft.io.atomic_dir``). Every check of an
 input file is here, where it is opened (:func:`load_hf_config`, :func:`check_hf_weight_files`; a LLaVA folder's
-weights: ``hf_llava.check_hf_llava_weight_files`` over :func:`weight_file_headers`); the model side (TP shards, PP
+weights: ``hf_llava.check_hf_llava_weight_files`` over :func:`check_weight_headers`); the model side (TP shards, PP
 stages) is :mod:`packsft.model.hf_io`.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -217,54 +218,71 @@ def weight_file_headers(path: str | Path) -> list[tuple[Path, dict[str, tuple[st
     return out
 
 
-def check_floating(file: Path, name: str, dtype: str) -> None:
-    """Refuse a tensor ``name`` of ``file`` whose safetensors ``dtype`` is not floating point (quantized or bool
-    values cast to float would be garbage).
+WEIGHT_BUFFERS = ("rotary_emb.inv_freq", "embeddings.position_ids")
+"""Name endings of the buffers some checkpoints hold (rotary frequencies, CLIP position ids): computed from the
+config, never read, so neither their dtype nor their shape is checked."""
+
+
+def check_weight_headers(path: str | Path, shape_of: Callable[[str], tuple[int, ...] | None], needed: Iterable[str],
+                         *, canonical: Callable[[str], str] = str, spare: tuple[str, ...] = (),
+                         arch_hint: str = "", name_hint: str = "") -> None:
+    """Check a safetensors checkpoint folder's weight files from their headers alone (no tensor is read): every file
+    opens (:func:`weight_file_headers`), every tensor but :data:`WEIGHT_BUFFERS` is floating point (quantized or
+    bool values cast to float would be garbage) and used, in its shape, and every ``needed`` tensor is there.
+
+    Args:
+        shape_of: a tensor's shape in the model from its ``canonical`` name; None: the model does not use it.
+        needed: the canonical names the model needs.
+        canonical: a file's tensor name -> the name ``shape_of`` and ``needed`` use (default: itself).
+        spare: prefixes of canonical names the model does not use but a checkpoint may hold (left unread).
+        arch_hint, name_hint: the ends of the unused and missing tensors' messages (``" (transformers 5 name)"``).
 
     Raises:
-        ValueError: naming the file, the tensor and its dtype.
+        FileNotFoundError: ``path`` holds no safetensors file (or an index names a missing one).
+        ValueError: naming the file: a Git LFS pointer, not a safetensors file, a tensor that is not floating point
+            or has another shape than ``shape_of``; naming the folder: tensors the model does not use (another
+            architecture) or lacks.
     """
-    if dtype not in FLOATING_SAFETENSORS_DTYPES:
-        raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}, not floating point; packsft imports "
-                         "unquantized weights (a quantized checkpoint must be dequantized first, e.g. loaded "
-                         "in transformers and saved in bfloat16)")
+    found, unused = set(), []
+    for f, header in weight_file_headers(path):
+        for name, (dtype, shape) in header.items():
+            key = canonical(name)
+            if key.endswith(WEIGHT_BUFFERS):
+                continue
+            if dtype not in FLOATING_SAFETENSORS_DTYPES:
+                raise ValueError(f"{f}: tensor {name!r} has dtype {dtype}, not floating point; packsft imports "
+                                 "unquantized weights (a quantized checkpoint must be dequantized first, e.g. loaded "
+                                 "in transformers and saved in bfloat16)")
+            expected = shape_of(key)
+            if expected is None and not key.startswith(spare):
+                unused.append(name)
+            elif expected is not None and shape != expected:
+                raise ValueError(f"{f}: HF tensor {name!r} has shape {shape}, but the config implies {expected}")
+            found.add(key)
+    if unused:
+        raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
+                         f"a checkpoint of another architecture than the config describes{arch_hint}; packsft refuses "
+                         "rather than drop weights")
+    missing = [n for n in needed if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{path}: HF checkpoint has no tensor {missing[0]!r}{more}{name_hint}, which its config "
+                         "needs")
 
 
 def check_hf_weight_files(path: str | Path, cfg: ModelConfig) -> None:
-    """Check a safetensors checkpoint's weight files against ``cfg`` from their headers alone (no tensor is read).
-
-    Every file of the checkpoint (:func:`_safetensors_files`) must open with ``safetensors.safe_open`` (which checks
-    that the file is as long as its header says), every tensor must be floating point and one that a model of ``cfg``
-    has (:func:`model_hf_names`), in the shape ``cfg`` implies (``hf_tensor_shape``), and every tensor ``cfg`` needs
-    (``hf_tensor_names``) must be there. Cheap (headers only, memory-mapped), so it runs on every rank before the model
-    is built. A GGUF checkpoint is left to transformers' reader.
+    """Check a safetensors checkpoint's weight files against ``cfg`` from their headers alone
+    (:func:`check_weight_headers`): every tensor one that a model of ``cfg`` has, in the shape ``cfg`` implies
+    (``hf_tensor_shape``), every tensor ``cfg`` needs (``hf_tensor_names``) there. Cheap (headers only,
+    memory-mapped), so it runs on every rank before the model is built. A GGUF checkpoint is left to transformers'
+    reader.
 
     Raises:
-        FileNotFoundError: ``path`` holds neither safetensors nor a GGUF file.
-        ValueError: naming the file: a Git LFS pointer, not a safetensors file (junk, truncated, a corrupt header), a
-            tensor that is not floating point (quantized weights) or has another shape than ``cfg`` implies; naming
-            the folder: tensors ``cfg`` does not use (another architecture) or lacks.
+        FileNotFoundError, ValueError: as :func:`check_weight_headers`.
     """
-    path = Path(path)
-    if _gguf_file(path) is not None:
-        return
-    used, found, unused = model_hf_names(cfg), set(), []
-    for f, header in weight_file_headers(path):
-        for name, (dtype, shape) in header.items():
-            check_floating(f, name, dtype)
-            if not used(name):
-                unused.append(name)
-            elif (expected := hf_tensor_shape(name, cfg)) is not None and shape != expected:
-                raise ValueError(f"{f}: HF tensor {name!r} has shape {shape}, but the config implies {expected}")
-        found.update(header)
-    if unused:
-        raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
-                         "a checkpoint of another architecture than the config describes (num_hidden_layers, "
-                         "attention_bias, ...); packsft refuses rather than drop weights")
-    missing = [n for n in hf_tensor_names(cfg) if n not in found]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{path}: HF checkpoint has no tensor {missing[0]!r}{more}, which its config needs")
+    if _gguf_file(Path(path)) is None:
+        check_weight_headers(path, lambda name: hf_tensor_shape(name, cfg), hf_tensor_names(cfg),
+                             arch_hint=" (num_hidden_layers, attention_bias, ...)")
 
 
 def load_hf_checkpoint(path: str | Path, keep=None) -> tuple[object, dict[str, Tensor]]:

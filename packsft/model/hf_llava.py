@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf
-from packsft.model.hf_files import check_floating, weight_file_headers, write_hf_checkpoint
+from packsft.model.hf_files import check_weight_headers, write_hf_checkpoint
 from packsft.model.state_dict_adapter import (
     hf_tensor_names,
     hf_tensor_shape,
@@ -197,30 +197,11 @@ def check_hf_llava_weight_files(path, cfg: VLMConfig, clip_layers: int) -> None:
             ``cfg`` implies; naming the folder: tensors of another architecture, or one ``cfg`` needs is missing.
     """
     shapes = llava_hf_tensor_shapes(cfg)
-    spare = tuple(f"{VISION}encoder.layers.{i}." for i in range(cfg.vision.num_layers, clip_layers))
-    found, unused = set(), []
-    for f, header in weight_file_headers(path):
-        for name, (dtype, shape) in header.items():
-            canonical = canonical_llava_name(name)
-            if canonical.endswith(("rotary_emb.inv_freq", "embeddings.position_ids")):
-                continue
-            check_floating(f, name, dtype)
-            expected = shapes.get(canonical) or (hf_tensor_shape("lm_head.weight", cfg.text)
-                                                 if canonical == "lm_head.weight" else None)
-            if expected is None and not canonical.startswith((f"{VISION}post_layernorm.", *spare)):
-                unused.append(name)
-            elif expected is not None and shape != expected:
-                raise ValueError(f"{f}: HF tensor {name!r} has shape {shape}, but the config implies {expected}")
-            found.add(canonical)
-    if unused:
-        raise ValueError(f"{path}: {len(unused)} tensor(s) that its config.json does not use, e.g. {unused[:4]}: "
-                         "a checkpoint of another architecture than the config describes; packsft refuses rather "
-                         "than drop weights")
-    missing = [n for n in shapes if n not in found]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{path}: HF checkpoint has no tensor {missing[0]!r}{more} (transformers 5 name), which its "
-                         "config needs")
+    lm_head = hf_tensor_shape("lm_head.weight", cfg.text)      # a tied model's file may hold it
+    spare = (f"{VISION}post_layernorm.", *(f"{VISION}encoder.layers.{i}." for i in range(cfg.vision.num_layers,
+                                                                                          clip_layers)))
+    check_weight_headers(path, lambda name: shapes.get(name) or (lm_head if name == "lm_head.weight" else None),
+                         shapes, canonical=canonical_llava_name, spare=spare, name_hint=" (transformers 5 name)")
 
 
 def llava_hf_names(cfg: VLMConfig):

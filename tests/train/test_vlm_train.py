@@ -225,3 +225,24 @@ def test_the_packing_report_counts_text_and_image_tokens_of_the_rows_the_encoder
                               str(REPO / "configs" / "tiny_cpu.yaml")], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr.splitlines()[-1].startswith("error: ") and \
         "data.backend is 'packed'" in refused.stderr
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_2_trains_as_tp_1(tmp_path, shapes):
+    """TP=2 (torchrun, gloo) shards the language model, the projector and the CLIP layers; its losses, validation
+    losses and gradient norms are the TP=1 run's (an even vocabulary: 49152 + <image> + 1 padding id)."""
+    runs = {}
+    for tp in (1, 2):
+        config = _config(tmp_path / f"tp{tp}", shapes, model={"vocab_size": 49154, "max_position_embeddings": SEQ},
+                         train={"global_batch_size": 2, "train_steps": 3}, checkpoint={"save_interval": 0},
+                         scheduler={"warmup_steps": 1}, validation={"val_period": 3},
+                         parallel={"tensor_model_parallel_size": tp})
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
+        proc = subprocess.run([*launch, str(REPO / "tools" / "train.py"), "--config", str(config)],
+                              capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        lines = [json.loads(line) for line in (tmp_path / f"tp{tp}" / "out" / "metrics.jsonl").read_text().splitlines()]
+        runs[tp] = [v for r in lines for v in ((r["loss"], r["grad_norm"]) if r["kind"] == "train" else
+                                                (r.get("val_loss"),) if r["kind"] == "validation" else ())]
+    assert len(runs[1]) == 7
+    assert runs[2] == pytest.approx(runs[1], rel=2e-4)     # fp32 sums in another order (grad norm: ~5e-5)

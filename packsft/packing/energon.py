@@ -23,7 +23,8 @@ from pathlib import Path
 from packsft.jsonl import ConversationError
 
 META = ".nv-meta"
-TEXT_ONLY = "packsft reads text only (image-text samples are not supported yet)"
+TEXT_ONLY = ("read as text only here (image-text samples train a LLaVA model with data.energon.model_family: "
+             "llava, docs/multimodal.md)")
 PAYLOAD = "json"
 """The member extension that holds a sample's JSON record."""
 

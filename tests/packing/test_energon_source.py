@@ -17,6 +17,7 @@ from megatron.energon.tools.prepare import command as energon_prepare  # noqa: E
 from packsft.io import file_blake2b  # noqa: E402
 from packsft.packing import cli  # noqa: E402
 from packsft.packing.config import PackConfig, PackError  # noqa: E402
+from packsft.packing.energon import TEXT_ONLY  # noqa: E402
 from packsft.packing.pipeline import run_pack  # noqa: E402
 from packsft.packing.sources import SourceError, check_source, iter_source, source_identity  # noqa: E402
 from packsft.sidecar import read_sidecar  # noqa: E402
@@ -98,10 +99,9 @@ def test_energon_train_split_packs_the_rows_jsonl_gives(tmp_path, tokenizer_dir,
     where = [(r["input"], r["shard"], r["sample"], r["reason"]) for r in report.rejected]
     assert where == [
         (str(ds), "shard-000001.tar", "000004", ref_report.rejected[0]["reason"]),      # the JSONL parser's reason
-        (str(ds), "shard-000001.tar", "000005", "media: the sample has media (1 item(s)); packsft reads text "
-                                                "only (image-text samples are not supported yet)"),
-        (str(ds), "shard-000001.tar", "000007", "messages[0].content[0]: a non-text part ('image_url'); "
-                                                "packsft reads text only (image-text samples are not supported yet)")]
+        (str(ds), "shard-000001.tar", "000005", f"media: the sample has media (1 item(s)); {TEXT_ONLY}"),
+        (str(ds), "shard-000001.tar", "000007", f"messages[0].content[0]: a non-text part ('image_url'); {TEXT_ONLY}")]
+    assert "data.energon.model_family: llava" in TEXT_ONLY
     assert ref_report.rejected[0]["reason"].startswith("messages[1].role: unknown role 'bot'")
     assert f"rejected {ds}: shard-000001.tar: sample 000005: media: the sample has media" in report.summary()
     ident = read_sidecar(out)["input_identity"][str(ds)]

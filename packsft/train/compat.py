@@ -189,11 +189,7 @@ def check_init_vision(cfg: Config, imported: dict | None, source: str | None = N
                          f"{VISION_CONFIG_FILE}); import a LLaVA model or drop the vision: section")
     if imported is None:
         return
-    current = asdict(cfg.vision)
-    key = _first_difference(current, imported, MAY_CHANGE["init_from"]["vision"])
-    if key is not None:
-        raise ValueError(f"vision.{key} ({current.get(key)!r}) differs from {source} ({imported[key]!r}): the "
-                         f"weights have the latter; drop vision.{key} from the config or set it to match")
+    _refuse_init_difference("vision", asdict(cfg.vision), imported, source)
 
 
 def check_model_fields(model: ModelConfig, imported: dict, source: str) -> None:
@@ -203,11 +199,16 @@ def check_model_fields(model: ModelConfig, imported: dict, source: str) -> None:
     Raises:
         ValueError: naming the field and both values.
     """
-    current = asdict(model)
-    key = _first_difference(current, imported, MAY_CHANGE["init_from"]["model"])
+    _refuse_init_difference("model", asdict(model), imported, source)
+
+
+def _refuse_init_difference(section: str, current: dict, imported: dict, source: str) -> None:
+    """Raise ``ValueError`` naming the first ``section`` key (``MAY_CHANGE["init_from"]`` aside) whose ``current``
+    value differs from the checkpoint's ``imported`` one (read from ``source``), and both values."""
+    key = _first_difference(current, imported, MAY_CHANGE["init_from"][section])
     if key is not None:
-        raise ValueError(f"model.{key} ({current.get(key)!r}) differs from {source} ({imported[key]!r}): the "
-                         f"weights have the latter; drop model.{key} from the config or set it to match")
+        raise ValueError(f"{section}.{key} ({current.get(key)!r}) differs from {source} ({imported[key]!r}): the "
+                         f"weights have the latter; drop {section}.{key} from the config or set it to match")
 
 
 def read_yaml_model(path: str | Path, base: dict | None, source: str | None = None, *,
@@ -290,13 +291,19 @@ def check_recorded_architecture(model: ModelConfig, lora: LoraConfig | None, rec
     """
     current_lora = _lora_fields(asdict(lora)) if lora is not None else {"enabled": False}
     recorded_lora = _lora_fields(recorded["lora"]) if recorded["lora"].get("enabled") else {"enabled": False}
-    for section, current, reference in (("model", asdict(model), recorded["model"]),
-                                        ("lora", current_lora, recorded_lora)):
-        key = _first_difference(current, reference, MAY_CHANGE["resume"][section])
-        if key is not None:
-            how = fix.format(key=f"{section}.{key}", value=reference[key])
-            raise CheckpointError(f"{section}.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained "
-                                  f"with {reference[key]!r}; {how}")
+    _refuse_recorded_difference("model", asdict(model), recorded["model"], checkpoint, fix)
+    _refuse_recorded_difference("lora", current_lora, recorded_lora, checkpoint, fix)
+
+
+def _refuse_recorded_difference(section: str, current: dict, reference: dict, checkpoint: str | Path,
+                                fix: str) -> None:
+    """Raise :class:`CheckpointError` naming the first ``section`` key (``MAY_CHANGE["resume"]`` aside) whose
+    ``current`` value differs from the one ``checkpoint`` records (``reference``), both values and ``fix``."""
+    key = _first_difference(current, reference, MAY_CHANGE["resume"][section])
+    if key is not None:
+        how = fix.format(key=f"{section}.{key}", value=reference[key])
+        raise CheckpointError(f"{section}.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained "
+                              f"with {reference[key]!r}; {how}")
 
 
 def check_recorded_vision(vision, recorded: dict[str, dict], checkpoint: str | Path, *, fix: str) -> None:
@@ -315,11 +322,7 @@ def check_recorded_vision(vision, recorded: dict[str, dict], checkpoint: str | P
         raise CheckpointError(f"the config has {now} vision: section but checkpoint {checkpoint} was trained with "
                               f"{then} vision model (an image-text model has one); a resumed run keeps the model it "
                               "was trained with")
-    key = _first_difference(current, reference, MAY_CHANGE["resume"]["vision"])
-    if key is not None:
-        how = fix.format(key=f"vision.{key}", value=reference[key])
-        raise CheckpointError(f"vision.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained with "
-                              f"{reference[key]!r}; {how}")
+    _refuse_recorded_difference("vision", current, reference, checkpoint, fix)
 
 
 def check_recorded_optimizer(optimizer: OptimizerConfig, recorded: dict[str, dict], checkpoint: str | Path,

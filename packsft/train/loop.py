@@ -89,6 +89,7 @@ from packsft.train.metrics import (
     as_python,
     format_summary,
     row_lengths,
+    vision_flops_per_image,
 )
 from packsft.train.optim import (
     ParamGroupSchedule,
@@ -315,17 +316,13 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """Parameters, parallel layout, batch geometry, data rows, packing efficiency (from the sidecars), and the
         attention kernel and optimizer implementation in use."""
-        params = [p for gpt in self.gpts for p in gpt.parameters()
-                  if not getattr(p, "shared", False)]            # the last stage's copy of a tied embedding
-        local = sum(p.numel() for p in params
-                    if not getattr(p, "tensor_model_parallel", False) and dist.get_rank(self.ctx.tp_group) == 0)
-        sharded = torch.tensor(sum(p.numel() for p in params if getattr(p, "tensor_model_parallel", False)) + local,
-                               device=self.ctx.device)   # NCCL reduces device tensors only
-        dist.all_reduce(sharded, group=self.ctx.tp_group)
-        if self.pipeline:
-            dist.all_reduce(sharded, group=self.ctx.pp_group)
+        vision = {}
+        if self.cfg.vision is not None:   # a LLaVA model: its vision side's share (MFU counts it per image)
+            vision = {"vision_parameters": self._count(self.gpt.vision_model.parameters()),
+                      "projector_parameters": self._count(self.gpt.vision_projection.parameters())}
         sidecars = [getattr(d, "sidecar", None) for d in getattr(self.train_set, "datasets", [self.train_set])]
-        return {"kind": "summary", "step": self.state.step, "parameters": int(sharded), **self.layout(),
+        return {"kind": "summary", "step": self.state.step,
+                "parameters": self._count(p for gpt in self.gpts for p in gpt.parameters()), **vision, **self.layout(),
                 "micro_batches_per_step": self.micro_batches, "global_batch_size": self.cfg.train.global_batch_size,
                 "max_seq_len": self.cfg.data.max_seq_len,
                 getattr(self.train_set, "summary_key", "train_rows"): len(self.train_set),
@@ -337,6 +334,19 @@ class Trainer:
                 "optimizer": optimizer_implementation(self.optimizer),
                 "resumed_from": self.resumed_from, "initialized_from": self.initialized_from,
                 "lora_base": self.lora_base}
+
+    def _count(self, params) -> int:
+        """The parameters of the whole model among ``params`` (this rank's): TP shards summed over the TP group,
+        pipeline stages over the PP group; the last stage's copy of a tied embedding left out."""
+        params = [p for p in params if not getattr(p, "shared", False)]
+        local = sum(p.numel() for p in params
+                    if not getattr(p, "tensor_model_parallel", False) and dist.get_rank(self.ctx.tp_group) == 0)
+        total = torch.tensor(sum(p.numel() for p in params if getattr(p, "tensor_model_parallel", False)) + local,
+                             device=self.ctx.device)   # NCCL reduces device tensors only
+        dist.all_reduce(total, group=self.ctx.tp_group)
+        if self.pipeline:
+            dist.all_reduce(total, group=self.ctx.pp_group)
+        return int(total)
 
     def _compute_dtype(self) -> str:
         """Activations' dtype: ``train.autocast_dtype``, bfloat16 under ``train.bf16``, else ``model.params_dtype``."""
@@ -351,9 +361,15 @@ class Trainer:
                                progress=cfg.logging.progress and self.state.step < last,  # no bar of no step
                                initial_step=self.state.step, total_steps=last, restart_step=restart)
         summary = self.summary()
-        m = cfg.model
-        self.meter.set_flops(summary["parameters"], m.num_attention_heads * m.head_dim, m.num_layers, ctx.world_size,
-                             torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None)
+        m, image = cfg.model, {}
+        if cfg.vision is not None:
+            size = self.train_set.image.image_seq_length
+            image = {"image_flops": vision_flops_per_image(summary["vision_parameters"],
+                                                           summary["projector_parameters"], cfg.vision, size),
+                     "image_seq_length": size}
+        language = summary["parameters"] - summary.get("vision_parameters", 0) - summary.get("projector_parameters", 0)
+        self.meter.set_flops(language, m.num_attention_heads * m.head_dim, m.num_layers, ctx.world_size,
+                             torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None, **image)
         logger.log(summary)
         logger.message(format_summary(summary))
         if logger.set_aside:

@@ -135,13 +135,15 @@ class StepMeter:
         # global since the last logging step
 
     def set_flops(self, parameters: int, heads_times_head_dim: int, layers: int, world_size: int,
-                  device_name: str | None) -> None:
-        """Model FLOPs for MFU: ``6 P`` per row token plus causal attention ``6 h l sum(s_i^2)`` (fwd + bwd; ``h``
-        heads x head dim, ``s_i`` the real conversation lengths), against ``world_size`` times the device's dense
+                  device_name: str | None, image_flops: float = 0.0, image_seq_length: int = 1) -> None:
+        """Model FLOPs for MFU: ``6 P`` per row token (``P`` the language model's parameters) plus causal attention
+        ``6 h l sum(s_i^2)`` (fwd + bwd; ``h`` heads x head dim, ``s_i`` the real conversation lengths), plus
+        ``image_flops`` per image (a LLaVA model's vision encoder and projector: :func:`vision_flops_per_image`;
+        images counted as image tokens / ``image_seq_length``), against ``world_size`` times the device's dense
         bf16 peak (no MFU on an unknown device or a CPU)."""
         peak = peak_tflops(device_name) if device_name else None
-        self._flops = (6.0 * parameters, 6.0 * heads_times_head_dim * layers, peak * 1e12 * world_size) \
-            if peak else None
+        self._flops = (6.0 * parameters, 6.0 * heads_times_head_dim * layers, peak * 1e12 * world_size,
+                       image_flops / image_seq_length) if peak else None
 
     def start_clock(self, step: int) -> None:
         """Throughput of the next logging step counts from now, ``step`` (the start of the step loop)."""
@@ -207,16 +209,25 @@ class StepMeter:
         (trained, real, squares), tokens = self._window, steps * rows * seq
         self._logged_step, self._logged_at, self._window = state.step, now, [0, 0, 0]
         media = dict(zip(("image_tokens", "text_tokens"), self._media_window)) if self.media else {}
-        self._media_window = [0, 0]
+        image_tokens, self._media_window = self._media_window[0], [0, 0]
         mfu = None
         if self._flops is not None:
-            per_token, per_square, peak = self._flops
-            mfu = (per_token * tokens + per_square * squares) / seconds / peak
+            per_token, per_square, peak, per_image_token = self._flops
+            mfu = (per_token * tokens + per_square * squares + per_image_token * image_tokens) / seconds / peak
         return {"kind": "train", "step": state.step, **as_python(result),
                 "tokens_per_s": tokens / seconds, "trained_tokens_per_s": trained / seconds,
                 "packing_efficiency": real / tokens, "mfu": mfu, "consumed_samples": state.consumed_samples,
                 "consumed_tokens": state.consumed_samples * seq, "step_time_s": seconds / steps,
                 "skipped_steps": state.skipped_steps, "mem_gib": peak_memory_gib(), **source_shares(state), **media}
+
+
+def vision_flops_per_image(vision_parameters: int, projector_parameters: int, vision, image_seq_length: int) -> float:
+    """Training FLOPs (fwd + bwd) of one image through a LLaVA model's vision side: ``6 P_v s`` for the CLIP
+    parameters over its ``s = image_seq_length + 1`` positions (class token), full attention ``6 h_v l_v s^2``, and
+    ``6 P_p image_seq_length`` for the projector (``vision``: the ``vision:`` section)."""
+    s = image_seq_length + 1
+    return (6.0 * vision_parameters * s + 6.0 * vision.hidden_size * vision.num_layers * s * s
+            + 6.0 * projector_parameters * image_seq_length)
 
 
 def source_shares(state) -> dict[str, Any]:

@@ -92,6 +92,33 @@ def test_step_meter_reports_trained_tokens_per_s_packing_efficiency_and_mfu():
     assert meter.record(state, {"trained_tokens": torch.tensor(1)}, rows=1, seq=8)["mfu"] is None   # CPU
 
 
+def test_mfu_of_a_llava_step_counts_each_images_vision_flops_once():
+    """Images are counted from the logged image tokens (4 per image here); each adds vision_flops_per_image."""
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from packsft.train.checkpointer import TrainState
+    from packsft.train.metrics import StepMeter, row_lengths, vision_flops_per_image
+
+    vision = SimpleNamespace(hidden_size=32, num_layers=2)
+    per_image = vision_flops_per_image(1000, 200, vision, 4)
+    assert per_image == 6 * 1000 * 5 + 6 * 32 * 2 * 25 + 6 * 200 * 4
+    meter = StepMeter(torch.device("cpu"), log_interval=1, last_step=10, max_skipped_steps=0, start_step=0,
+                      media=True)
+    meter.set_flops(parameters=500, heads_times_head_dim=16, layers=2, world_size=1,
+                    device_name="NVIDIA H100 80GB HBM3", image_flops=per_image, image_seq_length=4)
+    state = TrainState()
+    meter.add(torch.tensor(3), torch.tensor(False), row_lengths([_batch([0, 8])]), media=(12, 4))  # 3 images
+    state.step = 1
+    meter.read(state)
+    record = meter.record(state, {"trained_tokens": torch.tensor(3)}, rows=1, seq=8)
+    assert (record["image_tokens"], record["text_tokens"]) == (12, 4)
+    flops = 6 * 500 * 8 + 6 * 16 * 2 * 64 + 3 * per_image
+    assert record["mfu"] == pytest.approx(flops / record["step_time_s"] / 989e12)
+
+
 def test_step_meter_counts_each_sources_trained_tokens_across_reads_and_resumes():
     """A mixture's rows carry their source: per-source trained tokens add up over reads, survive a checkpoint's
     dict, and their shares are logged."""

@@ -70,6 +70,10 @@ def test_a_tiny_llava_learns_and_logs_image_and_text_tokens(uninterrupted):
     assert [r["step"] for r in val] == [3, 6] and all(r["val_trained_tokens"] > 0 for r in val)
     summary = next(r for r in lines if r["kind"] == "summary")
     assert summary["train_samples"] == 7 and summary["validation_rows"] == {"validation": 1}
+    # CLIP: conv1 3*14*14*32 + class token and 5 positions + ln_pre + 2 layers; projector 32*64+64 + 64*64+64
+    layer = 4 * 32 * 32 + 4 * 32 + 2 * 32 * 64 + 64 + 32 + 4 * 32
+    assert summary["vision_parameters"] == 3 * 14 * 14 * 32 + 32 + 5 * 32 + 2 * 32 + 2 * layer
+    assert summary["projector_parameters"] == 32 * 64 + 64 + 64 * 64 + 64 < summary["parameters"]
 
 
 def _next_batch_after_restore(config, state_file, out):

@@ -16,8 +16,9 @@ than the tower has); HF's ``post_layernorm`` is unused there, as megatron's CLIP
 Token convention: packsft rows hold the EXPANDED ids (as the HF processor writes them: ``L`` image ids per image),
 so ``cu_seqlens`` and labels are in expanded coordinates; megatron's ``LLaVAModel`` wants ONE id per image and
 expands it. :func:`collapse_image_tokens` goes from one to the other; :func:`llava_hidden_states` does it for the
-call. Context and pipeline parallelism are refused (megatron's LLaVA needs TransformerEngine for CP; packsft has
-no LLaVA pipeline split); tensor parallelism shards the language model, the projector and the CLIP layers as
+call. Context and pipeline parallelism are refused where a run or a conversion is set up (the training config's
+``VISION_RELATIONS``, ``tools/convert_checkpoint.py``: megatron's LLaVA needs TransformerEngine for CP; packsft has
+no LLaVA pipeline split), not here; tensor parallelism shards the language model, the projector and the CLIP layers as
 megatron does (column/row-parallel linears; norms, patch embedding, class token and positions replicated).
 """
 
@@ -174,20 +175,14 @@ def build_llava_model(cfg: VLMConfig) -> LLaVAModel:
     ``parallel_output=True`` (logits vocab-sharded). The class token is dropped before the projector. Every weight
     of the vision side, its LayerNorms included, takes ``cfg.text.params_dtype``.
 
+    Context and pipeline parallel sizes must be 1: the training config (``VISION_RELATIONS``) and the converter
+    (``convert_llava``) refuse others before any model is built.
+
     Raises:
-        ValueError: context parallelism (``parallel.context_parallel_size`` > 1), pipeline parallelism
-            (``parallel.pipeline_model_parallel_size`` > 1), or ``model.rope_interpolation_factor`` (LLaVAModel
-            builds its GPTModel without ``seq_len_interpolation_factor``).
+        ValueError: ``model.rope_interpolation_factor`` (LLaVAModel builds its GPTModel without
+            ``seq_len_interpolation_factor``; the training config refuses it too, an HF import reaches it here).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    cp = parallel_state.get_context_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if cp > 1:
-        raise ValueError(f"parallel.context_parallel_size={cp}: the LLaVA model runs without context parallelism "
-                         "(megatron-core's LLaVAModel needs TransformerEngine for it)")
-    if pp > 1:
-        raise ValueError(f"parallel.pipeline_model_parallel_size={pp}: the LLaVA model runs without pipeline "
-                         "parallelism (one stage holds the vision encoder, projector and language model)")
     if cfg.text.rope_interpolation_factor is not None:
         raise ValueError("model.rope_interpolation_factor is not supported for LLaVA models (megatron-core's "
                          "LLaVAModel builds its language model without seq_len_interpolation_factor)")

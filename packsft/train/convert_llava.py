@@ -75,6 +75,14 @@ def recorded_vision(megatron: Path, sections: dict | None) -> tuple[dict | None,
     return (read_json_object(file), str(file)) if file.is_file() else (None, "")
 
 
+def _one_stage(args: argparse.Namespace, verb: str) -> None:
+    """Refuse ``--pipeline-model-parallel-size`` > 1: packsft has no pipeline split of a LLaVA model (the training
+    config's ``VISION_RELATIONS`` refuse it too). Raises ``ValueError`` naming the option."""
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: a LLaVA model is "
+                         f"{verb} as one pipeline stage (the checkpoint loads at any TP size)")
+
+
 def import_llava(args: argparse.Namespace, ctx, hf_config) -> None:
     """``convert_checkpoint.py import`` of an image-text HF folder (``hf_config``: its config, read already):
     refusals before any weight is read (the config by key, ``--pipeline-model-parallel-size`` > 1, the weight files'
@@ -83,9 +91,7 @@ def import_llava(args: argparse.Namespace, ctx, hf_config) -> None:
     Raises:
         ValueError: naming the HF key (``vlm_config_from_hf``), the option, or the weight file / tensor.
     """
-    if args.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: a LLaVA model is "
-                         "imported as one pipeline stage (the checkpoint loads at any TP size)")
+    _one_stage(args, "imported")
     cfg = vlm_config_from_hf(hf_config, attention_backend=args.attention_backend, params_dtype=args.params_dtype)
     tp_rank, tp_size = rank_and_size(ctx.tp_group)
     cfg.text.check_parallel_fit(tp_size)
@@ -142,9 +148,7 @@ def export_llava(args: argparse.Namespace, ctx, cfg: VLMConfig, hf_config: dict 
     Raises:
         ValueError: ``origin`` named: transformers refuses the config; ``--pipeline-model-parallel-size`` > 1.
     """
-    if args.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: a LLaVA model is "
-                         "exported as one pipeline stage (the checkpoint loads at any TP size)")
+    _one_stage(args, "exported")
     try:                        # before any weight is read, on every rank
         hf_config_from_vlm_config(cfg, base=hf_config)
     except (ValueError, TypeError) as err:

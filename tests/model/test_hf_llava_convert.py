@@ -2,6 +2,7 @@
 -> export -> LlavaForConditionalGeneration.from_pretrained with the same tensors and logits; refusals by HF key;
 ``checkpoint.init_from`` of an imported LLaVA."""
 
+import argparse
 import importlib.util
 import json
 import shutil
@@ -18,7 +19,7 @@ from transformers import AutoProcessor, LlamaConfig, LlavaForConditionalGenerati
 from examples.shapes_dataset import llava_processor_folder
 from packsft.data.multimodal import load_processor
 from packsft.train.compat import load_train_config
-from packsft.train.convert_llava import resolve_image_token
+from packsft.train.convert_llava import export_llava, import_llava, resolve_image_token
 
 CONVERT = TOOLS / "convert_checkpoint.py"
 
@@ -196,3 +197,12 @@ def test_training_starts_from_the_import_and_its_checkpoint_exports(tmp_path, to
     original, back = model.state_dict(), exported.state_dict()
     for name in (k for k in original if not unused(k)):
         torch.testing.assert_close(back[name], original[name], atol=1e-12, rtol=0, msg=name)
+
+
+
+def test_a_pipeline_split_is_refused_before_anything_is_read():
+    args = argparse.Namespace(pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="^--pipeline-model-parallel-size 2: a LLaVA model is imported as one "):
+        import_llava(args, None, None)
+    with pytest.raises(ValueError, match="^--pipeline-model-parallel-size 2: a LLaVA model is exported as one "):
+        export_llava(args, None, None, None, "", None)

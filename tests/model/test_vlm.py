@@ -1,10 +1,11 @@
 """megatron-core's LLaVAModel with packsft's GPT: logits equal transformers' LLaVA-1.5 (one packed THD row of
-image-text conversations vs each alone), TP=2 on gloo, image-token collapsing, refused layouts."""
+image-text conversations vs each alone), TP=2 on gloo, image-token collapsing, a refused RoPE scaling."""
+
+import dataclasses
 
 import pytest
 import torch
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
-from megatron.core import parallel_state
 from test_hf_llava import IMAGE_ID, VOCAB, hf_llava
 
 from packsft.data.context_parallel import make_packed_seq_params
@@ -57,13 +58,12 @@ def test_collapse_image_tokens():
         collapse_image_tokens(torch.tensor([[1, 9, 9, 9, 2]]), 9, 4)
 
 
-@pytest.mark.parametrize("getter, name", [("get_context_parallel_world_size", "parallel.context_parallel_size"),
-                                          ("get_pipeline_model_parallel_world_size",
-                                           "parallel.pipeline_model_parallel_size")])
-def test_context_and_pipeline_parallel_are_refused(parallel_state_1proc, monkeypatch, getter, name):  # noqa: F811
-    monkeypatch.setattr(parallel_state, getter, lambda *a, **k: 2)
-    with pytest.raises(ValueError, match=f"{name}=2"):
-        build_llava_model(vlm_config_from_hf(hf_llava().config))
+def test_linear_rope_scaling_is_refused(parallel_state_1proc):  # noqa: F811
+    """An HF import reaches the builder with it (CP / PP sizes are refused by the config and the converter)."""
+    cfg = vlm_config_from_hf(hf_llava().config)
+    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, rope_interpolation_factor=2.0))
+    with pytest.raises(ValueError, match="model.rope_interpolation_factor is not supported for LLaVA models"):
+        build_llava_model(cfg)
 
 
 def test_packed_row_logits_equal_transformers_per_conversation(parallel_state_1proc):  # noqa: F811

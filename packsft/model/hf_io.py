@@ -92,9 +92,16 @@ def load_hf_state_into_model(model, hf_state: dict[str, Tensor], cfg: ModelConfi
     state = _renumber(state, {g: j for j, g in enumerate(layers)})
     if tied_copy:
         state["output_layer.weight"] = state.pop("embedding.word_embeddings.weight")
+    load_mapped_state(model, state)
+
+
+def load_mapped_state(model, state: dict[str, Tensor]) -> None:
+    """``model.load_state_dict(state)`` of a mapping's output (``state_dict_adapter``, ``hf_llava``): every key
+    but megatron's ``_extra_state`` must be there and no other (else the mapping has a bug: an assertion), copied
+    into the model's own dtypes; a shape that differs is torch's ``RuntimeError``."""
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
-    assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)   # the adapter's mapping
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)   # the mapping's
 
 
 def _stage_state(model) -> dict[str, Tensor]:

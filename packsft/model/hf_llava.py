@@ -42,6 +42,7 @@ from torch import Tensor
 
 from packsft.model.hf_config import hf_config_from_model_config, model_config_from_hf
 from packsft.model.hf_files import check_weight_headers, write_hf_checkpoint
+from packsft.model.hf_io import load_mapped_state
 from packsft.model.state_dict_adapter import (
     hf_tensor_names,
     hf_tensor_shape,
@@ -322,16 +323,9 @@ def load_hf_llava_state_into_model(model, hf_state: dict[str, Tensor], cfg: VLMC
     the model's dtypes. Tied embeddings: ``lm_head.weight`` is not read.
 
     Raises:
-        KeyError: naming a missing HF tensor; RuntimeError: (torch's ``load_state_dict``) a megatron parameter the
-            mapping did not fill or a shape that differs.
+        KeyError: naming a missing HF tensor; RuntimeError: (torch's ``load_state_dict``) a shape that differs.
     """
-    state = hf_to_megatron_llava_state_dict(hf_state, cfg, tp_rank, tp_size)
-    own = model.state_dict()
-    state = {k: val.to(own[k].dtype) for k, val in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"LLaVA state dict mismatch: missing {missing}, unexpected {unexpected}")
+    load_mapped_state(model, hf_to_megatron_llava_state_dict(hf_state, cfg, tp_rank, tp_size))
 
 
 def save_hf_llava_checkpoint(model, cfg: VLMConfig, out_dir, hf_config=None, tokenizer_dir=None,

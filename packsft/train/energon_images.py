@@ -41,8 +41,6 @@ from packsft.packing.energon import PAYLOAD
 from packsft.record_formats import RecordFormatError
 from packsft.train.energon_loader import ConversationEncoder, EnergonTrainSource
 
-MODEL_FAMILIES = ("llava",)
-"""Values of ``data.energon.model_family`` besides null (text)."""
 IMAGE_KEYS = ("images", "num_image_tokens", "num_text_tokens")
 """What an image-text row and micro-batch hold besides :data:`packsft.layout.ROW_KEYS`."""
 
@@ -147,15 +145,11 @@ def image_settings(processor, folder) -> dict[str, Any]:
 
 
 def train_source(data, parallel, model_family: str | None) -> EnergonTrainSource:
-    """The Energon training source of ``model_family``: None -> text (``EnergonTrainSource``), ``llava`` ->
-    :class:`ImageTextTrainSource`.
+    """The Energon training source of ``model_family`` (``data.energon.model_family``, one of
+    ``config_sections.ENERGON_MODEL_FAMILIES`` or None: checked at config load): None -> text
+    (``EnergonTrainSource``), ``llava`` -> :class:`ImageTextTrainSource`.
 
     Raises:
-        ValueError: an unknown ``model_family`` (naming ``data.energon.model_family``), or as the source's.
+        ValueError: as the source's.
     """
-    if model_family is None:
-        return EnergonTrainSource(data, parallel)
-    if model_family not in MODEL_FAMILIES:
-        raise ValueError(f"data.energon.model_family: {model_family!r} is not one of null (text), "
-                         f"{', '.join(MODEL_FAMILIES)}")
-    return ImageTextTrainSource(data, parallel)
+    return EnergonTrainSource(data, parallel) if model_family is None else ImageTextTrainSource(data, parallel)

@@ -179,6 +179,4 @@ def test_the_processor_is_part_of_the_loader_fingerprint_and_model_family_picks_
                                   {"settings": moved.settings(cfg.loader, 1), "dataset": source.identity})
     assert [c.split(":")[0] for c in changes] == [key]
     assert type(train_source(cfg.data, cfg.parallel, None)) is EnergonTrainSource
-    with pytest.raises(ValueError, match=r"^data.energon.model_family: 'qwen' is not one of null \(text\), llava"):
-        train_source(cfg.data, cfg.parallel, "qwen")
     assert draw_shape("circle", "red")[:4] == b"\x89PNG"

@@ -33,6 +33,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNI
        "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 ENV.pop("PYTHONPATH", None)
 ENV.pop("VIRTUAL_ENV", None)
+ENV.pop("PYTHONDONTWRITEBYTECODE", None)   # else each tool run compiles torch's and megatron's sources again
 
 RUNTIME_ONLY = {"psutil": "megatron-core's dist_checkpointing file writer (not declared by megatron-core)"}
 """Distributions a library packsft drives needs at run time without declaring them."""

@@ -7,13 +7,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from distributed_helpers import PRELOAD, parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack
@@ -66,6 +67,44 @@ def train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def _main_worker(argv: list[str], log_dir: str) -> None:
+    """``tools/train.py`` as its ``__main__`` block runs it: ``sys.exit(main(argv))``, in the environment
+    :func:`train` gives it, with stdout and stderr (fds 1 and 2, a traceback included) written to files of
+    ``log_dir``."""
+    import torch
+
+    os.environ.clear()
+    os.environ.update(OMP_NUM_THREADS="1", PATH="")
+    torch.set_num_threads(1)
+    with open(f"{log_dir}/stdout", "w") as out, open(f"{log_dir}/stderr", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        from tools.train import main
+
+        sys.exit(main(argv))
+
+
+def train_forked(config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """:func:`train` in a fork of the tests' fork server (:data:`distributed_helpers.PRELOAD`: torch and
+    megatron-core imported once, not per run): the same ``main`` of ``tools/train.py`` in a fresh process of its
+    own. For a run the test neither signals nor kills; raises on a non-zero exit."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    argv = ["--config", str(config), *overrides]
+    with tempfile.TemporaryDirectory(prefix="train-log-") as log_dir:
+        proc = ctx.Process(target=_main_worker, args=(argv, log_dir))   # not a daemon: it starts the writer's
+        proc.start()
+        proc.join(300)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+        out, err = (Path(log_dir) / "stdout").read_text(), (Path(log_dir) / "stderr").read_text()
+    assert proc.exitcode == 0, f"exit code {proc.exitcode}: {err[-4000:]}"
+    return subprocess.CompletedProcess(argv, proc.exitcode, out, err)
+
+
 def train_records(output_dir: Path) -> dict[int, dict]:
     """Last ``kind == "train"`` record of each step in ``metrics.jsonl``."""
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -75,7 +114,7 @@ def train_records(output_dir: Path) -> dict[int, dict]:
 @pytest.mark.slow
 def test_tiny_model_overfits_a_few_real_rows(tmp_path, packed):
     out = tmp_path / "run"
-    train(write_config(tmp_path / "c.yaml", packed, out, logging={"tensorboard": True}))
+    train_forked(write_config(tmp_path / "c.yaml", packed, out, logging={"tensorboard": True}))
     records = train_records(out)
     assert sorted(records) == list(range(1, 31))
     first, last = records[1]["loss"], records[30]["loss"]
@@ -106,7 +145,7 @@ def uninterrupted(tmp_path_factory, packed):  # noqa: F811
     def run(optimizer: str) -> Path:
         if optimizer not in runs:
             out = tmp_path_factory.mktemp(f"full_{optimizer}")
-            train(write_config(out / "full.yaml", packed, out / "run", **resumed_run_config(packed, optimizer)))
+            train_forked(write_config(out / "full.yaml", packed, out / "run", **resumed_run_config(packed, optimizer)))
             runs[optimizer] = out / "run"
         return runs[optimizer]
     return run
@@ -114,46 +153,37 @@ def uninterrupted(tmp_path_factory, packed):  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_stopped_and_resumed_run_is_bit_exact(tmp_path, packed, parallel_state_1proc, uninterrupted,  # noqa: F811
-                                              optimizer):
-    parts = tmp_path / "parts"
-    parts_cfg = write_config(tmp_path / "parts.yaml", packed, parts, **resumed_run_config(packed, optimizer))
-    train(parts_cfg, "train.stop_at_step=3")
-    assert (parts / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
-    train(parts_cfg)
-    assert_same_run(uninterrupted(optimizer), parts, steps=8)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_sigkilled_run_resumes_bit_exact(tmp_path, packed, parallel_state_1proc, uninterrupted,  # noqa: F811
-                                         optimizer):
-    """A training process killed with SIGKILL after a checkpoint resumes to the uninterrupted run's losses and
-    weights; the half-written save and the metrics past the checkpoint it left are set aside."""
+def test_stopped_and_then_sigkilled_run_resumes_bit_exact(tmp_path, packed, parallel_state_1proc,  # noqa: F811
+                                                          uninterrupted, optimizer):
+    """A run stopped at step 3 (``train.stop_at_step``) resumes; killed with SIGKILL after its next checkpoint
+    (step 6) it resumes again, to the uninterrupted run's losses and weights; the half-written save and the metrics
+    past the checkpoint the kill left are set aside. (One chain: each resume is a spawn of its own.)"""
     killed = tmp_path / "killed"
     cfg = write_config(tmp_path / "killed.yaml", packed, killed, **resumed_run_config(packed, optimizer))
+    train_forked(cfg, "train.stop_at_step=3")
+    latest = killed / "checkpoints" / "latest"
+    assert latest.read_text().strip() == "iter_0000003"
     proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "train.py"), "--config", str(cfg),
                              "checkpoint.save_interval=3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
-    latest = killed / "checkpoints" / "latest"
     deadline = time.monotonic() + 240
-    while not (latest.exists() and latest.read_text().strip() == "iter_0000003"):
-        assert proc.poll() is None, f"training ended before its first checkpoint: {proc.stderr.read()[-3000:]}"
-        assert time.monotonic() < deadline, "no checkpoint at step 3 within 240 s"
+    while latest.read_text().strip() != "iter_0000006":   # `latest` is replaced in one rename
+        assert proc.poll() is None, f"training ended before its checkpoint at step 6: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no checkpoint at step 6 within 240 s"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "checkpoints" / "iter_0000008").exists()
-    (killed / "checkpoints" / "iter_0000006.tmp").mkdir(exist_ok=True)   # as a save killed half-way leaves it
+    (killed / "checkpoints" / "iter_0000008.tmp").mkdir(exist_ok=True)   # as a save killed half-way leaves it
     with open(killed / "metrics.jsonl", "a") as f:
-        f.write('{"kind": "train", "step": 5, "loss": 1.0}\n{"kind": "tra')   # steps past the checkpoint, a cut line
-    train(cfg)  # checkpoint.resume=auto: continues from `latest`
+        f.write('{"kind": "train", "step": 7, "loss": 1.0}\n{"kind": "tra')   # steps past the checkpoint, a cut line
+    train_forked(cfg)  # checkpoint.resume=auto: continues from `latest`
     assert_same_run(uninterrupted(optimizer), killed, steps=8)
     records = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 9))   # each step once
     discarded = (killed / "metrics.discarded.jsonl").read_text().splitlines()
-    assert discarded[-2:] == ['{"kind": "train", "step": 5, "loss": 1.0}', '{"kind": "tra']
+    assert discarded[-2:] == ['{"kind": "train", "step": 7, "loss": 1.0}', '{"kind": "tra']
     assert not list((killed / "checkpoints").glob("*.tmp"))
 
 
@@ -170,7 +200,7 @@ def stopped_at_2(tmp_path_factory, packed):  # noqa: F811
     continue (each its own copy of the folder, or one that leaves its checkpoints as they are)."""
     out = tmp_path_factory.mktemp("stopped_at_2")
     cfg = _stopped_at_2_config(out / "c.yaml", packed, out / "run")
-    train(cfg, "train.stop_at_step=2", "checkpoint.save_at_end=false")   # a stop saves all the same
+    train_forked(cfg, "train.stop_at_step=2", "checkpoint.save_at_end=false")   # a stop saves all the same
     return cfg, out / "run"
 
 
@@ -180,7 +210,7 @@ def test_resume_without_latest_and_with_another_global_batch_size_continues_the_
     shutil.copytree(stopped_at_2[1], out)
     cfg = _stopped_at_2_config(tmp_path / "c.yaml", packed, out)
     (out / "checkpoints" / "latest").unlink()    # as a save killed between publishing its folder and `latest` leaves
-    proc = train(cfg, "train.global_batch_size=4", "loss.normalization=conversation")
+    proc = train_forked(cfg, "train.global_batch_size=4", "loss.normalization=conversation")
     assert f"note: {out / 'checkpoints'} has no latest (a save was stopped before writing it); resuming its newest " \
            "complete checkpoint, iter_0000002" in proc.stdout, proc.stdout
     assert f"note: train.global_batch_size is 4, checkpoint {out / 'checkpoints' / 'iter_0000002'} was trained " \
@@ -195,10 +225,10 @@ def test_resume_at_the_last_step_trains_saves_and_validates_nothing_with_a_note(
     saved = out / "checkpoints" / "iter_0000002"
     before = {p.name: p.stat().st_mtime_ns for p in saved.iterdir()}
     records = (out / "metrics.jsonl").read_text().splitlines()
-    proc = train(out / "config.yaml")   # the run's own config records train.stop_at_step=2
+    proc = train_forked(out / "config.yaml")   # the run's own config records train.stop_at_step=2
     assert "note: nothing to train: the run resumes at step 2 and train.stop_at_step is 2 (train.stop_at_step=null " \
            "trains on to train.train_steps=4)" in proc.stdout, proc.stdout
-    proc = train(cfg, "train.train_steps=2",   # a finished run submitted again: no second validation or save
+    proc = train_forked(cfg, "train.train_steps=2",   # a finished run submitted again: no second validation or save
                  "checkpoint.restore_data_order=false")   # (and the note of a data order started again)
     assert "note: nothing to train: the run resumes at step 2 and train.train_steps is 2" in proc.stdout, proc.stdout
     assert "note: checkpoint.restore_data_order=false: the data order starts again from its first rows (epoch 0), " \
@@ -312,10 +342,10 @@ def test_lora_run_keeps_adapter_state_only_and_resumes_exactly(tmp_path, packed,
     common = {"train": {"global_batch_size": 2, "train_steps": 4}, "data": {"train_path": str(packed["many"])},
               "optimizer": {"lr": 1e-2, **OPTIMIZERS[optimizer]}, "lora": {"enabled": True, "rank": 4, "alpha": 8.0}}
     full, parts = tmp_path / "full", tmp_path / "parts"
-    train(write_config(tmp_path / "full.yaml", packed, full, **common))
+    train_forked(write_config(tmp_path / "full.yaml", packed, full, **common))
     parts_cfg = write_config(tmp_path / "parts.yaml", packed, parts, **common)
-    train(parts_cfg, "train.stop_at_step=2")
-    train(parts_cfg)
+    train_forked(parts_cfg, "train.stop_at_step=2")
+    train_forked(parts_cfg)
     assert_same_run(full, parts, steps=4)
     from megatron.core.dist_checkpointing import load_plain_tensors
 

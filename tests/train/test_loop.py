@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from distributed_helpers import PRELOAD, parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from distributed_helpers import PRELOAD, free_port, parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack
@@ -67,16 +67,16 @@ def train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def _main_worker(argv: list[str], log_dir: str) -> None:
-    """``tools/train.py`` as its ``__main__`` block runs it: ``sys.exit(main(argv))``, in the environment
-    :func:`train` gives it, with stdout and stderr (fds 1 and 2, a traceback included) written to files of
-    ``log_dir``."""
+def _main_worker(argv: list[str], log_dir: str, env: dict[str, str]) -> None:
+    """``tools/train.py`` as its ``__main__`` block runs it, ``sys.exit(main(argv))``, in the environment ``env``
+    only, with stdout and stderr (fds 1 and 2, a traceback included) written to files of ``log_dir`` named by rank."""
     import torch
 
     os.environ.clear()
-    os.environ.update(OMP_NUM_THREADS="1", PATH="")
+    os.environ.update(env)
     torch.set_num_threads(1)
-    with open(f"{log_dir}/stdout", "w") as out, open(f"{log_dir}/stderr", "w") as err:
+    rank = env.get("RANK", "0")
+    with open(f"{log_dir}/stdout.{rank}", "w") as out, open(f"{log_dir}/stderr.{rank}", "w") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         from tools.train import main
@@ -84,25 +84,46 @@ def _main_worker(argv: list[str], log_dir: str) -> None:
         sys.exit(main(argv))
 
 
-def train_forked(config: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """:func:`train` in a fork of the tests' fork server (:data:`distributed_helpers.PRELOAD`: torch and
-    megatron-core imported once, not per run): the same ``main`` of ``tools/train.py`` in a fresh process of its
-    own. For a run the test neither signals nor kills; raises on a non-zero exit."""
+def train_forked(config: Path, *overrides: str, nproc: int = 1, check: bool = True,
+                 timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """:func:`train` on ``nproc`` ranks, each a fork of the tests' fork server (:data:`distributed_helpers.PRELOAD`:
+    torch and megatron-core imported once per pytest process, not per run): the same ``main`` of ``tools/train.py``
+    in fresh processes, one world (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` as
+    torchrun sets them; none for 1 rank, as ``python tools/train.py``). For runs a test neither signals nor kills,
+    and which need no torchrun. ``returncode``: the first non-zero exit code of a rank (a rank that fails ends the
+    others); stdout and stderr: the ranks' in rank order. ``check``: raise on a non-zero exit."""
     import multiprocessing
+    from multiprocessing.connection import wait
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     argv = ["--config", str(config), *overrides]
+    base = {"OMP_NUM_THREADS": "1", "PATH": ""}
+    world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(free_port())}
+    envs = [{**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)] if nproc > 1 else [base]
     with tempfile.TemporaryDirectory(prefix="train-log-") as log_dir:
-        proc = ctx.Process(target=_main_worker, args=(argv, log_dir))   # not a daemon: it starts the writer's
-        proc.start()
-        proc.join(300)
-        if proc.exitcode is None:
-            proc.kill()
+        # not daemons: a rank starts the checkpoint writer's processes
+        procs = [ctx.Process(target=_main_worker, args=(argv, log_dir, env)) for env in envs]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        while (running := [p for p in procs if p.exitcode is None]) and time.monotonic() < deadline:
+            if any(p.exitcode for p in procs):     # a failed rank: the others may wait for it forever
+                time.sleep(1.0)
+                break
+            wait([p.sentinel for p in running], 1.0)
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.kill()
             proc.join()
-        out, err = (Path(log_dir) / "stdout").read_text(), (Path(log_dir) / "stderr").read_text()
-    assert proc.exitcode == 0, f"exit code {proc.exitcode}: {err[-4000:]}"
-    return subprocess.CompletedProcess(argv, proc.exitcode, out, err)
+        out, err = ("".join((Path(log_dir) / f"{kind}.{r}").read_text() for r in range(nproc)
+                            if (Path(log_dir) / f"{kind}.{r}").exists()) for kind in ("stdout", "stderr"))
+    codes = [p.exitcode for p in procs]
+    returncode = next((c for c in codes if c), 0)
+    if check:
+        assert returncode == 0, f"exit codes {codes}: {err[-4000:]}"
+    return subprocess.CompletedProcess(argv, returncode, out, err)
 
 
 def train_records(output_dir: Path) -> dict[int, dict]:

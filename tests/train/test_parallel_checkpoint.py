@@ -1,8 +1,8 @@
 """A trainer checkpoint saved at TP=2 resumes at TP=1, and one saved at DP=4 resumes at DP=2 and at DP=1, with the
 same next loss.
 
-Each run is ``tools/train.py`` in fresh processes (``torch.distributed.run`` for several ranks;
-``dist_checkpointing``'s save needs the script's ``__main__`` guard). Data: real packed rows of the shortest hh-rlhf
+Each run is ``tools/train.py``'s ``main`` in fresh processes, forks of the tests' fork server (one per rank, with
+torchrun's variables: ``test_loop.train_forked``). Data: real packed rows of the shortest hh-rlhf
 conversations (SmolLM2 tokenizer, ``max_seq_len`` 256). The TP change trains all 4 rows of its file each step. The DP
 change trains global batches of 4 of at least 8 rows (one micro-batch per rank at DP=4, two at DP=2, four at DP=1),
 so step 2 trains rows step 1 did not: a resumed run has the same step-2 loss only when it continues on the DP=4 run's
@@ -11,19 +11,16 @@ next global batch (the loader's state of a global order resumes at another DP si
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from distributed_helpers import short_conversation_lines
+from test_loop import train_forked
 
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack
 
-REPO = Path(__file__).resolve().parents[2]
 SEQ, ROWS = 256, 4
 NO_SAVE = "checkpoint.save_interval=0"   # a resumed run: its checkpoints would be read by no test
 
@@ -61,13 +58,9 @@ def config(tmp_path_factory, shared_data, tokenizer_dir) -> Path:
 
 
 def _train(config: Path, output_dir: Path, nproc: int, *overrides: str) -> dict[int, float]:
-    """Run ``tools/train.py`` on ``nproc`` processes; return ``{step: loss}`` from its ``metrics.jsonl``."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [*(launcher if nproc > 1 else [sys.executable]), str(REPO / "tools" / "train.py"), "--config", str(config),
-           f"logging.output_dir={output_dir}", *overrides]
-    env = {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """Run ``tools/train.py``'s ``main`` on ``nproc`` fresh ranks (:func:`test_loop.train_forked`); return
+    ``{step: loss}`` from its ``metrics.jsonl``."""
+    train_forked(config, f"logging.output_dir={output_dir}", *overrides, nproc=nproc)
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 

@@ -11,9 +11,7 @@ import pytest
 
 pytest.importorskip("megatron.energon")
 
-from click.testing import CliRunner  # noqa: E402
-from megatron.energon.tools.prepare import command as energon_prepare  # noqa: E402
-
+from examples.shapes_dataset import prepare  # noqa: E402
 from packsft.io import file_blake2b  # noqa: E402
 from packsft.packing import cli  # noqa: E402
 from packsft.packing.config import PackConfig, PackError  # noqa: E402
@@ -36,30 +34,12 @@ def _lines(path, n):
     return [json.loads(line) for line in path.read_text().splitlines()[:n]]
 
 
-def _shard(path, samples):
-    """A WebDataset shard: each sample's record as ``KEY.json`` (and a fake JPEG for an image record)."""
-    with tarfile.open(path, "w") as tar:
-        for key, record in samples:
-            members = [(f"{key}.json", json.dumps(record, ensure_ascii=False).encode())]
-            members += [(m["member"], b"\xff\xd8\xff fake jpeg") for m in record.get("media") or []]
-            for name, data in members:
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-
-
 def _prepare(folder, shards, split_parts):
-    """Write ``{name: [(key, record)]}`` as shards into ``folder`` and run ``energon prepare`` on it."""
-    folder.mkdir()
-    for name, samples in shards.items():
-        _shard(folder / name, samples)
-    args = [str(folder), "--non-interactive", "--no-progress", "--num-workers", "1", "--sample-type",
-            "CrudeWebdataset"]
-    for part in split_parts:
-        args += ["--split-parts", part]
-    result = CliRunner().invoke(energon_prepare, args)
-    assert result.exit_code == 0, (result.output, result.exception)
-    return folder
+    """Write ``{name: [(key, record)]}`` as shards into ``folder`` (a fake JPEG member for each media item) and run
+    ``energon prepare`` on it (``examples.shapes_dataset.prepare``)."""
+    return prepare(folder, {name: [(key, record, {m["member"]: b"\xff\xd8\xff fake jpeg"
+                                                  for m in record.get("media") or []}) for key, record in samples]
+                            for name, samples in shards.items()}, split_parts)
 
 
 @pytest.fixture(scope="module")

@@ -234,15 +234,16 @@ def test_an_adapter_converts_each_sample_and_its_source_is_in_the_fingerprint(tm
                                                                       "record_format": "sharegpt"}}))
 
 
-def _next_batch_after_restore(config, state_file, out):
-    """In a new process: the Energon loader of ``config`` restored from ``state_file``; its next batch's tokens."""
+def _next_batch_after_restore(config, state_file, out, keys=("tokens",)):
+    """In a new process: the Energon loader of ``config`` restored from ``state_file``; its next batch's ``keys``."""
     code = ("import sys, torch; from packsft.train.config import load_config; "
             "from packsft.train.data import build_datasets; cfg = load_config(sys.argv[1]); "
             "loader = build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1); "
-            "loader.load_state_dict(torch.load(sys.argv[2], weights_only=True)); "
-            "torch.save(next(iter(loader))['tokens'], sys.argv[3])")
-    proc = subprocess.run([sys.executable, "-c", code, str(config), str(state_file), str(out)], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+            "loader.load_state_dict(torch.load(sys.argv[2], weights_only=True)); b = next(iter(loader)); "
+            "torch.save({k: b[k] for k in sys.argv[4:]}, sys.argv[3])")
+    proc = subprocess.run([sys.executable, "-c", code, str(config), str(state_file), str(out), *keys],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -269,7 +270,7 @@ def test_training_stops_and_resumes_in_a_new_process_with_the_same_batches(tmp_p
     assert set(first) == set(ROW_KEYS) and first["tokens"].shape == first["loss_mask"].shape == (1, SEQ)
     assert first["tokens"].dtype == torch.int64 and first["loss_mask"].dtype == torch.float32
     assert first["cu_seqlens"].dtype == first["cu_seqlens_padded"].dtype == torch.int32
-    got = _next_batch_after_restore(full, saved / "dataloader_dp0.pt", tmp_path / "next.pt")
+    got = _next_batch_after_restore(full, saved / "dataloader_dp0.pt", tmp_path / "next.pt")["tokens"]
     assert torch.equal(got, expected)
 
     (tmp_path / "resumed").mkdir()

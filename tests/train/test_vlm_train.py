@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("megatron.energon")
 
 from distributed_helpers import parallel_state_1proc  # noqa: E402, F401 - fixture
+from test_energon_loader import _next_batch_after_restore  # noqa: E402
 from test_loop import REPO, train, train_records, write_config  # noqa: E402
 
 from examples.shapes_dataset import llava_processor_folder, shapes_dataset  # noqa: E402
@@ -76,20 +77,6 @@ def test_a_tiny_llava_learns_and_logs_image_and_text_tokens(uninterrupted):
     assert summary["projector_parameters"] == 32 * 64 + 64 + 64 * 64 + 64 < summary["parameters"]
 
 
-def _next_batch_after_restore(config, state_file, out):
-    """In a new process: the Energon loader of ``config`` restored from ``state_file``; its next batch's tokens and
-    images."""
-    code = ("import sys, torch; from packsft.train.config import load_config; "
-            "from packsft.train.data import build_datasets; cfg = load_config(sys.argv[1]); "
-            "loader = build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1); "
-            "loader.load_state_dict(torch.load(sys.argv[2], weights_only=True)); b = next(iter(loader)); "
-            "torch.save({'tokens': b['tokens'], 'images': b['images']}, sys.argv[3])")
-    proc = subprocess.run([sys.executable, "-c", code, str(config), str(state_file), str(out)], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env={"OMP_NUM_THREADS": "1", "PATH": ""})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
-
-
 def test_a_stopped_run_resumes_in_a_new_process_with_the_same_batches_and_losses(tmp_path, shapes, uninterrupted):
     full_config, full = uninterrupted
     config = _config(tmp_path, shapes, **STEPS)
@@ -104,7 +91,7 @@ def test_a_stopped_run_resumes_in_a_new_process_with_the_same_batches_and_losses
     cfg = load_config(full_config)
     fresh = iter(build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1))
     expected = [next(fresh) for _ in range(7)][6]                   # after 3 steps of 2 micro-batches
-    got = _next_batch_after_restore(config, saved / "dataloader_dp0.pt", tmp_path / "next.pt")
+    got = _next_batch_after_restore(config, saved / "dataloader_dp0.pt", tmp_path / "next.pt", ("tokens", "images"))
     assert torch.equal(got["tokens"], expected["tokens"]) and torch.equal(got["images"], expected["images"])
 
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "train.py"), "--config", str(config),

@@ -2,13 +2,11 @@
 
 import json
 import shutil
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
-from test_loop import REPO, packed, train, train_records, write_config  # noqa: F401 - fixture
+from test_loop import packed, train_forked, train_records, write_config  # noqa: F401 - fixture
 
 from packsft.train.config import load_config
 
@@ -134,7 +132,7 @@ def test_one_file_read_twice_is_refused_where_held_out_rows_would_be_trained(tmp
 def test_mixture_trains_logs_every_set_and_refuses_a_changed_source_by_name(tmp_path, packed):  # noqa: F811
     config = mixture_config(tmp_path, packed, "run", train={"global_batch_size": 2, "train_steps": 4},
                             validation={"val_period": 2}, checkpoint={"save_interval": 2})
-    train(config, "train.stop_at_step=2")
+    train_forked(config, "train.stop_at_step=2")
     vals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in vals if r["kind"] == "validation"]
     assert vals and {"val_loss/many", "val_loss/heldout"} <= vals[0].keys()
@@ -148,11 +146,9 @@ def test_mixture_trains_logs_every_set_and_refuses_a_changed_source_by_name(tmp_
     # the 'many' source changes on disk: resuming the data order is refused, naming it
     shutil.copy(packed["few"], tmp_path / "changed.jsonl.packed")
     shutil.copy(str(packed["few"]) + ".meta.json", tmp_path / "changed.jsonl.packed.meta.json")
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "train.py"), "--config", str(config),
-                           f"data.train=[{{name: few, path: {packed['few']}, weight: 3}}, "
-                           f"{{name: many, path: {tmp_path / 'changed.jsonl.packed'}, weight: 1, "
-                           "split_validation_size: 0.25}]"],
-                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    proc = train_forked(config, f"data.train=[{{name: few, path: {packed['few']}, weight: 3}}, "
+                                f"{{name: many, path: {tmp_path / 'changed.jsonl.packed'}, weight: 1, "
+                                "split_validation_size: 0.25}]", check=False)
     assert proc.returncode != 0 and "training source 'many' changed" in proc.stderr, proc.stderr[-3000:]
 
 

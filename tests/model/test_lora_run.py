@@ -19,7 +19,7 @@ import yaml
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 from test_hf_io import hf_model, megatron_from_hf
 from test_init_from import convert_in_process, convert_worker
-from test_loop import SEQ, assert_same_run, packed  # noqa: F401 - fixture
+from test_loop import SEQ, assert_same_run, packed, train_forked  # noqa: F401 - fixture
 
 from packsft.model.config import read_model_config
 from packsft.model.gpt import build_gpt_model
@@ -67,7 +67,8 @@ def _config(tmp: Path, packed, base: Path, name: str) -> Path:  # noqa: F811
 
 
 def _train(config: Path, *overrides, nproc=1, check=True):
-    return _run(REPO / "tools" / "train.py", "--config", config, *overrides, nproc=nproc, check=check)
+    """``tools/train.py``'s ``main`` on ``nproc`` forked ranks (:func:`test_loop.train_forked`)."""
+    return train_forked(config, *map(str, overrides), nproc=nproc, check=check)
 
 
 @pytest.fixture(scope="module")

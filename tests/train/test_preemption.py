@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
-from test_loop import REPO, assert_same_run, packed, train, write_config  # noqa: F401 - fixture
+from test_loop import REPO, assert_same_run, packed, train_forked, write_config  # noqa: F401 - fixture
 
 COMMON = {"train": {"global_batch_size": 2, "train_steps": 60}, "checkpoint": {"save_interval": 2},
           "scheduler": {"warmup_steps": 2, "decay_style": "cosine"}, "optimizer": {"weight_decay": 0.1}}
@@ -74,8 +74,9 @@ def uninterrupted(tmp_path_factory, packed):  # noqa: F811
     """The run the stopped ones must reproduce: COMMON over ``packed["many"]`` up to step RESUMED_TO, never stopped
     before (and saved only there: the checkpoints between change nothing of the run)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    train(write_config(out / "full.yaml", packed, out / "run", **COMMON, data={"train_path": str(packed["many"])}),
-          "checkpoint.save_interval=0", f"train.stop_at_step={RESUMED_TO}")
+    train_forked(write_config(out / "full.yaml", packed, out / "run", **COMMON,
+                              data={"train_path": str(packed["many"])}),
+                 "checkpoint.save_interval=0", f"train.stop_at_step={RESUMED_TO}")
     return out / "run"
 
 
@@ -99,7 +100,7 @@ def test_sigterm_saves_exits_0_and_resumes_bit_exact(tmp_path, packed, parallel_
     assert step < RESUMED_TO, f"stopped after step {step}: nothing left to resume up to step {RESUMED_TO}"
     assert f"stopped by SIGTERM after step {step}: checkpoint " in out
     assert (stopped / "checkpoints" / "latest").read_text().strip() == f"iter_{step:07d}"
-    train(cfg, "checkpoint.save_interval=0", f"train.stop_at_step={RESUMED_TO}")   # resume=auto: from `latest`
+    train_forked(cfg, "checkpoint.save_interval=0", f"train.stop_at_step={RESUMED_TO}")   # resume=auto: `latest`
     assert_same_run(uninterrupted, stopped, steps=RESUMED_TO)
 
 
@@ -189,11 +190,8 @@ def test_no_process_outlives_a_killed_torchrun(tmp_path, packed, kill, workers, 
             proc.kill()
         proc.wait()
     if kill == "sigterm_group":    # the stopped run resumes and trains on (one stop stands for all: they save alike)
-        again = _torchrun(cfg, uuid.uuid4().hex, "torch.distributed.run", "checkpoint.save_interval=0",
-                          f"train.stop_at_step={RESUMED_TO}")
-        text, _ = again.communicate(timeout=300)
-        assert again.returncode == 0, text[-3000:]
-        assert _train_steps(out) == list(range(1, RESUMED_TO + 1)) and "resumed_from" in text
+        again = train_forked(cfg, "checkpoint.save_interval=0", f"train.stop_at_step={RESUMED_TO}", nproc=2)
+        assert _train_steps(out) == list(range(1, RESUMED_TO + 1)) and "resumed_from" in again.stdout
 
 
 GUARDED_FORK = """

@@ -1,4 +1,4 @@
-"""HF conversion under pipeline parallelism (2 gloo processes): import shards by stage (``torchrun``), export
+"""HF conversion under pipeline parallelism (2 gloo processes): import shards by stage (2 forked ranks), export
 gathers the stages (one 2-process spawn of every family's export), and the checkpoint does not depend on the layout
 (PP=2 written -> PP=1 read and vice versa).
 
@@ -7,9 +7,6 @@ embeddings (the last stage holds Megatron's copy of the embedding) and Qwen2 unt
 ``checkpoint.init_from`` of a PP=2 import, first loss at PP=2 and PP=1 (``tests/train/test_init_from.py``'s rows).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,7 @@ from test_init_from import (
     train_worker,
     write_config,
 )
+from test_loop import tool_forked
 from transformers import AutoModelForCausalLM
 
 from packsft.data.context_parallel import make_packed_seq_params
@@ -34,32 +32,28 @@ from packsft.model.gpt import build_gpt_model
 from packsft.model.hf_files import load_hf_checkpoint
 from packsft.train.model_checkpoint import load_megatron_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TOOL = str(REPO_ROOT / "tools" / "convert_checkpoint.py")
 FAMILIES = ("llama", "qwen2")                                # tied; untied with QKV bias
 PP2 = ("--pipeline-model-parallel-size", "2")
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _run(*args, nproc: int = 1):
-    """``tools/*.py`` in a fresh process, under ``torchrun`` for ``nproc`` > 1 (dist_checkpointing needs __main__)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, *launcher, *args], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def _import_pp2(hf: Path, out: Path) -> None:
+    """``tools/convert_checkpoint.py import --hf hf --out out`` at PP=2: its ``main`` on 2 forked ranks
+    (:func:`test_loop.tool_forked`; dist_checkpointing's save starts processes, which a daemon cannot)."""
+    tool_forked("convert_checkpoint", "import", "--hf", hf, "--out", out, *PP2, nproc=2,
+                env={"HF_HUB_OFFLINE": "1"}, timeout_s=400)
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, parallel_state_1proc):  # noqa: F811
-    """Per family: its folder and 4-layer HF model ``src``, imported at PP=2 (``torchrun``) and at PP=1, the PP=1
+    """Per family: its folder and 4-layer HF model ``src``, imported at PP=2 (2 forked ranks) and at PP=1, the PP=1
     import exported at PP=2 (one 2-process spawn for all families) and the PP=2 import exported at PP=1."""
     out = {}
     for family in FAMILIES:
         folder = tmp_path_factory.mktemp(family)
         original = hf_model(family, seed=21, num_hidden_layers=4)
         original.save_pretrained(folder / "src")
-        _run(TOOL, "import", "--hf", str(folder / "src"), "--out", str(folder / "mcore_pp2"), *PP2, nproc=2)
+        _import_pp2(folder / "src", folder / "mcore_pp2")
         convert_in_process("import", "--hf", folder / "src", "--out", folder / "mcore_pp1")
         convert_in_process("export", "--megatron", folder / "mcore_pp2", "--out", folder / "hf_pp1")
         out[family] = (folder, original)
@@ -102,7 +96,7 @@ def test_pp2_import_loads_at_pp1_and_pp2_export_equals_pp1(converted, family):
 def setup_pp2(tmp_path_factory, shared_data, tokenizer_dir):
     """``tests/train/test_init_from.py``'s rows and tiny tied Llama (2 layers: 1 per stage), imported at PP=2."""
     setup = pack_and_save_hf(tmp_path_factory.mktemp("init_from_pp2"), shared_data, tokenizer_dir)
-    _run(TOOL, "import", "--hf", str(setup["dir"] / "hf"), "--out", str(setup["imported"]), *PP2, nproc=2)
+    _import_pp2(setup["dir"] / "hf", setup["imported"])
     return setup
 
 

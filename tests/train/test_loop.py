@@ -67,9 +67,11 @@ def train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def _main_worker(argv: list[str], log_dir: str, env: dict[str, str]) -> None:
-    """``tools/train.py`` as its ``__main__`` block runs it, ``sys.exit(main(argv))``, in the environment ``env``
+def _main_worker(tool: str, argv: list[str], log_dir: str, env: dict[str, str]) -> None:
+    """``tools/<tool>.py`` as its ``__main__`` block runs it, ``sys.exit(main(argv))``, in the environment ``env``
     only, with stdout and stderr (fds 1 and 2, a traceback included) written to files of ``log_dir`` named by rank."""
+    import importlib
+
     import torch
 
     os.environ.clear()
@@ -79,32 +81,31 @@ def _main_worker(argv: list[str], log_dir: str, env: dict[str, str]) -> None:
     with open(f"{log_dir}/stdout.{rank}", "w") as out, open(f"{log_dir}/stderr.{rank}", "w") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
-        from tools.train import main
-
-        sys.exit(main(argv))
+        sys.exit(importlib.import_module(f"tools.{tool}").main(argv))
 
 
-def train_forked(config: Path, *overrides: str, nproc: int = 1, check: bool = True,
-                 timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """:func:`train` on ``nproc`` ranks, each a fork of the tests' fork server (:data:`distributed_helpers.PRELOAD`:
-    torch and megatron-core imported once per pytest process, not per run): the same ``main`` of ``tools/train.py``
-    in fresh processes, one world (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` as
-    torchrun sets them; none for 1 rank, as ``python tools/train.py``). For runs a test neither signals nor kills,
-    and which need no torchrun. ``returncode``: the first non-zero exit code of a rank (a rank that fails ends the
-    others); stdout and stderr: the ranks' in rank order. ``check``: raise on a non-zero exit."""
+def tool_forked(tool: str, *args, nproc: int = 1, check: bool = True, env: dict[str, str] | None = None,
+                timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``tools/<tool>.py args`` on ``nproc`` ranks, each a fork of the tests' fork server
+    (:data:`distributed_helpers.PRELOAD`: torch and megatron-core imported once per pytest process, not per run):
+    the tool's ``main`` in fresh processes of one world (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets them; none for 1 rank, as ``python tools/<tool>.py``), in the
+    environment ``OMP_NUM_THREADS=1 PATH=`` plus ``env``. For runs a test neither signals nor kills, and which need
+    no torchrun. ``returncode``: the first non-zero exit code of a rank (a rank that fails ends the others); stdout
+    and stderr: the ranks' in rank order. ``check``: raise on a non-zero exit."""
     import multiprocessing
     from multiprocessing.connection import wait
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    argv = ["--config", str(config), *overrides]
-    base = {"OMP_NUM_THREADS": "1", "PATH": ""}
+    argv = [str(a) for a in args]
+    base = {"OMP_NUM_THREADS": "1", "PATH": "", **(env or {})}
     world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(free_port())}
     envs = [{**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)] if nproc > 1 else [base]
-    with tempfile.TemporaryDirectory(prefix="train-log-") as log_dir:
+    with tempfile.TemporaryDirectory(prefix=f"{tool}-log-") as log_dir:
         # not daemons: a rank starts the checkpoint writer's processes
-        procs = [ctx.Process(target=_main_worker, args=(argv, log_dir, env)) for env in envs]
+        procs = [ctx.Process(target=_main_worker, args=(tool, argv, log_dir, e)) for e in envs]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout_s
@@ -122,8 +123,13 @@ def train_forked(config: Path, *overrides: str, nproc: int = 1, check: bool = Tr
     codes = [p.exitcode for p in procs]
     returncode = next((c for c in codes if c), 0)
     if check:
-        assert returncode == 0, f"exit codes {codes}: {err[-4000:]}"
+        assert returncode == 0, f"tools/{tool}.py: exit codes {codes}: {err[-4000:]}"
     return subprocess.CompletedProcess(argv, returncode, out, err)
+
+
+def train_forked(config: Path, *overrides: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    """:func:`train` (``tools/train.py --config config overrides``) on ``nproc`` forked ranks: :func:`tool_forked`."""
+    return tool_forked("train", "--config", config, *overrides, nproc=nproc, check=check)
 
 
 def train_records(output_dir: Path) -> dict[int, dict]:

@@ -5,13 +5,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from test_loop import tool_forked
 
 from packsft.data.dataset import PackedSFTDataset
 from packsft.packing.config import PackConfig
@@ -40,11 +40,10 @@ def tiny_hf_llama(seed: int = 0, num_layers: int = 2):
     return model
 
 
-def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run a repository tool in a fresh process (dist_checkpointing's save needs a ``__main__`` guard)."""
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=ENV, cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+def run(tool: str, *args: str, cwd: Path = REPO, check: bool = True) -> subprocess.CompletedProcess:
+    """``python tools/<name>.py args`` run in ``cwd``: the tool's ``main`` in a fork of the tests' fork server
+    (:func:`test_loop.tool_forked`, environment :data:`ENV`); raise on a non-zero exit when ``check``."""
+    return tool_forked(Path(tool).stem, *args, env=ENV, cwd=cwd, check=check)
 
 
 def convert_in_process(*args) -> None:
@@ -222,9 +221,8 @@ def test_an_unreadable_init_from_checkpoint_is_one_error_line(setup, tmp_path):
     shutil.copytree(setup["imported"], broken)
     shard = sorted(broken.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "train.py"), "--config",
-                           str(write_config(setup, "broken")), f"checkpoint.init_from={broken}"],
-                          capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    proc = run("tools/train.py", "--config", str(write_config(setup, "broken")), f"checkpoint.init_from={broken}",
+               check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and f"error: {broken}: cannot load the checkpoint" in errors[0], proc.stderr[-3000:]

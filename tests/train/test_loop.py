@@ -67,9 +67,10 @@ def train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def _main_worker(tool: str, argv: list[str], log_dir: str, env: dict[str, str]) -> None:
+def _main_worker(tool: str, argv: list[str], log_dir: str, env: dict[str, str], cwd: str | None) -> None:
     """``tools/<tool>.py`` as its ``__main__`` block runs it, ``sys.exit(main(argv))``, in the environment ``env``
-    only, with stdout and stderr (fds 1 and 2, a traceback included) written to files of ``log_dir`` named by rank."""
+    only and the folder ``cwd``, with stdout and stderr (fds 1 and 2, a traceback included) written to files of
+    ``log_dir`` named by rank."""
     import importlib
 
     import torch
@@ -77,6 +78,8 @@ def _main_worker(tool: str, argv: list[str], log_dir: str, env: dict[str, str]) 
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)
+    if cwd:
+        os.chdir(cwd)
     rank = env.get("RANK", "0")
     with open(f"{log_dir}/stdout.{rank}", "w") as out, open(f"{log_dir}/stderr.{rank}", "w") as err:
         os.dup2(out.fileno(), 1)
@@ -85,14 +88,15 @@ def _main_worker(tool: str, argv: list[str], log_dir: str, env: dict[str, str]) 
 
 
 def tool_forked(tool: str, *args, nproc: int = 1, check: bool = True, env: dict[str, str] | None = None,
-                timeout_s: float = 300) -> subprocess.CompletedProcess:
+                cwd: Path | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
     """``tools/<tool>.py args`` on ``nproc`` ranks, each a fork of the tests' fork server
     (:data:`distributed_helpers.PRELOAD`: torch and megatron-core imported once per pytest process, not per run):
     the tool's ``main`` in fresh processes of one world (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets them; none for 1 rank, as ``python tools/<tool>.py``), in the
-    environment ``OMP_NUM_THREADS=1 PATH=`` plus ``env``. For runs a test neither signals nor kills, and which need
-    no torchrun. ``returncode``: the first non-zero exit code of a rank (a rank that fails ends the others); stdout
-    and stderr: the ranks' in rank order. ``check``: raise on a non-zero exit."""
+    environment ``OMP_NUM_THREADS=1 PATH=`` plus ``env`` and the folder ``cwd`` (default: the fork server's). For
+    runs a test neither signals nor kills, and which need no torchrun. ``returncode``: the first non-zero exit code
+    of a rank (a rank that fails ends the others); stdout and stderr: the ranks' in rank order. ``check``: raise on
+    a non-zero exit."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -105,7 +109,7 @@ def tool_forked(tool: str, *args, nproc: int = 1, check: bool = True, env: dict[
     envs = [{**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)] if nproc > 1 else [base]
     with tempfile.TemporaryDirectory(prefix=f"{tool}-log-") as log_dir:
         # not daemons: a rank starts the checkpoint writer's processes
-        procs = [ctx.Process(target=_main_worker, args=(tool, argv, log_dir, e)) for e in envs]
+        procs = [ctx.Process(target=_main_worker, args=(tool, argv, log_dir, e, cwd and str(cwd))) for e in envs]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + timeout_s

@@ -8,9 +8,7 @@ exports the adapter of the TP=1 run.
 """
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import yaml
 from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
 from test_hf_io import hf_model, megatron_from_hf
 from test_init_from import convert_in_process, convert_worker
-from test_loop import SEQ, assert_same_run, packed, train_forked  # noqa: F401 - fixture
+from test_loop import SEQ, assert_same_run, packed, tool_forked  # noqa: F401 - fixture
 
 from packsft.model.config import read_model_config
 from packsft.model.gpt import build_gpt_model
@@ -42,14 +40,10 @@ def _import(model, out: Path) -> Path:
     return save_megatron_checkpoint(megatron, cfg, out, hf_config=model.config)
 
 
-def _run(*args, nproc=1, check=True) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [*(launcher if nproc > 1 else [sys.executable]), *map(str, args)]
-    env = {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+def _run(tool: Path, *args, nproc=1, check=True) -> subprocess.CompletedProcess:
+    """``tools/<name>.py args`` on ``nproc`` ranks: the tool's ``main`` in forks of the tests' fork server
+    (:func:`test_loop.tool_forked`)."""
+    return tool_forked(tool.stem, *args, nproc=nproc, check=check, env={"HF_HUB_OFFLINE": "1"}, timeout_s=400)
 
 
 def _config(tmp: Path, packed, base: Path, name: str) -> Path:  # noqa: F811
@@ -67,8 +61,7 @@ def _config(tmp: Path, packed, base: Path, name: str) -> Path:  # noqa: F811
 
 
 def _train(config: Path, *overrides, nproc=1, check=True):
-    """``tools/train.py``'s ``main`` on ``nproc`` forked ranks (:func:`test_loop.train_forked`)."""
-    return train_forked(config, *map(str, overrides), nproc=nproc, check=check)
+    return _run(REPO / "tools" / "train.py", "--config", config, *overrides, nproc=nproc, check=check)
 
 
 @pytest.fixture(scope="module")

@@ -165,9 +165,13 @@ def _clip_with_megatron_norms():
         llava_model.CLIPViTModel = original
 
 
-def build_llava_model(cfg: VLMConfig) -> LLaVAModel:
+def build_llava_model(cfg: VLMConfig, max_tokens: int | None = None) -> LLaVAModel:
     """Build megatron-core's ``LLaVAModel`` for ``cfg`` on this rank's tensor-parallel shard (fp32 or bf16 as
     ``cfg.text.params_dtype``; on CPU without CUDA).
+
+    ``max_tokens``: the most tokens one call takes, a THD micro-batch of ``b`` rows of ``L`` (``b * L``; default
+    ``cfg.text.max_position_embeddings``): ``LLaVAModel`` cuts its combined sequence at its
+    ``language_max_sequence_length``, which RoPE does not need here (positions restart per conversation).
 
     Needs ``megatron.core.parallel_state`` initialised (as :func:`packsft.model.gpt.build_gpt_model`). The
     language model is packsft's GPT (``layer_spec(cfg.text.attention_backend)``, RMSNorm final norm, RoPE with
@@ -200,7 +204,7 @@ def build_llava_model(cfg: VLMConfig) -> LLaVAModel:
             language_transformer_config=text_config,
             language_transformer_layer_spec=spec,
             language_vocab_size=cfg.text.vocab_size,
-            language_max_sequence_length=cfg.text.max_position_embeddings,
+            language_max_sequence_length=max(cfg.text.max_position_embeddings, max_tokens or 0),
             vision_transformer_config=_vision_transformer_config(vision, text_config, tp),
             vision_transformer_layer_spec=vision_layer_spec(),
             drop_vision_class_token=True,

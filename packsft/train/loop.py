@@ -184,7 +184,8 @@ class Trainer:
         """This rank's model chunks (one, or one per virtual pipeline stage), each in Megatron's DDP; with a
         ``vision:`` section, the one LLaVA model (checked against ``data.tokenizer``'s processor: ``vlm_config``)."""
         if self.cfg.vision is not None:
-            chunks = [build_llava_model(vlm_config(self.cfg.model, self.cfg.vision, self.train_set.image))]
+            chunks = [build_llava_model(vlm_config(self.cfg.model, self.cfg.vision, self.train_set.image),
+                                        max_tokens=self.cfg.loader.micro_batch_size * self.cfg.data.max_seq_len)]
         else:
             chunks = build_gpt_stages(self.cfg.model, sequence_parallel=self.cfg.parallel.sequence_parallel)
         for gpt in chunks:

@@ -77,6 +77,19 @@ def test_a_tiny_llava_learns_and_logs_image_and_text_tokens(uninterrupted):
     assert summary["projector_parameters"] == 32 * 64 + 64 + 64 * 64 + 64 < summary["parameters"]
 
 
+def test_a_micro_batch_of_two_rows_trains_as_two_micro_batches_of_one(tmp_path, shapes, uninterrupted):
+    """Two rows in one THD micro-batch (2 x 128 tokens, more than model.max_position_embeddings): LLaVAModel keeps
+    the whole combined sequence; the losses are the one-row micro-batches'."""
+    _, full = uninterrupted
+    config = _config(tmp_path, shapes, **{**STEPS, "loader": {"micro_batch_size": 2},
+                                          "train": {"global_batch_size": 2, "train_steps": 2}})
+    train(config)
+    got, expected = train_records(tmp_path / "out"), train_records(full)
+    for step in (1, 2):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5)
+        assert got[step]["trained_tokens"] == expected[step]["trained_tokens"]
+
+
 def test_a_stopped_run_resumes_in_a_new_process_with_the_same_batches_and_losses(tmp_path, shapes, uninterrupted):
     full_config, full = uninterrupted
     config = _config(tmp_path, shapes, **STEPS)

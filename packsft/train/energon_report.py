@@ -17,21 +17,8 @@ from typing import Any
 
 from megatron.energon import SkipSample
 
-from packsft.layout import IGNORE_INDEX
 from packsft.packing.energon import iter_sample_members
 from packsft.train.energon_images import train_source
-
-
-def _row_counts(samples: list[dict], max_seq_len: int) -> tuple[int, int]:
-    """``(real tokens, image tokens)`` of one row of ``samples`` (a conversation cut by the row's end counted to it;
-    the image tokens of an image cut through are padding, as :class:`ImageConversationEncoder` makes them)."""
-    room, real, image = max_seq_len, 0, 0
-    for s in samples:
-        kept = min(len(s["tokens"]), room)
-        real, room = real + kept, room - kept
-        size = s.get("image_seq_length") or 1
-        image += min(s.get("num_image_tokens", 0), kept // size * size)
-    return real, image
 
 
 def energon_report(cfg, split: str | None = None) -> dict[str, Any]:
@@ -42,11 +29,13 @@ def energon_report(cfg, split: str | None = None) -> dict[str, Any]:
 
     Returns:
         ``dataset``, ``split``, ``model_family``, ``max_seq_len``, ``buffer_size``; ``samples`` (read),
-        ``skipped`` (invalid or dropped ones, each warned on stderr as in training), ``conversations``,
-        ``images``; ``rows`` and ``lower_bound_rows`` (``ceil(real tokens / max_seq_len)``); token counts
-        ``text_tokens`` and ``image_tokens`` (real tokens in the rows; a conversation longer than a row counted
-        to the row's end), ``trained_tokens`` (targets trained), ``padding_tokens`` (CP and row tails);
-        ``efficiency`` (real / (rows x max_seq_len), a fraction).
+        ``skipped`` (invalid or dropped ones, each warned on stderr as in training), ``conversations``; of the rows
+        (each built by the encoder, as the trainer builds it): ``rows``, ``images`` (an image cut by a row's end
+        is dropped, as in training), ``text_tokens`` and ``image_tokens``, ``cut_image_tokens`` (the kept ids of
+        the dropped images, padding ids inside their conversation's segment), ``trained_tokens`` (the rows'
+        ``num_trained_tokens``), ``padding_tokens`` (CP and tail padding), ``lower_bound_rows`` (``ceil(real /
+        max_seq_len)``, real = the three token counts = the rows' ``cu_seqlens``) and ``efficiency`` (real /
+        (rows x max_seq_len), a fraction: training's ``packing_efficiency``).
 
     Raises:
         ValueError: as the trainer's data source (``data.train_path``, ``data.tokenizer``, ...).
@@ -56,36 +45,36 @@ def energon_report(cfg, split: str | None = None) -> dict[str, Any]:
     source = train_source(data, cfg.parallel, data.energon.model_family)
     split = split or source.split
     encoder = source.encoder(endless=False)
-    size = getattr(source, "image", None) and source.image.image_seq_length
     counts = dict.fromkeys(("samples", "skipped", "conversations", "images", "rows", "text_tokens",
-                            "image_tokens", "trained_tokens"), 0)
+                            "image_tokens", "trained_tokens", "real_tokens"), 0)
     buffer: list[dict] = []
 
-    def pack() -> None:
-        for row in encoder.select_samples_to_pack(buffer):
-            real, image = _row_counts(row, data.max_seq_len)
+    def pack() -> None:   # the rows as the trainer builds them: cuts, dropped images and trained tokens included
+        for selected in encoder.select_samples_to_pack(buffer):
+            row = encoder.pack_selected_samples(selected)
+            real = int(row["cu_seqlens"][-1])
+            image = int(row.get("num_image_tokens", 0))
             counts["rows"] += 1
-            counts["text_tokens"] += real - image
+            counts["real_tokens"] += real
             counts["image_tokens"] += image
+            counts["text_tokens"] += int(row.get("num_text_tokens", real))
+            counts["trained_tokens"] += int(row["num_trained_tokens"])
+            counts["images"] += len(row.get("images", ()))
         buffer.clear()
 
     for _, shard, key, members in iter_sample_members(source.path, split, encoder.members_read):
         counts["samples"] += 1
         with contextlib.suppress(SkipSample):
-            sample = encoder.encode_sample({"__key__": key, "__restore_key__": None, "__shard__": shard, **members})
-            images = len(sample.get("pixel_values", ()))
+            buffer.append(encoder.encode_sample({"__key__": key, "__restore_key__": None, "__shard__": shard,
+                                                 **members}))
             counts["conversations"] += 1
-            counts["images"] += images
-            counts["trained_tokens"] += sum(t != IGNORE_INDEX for t in sample["targets"][1:])
-            buffer.append({"tokens": sample["tokens"], "num_image_tokens": sample.get("num_image_tokens", 0),
-                           "image_seq_length": size})
             if len(buffer) == data.energon.buffer_size:
                 pack()
     if buffer:
         pack()
     counts["skipped"] = counts["samples"] - counts["conversations"]
-    real = counts["text_tokens"] + counts["image_tokens"]
-    capacity = counts["rows"] * data.max_seq_len
+    real, capacity = counts.pop("real_tokens"), counts["rows"] * data.max_seq_len
+    counts["cut_image_tokens"] = real - counts["text_tokens"] - counts["image_tokens"]
     return {"dataset": source.path, "split": split, "model_family": data.energon.model_family,
             "max_seq_len": data.max_seq_len, "buffer_size": data.energon.buffer_size, **counts,
             "lower_bound_rows": math.ceil(real / data.max_seq_len), "padding_tokens": capacity - real,

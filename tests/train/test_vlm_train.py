@@ -217,6 +217,16 @@ def test_the_packing_report_counts_text_and_image_tokens_of_the_rows_the_encoder
     assert report["rows"] >= report["lower_bound_rows"] == -(-real // SEQ)
     assert report["padding_tokens"] == report["rows"] * SEQ - real
     assert report["efficiency"] == round(real / (report["rows"] * SEQ), 6)
+    assert report["cut_image_tokens"] == 0
+
+    # every conversation longer than a 16-token row: each cut in a row of its own, an image cut through dropped
+    cut = energon_report(load_config(config, ["data.max_seq_len=16"]))
+    kept = [(e, [p for p, t in enumerate(e["tokens"][:16]) if t == image.image_token_id]) for e in train]
+    assert all(len(e["tokens"]) > 16 for e in train) and cut["rows"] == 7
+    assert cut["images"] == sum(len(ids) // 4 for _, ids in kept)
+    assert cut["image_tokens"] == 4 * cut["images"] and cut["cut_image_tokens"] == sum(len(ids) % 4 for _, ids in kept)
+    assert cut["text_tokens"] == sum(16 - len(ids) for _, ids in kept)
+    assert cut["trained_tokens"] == sum(sum(t != -100 for t in e["targets"][1:16]) for e in train)
     val = energon_report(load_config(config), "val")
     assert (val["split"], val["samples"], val["images"]) == ("val", 1, 1)
 

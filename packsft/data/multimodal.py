@@ -64,29 +64,30 @@ def image_seq_length(processor) -> int:
     return count - 1 if processor.vision_feature_select_strategy == "default" else count
 
 
-def load_processor(folder: str | Path) -> tuple[Any, ImageSettings]:
+def load_processor(folder: str | Path, field: str = "data.tokenizer") -> tuple[Any, ImageSettings]:
     """The LLaVA-1.5 processor of a local folder (``AutoProcessor.from_pretrained``, no download, no remote code)
     and its :class:`ImageSettings`. The run's ``data.tokenizer`` is this folder (a llava model folder holds the
-    tokenizer and the processor's configs).
+    tokenizer and the processor's configs); ``field``: the setting or option that names it, for the errors.
 
     Raises:
-        ValueError: naming ``folder``: it does not load, it is not a ``LlavaProcessor`` with ``patch_size`` and a
-            CLIP image processor that crops to a fixed size, or its image token is not one token of its tokenizer.
+        ValueError: ``"{field}: {folder}: ..."``: it does not load, it is not a ``LlavaProcessor`` with
+            ``patch_size`` and a CLIP image processor that crops to a fixed size, or its image token is not one
+            token of its tokenizer.
     """
     from transformers import AutoProcessor, LlavaProcessor
 
     try:
         processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, json errors: one line naming the folder
-        raise ValueError(f"data.tokenizer: {folder}: cannot load a processor (AutoProcessor): {type(e).__name__}: "
+        raise ValueError(f"{field}: {folder}: cannot load a processor (AutoProcessor): {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from e
     if not isinstance(processor, LlavaProcessor) or not processor.patch_size or _crop(processor) is None:
-        raise ValueError(f"data.tokenizer: {folder}: the processor is a {type(processor).__name__}, not a LLaVA-1.5 "
+        raise ValueError(f"{field}: {folder}: the processor is a {type(processor).__name__}, not a LLaVA-1.5 "
                          "one (a LlavaProcessor with patch_size and a CLIP image processor that center-crops to a "
                          "fixed size: processor_config.json or preprocessor_config.json)")
     ids = processor.tokenizer.encode(processor.image_token, add_special_tokens=False)
     if len(ids) != 1:
-        raise ValueError(f"data.tokenizer: {folder}: the image token {processor.image_token!r} is {len(ids)} tokens "
+        raise ValueError(f"{field}: {folder}: the image token {processor.image_token!r} is {len(ids)} tokens "
                          "of the tokenizer, not one: add it as a special token")
     height, width = _crop(processor)
     return processor, ImageSettings(processor.image_token, ids[0], image_seq_length(processor), height, width)

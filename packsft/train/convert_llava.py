@@ -125,17 +125,27 @@ def resolve_image_token(vision: dict, tokenizer: str | None, hf_config: dict | N
 def default_processor(args: argparse.Namespace, saved: dict | None) -> str | None:
     """The processor folder an export of a LLaVA checkpoint copies: ``--tokenizer``, else a training
     checkpoint's (``saved``: its ``train_state.json``) recorded ``data.tokenizer`` when that folder exists here (a
-    note says so), else None."""
-    if args.tokenizer or saved is None:
-        return args.tokenizer
-    import yaml
+    note says so), else None. The folder is checked as training checks ``data.tokenizer``
+    (:func:`packsft.data.multimodal.load_processor`), before anything is written.
 
-    recorded = ((yaml.safe_load(saved.get("config") or "") or {}).get("data") or {}).get("tokenizer")
-    if recorded and Path(recorded).is_dir():
-        print(f"note: the processor and tokenizer files are copied from the run's data.tokenizer {recorded} "
-              "(--tokenizer overrides)", file=sys.stderr)
-        return str(recorded)
-    return None
+    Raises:
+        ValueError: ``"--tokenizer: FOLDER: ..."`` (or ``"the run's data.tokenizer: ..."``): not a LLaVA-1.5
+            processor folder (a text tokenizer's, say) or one that does not load.
+    """
+    folder, field = args.tokenizer, "--tokenizer"
+    if not folder and saved is not None:
+        import yaml
+
+        recorded = ((yaml.safe_load(saved.get("config") or "") or {}).get("data") or {}).get("tokenizer")
+        if recorded and Path(recorded).is_dir():
+            print(f"note: the processor and tokenizer files are copied from the run's data.tokenizer {recorded} "
+                  "(--tokenizer overrides)", file=sys.stderr)
+            folder, field = str(recorded), "the run's data.tokenizer"
+    if folder:
+        from packsft.data.multimodal import load_processor
+
+        load_processor(folder, field)
+    return folder
 
 
 def export_llava(args: argparse.Namespace, ctx, cfg: VLMConfig, hf_config: dict | None, origin: str,

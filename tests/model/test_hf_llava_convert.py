@@ -71,7 +71,7 @@ def test_export_loads_in_transformers_with_the_same_tensors_and_logits(imported,
 
 def test_export_copies_the_processor(tmp_path, tokenizer_dir):
     """The processor folder (smollm2's tokenizer + <image> = 49153 ids) as --tokenizer: its files in the export,
-    which AutoProcessor loads; a model of fewer ids refuses it."""
+    which AutoProcessor loads; a model of fewer ids refuses it; a text tokenizer is refused as data.tokenizer is."""
     processor = llava_processor_folder(tmp_path / "processor", tokenizer_dir("smollm2-135m-instruct"))
     image_id = load_processor(processor)[1].image_token_id
     # a run with vision.image_token_id null took its processor's: the export's processor, else the HF config's
@@ -84,6 +84,10 @@ def test_export_copies_the_processor(tmp_path, tokenizer_dir):
     hf_llava(seed=1, text_config=text, image_token_index=image_id).save_pretrained(tmp_path / "hf")
     rc, stderr = call_tool(CONVERT, "import", "--hf", tmp_path / "hf", "--out", tmp_path / "mg")
     assert rc == 0, stderr[-3000:]
+    plain = tokenizer_dir("smollm2-135m-instruct")    # a text tokenizer (no <image>): refused as data.tokenizer is
+    assert_user_error(*call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
+                                 "--tokenizer", plain), f"--tokenizer: {plain}: the processor is a ")
+    assert not (tmp_path / "out").exists()
     rc, stderr = call_tool(CONVERT, "export", "--megatron", tmp_path / "mg", "--out", tmp_path / "out",
                            "--tokenizer", processor)
     assert rc == 0, stderr[-3000:]

@@ -189,6 +189,8 @@ def check_init_vision(cfg: Config, imported: dict | None, source: str | None = N
                          f"{VISION_CONFIG_FILE}); import a LLaVA model or drop the vision: section")
     if imported is None:
         return
+    if cfg.vision.image_token_id is None:        # null: the processor's, which the weights' then is (vlm_config)
+        cfg.vision.image_token_id = imported.get("image_token_id")
     _refuse_init_difference("vision", asdict(cfg.vision), imported, source)
 
 
@@ -301,7 +303,7 @@ def _refuse_recorded_difference(section: str, current: dict, reference: dict, ch
     ``current`` value differs from the one ``checkpoint`` records (``reference``), both values and ``fix``."""
     key = _first_difference(current, reference, MAY_CHANGE["resume"][section])
     if key is not None:
-        how = fix.format(key=f"{section}.{key}", value=reference[key])
+        how = fix.format(key=f"{section}.{key}", value="null" if reference[key] is None else reference[key])
         raise CheckpointError(f"{section}.{key} is {current.get(key)!r} but checkpoint {checkpoint} was trained "
                               f"with {reference[key]!r}; {how}")
 
@@ -316,6 +318,8 @@ def check_recorded_vision(vision, recorded: dict[str, dict], checkpoint: str | P
     Raises:
         CheckpointError: naming the first differing ``vision.<key>`` and both values, or the section itself.
     """
+    if vision is not None and vision.image_token_id is None:   # null: the processor's (vlm_config), the run's then
+        vision.image_token_id = (recorded["vision"] or {}).get("image_token_id")
     current, reference = (asdict(vision) if vision is not None else {}), recorded["vision"]
     if bool(current) != bool(reference):
         now, then = ("a", "no") if current else ("no", "a")

@@ -152,6 +152,8 @@ def test_init_from_merges_the_vision_section_and_refuses_contradictions(imported
     assert asdict(cfg.vision) == json.loads((mg / "vision_config.json").read_text())
     assert asdict(cfg.model) == json.loads((mg / "model_config.json").read_text())
     assert load_train_config(config, ["vision.image_size=28"]).vision == cfg.vision
+    # null (a config such as configs/tiny_llava_cpu.yaml writes it): the processor's, which is the import's id
+    assert load_train_config(config, ["vision.image_token_id=null"]).vision == cfg.vision
     with pytest.raises(ValueError, match=r"vision.image_size \(56\) differs from checkpoint.init_from's "
                                          r"vision_config.json \(28\): the weights have the latter"):
         load_train_config(config, ["vision.image_size=56"])

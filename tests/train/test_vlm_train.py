@@ -127,6 +127,13 @@ def test_recorded_vision_section_is_compared_whole(tmp_path, shapes):
     cfg = load_config(_config(tmp_path, shapes))
     recorded = {"vision": {**VISION, "image_token_id": None}}
     check_recorded_vision(cfg.vision, recorded, "ckpt", fix="set {key}={value}")
+    check_recorded_vision(cfg.vision, {"vision": {**VISION, "image_token_id": 49152}}, "ckpt", fix="")
+    assert cfg.vision.image_token_id == 49152                 # null (the processor's) takes the run's id
+    with pytest.raises(CheckpointError, match=r"^vision.image_token_id is 7 but checkpoint ckpt was trained with "
+                                              r"None; set vision.image_token_id=null$"):
+        check_recorded_vision(load_config(_config(tmp_path, shapes), ["vision.image_token_id=7"]).vision, recorded,
+                              "ckpt", fix="set {key}={value}")
+    cfg = load_config(_config(tmp_path, shapes))
     with pytest.raises(CheckpointError, match=r"^vision.num_layers is 2 but checkpoint ckpt was trained with 3; "
                                               r"set vision.num_layers=3$"):
         check_recorded_vision(cfg.vision, {"vision": {**VISION, "num_layers": 3}}, "ckpt", fix="set {key}={value}")

@@ -61,7 +61,8 @@ class VisionSectionConfig:
 
 
 VISION_RELATIONS = (
-    Needs("vision", ("data.backend", "energon"), "image-text rows are read from an Energon dataset"),
+    Needs("vision", ("data.backend", "energon"), "image-text rows are read from an Energon dataset (a "
+          "checkpoint.init_from that holds a LLaVA model brings its vision: section)"),
     Needs("vision", ("data.energon.model_family", "llava"), "the Energon loader reads the images of a LLaVA model"),
     Needs(("data.energon.model_family", Rule(lambda family: family is not None, "set")), "vision",
           "an image-text dataset trains a LLaVA model: give its vision: section"),

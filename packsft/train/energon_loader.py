@@ -42,7 +42,15 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError
 from packsft.layout import conversation_cost
-from packsft.packing.energon import META, PAYLOAD, dataset_above, is_energon, iter_sample_members, payload_text
+from packsft.packing.energon import (
+    META,
+    PAYLOAD,
+    dataset_above,
+    is_energon,
+    iter_sample_members,
+    payload_text,
+    split_meta,
+)
 from packsft.packing.records import parse_line
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
@@ -110,7 +118,11 @@ class ConversationEncoder(DefaultTaskEncoder):
         record_format, convert: the records' format and ``packsft.record_formats.record_converter``'s function
             for it (or the adapter's), None for ``messages`` records.
         skip_invalid: print a warning about an invalid sample (the error's text, ``; skipped``) and skip it,
-            instead of stopping the run; ``num_samples`` (the split's) skipped in a row stop it all the same.
+            instead of stopping the run.
+        endless: for a loader that repeats the split: a run of skipped samples (none valid between them) that holds
+            every sample its loader worker reads (``worker_samples``, :class:`EnergonTrainLoader` sets it) stops
+            the run all the same (nothing to train). Counted by distinct sample, not in a row: the shuffle buffer
+            holds each sample of a small split many times. Not endless (a validation set, read once): never.
         oversize: a conversation longer than ``max_seq_len``: ``own-row`` (cut in a row of its own), ``drop``
             (skipped, printed as an invalid one is) or ``error`` (the run stops).
     """
@@ -123,11 +135,15 @@ class ConversationEncoder(DefaultTaskEncoder):
     def __init__(self, dataset: str, tokenization: Tokenization, max_seq_len: int, context_parallel_size: int = 1,
                  delta: int = 0, max_per_bin: int | None = None, record_format: str = "messages",
                  convert: Callable[[Any], Any] | None = None, skip_invalid: bool = False,
-                 num_samples: int | None = None, oversize: str = "own-row") -> None:
+                 endless: bool = False, oversize: str = "own-row") -> None:
         super().__init__()
         self.dataset, self.tokenization = dataset, tokenization
         self.record_format, self.convert, self.skip_invalid = record_format, convert, skip_invalid
-        self.num_samples, self.oversize, self._skipped_in_a_row = num_samples, oversize, 0
+        self.endless, self.oversize = endless, oversize
+        self.worker_samples: tuple[int, ...] = ()
+        """Samples each loader worker of this rank reads (:func:`worker_sample_counts`; empty: not known, never
+        stops)."""
+        self._skipped_run: set[str] = set()
         self.max_seq_len, self.cp, self.delta, self.max_per_bin = max_seq_len, context_parallel_size, delta, max_per_bin
         self._cut: set[str] = set()
 
@@ -138,8 +154,8 @@ class ConversationEncoder(DefaultTaskEncoder):
         Raises:
             EnergonSampleError: no or undecodable ``json`` member, invalid JSON or record, media, or a conversation
                 the prompt format cannot tokenize (or, with ``oversize: error``, longer than a row); with
-                ``skip_invalid`` (``oversize: drop``), Energon's ``SkipSample`` after a printed warning, unless it is
-                the split's ``num_samples``-th skipped in a row (a pass with nothing to train).
+                ``skip_invalid`` (``oversize: drop``), Energon's ``SkipSample`` after a printed warning, unless the
+                run of skipped samples it ends holds every sample of its loader worker (``endless``).
         """
         sources = sample.get("__sources__") or ()
         shard = sources[0].shard_name if sources else sample.get("__shard__", "?")
@@ -155,18 +171,24 @@ class ConversationEncoder(DefaultTaskEncoder):
             problem, skip, setting = f"{field + ': ' if field else ''}{reason}", self.skip_invalid, None
         else:
             if len(tokens) <= self.max_seq_len or self.oversize == "own-row":
-                self._skipped_in_a_row = 0
+                self._skipped_run.clear()
                 return {"__key__": sample["__key__"], "__restore_key__": sample["__restore_key__"], "where": where,
                         **encoded}
             problem = f"{len(tokens)} tokens, more than data.max_seq_len ({self.max_seq_len})"
             skip, setting = self.oversize == "drop", f"oversize: {self.oversize}"
-        self._skipped_in_a_row += 1
-        if skip and self._skipped_in_a_row < (self.num_samples or float("inf")):
+        if skip and self.endless:
+            self._skipped_run.add(where)
+        worker = WorkerConfig.active_worker_config
+        count = self.worker_samples[worker.rank_worker_id() if worker else 0] if self.worker_samples else 0
+        if skip and not (self.endless and 0 < count <= len(self._skipped_run)):
             print(f"warning: {where}: {problem}; skipped (data.energon.{setting or 'skip_invalid_samples'})",
                   file=sys.stderr, flush=True)
             raise SkipSample()
+        who, fix = ("this loader worker", " or lower data.energon.num_workers") if worker and worker.num_workers \
+            else ("this rank's loader", "")
         raise EnergonSampleError(f"{where}: {problem}" + (
-            f"; so were the {self._skipped_in_a_row - 1} samples read before it: nothing to train" if skip else
+            f"; every one of the {count} samples {who} reads was skipped, no valid one between them: nothing to "
+            f"train; fix the samples{fix}" if skip else
             f" (data.energon.{setting}; own-row cuts it, drop skips it)" if setting else ""))
 
     def encode_record(self, sample: dict, text: str | None, problem: str | None) -> dict:
@@ -280,12 +302,12 @@ class EnergonTrainSource:
 
     def encoder(self, endless: bool = True) -> ConversationEncoder:
         """The :class:`ConversationEncoder` of the ``data`` and ``parallel`` settings; ``endless``: for a loader
-        that repeats the split, so as many skipped samples in a row as it holds stop it (``num_samples``)."""
+        that repeats the split (a run of skipped samples holding all its worker's samples stops it)."""
         e = self.data.energon
         return self.encoder_class(self.path, self.tokenization, self.data.max_seq_len,
                                    self.parallel.context_parallel_size, e.balanced_knapsack_delta,
                                    e.max_sequences_per_bin, e.record_format, self.convert, e.skip_invalid_samples,
-                                   len(self) if endless else None, e.oversize)
+                                   endless, e.oversize)
 
 
 class EnergonValidationSet:
@@ -346,6 +368,8 @@ class EnergonTrainLoader:
                                     shuffle_buffer_size=e.shuffle_buffer_size,
                                     max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
                                     virtual_epoch_length=e.virtual_epoch_length, task_encoder=encoder)
+        raw = sum(shard.count for shard in split_meta(source.path, source.split).shards)
+        encoder.worker_samples = worker_sample_counts(dataset, e.num_workers, raw - len(source))
         in_process = e.num_workers == 0   # no gc.freeze nor watchdog in the trainer's own process
         self.loader = get_savable_loader(dataset, gc_collect_every_n_steps=0 if in_process else 10,
                                          watchdog_timeout_seconds=None if in_process else 60)
@@ -380,6 +404,15 @@ class EnergonTrainLoader:
                              "the weights and optimizer but restart the data order, resume with "
                              "checkpoint.restore_data_order=false")
         self.loader.restore_state_rank(from_plain(saved["state"]))
+
+
+def worker_sample_counts(dataset, num_workers: int, excluded: int) -> tuple[int, ...]:
+    """Samples each of this rank's ``num_workers`` loader workers reads (one entry for 0 workers): ``len_worker``
+    of Energon's innermost dataset (the worker's slices of the split's shards), less the split's ``excluded``
+    samples (``split.yaml``'s, in whichever worker's slices), at least 1 where there are any."""
+    while hasattr(dataset, "dataset"):
+        dataset = dataset.dataset
+    return tuple(min(n, max(1, n - excluded)) for n in (dataset.len_worker(w) for w in range(max(1, num_workers))))
 
 
 def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -108,12 +108,37 @@ def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_da
                     ["train:shard-000000.tar"])
     dead = load_config(_config(tmp_path, {**energon_data, "few": none}, data={"energon": {
         "shuffle_buffer_size": 1, "skip_invalid_samples": True}}))
-    with pytest.raises(RowError, match=r"none: shard-000000.tar: sample \d+: .*; so were the 2 samples read before "
-                                       r"it: nothing to train$"):    # BAD, IMAGE and its image member's sample
+    with pytest.raises(RowError, match=r"none: shard-000000.tar: sample \d+: .*; every one of the 3 samples this "
+                                       r"rank's loader reads was skipped, no valid one between them: nothing to "
+                                       r"train; fix the samples$"):    # BAD, IMAGE and its image member's sample
         next(iter(build_datasets(dead)[0].train_loader(dead.loader, 0, 1)))   # not an endless silent loop
     with pytest.raises(ValueError, match=r"^data.energon.validation_split 'train': no valid sample to validate on"):
         build_datasets(load_config(_config(tmp_path, {**energon_data, "few": none}, data={"energon": {
             "skip_invalid_samples": True, "validation_split": "train"}})))
+
+
+def test_skipping_with_loader_workers_stops_only_a_worker_whose_every_sample_is_skipped(tmp_path, energon_data):
+    """data.energon.num_workers=2 over 4 samples, one broken: each worker reads 2, one of them valid, and trains
+    (the shuffle buffer holds each sample many times: a sample skipped twice in a row is no reason to stop); with 2
+    broken samples in one worker's half that worker stops, saying so."""
+    good = energon_data["records"]
+    for name, samples, stops in (("one", [good[0], BAD, good[1], good[2]], False),
+                                 ("two", [BAD, BAD, good[1], good[2]], True)):
+        ds = _prepare(tmp_path / name, {"shard-000000.tar": [(f"{i:06d}", r) for i, r in enumerate(samples)]},
+                      ["train:shard-000000.tar"])
+        cfg = load_config(_config(tmp_path, {**energon_data, "few": ds}, data={"energon": {
+            "num_workers": 2, "buffer_size": 2, "skip_invalid_samples": True}}))
+        batches = iter(build_datasets(cfg)[0].train_loader(cfg.loader, 0, 1))
+        if stops:
+            with pytest.raises(RowError, match=rf"^\S*{name}: shard-000000.tar: sample 00000[01]: .*; every one of "
+                                               r"the 2 samples this loader worker reads was skipped, no valid one "
+                                               r"between them: nothing to train; fix the samples or lower "
+                                               r"data.energon.num_workers$"):
+                for _ in range(40):
+                    next(batches)
+        else:
+            for _ in range(40):                               # never stops
+                next(batches)
 
 
 def test_a_conversation_longer_than_a_row_is_cut_dropped_or_an_error_as_data_energon_oversize_says(

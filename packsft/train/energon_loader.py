@@ -140,9 +140,7 @@ class ConversationEncoder(DefaultTaskEncoder):
         self.dataset, self.tokenization = dataset, tokenization
         self.record_format, self.convert, self.skip_invalid = record_format, convert, skip_invalid
         self.endless, self.oversize = endless, oversize
-        self.worker_samples: tuple[int, ...] = ()
-        """Samples each loader worker of this rank reads (:func:`worker_sample_counts`; empty: not known, never
-        stops)."""
+        self.worker_samples: tuple[int, ...] = ()    # :func:`worker_sample_counts`; empty: not known, never stops
         self._skipped_run: set[str] = set()
         self.max_seq_len, self.cp, self.delta, self.max_per_bin = max_seq_len, context_parallel_size, delta, max_per_bin
         self._cut: set[str] = set()
@@ -416,10 +414,13 @@ def worker_sample_counts(dataset, num_workers: int, excluded: int) -> tuple[int,
 
 
 def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """What differs between two loader fingerprints: settings by key, then the dataset (split, sample count, each
-    file changed, new or gone)."""
+    """What differs between two loader fingerprints: settings by key (of a dict-valued one, such as the
+    processor's, only the sub-keys that differ: ``KEY: SUB old -> new; SUB.SUB old -> new``), then the dataset
+    (split, sample count, each file changed, new or gone)."""
     was, cur = saved.get("settings", {}), now["settings"]
-    changes = [f"{k}: checkpoint {was.get(k)!r}, now {cur.get(k)!r}" for k in cur if was.get(k) != cur.get(k)]
+    changes = [f"{k}: " + ("; ".join(_differences(was[k], cur[k])) if isinstance(was.get(k), dict) and
+                           isinstance(cur.get(k), dict) else f"checkpoint {was.get(k)!r}, now {cur.get(k)!r}")
+               for k in cur if was.get(k) != cur.get(k)]
     old, new = saved.get("dataset", {}), now["dataset"]
     for key in ("split", "num_samples"):
         if old.get(key) != new.get(key):
@@ -431,3 +432,18 @@ def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]
     changes += [f"the dataset file {n} is new" for n in new_files if n not in old_files]
     changes += [f"the dataset file {n} is gone" for n in old_files if n not in new_files]
     return changes
+
+
+def _differences(was: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """``SUB old -> new`` for each sub-key (dotted below a nested dict) whose value differs between two dict-valued
+    settings; a string shown bare, a missing key as ``(none)``."""
+    def shown(d: dict[str, Any], k: str) -> str:
+        return "(none)" if k not in d else d[k] if isinstance(d[k], str) else repr(d[k])
+
+    out = []
+    for k in dict.fromkeys([*now, *was]):
+        if isinstance(was.get(k), dict) and isinstance(now.get(k), dict):
+            out += _differences(was[k], now[k], f"{prefix}{k}.")
+        elif k not in was or k not in now or was[k] != now[k]:
+            out.append(f"{prefix}{k} {shown(was, k)} -> {shown(now, k)}")
+    return out

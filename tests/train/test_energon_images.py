@@ -178,5 +178,8 @@ def test_the_processor_is_part_of_the_loader_fingerprint_and_model_family_picks_
     changes = fingerprint_changes({"settings": settings, "dataset": source.identity},
                                   {"settings": moved.settings(cfg.loader, 1), "dataset": source.identity})
     assert [c.split(":")[0] for c in changes] == [key]
+    was, now = (s[key]["files (SHA-256)"]["processor_config.json"] for s in (settings, moved.settings(cfg.loader, 1)))
+    assert changes[0] == (f"{key}: size.shortest_edge 28 -> 56; crop_size.height 28 -> 56; crop_size.width 28 -> 56; "
+                          f"image_seq_length 4 -> 16; files (SHA-256).processor_config.json {was} -> {now}")
     assert type(train_source(cfg.data, cfg.parallel, None)) is EnergonTrainSource
     assert draw_shape("circle", "red")[:4] == b"\x89PNG"

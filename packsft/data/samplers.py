@@ -42,7 +42,9 @@ def num_rows_of(data_source: Any, dp_size: int = 1, what: str = "dataset") -> in
     """Return the number of rows of a map-style dataset (``len``), or ``data_source`` itself if it is an int.
 
     Raises:
-        ValueError: fewer rows than ``dp_size`` (some rank would get none), naming the ``what`` and its file.
+        ValueError: fewer rows than ``dp_size`` (some rank would get none), naming the ``what`` and its file, or
+            as the dataset names itself (its ``named``: the config key that chose it) with its ``too_few_rows``
+            (what to do).
     """
     if isinstance(data_source, (int, np.integer)) and not isinstance(data_source, bool):
         num_rows = int(data_source)
@@ -50,8 +52,10 @@ def num_rows_of(data_source: Any, dp_size: int = 1, what: str = "dataset") -> in
         num_rows = len(data_source)
     if num_rows < dp_size:
         path = getattr(data_source, "path", None)  # a packed file, a subset of one
-        raise ValueError(f"the {what}{f' {path}' if path else ''} has {num_rows} rows, fewer than dp_size={dp_size}: "
-                         "some rank would get none")
+        named = getattr(data_source, "named", None) or f"the {what}{f' {path}' if path else ''}"
+        fix = getattr(data_source, "too_few_rows", None)
+        raise ValueError(f"{named} has {num_rows} row{'' if num_rows == 1 else 's'}, fewer than dp_size={dp_size}: "
+                         f"some rank would get none{f'; {fix}' if fix else ''}")
     return num_rows
 
 

@@ -42,15 +42,8 @@ from packsft.data.dataset import RowError
 from packsft.data.row import build_row
 from packsft.jsonl import ConversationError
 from packsft.layout import conversation_cost
-from packsft.packing.energon import (
-    META,
-    PAYLOAD,
-    dataset_above,
-    is_energon,
-    iter_sample_members,
-    payload_text,
-    split_meta,
-)
+from packsft.packing import energon as energon_files
+from packsft.packing.energon import META, PAYLOAD, dataset_above, is_energon, iter_sample_members, payload_text
 from packsft.packing.records import parse_line
 from packsft.packing.sources import SourceError, energon_split, source_identity
 from packsft.prompt_formats import PromptFormatError, Tokenization, TokenizationSpec, tokenize_conversation
@@ -318,9 +311,12 @@ class EnergonValidationSet:
     """
 
     sidecar = None
+    too_few_rows = "give a split with at least dp_size packed rows, or set data.energon.validation_split=null"
+    """What to do when there are fewer rows than data-parallel ranks (``samplers.num_rows_of`` says it)."""
 
     def __init__(self, source: EnergonTrainSource, split: str) -> None:
         self.path, self.split, self.encoder = source.path, split, source.encoder(endless=False)  # read once
+        self.named = f"data.energon.validation_split {split!r} ({source.path})"
         samples = []
         for _, shard, key, members in iter_sample_members(source.path, split, self.encoder.members_read):
             with contextlib.suppress(SkipSample):    # skip_invalid_samples: warned
@@ -366,7 +362,7 @@ class EnergonTrainLoader:
                                     shuffle_buffer_size=e.shuffle_buffer_size,
                                     max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
                                     virtual_epoch_length=e.virtual_epoch_length, task_encoder=encoder)
-        raw = sum(shard.count for shard in split_meta(source.path, source.split).shards)
+        raw = sum(shard.count for shard in energon_files.split_meta(source.path, source.split).shards)
         encoder.worker_samples = worker_sample_counts(dataset, e.num_workers, raw - len(source))
         in_process = e.num_workers == 0   # no gc.freeze nor watchdog in the trainer's own process
         self.loader = get_savable_loader(dataset, gc_collect_every_n_steps=0 if in_process else 10,

@@ -157,6 +157,9 @@ def test_too_few_rows_and_a_sampler_without_order_are_refused():
         RandomSampler(Empty())
     with pytest.raises(ValueError, match="^the eval dataset e.jsonl.packed has 0 rows, fewer than dp_size=1"):
         EvalShardSampler(Empty())
+    with pytest.raises(ValueError, match="^the eval dataset has 1 row, fewer than dp_size=2: some rank would get "
+                                         "none$"):
+        EvalShardSampler(1, dp_size=2)
     with pytest.raises(TypeError, match="global_order"):
         EpochSampler(10)
 

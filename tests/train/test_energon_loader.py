@@ -20,6 +20,7 @@ from test_loop import REPO, SEQ, train, train_records, write_config  # noqa: E40
 
 from packsft.data.collate import collate_rows  # noqa: E402
 from packsft.data.dataset import PackedSFTDataset, RowError  # noqa: E402
+from packsft.data.samplers import EvalShardSampler  # noqa: E402
 from packsft.layout import ROW_KEYS  # noqa: E402
 from packsft.packing.config import PackConfig  # noqa: E402
 from packsft.packing.pipeline import run_pack  # noqa: E402
@@ -112,6 +113,14 @@ def test_invalid_samples_are_named_by_dataset_shard_and_key(tmp_path, energon_da
                                        r"rank's loader reads was skipped, no valid one between them: nothing to "
                                        r"train; fix the samples$"):    # BAD, IMAGE and its image member's sample
         next(iter(build_datasets(dead)[0].train_loader(dead.loader, 0, 1)))   # not an endless silent loop
+    one = _prepare(tmp_path / "one", {"shard-000000.tar": [("000000", energon_data["records"][0])]},
+                   ["train:shard-000000.tar", "val:shard-000000.tar"])
+    val = build_datasets(load_config(_config(tmp_path, {**energon_data, "few": one}, data={"energon": {
+        "validation_split": "val"}})))[1]["validation"]
+    with pytest.raises(ValueError, match=r"^data.energon.validation_split 'val' \(\S*one\) has 1 row, fewer than "
+                                         r"dp_size=2: some rank would get none; give a split with at least dp_size "
+                                         r"packed rows, or set data.energon.validation_split=null$"):
+        EvalShardSampler(val, dp_size=2)
     with pytest.raises(ValueError, match=r"^data.energon.validation_split 'train': no valid sample to validate on"):
         build_datasets(load_config(_config(tmp_path, {**energon_data, "few": none}, data={"energon": {
             "skip_invalid_samples": True, "validation_split": "train"}})))

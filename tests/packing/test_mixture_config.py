@@ -2,12 +2,10 @@
 validation file, a few steps of the tiny CPU model, one ``val_loss/<name>`` curve per validation set."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_loop import tool_forked
 
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack
@@ -35,12 +33,10 @@ def test_mixture_config_trains_and_logs_both_validation_curves(tmp_path, shared_
         run_pack(PackConfig(inputs=[str(mix / name)], output=str(mix / (name.split(".")[0] + ".jsonl.packed")),
                             tokenizer=str(demo / "smollm2-tokenizer"), max_seq_len=1024, oversize="drop",
                             progress=False, histogram=""))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "train.py"), "--config",
-                           str(REPO / "configs" / "mixture_cpu.yaml"), "train.train_steps=4", "validation.val_period=2",
-                           "validation.max_batches=1", "checkpoint.save_interval=4"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # tools/train.py's main in a fork of the tests' fork server, run from tmp_path (the config's paths are relative)
+    tool_forked("train", "--config", REPO / "configs" / "mixture_cpu.yaml", "train.train_steps=4",
+                "validation.val_period=2", "validation.max_batches=1", "checkpoint.save_interval=4", cwd=tmp_path,
+                env={"HF_HUB_OFFLINE": "1"}, timeout_s=600)
     records = [json.loads(x) for x in (mix / "train" / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in records if r["kind"] == "validation"]
     assert [r["step"] for r in vals] == [2, 4]

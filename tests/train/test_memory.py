@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
+from test_loop import tool_forked
 
 from packsft.layout import MAX_SEQ_LEN
 from packsft.model.config import ModelConfig
@@ -62,16 +63,15 @@ def test_the_longest_row_is_at_most_what_packsft_packs():
 
 
 def test_plan_memory_cli():
-    run = [sys.executable, str(REPO / "tools" / "plan_memory.py"), "--config", str(REPO / "configs" /
-           "llama3_8b_multigpu.yaml"), "--world-size", "16"]
-    out = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    """``tools/plan_memory.py``'s ``main`` in forks of the tests' fork server (:func:`test_loop.tool_forked`)."""
+    run = ["--config", REPO / "configs" / "llama3_8b_multigpu.yaml", "--world-size", "16"]
+    out = tool_forked("plan_memory", *run, check=False)
     assert out.returncode == 0, out.stderr
     assert "fits" in out.stdout and "with full recompute" in out.stdout and "distributed optimizer" in out.stdout
     for value in ("lots", "80", "1KB", "1.2.3GB"):          # a bare number would be bytes: refused
-        bad = subprocess.run(run + ["--gpu-memory", value], capture_output=True, text=True, timeout=120)
+        bad = tool_forked("plan_memory", *run, "--gpu-memory", value, check=False)
         assert bad.returncode == 2 and bad.stderr.startswith("error:"), (value, bad.stderr)
-    sweep = subprocess.run(run + ["--sweep", "--seq-lens", "8192", "32768"], capture_output=True, text=True,
-                           timeout=120)
+    sweep = tool_forked("plan_memory", *run, "--sweep", "--seq-lens", "8192", "32768", check=False)
     assert sweep.returncode == 0 and "| 4 | 2 | 1 | 2 |" in sweep.stdout
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,9 @@ def _part_rules(role: Any, media_count: int, image_token: str) -> tuple:
         ("", lambda p: not image(p) or role == "user",
          f"an image part in a {role!r} message; images go in user messages"),
         (".media_index", lambda p: not image(p) or index_ok(p.get("media_index")),
-         lambda p: f"must be the index of a media item (0 to {media_count - 1}), got {p.get('media_index')!r}"),
+         lambda p: f"must be the index of a media item (0 to {media_count - 1}), got {p.get('media_index')!r}"
+         if media_count else "the record lists no media items (its media is missing or empty), so no image part can "
+                             "refer to one"),
     )),)
 
 
@@ -235,8 +238,9 @@ def _images(names: list[str], members: dict[str, bytes]) -> list:
             with Image.open(io.BytesIO(members[name])) as image:
                 images.append(image.convert("RGB"))
         except Exception as e:  # noqa: BLE001 - PIL raises UnidentifiedImageError, OSError, ValueError, ...
-            raise _fail(f"media[{k}].member", f"{name!r} is not an image PIL can read ({type(e).__name__}: "
-                                              f"{' '.join(str(e).split())})") from e
+            said = " ".join(re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "", str(e)).split())  # no object's repr
+            raise _fail(f"media[{k}].member", f"{name!r} is not an image PIL can read ({type(e).__name__}"
+                                              f"{': ' + said if said else ''})") from e
     return images
 
 

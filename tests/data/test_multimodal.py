@@ -107,8 +107,11 @@ BAD = [
     ("000003", _set(("messages", 0, "content", 1), {"type": "text", "text": "and"}), r"^media\[1\]: is never "),
     ("000000", _set(("media", 0, "member"), "000000.other.png"), r"^media\[0\]\.member: '000000.other.png' is not a "
                                                                  r"member of the sample \(its members: 000000.first"),
-    ("000000", _members(lambda m: m.update({"000000.first.png": b"not an image"})),
-     r"^media\[0\]\.member: '000000.first.png' is not an image PIL can read"),
+    ("000000", _members(lambda m: m.update({"000000.first.png": b"not an image"})),   # no object's repr
+     r"^media\[0\]\.member: '000000.first.png' is not an image PIL can read \(UnidentifiedImageError: cannot "
+     r"identify image file\)$"),
+    ("000000", _set(("media",), ...), r"^messages\[0\]\.content\[0\]\.media_index: the record lists no media "
+                                      r"items \(its media is missing or empty\), so no image part can refer to one"),
     ("000000", _set(("media", 0, "type"), "video"), r"^media\[0\]: must be an object of type 'image'"),
     ("000000", _set(("media",), {"x": 1}), r"^media: must be a list"),
     ("000000", _set(("messages", 1, "content"), [{"type": "image", "media_index": 0}]),

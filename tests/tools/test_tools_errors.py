@@ -8,12 +8,19 @@ import subprocess
 import sys
 
 import pytest
-from test_loop import REPO, packed, write_config  # noqa: F401 - fixture
+from test_loop import REPO, packed, tool_forked, write_config  # noqa: F401 - fixture
 
 
 def run_tool(*args, cwd=None):
     proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd,
                           env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    return proc.returncode, proc.stderr
+
+
+def train_tool(*args):
+    """``tools/train.py args``'s ``(exit status, stderr)`` as :func:`run_tool` returns them: its ``main`` in a fork of
+    the tests' fork server (:func:`test_loop.tool_forked`: torch and megatron-core are imported once)."""
+    proc = tool_forked("train", *args, check=False)
     return proc.returncode, proc.stderr
 
 
@@ -194,7 +201,7 @@ def test_pack_parallel_sizes_must_be_positive(tmp_path):
 
 
 def test_train_missing_config(tmp_path):
-    assert_user_error(*run_tool(TOOLS / "train.py", "--config", tmp_path / "missing.yaml"), "config file not found")
+    assert_user_error(*train_tool("--config", tmp_path / "missing.yaml"), "config file not found")
 
 
 def test_train_resume_none_over_an_earlier_run(tmp_path, packed):  # noqa: F811
@@ -202,7 +209,7 @@ def test_train_resume_none_over_an_earlier_run(tmp_path, packed):  # noqa: F811
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
     cfg = write_config(tmp_path / "c.yaml", packed, out)
-    assert_user_error(*run_tool(TOOLS / "train.py", "--config", cfg, "checkpoint.resume=none"),
+    assert_user_error(*train_tool("--config", cfg, "checkpoint.resume=none"),
                       "checkpoint.resume=none but the run folder holds an earlier run")
     assert (out / "metrics.jsonl").read_text() == '{"kind": "train", "step": 1}\n'      # nothing appended
 
@@ -214,7 +221,7 @@ def test_train_te_backend_without_transformer_engine(tmp_path, packed):  # noqa:
     except ImportError:
         pass
     cfg = write_config(tmp_path / "c.yaml", packed, tmp_path / "run")
-    assert_user_error(*run_tool(TOOLS / "train.py", "--config", cfg, "model.attention_backend=te"),
+    assert_user_error(*train_tool("--config", cfg, "model.attention_backend=te"),
                       "model.attention_backend='te' needs TransformerEngine")
 
 
@@ -242,7 +249,7 @@ def test_train_a_row_that_does_not_tokenize_is_an_error_line(tmp_path, packed, n
     bad.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
     cfg = write_config(tmp_path / "c.yaml", packed, tmp_path / "run", data={"train_path": str(bad)},
                        loader={"num_workers": num_workers})
-    rc, stderr = run_tool(TOOLS / "train.py", "--config", cfg, "train.train_steps=2", "scheduler.warmup_steps=1")
+    rc, stderr = train_tool("--config", cfg, "train.train_steps=2", "scheduler.warmup_steps=1")
     assert_user_error(rc, stderr, "conversation 0: messages[2]: empty assistant turn")
     assert f"error: {bad}:" in stderr          # the file and its line (the sampler's first row: 1 or 2)
 
@@ -267,7 +274,7 @@ def test_a_stray_publish_journal_beside_the_rows_is_an_error_line(tmp_path, pack
     journal.write_text("{junk")
     if tool == "train":
         cfg = write_config(tmp_path / "c.yaml", packed, tmp_path / "run", data={"train_path": str(rows)})
-        rc, stderr = run_tool(TOOLS / "train.py", "--config", cfg, "train.train_steps=2", "scheduler.warmup_steps=1")
+        rc, stderr = train_tool("--config", cfg, "train.train_steps=2", "scheduler.warmup_steps=1")
     else:
         rc, stderr = run_tool(TOOLS / "inspect_packed.py", "--packed", rows, "--tokenizer", packed["tokenizer"],
                               "--prompt-format", "chat-template", "--row", "0")

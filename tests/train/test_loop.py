@@ -1,6 +1,7 @@
 """End-to-end training on real packed rows (gsm8k, SmolLM2 tokenizer, tiny model): learning, exact resume, packed ==
 unpacked loss, and the data-parallel split."""
 
+import atexit
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,8 @@ def train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
 def _main_worker(tool: str, argv: list[str], log_dir: str, env: dict[str, str], cwd: str | None) -> None:
     """``tools/<tool>.py`` as its ``__main__`` block runs it, ``sys.exit(main(argv))``, in the environment ``env``
     only and the folder ``cwd``, with stdout and stderr (fds 1 and 2, a traceback included) written to files of
-    ``log_dir`` named by rank."""
+    ``log_dir`` named by rank. Ends as the interpreter would: the ``atexit`` handlers, then the exit status
+    (multiprocessing's own end of a child hung after a run with a loader worker had failed)."""
     import importlib
 
     import torch
@@ -84,7 +87,17 @@ def _main_worker(tool: str, argv: list[str], log_dir: str, env: dict[str, str], 
     with open(f"{log_dir}/stdout.{rank}", "w") as out, open(f"{log_dir}/stderr.{rank}", "w") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
-        sys.exit(importlib.import_module(f"tools.{tool}").main(argv))
+        try:
+            code = importlib.import_module(f"tools.{tool}").main(argv)
+        except SystemExit as exit_:          # argparse
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()              # as the interpreter's exit: the tool's and its libraries' handlers
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def tool_forked(tool: str, *args, nproc: int = 1, check: bool = True, env: dict[str, str] | None = None,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from distributed_helpers import parallel_state_1proc, run_distributed, tool_forked  # noqa: F401 - fixture
 from test_hf_io import LENGTHS, VOCAB, hf_model, megatron_logits
 from test_init_from import (
     convert_in_process,
@@ -22,7 +22,6 @@ from test_init_from import (
     train_worker,
     write_config,
 )
-from test_loop import tool_forked
 from transformers import AutoModelForCausalLM
 
 from packsft.data.context_parallel import make_packed_seq_params
@@ -39,7 +38,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 def _import_pp2(hf: Path, out: Path) -> None:
     """``tools/convert_checkpoint.py import --hf hf --out out`` at PP=2: its ``main`` on 2 forked ranks
-    (:func:`test_loop.tool_forked`; dist_checkpointing's save starts processes, which a daemon cannot)."""
+    (:func:`distributed_helpers.tool_forked`; dist_checkpointing's save starts processes, which a daemon cannot)."""
     tool_forked("convert_checkpoint", "import", "--hf", hf, "--out", out, *PP2, nproc=2,
                 env={"HF_HUB_OFFLINE": "1"}, timeout_s=400)
 

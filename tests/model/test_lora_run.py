@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from distributed_helpers import parallel_state_1proc, run_distributed, tool_forked  # noqa: F401 - fixture
 from test_hf_io import hf_model, megatron_from_hf
 from test_init_from import convert_in_process, convert_worker
-from test_loop import SEQ, assert_same_run, packed, tool_forked  # noqa: F401 - fixture
+from test_loop import SEQ, assert_same_run, packed  # noqa: F401 - fixture
 
 from packsft.model.config import read_model_config
 from packsft.model.gpt import build_gpt_model
@@ -42,7 +42,7 @@ def _import(model, out: Path) -> Path:
 
 def _run(tool: Path, *args, nproc=1, check=True) -> subprocess.CompletedProcess:
     """``tools/<name>.py args`` on ``nproc`` ranks: the tool's ``main`` in forks of the tests' fork server
-    (:func:`test_loop.tool_forked`)."""
+    (:func:`distributed_helpers.tool_forked`)."""
     return tool_forked(tool.stem, *args, nproc=nproc, check=check, env={"HF_HUB_OFFLINE": "1"}, timeout_s=400)
 
 

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_loop import tool_forked
+from distributed_helpers import tool_forked
 
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from test_loop import REPO, packed, tool_forked, write_config  # noqa: F401 - fixture
+from distributed_helpers import tool_forked
+from test_loop import REPO, packed, write_config  # noqa: F401 - fixture
 
 
 def run_tool(*args, cwd=None):
@@ -19,7 +20,7 @@ def run_tool(*args, cwd=None):
 
 def train_tool(*args):
     """``tools/train.py args``'s ``(exit status, stderr)`` as :func:`run_tool` returns them: its ``main`` in a fork of
-    the tests' fork server (:func:`test_loop.tool_forked`: torch and megatron-core are imported once)."""
+    the tests' fork server (:func:`distributed_helpers.tool_forked`: torch and megatron-core are imported once)."""
     proc = tool_forked("train", *args, check=False)
     return proc.returncode, proc.stderr
 

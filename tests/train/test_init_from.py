@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from distributed_helpers import parallel_state_1proc, run_distributed  # noqa: F401 - fixture
-from test_loop import tool_forked
+from distributed_helpers import parallel_state_1proc, run_distributed, tool_forked  # noqa: F401 - fixture
 
 from packsft.data.dataset import PackedSFTDataset
 from packsft.packing.config import PackConfig
@@ -42,7 +41,7 @@ def tiny_hf_llama(seed: int = 0, num_layers: int = 2):
 
 def run(tool: str, *args: str, cwd: Path = REPO, check: bool = True) -> subprocess.CompletedProcess:
     """``python tools/<name>.py args`` run in ``cwd``: the tool's ``main`` in a fork of the tests' fork server
-    (:func:`test_loop.tool_forked`, environment :data:`ENV`); raise on a non-zero exit when ``check``."""
+    (:func:`distributed_helpers.tool_forked`, environment :data:`ENV`); raise on a non-zero exit when ``check``."""
     return tool_forked(Path(tool).stem, *args, env=ENV, cwd=cwd, check=check)
 
 

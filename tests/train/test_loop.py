@@ -1,22 +1,19 @@
 """End-to-end training on real packed rows (gsm8k, SmolLM2 tokenizer, tiny model): learning, exact resume, packed ==
 unpacked loss, and the data-parallel split."""
 
-import atexit
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from distributed_helpers import PRELOAD, free_port, parallel_state_1proc, run_distributed  # noqa: F401 - fixture
+from distributed_helpers import parallel_state_1proc, run_distributed, tool_forked  # noqa: F401 - fixture
 
 from packsft.packing.config import PackConfig
 from packsft.packing.pipeline import run_pack
@@ -67,81 +64,6 @@ def train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
-
-
-def _main_worker(tool: str, argv: list[str], log_dir: str, env: dict[str, str], cwd: str | None) -> None:
-    """``tools/<tool>.py`` as its ``__main__`` block runs it, ``sys.exit(main(argv))``, in the environment ``env``
-    only and the folder ``cwd``, with stdout and stderr (fds 1 and 2, a traceback included) written to files of
-    ``log_dir`` named by rank. Ends as the interpreter would: the ``atexit`` handlers, then the exit status
-    (multiprocessing's own end of a child hung after a run with a loader worker had failed)."""
-    import importlib
-
-    import torch
-
-    os.environ.clear()
-    os.environ.update(env)
-    torch.set_num_threads(1)
-    if cwd:
-        os.chdir(cwd)
-    rank = env.get("RANK", "0")
-    with open(f"{log_dir}/stdout.{rank}", "w") as out, open(f"{log_dir}/stderr.{rank}", "w") as err:
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        try:
-            code = importlib.import_module(f"tools.{tool}").main(argv)
-        except SystemExit as exit_:          # argparse
-            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()              # as the interpreter's exit: the tool's and its libraries' handlers
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
-
-
-def tool_forked(tool: str, *args, nproc: int = 1, check: bool = True, env: dict[str, str] | None = None,
-                cwd: Path | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """``tools/<tool>.py args`` on ``nproc`` ranks, each a fork of the tests' fork server
-    (:data:`distributed_helpers.PRELOAD`: torch and megatron-core imported once per pytest process, not per run):
-    the tool's ``main`` in fresh processes of one world (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``/``MASTER_PORT`` as torchrun sets them; none for 1 rank, as ``python tools/<tool>.py``), in the
-    environment ``OMP_NUM_THREADS=1 PATH=`` plus ``env`` and the folder ``cwd`` (default: the fork server's). For
-    runs a test neither signals nor kills, and which need no torchrun. ``returncode``: the first non-zero exit code
-    of a rank (a rank that fails ends the others); stdout and stderr: the ranks' in rank order. ``check``: raise on
-    a non-zero exit."""
-    import multiprocessing
-    from multiprocessing.connection import wait
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    argv = [str(a) for a in args]
-    base = {"OMP_NUM_THREADS": "1", "PATH": "", **(env or {})}
-    world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(free_port())}
-    envs = [{**base, **world, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)] if nproc > 1 else [base]
-    with tempfile.TemporaryDirectory(prefix=f"{tool}-log-") as log_dir:
-        # not daemons: a rank starts the checkpoint writer's processes
-        procs = [ctx.Process(target=_main_worker, args=(tool, argv, log_dir, e, cwd and str(cwd))) for e in envs]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout_s
-        while (running := [p for p in procs if p.exitcode is None]) and time.monotonic() < deadline:
-            if any(p.exitcode for p in procs):     # a failed rank: the others may wait for it forever
-                time.sleep(1.0)
-                break
-            wait([p.sentinel for p in running], 1.0)
-        for proc in procs:
-            if proc.exitcode is None:
-                proc.kill()
-            proc.join()
-        out, err = ("".join((Path(log_dir) / f"{kind}.{r}").read_text() for r in range(nproc)
-                            if (Path(log_dir) / f"{kind}.{r}").exists()) for kind in ("stdout", "stderr"))
-    codes = [p.exitcode for p in procs]
-    returncode = next((c for c in codes if c), 0)
-    if check:
-        assert returncode == 0, f"tools/{tool}.py: exit codes {codes}: {err[-4000:]}"
-    return subprocess.CompletedProcess(argv, returncode, out, err)
 
 
 def train_forked(config: Path, *overrides: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:

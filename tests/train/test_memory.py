@@ -8,8 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from distributed_helpers import parallel_state_1proc  # noqa: F401 - fixture
-from test_loop import tool_forked
+from distributed_helpers import parallel_state_1proc, tool_forked  # noqa: F401 - fixture
 
 from packsft.layout import MAX_SEQ_LEN
 from packsft.model.config import ModelConfig
@@ -63,7 +62,7 @@ def test_the_longest_row_is_at_most_what_packsft_packs():
 
 
 def test_plan_memory_cli():
-    """``tools/plan_memory.py``'s ``main`` in forks of the tests' fork server (:func:`test_loop.tool_forked`)."""
+    """``tools/plan_memory.py``'s ``main`` in forks of the tests' fork server (``distributed_helpers.tool_forked``)."""
     run = ["--config", REPO / "configs" / "llama3_8b_multigpu.yaml", "--world-size", "16"]
     out = tool_forked("plan_memory", *run, check=False)
     assert out.returncode == 0, out.stderr

@@ -48,38 +48,38 @@ def tokenizer_dir(shared_data: Path):
     return lambda name: shared_data / "tokenizers" / name
 
 
-# The test files that take longest (seconds of one xdist process, 2-core machine, 2026-12-07 before the runs they
-# share were merged), longest first. `make test` runs files whole in 2 processes (`--dist loadfile
-# --no-loadscope-reorder`), handing out files in collection order; starting with the longest keeps one long file
-# from running alone at the end.
+# The test files that take longest (seconds of one pytest process, 2-core machine shared with other jobs,
+# 2026-12-07, after trainer and tool runs moved into forks of the fork server: distributed_helpers.tool_forked),
+# longest first. `make test` runs files whole in 2 processes (`--dist loadfile --no-loadscope-reorder`), handing out
+# files in collection order; starting with the longest keeps one long file from running alone at the end.
 LONGEST_FIRST = (
-    "test_preemption.py",               # 343
-    "test_loop.py",                     # 213
-    "test_hf_io_pp.py",                 # 189
-    "test_plain_install.py",            # 177 (a fresh venv, then the tools)
-    "test_lora_run.py",                 # 146
-    "test_pipeline_parallel.py",        # 144
-    "test_gpu_check.py",                # 125
-    "test_parallel_checkpoint.py",      # 102
-    "test_distributed_optimizer.py",    # 96
-    "test_init_from.py",                # 88
-    "test_energon_loader.py",           # ~85 (added since)
-    "test_publish.py",                  # 82
-    "test_pipeline.py",                 # 72
-    "test_speed.py",                    # 71
-    "test_tools_errors.py",             # 67
-    "test_token_cache.py",              # 52
-    "test_formats.py",                  # 50
-    "test_dataset.py",                  # 48
-    "test_hf_io_tp.py",                 # 43
-    "test_memory.py",                   # 41
-    "test_ray_engine.py",               # 40
-    "test_bench_pack.py",               # 38
-    "test_fuzz.py",                     # 36
-    "test_mixture.py",                  # 33
-    "test_checkpoint_writer.py",        # 33
-    "test_parallel_parity.py",          # 32
-    "test_gpu_variants.py",             # 32
+    "test_preemption.py",               # 122 (its stopped and killed runs are real processes under torchrun)
+    "test_plain_install.py",            # 100 (a fresh venv, then the tools)
+    "test_vlm_train.py",                # 74
+    "test_loop.py",                     # 62
+    "test_pipeline.py",                 # 56
+    "test_gpu_check.py",                # 52
+    "test_publish.py",                  # 41
+    "test_speed.py",                    # 36
+    "test_energon_loader.py",           # 33
+    "test_dataset.py",                  # 30
+    "test_ray_engine.py",               # 30
+    "test_bench_pack.py",               # 28
+    "test_pipeline_parallel.py",        # 20
+    "test_lora_run.py",                 # 20
+    "test_parallel_parity.py",          # 20
+    "test_checkpoint_writer.py",        # 20
+    "test_hf_io_tp.py",                 # 20
+    "test_hf_llava_convert.py",         # 19
+    "test_memory.py",                   # 18
+    "test_tools_errors.py",             # 18
+    "test_gpu_variants.py",             # 18
+    "test_convert_checkpoint_errors.py",  # 16
+    "test_init_from.py",                # 14
+    "test_token_cache.py",              # 14
+    "test_distributed_optimizer.py",    # 13
+    "test_hf_io_pp.py",                 # 13
+    "test_megatron_golden.py",          # 13
 )
 
 

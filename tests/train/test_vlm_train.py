@@ -15,7 +15,7 @@ pytest.importorskip("megatron.energon")
 
 from distributed_helpers import parallel_state_1proc  # noqa: E402, F401 - fixture
 from test_energon_loader import _next_batch_after_restore  # noqa: E402
-from test_loop import REPO, train, train_records, write_config  # noqa: E402
+from test_loop import REPO, train_forked, train_records, write_config  # noqa: E402
 
 from examples.shapes_dataset import llava_processor_folder, shapes_dataset  # noqa: E402
 from packsft.train.checkpoint_files import CheckpointError  # noqa: E402
@@ -54,7 +54,7 @@ def uninterrupted(tmp_path_factory, shapes):
     """The 6-step run the stopped and resumed one must reproduce: its config and output folder."""
     folder = tmp_path_factory.mktemp("full")
     config = _config(folder, shapes, **STEPS)
-    train(config)
+    train_forked(config)
     return config, folder / "out"
 
 
@@ -83,7 +83,7 @@ def test_a_micro_batch_of_two_rows_trains_as_two_micro_batches_of_one(tmp_path, 
     _, full = uninterrupted
     config = _config(tmp_path, shapes, **{**STEPS, "loader": {"micro_batch_size": 2},
                                           "train": {"global_batch_size": 2, "train_steps": 2}})
-    train(config)
+    train_forked(config)
     got, expected = train_records(tmp_path / "out"), train_records(full)
     for step in (1, 2):
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5)
@@ -93,7 +93,7 @@ def test_a_micro_batch_of_two_rows_trains_as_two_micro_batches_of_one(tmp_path, 
 def test_a_stopped_run_resumes_in_a_new_process_with_the_same_batches_and_losses(tmp_path, shapes, uninterrupted):
     full_config, full = uninterrupted
     config = _config(tmp_path, shapes, **STEPS)
-    train(config, "train.stop_at_step=3")
+    train_forked(config, "train.stop_at_step=3")
     saved = tmp_path / "out" / "checkpoints" / "iter_0000003"
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == saved.name
     recorded = json.loads((saved / "train_state.json").read_text())["config"]
@@ -113,7 +113,7 @@ def test_a_stopped_run_resumes_in_a_new_process_with_the_same_batches_and_losses
     assert proc.returncode != 0
     assert f"vision.hidden_act is 'gelu' but checkpoint {saved} was trained with 'quick_gelu'" in proc.stderr
 
-    train(config)
+    train_forked(config)
     a, b = train_records(full), train_records(tmp_path / "out")
     for step in range(1, 7):
         assert a[step]["loss"] == b[step]["loss"] and a[step]["grad_norm"] == b[step]["grad_norm"], step

@@ -25,6 +25,6 @@ def test_media_is_refused_only_for_text_only_inputs():
     line = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
                        "media": [{"type": "image", "member": "0.jpg"}]})
     assert parse_line("in.jsonl", 1, line, None)[0].messages[-1]["content"] == "yo"   # a system message first
-    with pytest.raises(ConversationError, match=r"^ds:1: media: the sample has media \(1 item\(s\)\); packsft reads "
-                                                r"text only"):
+    with pytest.raises(ConversationError, match=r"^ds:1: media: the sample has media \(1 item\(s\)\); read as text "
+                                                r"only here \(image-text samples train a LLaVA model"):
         parse_line("ds", 1, line, None, text_only=True)
